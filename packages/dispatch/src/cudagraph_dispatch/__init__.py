@@ -1,0 +1,38 @@
+"""CUDA graph dispatch: modes, batch keys, capture sizes, and the dispatcher.
+
+Pure Python, never imports torch: the decisions a serving engine makes each
+step (which graph, padded to which size) are values that can be tested and
+agreed across ranks without a GPU.
+"""
+
+from ._config import DispatchConfig as DispatchConfig
+from ._context import FORWARD_CONTEXT_VAR as FORWARD_CONTEXT_VAR
+from ._context import ForwardContext as ForwardContext
+from ._context import get_forward_context as get_forward_context
+from ._context import set_forward_context as set_forward_context
+from ._descriptor import BatchDescriptor as BatchDescriptor
+from ._dispatcher import CUDAGraphDispatcher as CUDAGraphDispatcher
+from ._dispatcher import Dispatch as Dispatch
+from ._modes import CUDAGraphMode as CUDAGraphMode
+from ._protocols import GraphDispatcher as GraphDispatcher
+from ._ranks import RankRequest as RankRequest
+from ._ranks import agree_across_ranks as agree_across_ranks
+from ._sizes import CaptureSizes as CaptureSizes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORWARD_CONTEXT_VAR",
+    "BatchDescriptor",
+    "CUDAGraphDispatcher",
+    "CUDAGraphMode",
+    "CaptureSizes",
+    "Dispatch",
+    "DispatchConfig",
+    "ForwardContext",
+    "GraphDispatcher",
+    "RankRequest",
+    "agree_across_ranks",
+    "get_forward_context",
+    "set_forward_context",
+]

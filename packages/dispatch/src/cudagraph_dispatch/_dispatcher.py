@@ -1,0 +1,206 @@
+"""The dispatcher: the one source of truth for which graphs exist.
+
+Keys are built once from the config; ``dispatch`` answers from tables built
+from those keys, so the per-step cost is a few list and dict look-ups.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Final, NamedTuple
+
+from ._config import DispatchConfig
+from ._descriptor import BatchDescriptor
+from ._modes import CUDAGraphMode
+
+_NONE: Final = CUDAGraphMode.NONE
+_PIECEWISE: Final = CUDAGraphMode.PIECEWISE
+_FULL: Final = CUDAGraphMode.FULL
+_NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
+_INVALIDATABLE: Final = frozenset({_PIECEWISE, _FULL})
+
+
+class Dispatch(NamedTuple):
+    """A dispatch decision: run ``mode`` with the graph keyed ``descriptor``.
+
+    For ``NONE`` the descriptor carries the real, unpadded token count.
+    """
+
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+
+
+# One table per (uniform, LoRA case): entry n is the decision for n tokens.
+_Table = dict[tuple[bool, int], tuple[Dispatch, ...]]
+
+
+class CUDAGraphDispatcher:
+    """Maps a batch (token count, uniformity, LoRA count) to a graph key.
+
+    The keys built here are the only graphs that exist: the capture plan
+    lists them, and ``dispatch`` only ever returns one of them (or ``NONE``).
+    """
+
+    __slots__ = ("_config", "_keys", "_lora_slot", "_max", "_tables")
+
+    def __init__(self, config: DispatchConfig) -> None:
+        given: object = config  # checked at run time: callers may not be typed
+        if not isinstance(given, DispatchConfig):
+            raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
+        self._config: Final = config
+        self._max: Final = config.capture_sizes.max
+        self._keys: Final = _build_keys(config)
+        # num_active_loras -> the smallest captured LoRA count that holds it.
+        cases = (0, *config.lora_counts)
+        self._lora_slot: Final = tuple(next(c for c in cases if c >= k) for k in range(cases[-1] + 1))
+        self._tables: Final[dict[frozenset[CUDAGraphMode], _Table]] = {}
+        self._tables[_NO_MODES] = self._build_tables(_NO_MODES)
+
+    @property
+    def config(self) -> DispatchConfig:
+        return self._config
+
+    def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
+        """The keys captured for runtime mode ``mode`` (empty for NONE)."""
+        given: object = mode
+        if not isinstance(given, CUDAGraphMode) or not given.is_runtime_mode():
+            raise ValueError(f"mode: expected NONE, PIECEWISE or FULL, got {mode!r}")
+        return self._keys.get(mode, frozenset())
+
+    def dispatch(
+        self,
+        num_tokens: int,
+        *,
+        uniform_decode: bool = False,
+        num_active_loras: int = 0,
+        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+    ) -> Dispatch:
+        """The graph to run ``num_tokens`` tokens with: ``(mode, key)``.
+
+        Tries, in order, the uniform FULL key (``uniform_decode`` only), the
+        exact FULL key and the relaxed PIECEWISE key, padding the count to the
+        smallest captured size; modes in ``invalid_modes`` are skipped. Falls
+        back to ``(NONE, BatchDescriptor(num_tokens))``.
+        """
+        if num_tokens.__class__ is not int or num_tokens < 0:
+            _reject_count("num_tokens", num_tokens)
+        if num_active_loras.__class__ is not int or num_active_loras < 0:
+            _reject_count("num_active_loras", num_active_loras)
+        if not invalid_modes:
+            tables = self._tables[_NO_MODES]
+        else:
+            found = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
+            tables = self._tables_for(invalid_modes) if found is None else found
+        if num_tokens > self._max or num_active_loras >= len(self._lora_slot):
+            return Dispatch(_NONE, BatchDescriptor(num_tokens))
+        table = tables[(bool(uniform_decode), self._lora_slot[num_active_loras])]
+        return table[num_tokens]
+
+    def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
+        """What to capture: the PIECEWISE group, then FULL, each largest first."""
+        plan: list[tuple[CUDAGraphMode, list[BatchDescriptor]]] = []
+        for mode in (_PIECEWISE, _FULL):
+            keys = sorted(self._keys.get(mode, ()), key=_largest_first)
+            if keys:
+                plan.append((mode, keys))
+        return plan
+
+    # -- table construction (once per config and set of invalid modes) --
+
+    def _tables_for(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
+        given: object = invalid_modes
+        if not isinstance(given, frozenset) or not given <= _INVALIDATABLE:
+            raise ValueError(
+                f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}"
+            )
+        tables = self._build_tables(invalid_modes)
+        self._tables[invalid_modes] = tables
+        return tables
+
+    def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
+        full = self._keys.get(_FULL, frozenset()) if _FULL not in invalid_modes else frozenset()
+        piecewise = self._keys.get(_PIECEWISE, frozenset()) if _PIECEWISE not in invalid_modes else frozenset()
+        config = self._config
+        sizes = config.capture_sizes
+        decode_sizes = _DecodeSizes(sorted({k.num_tokens for k in full if k.uniform}))
+        tables: _Table = {}
+        for uniform, loras in itertools.product((False, True), (0, *config.lora_counts)):
+            row = [Dispatch(_NONE, BatchDescriptor(0))]
+            for n in range(1, self._max + 1):
+                row.append(
+                    _resolve(n, uniform, loras, sizes.pad(n), decode_sizes.pad(n), config, full, piecewise)
+                )
+            tables[(uniform, loras)] = tuple(row)
+        return tables
+
+
+class _DecodeSizes:
+    """Padding over a possibly empty ascending list (the uniform decode sizes)."""
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self._sizes = sizes
+
+    def pad(self, n: int) -> int | None:
+        return next((s for s in self._sizes if s >= n), None)
+
+
+def _resolve(
+    n: int,
+    uniform: bool,
+    loras: int,
+    padded: int | None,
+    decode_padded: int | None,
+    config: DispatchConfig,
+    full: frozenset[BatchDescriptor],
+    piecewise: frozenset[BatchDescriptor],
+) -> Dispatch:
+    """The decision for one (count, uniformity, LoRA case): see ``dispatch``."""
+    has_lora = loras > 0
+    if uniform and decode_padded is not None:
+        key = _uniform_key(decode_padded, config.uniform_decode_query_len, loras)
+        if key in full:
+            return Dispatch(_FULL, key)
+    if padded is not None:
+        key = BatchDescriptor(padded, min(padded, config.max_num_seqs), False, has_lora, loras)
+        if key in full:
+            return Dispatch(_FULL, key)
+        relaxed = key.relaxed()
+        if relaxed in piecewise:
+            return Dispatch(_PIECEWISE, relaxed)
+    return Dispatch(_NONE, BatchDescriptor(n))
+
+
+def _uniform_key(num_tokens: int, query_len: int, loras: int) -> BatchDescriptor:
+    return BatchDescriptor(num_tokens, num_tokens // query_len, True, loras > 0, loras)
+
+
+def _build_keys(config: DispatchConfig) -> dict[CUDAGraphMode, frozenset[BatchDescriptor]]:
+    """Every graph the config asks for, grouped by runtime mode."""
+    mode = config.mode
+    keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
+    if mode is _NONE:
+        return {}
+    lora_cases = (0, *config.lora_counts)
+    mixed = mode.mixed_mode()
+    if mixed is not _NONE:
+        for size, loras in itertools.product(config.capture_sizes.sizes, lora_cases):
+            exact = BatchDescriptor(size, min(size, config.max_num_seqs), False, loras > 0, loras)
+            keys[mixed].add(exact if mixed is _FULL else exact.relaxed())
+    if mode.decode_mode() is _FULL and mode.separate_routine():
+        q = config.uniform_decode_query_len
+        for size, loras in itertools.product(config.capture_sizes.sizes, lora_cases):
+            if size % q == 0 and q <= size <= q * config.max_num_seqs:
+                keys[_FULL].add(_uniform_key(size, q, loras))
+    return {m: frozenset(k) for m, k in keys.items() if k}
+
+
+def _largest_first(key: BatchDescriptor) -> tuple[int, int, int, bool]:
+    return (-key.num_tokens, -key.num_active_loras, -(key.num_reqs or 0), not key.uniform)
+
+
+def _reject_count(field: str, value: object) -> None:
+    raise ValueError(f"{field}: expected an integer >= 0, got {value!r}")
+

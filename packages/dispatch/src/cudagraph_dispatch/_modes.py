@@ -1,0 +1,66 @@
+"""Graph modes: what a forward may run as, and how combined modes split."""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class CUDAGraphMode(enum.Enum):
+    """How a forward runs: eagerly, as graph segments, or as one full graph.
+
+    ``NONE``, ``PIECEWISE`` and ``FULL`` are runtime modes: what one forward
+    actually does. ``FULL_DECODE_ONLY`` and ``FULL_AND_PIECEWISE`` are
+    configuration modes that pick one runtime mode for uniform decode batches
+    and another for mixed (prefill and decode) batches.
+    """
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (2, 0)  # decode FULL, mixed NONE
+    FULL_AND_PIECEWISE = (2, 1)  # decode FULL, mixed PIECEWISE
+
+    def decode_mode(self) -> CUDAGraphMode:
+        """The runtime mode used for uniform decode batches."""
+        return _DECODE[self]
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        """The runtime mode used for mixed prefill/decode batches."""
+        return _MIXED[self]
+
+    def separate_routine(self) -> bool:
+        """True when decode and mixed batches have routines of their own."""
+        return isinstance(self.value, tuple)
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        """True when ``mode`` (a runtime mode) is used by this mode."""
+        if not mode.is_runtime_mode():
+            raise ValueError(f"mode: expected a runtime mode (NONE, PIECEWISE, FULL), got {mode.name}")
+        return mode in (_DECODE[self], _MIXED[self])
+
+    def is_runtime_mode(self) -> bool:
+        """True for NONE, PIECEWISE and FULL: modes a single forward can run in."""
+        return not isinstance(self.value, tuple)
+
+    @classmethod
+    def parse(cls, text: str) -> CUDAGraphMode:
+        """The mode named ``text``, case-insensitive (``"full_and_piecewise"``)."""
+        if not isinstance(text, str):
+            raise ValueError(f"mode: expected a mode name, got {text!r}")
+        mode = cls.__members__.get(text.strip().upper())
+        if mode is None:
+            valid = ", ".join(cls.__members__)
+            raise ValueError(f"mode: unknown CUDA graph mode {text!r}; valid names: {valid}")
+        return mode
+
+
+_BY_VALUE: Final = {m.value: m for m in CUDAGraphMode}
+_DECODE: Final[dict[CUDAGraphMode, CUDAGraphMode]] = {
+    m: _BY_VALUE[m.value[0]] if isinstance(m.value, tuple) else m for m in CUDAGraphMode
+}
+_MIXED: Final[dict[CUDAGraphMode, CUDAGraphMode]] = {
+    m: _BY_VALUE[m.value[1]] if isinstance(m.value, tuple) else m for m in CUDAGraphMode
+}
+
+RUNTIME_MODES: Final = frozenset(m for m in CUDAGraphMode if m.is_runtime_mode())

@@ -1,0 +1,70 @@
+"""Agreement across data-parallel ranks: one decision that every rank runs.
+
+Ranks of a data-parallel group step together (their MoE all-to-alls must
+match), so they must replay graphs of one size, or all run eagerly. This is
+a pure function of every rank's request: each rank gathers the requests
+(with its engine's own collective) and computes the same answer locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ._descriptor import BatchDescriptor
+from ._dispatcher import CUDAGraphDispatcher, Dispatch
+from ._modes import CUDAGraphMode
+from ._validate import check_int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankRequest:
+    """One rank's batch for this step."""
+
+    num_tokens: int
+    uniform_decode: bool = False
+    num_active_loras: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("num_tokens", self.num_tokens, minimum=0)
+        check_int("num_active_loras", self.num_active_loras, minimum=0)
+        if not isinstance(self.uniform_decode, bool):
+            raise ValueError(f"uniform_decode: expected a bool, got {self.uniform_decode!r}")
+
+
+def agree_across_ranks(
+    dispatcher: CUDAGraphDispatcher,
+    requests: Sequence[RankRequest],
+    *,
+    invalid_modes: frozenset[CUDAGraphMode] = frozenset(),
+) -> Dispatch:
+    """The decision every rank runs this step.
+
+    Ranks with 0 tokens follow the others (all at 0: NONE). If any rank with
+    tokens would run eagerly, all run eagerly, unpadded (the descriptor then
+    carries the largest count). Otherwise all pad to the dispatch of the
+    largest request, uniform only if every rank with tokens is uniform.
+    """
+    if not requests:
+        raise ValueError("requests: expected one RankRequest per rank, got none")
+    active = [r for r in requests if r.num_tokens > 0]
+    if not active:
+        return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(0))
+    largest = max(r.num_tokens for r in active)
+    eager = Dispatch(CUDAGraphMode.NONE, BatchDescriptor(largest))
+    for r in active:
+        own = dispatcher.dispatch(
+            r.num_tokens,
+            uniform_decode=r.uniform_decode,
+            num_active_loras=r.num_active_loras,
+            invalid_modes=invalid_modes,
+        )
+        if own.mode is CUDAGraphMode.NONE:
+            return eager
+    joint = dispatcher.dispatch(
+        largest,
+        uniform_decode=all(r.uniform_decode for r in active),
+        num_active_loras=max(r.num_active_loras for r in active),
+        invalid_modes=invalid_modes,
+    )
+    return eager if joint.mode is CUDAGraphMode.NONE else joint
