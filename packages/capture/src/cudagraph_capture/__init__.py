@@ -1,3 +1,44 @@
-"""CUDA graph capture engines: monolithic and breakable."""
+"""CUDA graph capture engines for PyTorch inference: monolithic and breakable.
+
+``CUDAGraphWrapper`` captures one graph per batch descriptor;
+``BreakableCUDAGraphWrapper`` captures graph segments split by eager ops
+(``eager_break_during_capture``). Both follow the forward context of
+``cudagraph_dispatch``, share one graph pool per device (``shared_pool``) and
+capture on a side stream. Importing this package does not initialize CUDA.
+"""
+
+from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
+from ._breakable import eager_break_during_capture as eager_break_during_capture
+from ._enabled import capture_enabled as capture_enabled
+from ._enabled import set_capture_enabled as set_capture_enabled
+from ._errors import CaptureDisabledError as CaptureDisabledError
+from ._errors import CaptureError as CaptureError
+from ._options import CaptureOptions as CaptureOptions
+from ._pool import GraphPool as GraphPool
+from ._pool import capture_stream as capture_stream
+from ._pool import shared_pool as shared_pool
+from ._protocols import GraphEngine as GraphEngine
+from ._protocols import Replayable as Replayable
+from ._weakref import weak_ref_tensors as weak_ref_tensors
+from ._wrapper import BreakableCUDAGraphWrapper as BreakableCUDAGraphWrapper
+from ._wrapper import CUDAGraphWrapper as CUDAGraphWrapper
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "BreakableCUDAGraphCapture",
+    "BreakableCUDAGraphWrapper",
+    "CUDAGraphWrapper",
+    "CaptureDisabledError",
+    "CaptureError",
+    "CaptureOptions",
+    "GraphEngine",
+    "GraphPool",
+    "Replayable",
+    "capture_enabled",
+    "capture_stream",
+    "eager_break_during_capture",
+    "set_capture_enabled",
+    "shared_pool",
+    "weak_ref_tensors",
+]

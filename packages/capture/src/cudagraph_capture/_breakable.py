@@ -1,0 +1,237 @@
+"""The breakable engine: a forward captured as graph segments split by eager ops.
+
+Ops that cannot be captured (attention with host-side metadata, KV transfer)
+are decorated with ``eager_break_during_capture``. Inside a breakable capture
+a call to one ends the current graph segment, runs the op eagerly on the
+capture stream, records it, and starts a new segment. Replay runs the
+recorded steps in order on the caller's stream: graph, op, graph, ...
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import TracebackType
+from typing import Final, ParamSpec, TypeVar
+
+import torch
+
+from cudagraph_dispatch import BatchDescriptor
+
+from ._enabled import check_capture_enabled
+from ._errors import CaptureError
+from ._pool import GraphPool, capture_stream, shared_pool
+from ._segment import (
+    REPLAY,
+    THREAD,
+    abort_segment,
+    begin_segment,
+    end_segment,
+    prepare_capture,
+)
+from ._weakref import contains_cuda_tensor, weak_ref_tensors
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_Step = Callable[[], object]
+
+
+class BreakableCUDAGraphCapture:
+    """Captures one forward as graph segments split by eager breaks.
+
+    Usage::
+
+        capture = BreakableCUDAGraphCapture(pool)
+        with capture:
+            out = model(**static_inputs)   # eager breaks split it
+        ...                                # copy new data into static_inputs
+        capture.replay()                   # out is rewritten in place
+
+    One capture may be active per thread (``current()``); nesting raises
+    ``RuntimeError``. All segments share one pool and one capture stream. An
+    exception in the body ends the capture, discards its segments and clears
+    the thread's active capture. Segments that captured no work are dropped.
+    """
+
+    __slots__ = (
+        "_caller",
+        "_descriptor",
+        "_gc_disable",
+        "_graph",
+        "_graphs",
+        "_in_eager",
+        "_num_breaks",
+        "_pool",
+        "_state",
+        "_steps",
+        "_stream",
+        "_stream_ctx",
+        "_tail",
+    )
+
+    def __init__(
+        self,
+        pool: GraphPool | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        gc_disable: bool = True,
+        descriptor: BatchDescriptor | None = None,
+    ) -> None:
+        self._pool = pool
+        self._stream = stream
+        self._gc_disable: Final = gc_disable
+        self._descriptor: Final = descriptor
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._steps: tuple[_Step, ...] = ()
+        self._tail: list[_Step] = []  # steps recorded while capturing
+        self._graph: torch.cuda.CUDAGraph | None = None  # the open segment
+        self._caller: torch.cuda.Stream | None = None
+        self._stream_ctx: torch.cuda.StreamContext | None = None
+        self._num_breaks = 0
+        self._in_eager = False
+        self._state = "new"  # -> "capturing" -> "captured" | "failed"
+
+    @staticmethod
+    def current() -> BreakableCUDAGraphCapture | None:
+        """The capture active in this thread, or ``None``."""
+        active = THREAD.breakable
+        return active if isinstance(active, BreakableCUDAGraphCapture) else None
+
+    @property
+    def num_graphs(self) -> int:
+        """Graph segments captured (empty segments are not kept)."""
+        return len(self._graphs)
+
+    @property
+    def num_eager_breaks(self) -> int:
+        """Eager ops recorded between segments."""
+        return self._num_breaks
+
+    def __enter__(self) -> BreakableCUDAGraphCapture:
+        if THREAD.breakable is not None:
+            raise RuntimeError("BreakableCUDAGraphCapture: a capture is already active in this thread")
+        if self._state != "new":
+            raise RuntimeError(f"BreakableCUDAGraphCapture: can be entered once (state: {self._state})")
+        check_capture_enabled(self._descriptor)
+        device = torch.cuda.current_device()
+        self._pool = shared_pool(device) if self._pool is None else self._pool
+        stream = capture_stream(device) if self._stream is None else self._stream
+        self._stream = stream
+        caller = torch.cuda.current_stream(device)
+        self._caller = caller
+        prepare_capture(self._gc_disable)
+        stream.wait_stream(caller)
+        self._stream_ctx = torch.cuda.stream(stream)
+        self._stream_ctx.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        self._state = "capturing"
+        THREAD.breakable = self
+        try:
+            self._begin()
+        except BaseException:
+            self._finish(failed=True)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        failed = exc_type is not None
+        try:
+            if self._graph is not None:
+                if failed:
+                    abort_segment(self._graph)
+                    self._graph = None
+                else:
+                    self._end()
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._finish(failed=failed)
+
+    def add_eager(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """End the segment, run ``fn`` eagerly, record it for replay, start a new segment.
+
+        ``fn`` must write its results into buffers it was given: its tensor
+        arguments are recorded as non-owning aliases (they must not pin pool
+        memory), and a CUDA tensor it returns raises ``CaptureError``.
+        """
+        if THREAD.breakable is not self or self._graph is None:
+            raise RuntimeError("add_eager: this capture is not active in this thread")
+        self._end()
+        self._in_eager = True
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self._in_eager = False
+        if contains_cuda_tensor(result):
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise CaptureError(
+                f"{name} returned a CUDA tensor during a breakable capture; an eager break must "
+                "write its results into caller-provided buffers (its return value is not replayed)",
+                self._descriptor,
+            )
+        self._tail.append(functools.partial(fn, *weak_ref_tensors(args), **weak_ref_tensors(kwargs)))
+        self._num_breaks += 1
+        self._begin()
+        return result
+
+    def replay(self) -> None:
+        """Run every segment and eager op in order on the current stream."""
+        for step in self._steps:
+            step()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        assert self._pool is not None
+        begin_segment(graph, self._pool)
+        self._graph = graph
+
+    def _end(self) -> None:
+        graph, self._graph = self._graph, None
+        assert graph is not None
+        if end_segment(graph, self._descriptor):
+            self._graphs.append(graph)
+            self._tail.append(functools.partial(REPLAY, graph))
+
+    def _finish(self, *, failed: bool) -> None:
+        """Leave the capture stream, order the caller after it, clear the thread state."""
+        if self._stream_ctx is not None:
+            self._stream_ctx.__exit__(None, None, None)
+            self._stream_ctx = None
+        if self._caller is not None and self._stream is not None:
+            self._caller.wait_stream(self._stream)
+        THREAD.breakable = None
+        if failed:
+            self._graphs.clear()
+            self._tail.clear()
+            self._num_breaks = 0
+            self._state = "failed"
+        else:
+            self._state = "captured"
+        self._steps = tuple(self._tail)
+        self._tail = []
+
+
+def eager_break_during_capture(fn: Callable[P, R]) -> Callable[P, R]:
+    """Make ``fn`` a break point of breakable captures; a plain call elsewhere.
+
+    Inside a ``BreakableCUDAGraphCapture`` a call ends the graph segment, runs
+    ``fn`` eagerly and records it for replay; nested decorated calls inside
+    ``fn`` run plainly. Everywhere else, a FULL capture included (where ``fn``
+    is then captured into the graph), it is an ordinary call. ``fn`` must
+    write into caller-provided buffers and return no CUDA tensor.
+    """
+
+    @functools.wraps(fn)
+    def breakable(*args: P.args, **kwargs: P.kwargs) -> R:
+        active = THREAD.breakable
+        if active is None or not isinstance(active, BreakableCUDAGraphCapture) or active._in_eager:
+            return fn(*args, **kwargs)
+        return active.add_eager(fn, *args, **kwargs)
+
+    return breakable

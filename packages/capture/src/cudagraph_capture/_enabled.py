@@ -1,0 +1,37 @@
+"""A process-wide switch that forbids new captures once start-up is over.
+
+A capture during serving means a batch reached a graph that was never
+captured at start-up: slow, and allocating from the graph pool mid-flight.
+Engines turn capture off after start-up so that this fails loudly instead.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from cudagraph_dispatch import BatchDescriptor
+
+from ._errors import CaptureDisabledError
+
+_state: Final = {"enabled": True}
+
+
+def set_capture_enabled(flag: bool) -> None:
+    """Allow (``True``) or forbid (``False``) new captures in this process."""
+    if not isinstance(flag, bool):
+        raise ValueError(f"flag: expected a bool, got {flag!r}")
+    _state["enabled"] = flag
+
+
+def capture_enabled() -> bool:
+    """Whether new captures are allowed."""
+    return _state["enabled"]
+
+
+def check_capture_enabled(descriptor: BatchDescriptor | None) -> None:
+    """Raise ``CaptureDisabledError`` naming ``descriptor`` if capture is off."""
+    if not _state["enabled"]:
+        raise CaptureDisabledError(
+            "capture is disabled (set_capture_enabled(False)): this graph was not captured at start-up",
+            descriptor,
+        )

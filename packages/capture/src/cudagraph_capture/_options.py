@@ -1,0 +1,31 @@
+"""Options shared by both engines."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._pool import GraphPool
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class CaptureOptions:
+    """How a wrapper captures.
+
+    - ``weak_ref_output``: keep captured outputs as non-owning aliases, so the
+      shared pool can hand their memory to the next (smaller) capture. The
+      outputs then stay valid until the next replay of any graph in the pool.
+    - ``gc_disable``: skip ``gc.collect()`` and ``empty_cache()`` before each
+      capture (they dominate capture time when many sizes are captured).
+    - ``check_input_addresses``: debug check that every replay gets its tensor
+      arguments at the addresses seen at capture (a graph reads fixed addresses).
+    - ``pool``: the graph memory pool; ``None`` is the device's shared pool.
+    - ``stream``: the capture stream; ``None`` is one side stream per device.
+    """
+
+    weak_ref_output: bool = True
+    gc_disable: bool = True
+    check_input_addresses: bool = False
+    pool: GraphPool | None = None
+    stream: torch.cuda.Stream | None = None

@@ -1,0 +1,93 @@
+"""One graph memory pool per device, usable for the life of the process.
+
+A pool handle from ``torch.cuda.graph_pool_handle()`` is only good while some
+graph holds it: once every graph captured into it is freed, the caching
+allocators (device and, on torch 2.11, host) mark the pool freeable, and the
+next capture into that handle fails an internal assert. The shared pool is
+therefore pinned by an *anchor*: a one-kernel graph captured into it at
+creation and never freed, which keeps the pool's use count above zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Final, TypeAlias
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    GraphPool: TypeAlias = _POOL_HANDLE
+    """A graph memory pool handle, as ``torch.cuda.graph_pool_handle()`` returns."""
+else:
+    GraphPool = tuple
+
+
+class _DevicePool:
+    __slots__ = ("anchor", "handle", "scratch", "stream")
+
+    def __init__(self, handle: GraphPool, anchor: torch.cuda.CUDAGraph, scratch: torch.Tensor) -> None:
+        self.handle: Final = handle
+        self.anchor: Final = anchor  # never freed: pins the pool (see module docstring)
+        self.scratch: Final = scratch  # the anchor's only operand
+
+
+_pools: Final[dict[int, _DevicePool]] = {}
+_streams: Final[dict[int, torch.cuda.Stream]] = {}
+_lock: Final = threading.Lock()
+
+
+def device_index(device: torch.device | int | None) -> int:
+    """The CUDA device index of ``device`` (``None``: the current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    index: int | None = device.index  # None: the current device
+    return torch.cuda.current_device() if index is None else index
+
+
+def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """The side stream both engines capture on, one per device."""
+    index = device_index(device)
+    stream = _streams.get(index)
+    if stream is None:
+        with _lock:
+            stream = _streams.get(index)
+            if stream is None:
+                stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                _streams[index] = stream
+    return stream
+
+
+def shared_pool(device: torch.device | int | None = None) -> GraphPool:
+    """The device's shared graph pool; valid even after all its graphs are freed."""
+    index = device_index(device)
+    pool = _pools.get(index)
+    if pool is None:
+        with _lock:
+            pool = _pools.get(index)
+            if pool is None:
+                pool = _new_pinned_pool(index)
+                _pools[index] = pool
+    return pool.handle
+
+
+def _new_pinned_pool(index: int) -> _DevicePool:
+    handle = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(index):
+        scratch = torch.zeros(1, device=f"cuda:{index}")  # [1], outside the pool
+        anchor = torch.cuda.CUDAGraph()
+        stream = capture_stream(index)
+        stream.wait_stream(torch.cuda.current_stream(index))
+        with torch.cuda.stream(stream):
+            anchor.capture_begin(pool=handle)
+            try:
+                scratch.add_(1)
+            finally:
+                anchor.capture_end()
+        torch.cuda.current_stream(index).wait_stream(stream)
+    return _DevicePool(handle, anchor, scratch)

@@ -1,0 +1,96 @@
+"""Low-level capture steps shared by both engines.
+
+Both engines capture on a side stream (like ``torch.cuda.graph``): the
+capture stream first waits for the caller's stream, so the capture sees
+every write queued before it, and the caller's stream waits for the capture
+stream afterwards, so eager work run during a breakable capture is ordered
+before whatever the caller does next. No host synchronization is needed.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import BatchDescriptor
+
+from ._errors import CaptureError
+from ._pool import GraphPool
+
+# The graph-replay entry point without the Python-level wrapper of
+# torch.cuda.CUDAGraph.replay (one frame less per replay); CPU builds lack it.
+REPLAY: Final[Callable[[torch.cuda.CUDAGraph], None]] = getattr(
+    torch._C._CUDAGraph, "replay", torch.cuda.CUDAGraph.replay
+)
+
+# Only this thread's unsafe CUDA calls invalidate its capture: a server's other
+# threads may keep working while start-up captures.
+_ERROR_MODE: Final = "thread_local"
+_EMPTY_GRAPH_WARNING: Final = "graph is empty"
+_UNJOINED: Final = ("unjoined", "not joined")
+
+
+class ThreadState(threading.local):
+    """Per-thread capture state: the active breakable capture, if any."""
+
+    def __init__(self) -> None:
+        self.breakable: object | None = None
+
+
+THREAD: Final = ThreadState()
+
+
+def prepare_capture(gc_disable: bool) -> None:
+    """Free what can be freed before a capture, unless ``gc_disable`` says not to."""
+    if not gc_disable:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
+    """Start capturing ``graph`` on the current stream, allocating from ``pool``."""
+    graph.capture_begin(pool=pool, capture_error_mode=_ERROR_MODE)
+
+
+def end_segment(graph: torch.cuda.CUDAGraph, descriptor: BatchDescriptor | None) -> bool:
+    """End the capture of ``graph``; False when it captured no work (empty graph).
+
+    An unjoined side stream makes the CUDA runtime refuse to end the capture:
+    that becomes a ``CaptureError`` that says which stream rule was broken.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            graph.capture_end()
+        except RuntimeError as error:
+            text = str(error).lower()
+            if any(word in text for word in _UNJOINED):
+                raise CaptureError(
+                    "a side stream forked from the capture stream was not joined back before an "
+                    "eager break or the end of the capture; make the capturing stream wait for it "
+                    "(torch.cuda.current_stream().wait_stream(side_stream)) first",
+                    descriptor,
+                ) from error
+            raise CaptureError(f"ending the CUDA graph capture failed: {error}", descriptor) from error
+    empty = False
+    for warning in caught:
+        if _EMPTY_GRAPH_WARNING in str(warning.message).lower():
+            empty = True
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return not empty
+
+
+def abort_segment(graph: torch.cuda.CUDAGraph) -> None:
+    """End a capture that an exception interrupted, keeping that exception primary."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            pass  # the capture was already invalidated; the original error says why

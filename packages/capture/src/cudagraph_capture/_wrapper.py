@@ -1,0 +1,276 @@
+"""Graph wrappers: capture once per batch descriptor, replay afterwards.
+
+A wrapper trusts the forward context (``cudagraph_dispatch``): with no context,
+NONE, or a mode it does not serve, it calls its runnable; otherwise it
+captures on the first call for the context's descriptor and replays the
+graph on every later call. It keeps no input buffers: the caller keeps its
+inputs at fixed addresses and copies new data into them before each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final, Generic, ParamSpec, TypeVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMode
+
+from ._breakable import BreakableCUDAGraphCapture
+from ._enabled import check_capture_enabled
+from ._errors import CaptureError
+from ._options import CaptureOptions
+from ._pool import GraphPool, capture_stream, shared_pool
+from ._segment import REPLAY, THREAD, abort_segment, begin_segment, end_segment, prepare_capture
+from ._weakref import weak_ref_tensors
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_DEFAULT_OPTIONS: Final = CaptureOptions()
+_OWN: Final = frozenset({"_runnable", "_options", "_entries", "_mode_a", "_mode_b"})
+
+
+class _Entry(Generic[R]):
+    """One captured graph: how to replay it, what it returns, what it expects."""
+
+    __slots__ = ("addresses", "engine", "output", "replay")
+
+    def __init__(
+        self,
+        engine: object,
+        replay: Callable[[], object],
+        output: R,
+        addresses: tuple[tuple[str, int], ...] | None,
+    ) -> None:
+        self.engine: Final = engine  # owns the graph(s): freed with the entry
+        self.replay: Final = replay
+        self.output: Final = output
+        self.addresses: Final = addresses
+
+
+class _GraphWrapper(Generic[P, R]):
+    """What both wrappers share: the dispatch contract, entries, errors."""
+
+    __slots__ = ("__weakref__", "_entries", "_mode_a", "_mode_b", "_options", "_runnable")
+
+    def __init__(
+        self,
+        runnable: Callable[P, R],
+        modes: tuple[CUDAGraphMode, CUDAGraphMode],
+        options: CaptureOptions | None,
+    ) -> None:
+        if not callable(runnable):
+            raise ValueError(f"runnable: expected a callable, got {runnable!r}")
+        self._runnable: Final = runnable
+        self._options: Final = _DEFAULT_OPTIONS if options is None else options
+        self._entries: Final[dict[BatchDescriptor, _Entry[R]]] = {}
+        self._mode_a: Final = modes[0]
+        self._mode_b: Final = modes[1]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        context = FORWARD_CONTEXT_VAR.get()
+        if context is None:
+            return self._runnable(*args, **kwargs)
+        mode = context.runtime_mode
+        if mode is not self._mode_a and mode is not self._mode_b:
+            return self._runnable(*args, **kwargs)
+        descriptor = context.batch_descriptor
+        assert descriptor is not None  # set_forward_context requires one for graph modes
+        entry = self._entries.get(descriptor)
+        if entry is None:
+            return self._capture(descriptor, args, kwargs)
+        if entry.addresses is not None:
+            _check_addresses(descriptor, entry.addresses, args, kwargs)
+        entry.replay()
+        return entry.output
+
+    def unwrap(self) -> Callable[P, R]:
+        """The wrapped runnable."""
+        return self._runnable
+
+    @property
+    def options(self) -> CaptureOptions:
+        return self._options
+
+    @property
+    def num_captured(self) -> int:
+        """How many descriptors have a captured graph."""
+        return len(self._entries)
+
+    def captured(self) -> frozenset[BatchDescriptor]:
+        """The descriptors that have a captured graph."""
+        return frozenset(self._entries)
+
+    def clear(self) -> None:
+        """Free every captured graph; the shared pool stays usable for new captures."""
+        self._entries.clear()
+
+    def __getattr__(self, name: str) -> object:
+        # Only reached for names not found on the wrapper: fall through to the runnable.
+        if name in _OWN or name.startswith("__"):
+            raise AttributeError(name)
+        runnable = self._runnable
+        try:
+            return getattr(runnable, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r}, and neither has its runnable {runnable!r}"
+            ) from None
+
+    def _capture(self, descriptor: BatchDescriptor, args: tuple[object, ...], kwargs: dict[str, object]) -> R:
+        check_capture_enabled(descriptor)
+        if THREAD.breakable is not None:
+            raise CaptureError(
+                f"{type(self).__name__}: cannot capture inside an active breakable capture", descriptor
+            )
+        options = self._options
+        device = torch.cuda.current_device()
+        pool = shared_pool(device) if options.pool is None else options.pool
+        stream = capture_stream(device) if options.stream is None else options.stream
+        try:
+            engine, replay, output = self._capture_engine(descriptor, pool, stream, args, kwargs)
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise CaptureError(
+                f"{type(self).__name__}: capture failed with {type(error).__name__}: {error}", descriptor
+            ) from error
+        # The capture only recorded the work: run it once so that this call's
+        # outputs hold the result for this call's inputs.
+        replay()
+        addresses = _addresses(args, kwargs) if options.check_input_addresses else None
+        kept = weak_ref_tensors(output) if options.weak_ref_output else output
+        self._entries[descriptor] = _Entry(engine, replay, kept, addresses)
+        # The strong output goes back to the caller: while it holds it, later
+        # captures into the pool cannot reuse its memory (it may feed them).
+        return output
+
+    def _capture_engine(
+        self,
+        descriptor: BatchDescriptor,
+        pool: GraphPool,
+        stream: torch.cuda.Stream,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> tuple[object, Callable[[], object], R]:
+        raise NotImplementedError
+
+
+class CUDAGraphWrapper(_GraphWrapper[P, R]):
+    """The monolithic engine: one CUDA graph per batch descriptor.
+
+    ``runtime_mode`` (FULL or PIECEWISE) is the forward-context mode this
+    wrapper serves; under any other mode it is a plain call, which lets an
+    outer FULL wrapper and inner PIECEWISE wrappers nest. Replay returns the
+    outputs captured for the descriptor; with ``weak_ref_output`` they stay
+    valid until the next replay of any graph in the same pool.
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        runnable: Callable[P, R],
+        runtime_mode: CUDAGraphMode,
+        options: CaptureOptions | None = None,
+    ) -> None:
+        if runtime_mode is not CUDAGraphMode.FULL and runtime_mode is not CUDAGraphMode.PIECEWISE:
+            raise ValueError(f"runtime_mode: expected FULL or PIECEWISE, got {runtime_mode!r}")
+        super().__init__(runnable, (runtime_mode, runtime_mode), options)
+
+    @property
+    def runtime_mode(self) -> CUDAGraphMode:
+        return self._mode_a
+
+    def _capture_engine(
+        self,
+        descriptor: BatchDescriptor,
+        pool: GraphPool,
+        stream: torch.cuda.Stream,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> tuple[object, Callable[[], object], R]:
+        graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream()
+        prepare_capture(self._options.gc_disable)
+        stream.wait_stream(caller)  # the capture sees every write queued before it
+        try:
+            with torch.cuda.stream(stream):
+                begin_segment(graph, pool)
+                try:
+                    output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+                except BaseException:
+                    abort_segment(graph)
+                    raise
+                captured_work = end_segment(graph, descriptor)
+        finally:
+            caller.wait_stream(stream)
+        replay: Callable[[], object] = REPLAY.__get__(graph) if captured_work else _nothing
+        return graph, replay, output
+
+
+class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
+    """The breakable engine behind the wrapper contract of ``CUDAGraphWrapper``.
+
+    Captures with a ``BreakableCUDAGraphCapture`` under any forward-context
+    mode other than NONE: graph segments split at ``eager_break_during_capture``
+    ops, replayed in order with the ops run eagerly between them.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, runnable: Callable[P, R], options: CaptureOptions | None = None) -> None:
+        super().__init__(runnable, (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), options)
+
+    def _capture_engine(
+        self,
+        descriptor: BatchDescriptor,
+        pool: GraphPool,
+        stream: torch.cuda.Stream,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> tuple[object, Callable[[], object], R]:
+        capture = BreakableCUDAGraphCapture(
+            pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor
+        )
+        with capture:
+            output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+        return capture, capture.replay, output
+
+
+def _nothing() -> None:
+    """The replay of a graph that captured no work."""
+
+
+def _addresses(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
+    """``(argument path, data pointer)`` of every tensor argument, in call order."""
+    found: list[tuple[str, int]] = []
+    for name, value in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]:
+        for j, leaf in enumerate(pytree.tree_leaves(value)):
+            if isinstance(leaf, torch.Tensor):
+                found.append((name if leaf is value else f"{name}[leaf {j}]", leaf.data_ptr()))
+    return tuple(found)
+
+
+def _check_addresses(
+    descriptor: BatchDescriptor,
+    expected: tuple[tuple[str, int], ...],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> None:
+    """Raise ``ValueError`` naming the first tensor argument that moved since capture."""
+    got = _addresses(args, kwargs)
+    if got == expected:
+        return
+    for (name, address), (got_name, got_address) in zip(expected, got):
+        if name != got_name or address != got_address:
+            raise ValueError(
+                f"{got_name}: tensor at address {got_address:#x}, but the graph for {descriptor} "
+                f"was captured reading {name} at {address:#x}; copy new data into the captured tensor"
+            )
+    raise ValueError(
+        f"tensor arguments: the graph for {descriptor} was captured with {len(expected)} tensor "
+        f"arguments ({[n for n, _ in expected]}), got {len(got)} ({[n for n, _ in got]})"
+    )

@@ -1,0 +1,307 @@
+"""CUDAGraphDispatcher: the key set from DESIGN.md, dispatch against a naive model, and the capture plan."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphDispatcher,
+    CUDAGraphMode,
+    Dispatch,
+    DispatchConfig,
+    GraphDispatcher,
+)
+from tests.strategies import (
+    active_lora_counts,
+    dispatch_configs,
+    dispatchers,
+    dispatchers_with_token_counts,
+    invalid_mode_sets,
+)
+
+M: Final = CUDAGraphMode
+# Written from DESIGN.md rather than through the enum's own methods, so a wrong
+# mixed_mode()/decode_mode() cannot hide a wrong key set.
+MIXED: Final = {
+    M.NONE: M.NONE,
+    M.PIECEWISE: M.PIECEWISE,
+    M.FULL: M.FULL,
+    M.FULL_DECODE_ONLY: M.NONE,
+    M.FULL_AND_PIECEWISE: M.PIECEWISE,
+}
+HAS_UNIFORM_KEYS: Final = frozenset({M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE})
+
+
+def _lora_cases(config: DispatchConfig) -> list[int]:
+    return sorted({0, *config.lora_counts})
+
+
+def _decode_sizes(config: DispatchConfig) -> list[int]:
+    """Sizes with a uniform decode graph: multiples of q in [q, q * max_num_seqs]."""
+    if config.mode not in HAS_UNIFORM_KEYS:
+        return []
+    q = config.uniform_decode_query_len
+    return [s for s in config.capture_sizes.sizes if s % q == 0 and q <= s <= q * config.max_num_seqs]
+
+
+def spec_keys(config: DispatchConfig) -> dict[CUDAGraphMode, set[BatchDescriptor]]:
+    """The keys DESIGN.md asks for, built the obvious way."""
+    keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {M.NONE: set(), M.PIECEWISE: set(), M.FULL: set()}
+    mixed = MIXED[config.mode]
+    for size in config.capture_sizes.sizes:
+        for loras in _lora_cases(config):
+            if mixed is M.PIECEWISE:
+                keys[M.PIECEWISE].add(BatchDescriptor(size, has_lora=loras > 0, num_active_loras=loras))
+            elif mixed is M.FULL:
+                reqs = min(size, config.max_num_seqs)
+                keys[M.FULL].add(BatchDescriptor(size, reqs, has_lora=loras > 0, num_active_loras=loras))
+    q = config.uniform_decode_query_len
+    for size in _decode_sizes(config):
+        for loras in _lora_cases(config):
+            keys[M.FULL].add(BatchDescriptor(size, size // q, True, loras > 0, loras))
+    return keys
+
+
+def spec_dispatch(
+    config: DispatchConfig,
+    num_tokens: int,
+    uniform_decode: bool,
+    num_active_loras: int,
+    invalid_modes: frozenset[CUDAGraphMode],
+) -> Dispatch:
+    """DESIGN.md's dispatch rules, by linear scans over the spec's key set."""
+    eager = Dispatch(M.NONE, BatchDescriptor(num_tokens))
+    sizes = config.capture_sizes.sizes
+    if config.mode is M.NONE or num_tokens == 0 or num_tokens > max(sizes):
+        return eager
+    slot = next((c for c in _lora_cases(config) if c >= num_active_loras), None)
+    if slot is None:
+        return eager
+    keys = spec_keys(config)
+    full = set() if M.FULL in invalid_modes else keys[M.FULL]
+    piecewise = set() if M.PIECEWISE in invalid_modes else keys[M.PIECEWISE]
+    if uniform_decode and M.FULL not in invalid_modes:
+        decode = [s for s in _decode_sizes(config) if s >= num_tokens]
+        if decode:
+            q = config.uniform_decode_query_len
+            key = BatchDescriptor(decode[0], decode[0] // q, True, slot > 0, slot)
+            assert key in full
+            return Dispatch(M.FULL, key)
+    padded = min(s for s in sizes if s >= num_tokens)
+    exact = BatchDescriptor(padded, min(padded, config.max_num_seqs), False, slot > 0, slot)
+    if exact in full:
+        return Dispatch(M.FULL, exact)
+    relaxed = BatchDescriptor(padded, has_lora=slot > 0, num_active_loras=slot)
+    if relaxed in piecewise:
+        return Dispatch(M.PIECEWISE, relaxed)
+    return eager
+
+
+# -- keys --
+
+
+@given(dispatch_configs)
+def test_keys_follow_the_design(config: DispatchConfig) -> None:
+    """keys(mode) is exactly the DESIGN.md key set for each runtime mode (NONE has none)."""
+    dispatcher = CUDAGraphDispatcher(config)
+    expected = spec_keys(config)
+    for mode in (M.NONE, M.PIECEWISE, M.FULL):
+        assert dispatcher.keys(mode) == expected[mode]
+
+
+@given(dispatchers)
+def test_keys_of_a_mode_have_one_shape(dispatcher: CUDAGraphDispatcher) -> None:
+    """PIECEWISE keys are relaxed; FULL keys are exact (num_reqs set, never above num_tokens)."""
+    for key in dispatcher.keys(M.PIECEWISE):
+        assert key == key.relaxed()
+    for key in dispatcher.keys(M.FULL):
+        assert key.num_reqs is not None
+        assert 1 <= key.num_reqs <= key.num_tokens
+        assert key.has_lora is (key.num_active_loras > 0)
+
+
+def test_lora_count_order_does_not_matter() -> None:
+    """The LoRA counts are a set: the order a caller lists them in changes no key."""
+    sizes = CaptureSizes([1, 4, 16])
+    a = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, sizes, 8, lora_counts=(4, 1, 2)))
+    b = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, sizes, 8, lora_counts=(1, 2, 4)))
+    for mode in (M.PIECEWISE, M.FULL):
+        assert a.keys(mode) == b.keys(mode)
+        assert {k.num_active_loras for k in a.keys(mode)} == {0, 1, 2, 4}
+
+
+# -- dispatch --
+
+
+@given(
+    dispatchers_with_token_counts(),
+    st.booleans(),
+    active_lora_counts,
+    invalid_mode_sets,
+)
+def test_dispatch_matches_the_spec_model(
+    case: tuple[CUDAGraphDispatcher, int],
+    uniform_decode: bool,
+    num_active_loras: int,
+    invalid_modes: frozenset[CUDAGraphMode],
+) -> None:
+    """The table-driven dispatch gives the same decision as the spec's rules applied by linear scans."""
+    dispatcher, n = case
+    got = dispatcher.dispatch(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
+    assert got == spec_dispatch(dispatcher.config, n, uniform_decode, num_active_loras, invalid_modes)
+
+
+@given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
+def test_dispatch_properties(
+    case: tuple[CUDAGraphDispatcher, int],
+    uniform_decode: bool,
+    num_active_loras: int,
+    invalid_modes: frozenset[CUDAGraphMode],
+) -> None:
+    """A graph decision names a captured key, never an invalid mode, and never pads below the batch."""
+    dispatcher, n = case
+    mode, key = dispatcher.dispatch(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
+    assert mode.is_runtime_mode()
+    assert mode not in invalid_modes
+    if mode is M.NONE:
+        assert key == BatchDescriptor(n)
+        return
+    assert key in dispatcher.keys(mode)
+    assert any(mode is m and key in keys for m, keys in dispatcher.capture_plan())
+    assert key.num_tokens >= n
+    assert key.num_active_loras >= num_active_loras
+    assert key.uniform <= uniform_decode  # a uniform graph only for a uniform batch
+    if key.uniform:
+        assert key.num_reqs is not None
+        assert key.num_reqs * dispatcher.config.uniform_decode_query_len == key.num_tokens
+
+
+@given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts)
+def test_padding_is_to_the_smallest_captured_size(
+    case: tuple[CUDAGraphDispatcher, int], uniform_decode: bool, num_active_loras: int
+) -> None:
+    """A non-uniform graph decision pads to exactly capture_sizes.pad(n), not to any larger size."""
+    dispatcher, n = case
+    mode, key = dispatcher.dispatch(n, uniform_decode=uniform_decode, num_active_loras=num_active_loras)
+    if mode is not M.NONE and not key.uniform:
+        assert key.num_tokens == dispatcher.config.capture_sizes.pad(n)
+
+
+@given(dispatchers, st.integers(min_value=1, max_value=64), st.booleans())
+def test_above_the_largest_size_runs_eagerly(
+    dispatcher: CUDAGraphDispatcher, excess: int, uniform_decode: bool
+) -> None:
+    """A batch above the largest captured size has no graph: NONE with the real, unpadded count."""
+    n = dispatcher.config.capture_sizes.max + excess
+    assert dispatcher.dispatch(n, uniform_decode=uniform_decode) == Dispatch(M.NONE, BatchDescriptor(n))
+
+
+@given(dispatchers, st.booleans(), invalid_mode_sets)
+def test_zero_tokens_run_eagerly(
+    dispatcher: CUDAGraphDispatcher, uniform_decode: bool, invalid_modes: frozenset[CUDAGraphMode]
+) -> None:
+    """An empty batch never replays a graph: NONE with 0 tokens."""
+    got = dispatcher.dispatch(0, uniform_decode=uniform_decode, invalid_modes=invalid_modes)
+    assert got == Dispatch(M.NONE, BatchDescriptor(0))
+
+
+@given(dispatchers)
+def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -> None:
+    """With PIECEWISE and FULL both turned off, every batch runs eagerly, whatever else was asked."""
+    both = frozenset({M.PIECEWISE, M.FULL})
+    for n in dispatcher.config.capture_sizes.sizes:
+        for uniform in (False, True):
+            assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=both).mode is M.NONE
+
+
+@given(dispatchers_with_token_counts(), st.lists(invalid_mode_sets, max_size=4))
+def test_dispatch_does_not_depend_on_history(
+    case: tuple[CUDAGraphDispatcher, int], earlier: list[frozenset[CUDAGraphMode]]
+) -> None:
+    """Calls with other invalid_modes before (tables built lazily) never change a later answer."""
+    dispatcher, n = case
+    fresh = CUDAGraphDispatcher(dispatcher.config)
+    for invalid in earlier:
+        dispatcher.dispatch(n, invalid_modes=invalid, uniform_decode=True)
+    for invalid in [frozenset(), *earlier]:
+        for uniform in (False, True):
+            assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=invalid) == fresh.dispatch(
+                n, uniform_decode=uniform, invalid_modes=invalid
+            )
+
+
+@given(dispatchers_with_token_counts(), active_lora_counts)
+def test_lora_pads_to_the_smallest_captured_count(
+    case: tuple[CUDAGraphDispatcher, int], num_active_loras: int
+) -> None:
+    """LoRA: the key carries the smallest captured count >= the active one; none large enough -> NONE."""
+    dispatcher, n = case
+    mode, key = dispatcher.dispatch(n, num_active_loras=num_active_loras)
+    captured = [c for c in (0, *dispatcher.config.lora_counts) if c >= num_active_loras]
+    if not captured:
+        assert mode is M.NONE
+    elif mode is not M.NONE:
+        assert key.num_active_loras == min(captured)
+        assert key.has_lora is (min(captured) > 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "value"),
+    [
+        ({"num_tokens": -1}, "num_tokens", "-1"),
+        ({"num_tokens": -512}, "num_tokens", "-512"),
+        ({"num_tokens": 4, "num_active_loras": -1}, "num_active_loras", "-1"),
+    ],
+)
+def test_negative_counts_are_rejected(kwargs: dict[str, int], field: str, value: str) -> None:
+    """A negative count is a caller bug: ValueError naming the argument and the value."""
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 8]), 8))
+    with pytest.raises(ValueError, match=f"{re.escape(field)}.*{re.escape(value)}"):
+        dispatcher.dispatch(**kwargs)
+
+
+# -- capture plan --
+
+
+@given(dispatchers)
+def test_capture_plan_order_and_content(dispatcher: CUDAGraphDispatcher) -> None:
+    """PIECEWISE group then FULL, each largest first, no empty group, and together exactly keys()."""
+    plan = dispatcher.capture_plan()
+    order = [mode for mode, _ in plan]
+    assert order in ([], [M.PIECEWISE], [M.FULL], [M.PIECEWISE, M.FULL])
+    for mode, keys in plan:
+        assert keys, f"empty {mode.name} group"
+        assert len(set(keys)) == len(keys)
+        assert set(keys) == dispatcher.keys(mode)
+        sizes = [k.num_tokens for k in keys]
+        assert sizes == sorted(sizes, reverse=True)
+    planned = {(mode, k) for mode, keys in plan for k in keys}
+    existing = {(mode, k) for mode in (M.PIECEWISE, M.FULL) for k in dispatcher.keys(mode)}
+    assert planned == existing
+
+
+@given(dispatch_configs)
+def test_capture_plan_is_empty_exactly_when_there_are_no_keys(config: DispatchConfig) -> None:
+    """Mode NONE captures nothing; every other mode captures at least one group."""
+    plan = CUDAGraphDispatcher(config).capture_plan()
+    assert (plan == []) is (not any(spec_keys(config).values()))
+
+
+def test_dispatcher_satisfies_its_protocol() -> None:
+    """The capture and manager layers hold a GraphDispatcher: the concrete class must answer through it."""
+    concrete = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4]), 4))
+    seen: GraphDispatcher = concrete  # checked by mypy
+    assert seen.dispatch(3, uniform_decode=True) == concrete.dispatch(3, uniform_decode=True)
+    assert seen.capture_plan() == concrete.capture_plan()
+    assert seen.dispatch(3).descriptor.num_tokens == 4

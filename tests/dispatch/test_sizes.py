@@ -1,0 +1,121 @@
+"""CaptureSizes: validation, padding to the smallest size that holds a batch, and the default list."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cudagraph_dispatch import CaptureSizes
+from tests.strategies import MAX_CAPTURE_SIZE, capture_sizes, size_lists, size_values
+
+
+def _naive_pad(sizes: list[int], n: int) -> int | None:
+    """The spec, by a linear scan: the smallest size >= n, None above the largest."""
+    for size in sorted(sizes):
+        if size >= n:
+            return size
+    return None
+
+
+def _spec_default(max_size: int) -> list[int]:
+    """DESIGN.md's default list, written out: 1, 2, 4, every 8 below 256, every 16 from 256, and max."""
+    small = [s for s in (1, 2, 4) if s <= max_size]
+    eights = [s for s in range(8, 256, 8) if s <= max_size]
+    sixteens = [s for s in range(256, max_size + 1, 16)]
+    return sorted({*small, *eights, *sixteens, max_size})
+
+
+@given(size_lists)
+def test_sizes_are_sorted_and_deduplicated(raw: list[int]) -> None:
+    """Any order and repeats are accepted; .sizes is the ascending set and .max its last element."""
+    sizes = CaptureSizes(raw)
+    assert sizes.sizes == tuple(sorted(set(raw)))
+    assert sizes.max == max(raw)
+
+
+@given(size_lists, st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE + 64))
+def test_pad_agrees_with_a_linear_scan(raw: list[int], n: int) -> None:
+    """The O(1) pad table gives the same answer as scanning the sizes: smallest size >= n, else None."""
+    assert CaptureSizes(raw).pad(n) == _naive_pad(raw, n)
+
+
+@given(capture_sizes, st.data())
+def test_pad_is_tight(sizes: CaptureSizes, data: st.DataObject) -> None:
+    """A padded count holds the batch, is a captured size, and no smaller captured size would do."""
+    n = data.draw(st.integers(min_value=1, max_value=sizes.max), label="n")
+    padded = sizes.pad(n)
+    assert padded is not None
+    assert padded >= n
+    assert padded in sizes.sizes
+    assert all(s < n for s in sizes.sizes if s < padded)
+
+
+@given(capture_sizes, st.integers(min_value=1, max_value=64))
+def test_pad_above_the_largest_is_none(sizes: CaptureSizes, excess: int) -> None:
+    """A batch above the largest size has no graph: pad says None rather than a wrong size."""
+    assert sizes.pad(sizes.max + excess) is None
+    assert sizes.pad(sizes.max) == sizes.max
+
+
+@given(capture_sizes)
+def test_every_size_pads_to_itself(sizes: CaptureSizes) -> None:
+    """A batch of exactly a captured size is never padded further."""
+    assert [sizes.pad(s) for s in sizes.sizes] == list(sizes.sizes)
+
+
+def test_default_512_has_51_sizes() -> None:
+    """The documented default: 1, 2, 4, 31 multiples of 8 below 256, 17 multiples of 16 from 256 to 512."""
+    sizes = CaptureSizes.default(512)
+    assert len(sizes.sizes) == 3 + 31 + 17 == 51
+    assert sizes.sizes[:4] == (1, 2, 4, 8)
+    assert sizes.sizes[-2:] == (496, 512)
+
+
+@given(size_values)
+def test_default_follows_the_formula(max_size: int) -> None:
+    """default(n) is exactly the DESIGN.md list, which always contains n and nothing above it."""
+    sizes = CaptureSizes.default(max_size)
+    assert list(sizes.sizes) == _spec_default(max_size)
+    assert max_size in sizes.sizes
+    assert sizes.max == max_size
+    assert all(s <= max_size for s in sizes.sizes)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "value"),
+    [
+        ([0], "capture_sizes[0]", "0"),
+        ([1, 2, -8], "capture_sizes[2]", "-8"),
+        ([1, 2.5], "capture_sizes[1]", "2.5"),
+        (["4"], "capture_sizes[0]", "'4'"),
+        ([8, True], "capture_sizes[1]", "True"),
+        ([None], "capture_sizes[0]", "None"),
+    ],
+)
+def test_bad_sizes_name_the_field_and_value(raw: list[object], field: str, value: str) -> None:
+    """A size that is not a positive int (bool included) is a ValueError naming the entry and its value."""
+    with pytest.raises(ValueError, match=f"{re.escape(field)}.*{re.escape(value)}"):
+        CaptureSizes(raw)  # type: ignore[arg-type]  # deliberately wrong types
+
+
+def test_empty_sizes_are_rejected() -> None:
+    """A config with no size at all cannot capture anything: say so instead of failing later."""
+    with pytest.raises(ValueError, match="capture_sizes"):
+        CaptureSizes([])
+
+
+@pytest.mark.parametrize("text", ["48", b"48"])
+def test_a_string_is_not_a_list_of_sizes(text: str | bytes) -> None:
+    """A string is iterable but is not a size list ("48" must not become sizes 4 and 8)."""
+    with pytest.raises(ValueError, match="capture_sizes"):
+        CaptureSizes(text)  # type: ignore[arg-type]  # deliberately wrong type
+
+
+@pytest.mark.parametrize("max_size", [0, -1])
+def test_default_rejects_non_positive_max(max_size: int) -> None:
+    """default(max_size) needs max_size >= 1; the error names the argument and the value."""
+    with pytest.raises(ValueError, match=f"max_size.*{max_size}"):
+        CaptureSizes.default(max_size)

@@ -1,0 +1,148 @@
+"""Hypothesis strategies shared by every test package (one module, by design).
+
+``st.builds`` by default; ``@st.composite`` only where one draw depends on
+another (token counts that depend on the dispatcher's largest size). Sizes
+stay small (<= 600) so that building a dispatcher's tables is quick.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from hypothesis import strategies as st
+
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphDispatcher,
+    CUDAGraphMode,
+    DispatchConfig,
+    RankRequest,
+)
+
+#: The largest capture size any strategy here produces.
+MAX_CAPTURE_SIZE: Final = 600
+#: The largest LoRA count any strategy here produces.
+MAX_LORA_COUNT: Final = 8
+
+RUNTIME_MODE_LIST: Final = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+GRAPH_MODE_LIST: Final = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL)
+
+# -- modes --
+
+#: Any mode, configuration modes included.
+modes: Final = st.sampled_from(CUDAGraphMode)
+#: NONE, PIECEWISE or FULL: what one forward runs as.
+runtime_modes: Final = st.sampled_from(RUNTIME_MODE_LIST)
+#: The modes a caller may turn off per step (e.g. FULL under cascade attention).
+invalid_mode_sets: Final = st.frozensets(st.sampled_from(GRAPH_MODE_LIST))
+
+
+@st.composite
+def mixed_case_names(draw: st.DrawFn, mode: CUDAGraphMode | None = None) -> tuple[CUDAGraphMode, str]:
+    """A mode and its name with each letter's case drawn independently."""
+    chosen = draw(modes) if mode is None else mode
+    upper = draw(st.lists(st.booleans(), min_size=len(chosen.name), max_size=len(chosen.name)))
+    text = "".join(c.upper() if u else c.lower() for c, u in zip(chosen.name, upper))
+    return chosen, text
+
+
+# -- sizes and configs --
+
+size_values: Final = st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE)
+#: Raw size lists as a caller might pass them: unsorted, with duplicates.
+size_lists: Final = st.lists(size_values, min_size=1, max_size=24)
+capture_sizes: Final = st.one_of(
+    st.builds(CaptureSizes, size_lists),
+    st.builds(CaptureSizes.default, size_values),
+)
+#: Active-adapter counts to capture besides 0, unsorted as a caller might give them.
+lora_count_tuples: Final = st.lists(
+    st.integers(min_value=1, max_value=MAX_LORA_COUNT), max_size=3, unique=True
+).map(tuple)
+
+dispatch_configs: Final = st.builds(
+    DispatchConfig,
+    mode=modes,
+    capture_sizes=capture_sizes,
+    max_num_seqs=st.integers(min_value=1, max_value=300),
+    uniform_decode_query_len=st.integers(min_value=1, max_value=4),
+    lora_counts=lora_count_tuples,
+)
+dispatchers: Final = st.builds(CUDAGraphDispatcher, dispatch_configs)
+
+#: LoRA counts to ask for: 0, captured ones, and some above every captured one.
+active_lora_counts: Final = st.integers(min_value=0, max_value=MAX_LORA_COUNT + 2)
+
+
+@st.composite
+def token_counts(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> int:
+    """A token count around ``dispatcher``'s sizes: 0, in range, or just above the largest."""
+    largest = dispatcher.config.capture_sizes.max
+    return draw(
+        st.one_of(
+            st.just(0),
+            st.integers(min_value=1, max_value=largest),
+            st.sampled_from(dispatcher.config.capture_sizes.sizes),
+            st.integers(min_value=largest + 1, max_value=largest + 64),
+        )
+    )
+
+
+@st.composite
+def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, int]:
+    """A dispatcher and a token count drawn around its own sizes."""
+    dispatcher = draw(dispatchers)
+    return dispatcher, draw(token_counts(dispatcher))
+
+
+# -- descriptors and forward contexts --
+
+batch_descriptors: Final = st.builds(
+    BatchDescriptor,
+    num_tokens=st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE),
+    num_reqs=st.none() | st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE),
+    uniform=st.booleans(),
+    has_lora=st.booleans(),
+    num_active_loras=st.integers(min_value=0, max_value=MAX_LORA_COUNT),
+)
+
+#: Valid ``(runtime_mode, batch_descriptor)`` arguments of ``set_forward_context``:
+#: NONE may go without a descriptor, a graph mode needs one.
+forward_context_args: Final = st.one_of(
+    st.tuples(st.just(CUDAGraphMode.NONE), st.none() | batch_descriptors),
+    st.tuples(st.sampled_from(GRAPH_MODE_LIST), batch_descriptors),
+)
+#: Extra forward-context entries, as an engine passes attention metadata.
+forward_context_extras: Final = st.dictionaries(
+    st.sampled_from(("attn_metadata", "slot_mapping", "step", "positions")),
+    st.integers() | st.text(max_size=4) | st.none(),
+    max_size=3,
+)
+
+# -- data parallelism --
+
+rank_requests: Final = st.builds(
+    RankRequest,
+    num_tokens=st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE + 64),
+    uniform_decode=st.booleans(),
+    num_active_loras=active_lora_counts,
+)
+
+
+@st.composite
+def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankRequest:
+    """One rank's request with a token count drawn around ``dispatcher``'s sizes."""
+    return RankRequest(
+        num_tokens=draw(token_counts(dispatcher)),
+        uniform_decode=draw(st.booleans()),
+        num_active_loras=draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts),
+    )
+
+
+@st.composite
+def dispatchers_with_rank_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, list[RankRequest]]:
+    """A dispatcher and one request per rank (1 to 8 ranks) sized for it."""
+    dispatcher = draw(dispatchers)
+    requests = draw(st.lists(rank_requests_for(dispatcher), min_size=1, max_size=8))
+    return dispatcher, requests
