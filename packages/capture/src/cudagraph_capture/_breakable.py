@@ -143,7 +143,8 @@ class BreakableCUDAGraphCapture:
         try:
             if self._graph is not None:
                 if failed:
-                    abort_segment(self._graph)
+                    assert self._pool is not None
+                    abort_segment(self._graph, self._pool)
                     self._graph = None
                 else:
                     self._end()
@@ -193,8 +194,8 @@ class BreakableCUDAGraphCapture:
 
     def _end(self) -> None:
         graph, self._graph = self._graph, None
-        assert graph is not None
-        if end_segment(graph, self._descriptor):
+        assert graph is not None and self._pool is not None
+        if end_segment(graph, self._pool, self._descriptor):
             self._graphs.append(graph)
             self._tail.append(functools.partial(REPLAY, graph))
 

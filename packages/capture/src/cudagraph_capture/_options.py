@@ -22,6 +22,10 @@ class CaptureOptions:
       arguments at the addresses seen at capture (a graph reads fixed addresses).
     - ``pool``: the graph memory pool; ``None`` is the device's shared pool.
     - ``stream``: the capture stream; ``None`` is one side stream per device.
+    - ``warmup_runs``: eager runs on the capture stream before each capture,
+      under a NONE forward context, so that lazy initialization (cuBLAS
+      handles and workspaces, compiled kernels) happens outside the capture.
+      Set 0 when the caller has already warmed up this shape.
     """
 
     weak_ref_output: bool = True
@@ -29,3 +33,9 @@ class CaptureOptions:
     check_input_addresses: bool = False
     pool: GraphPool | None = None
     stream: torch.cuda.Stream | None = None
+    warmup_runs: int = 1
+
+    def __post_init__(self) -> None:
+        runs: object = self.warmup_runs
+        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
+            raise ValueError(f"warmup_runs: expected an integer >= 0, got {runs!r}")

@@ -34,8 +34,9 @@ class _DevicePool:
 
 
 _pools: Final[dict[int, _DevicePool]] = {}
+_retired: Final[list[_DevicePool]] = []  # replaced after a failed capture; their graphs still replay
 _streams: Final[dict[int, torch.cuda.Stream]] = {}
-_lock: Final = threading.Lock()
+_lock: Final = threading.RLock()  # shared_pool creates the capture stream under it
 
 
 def device_index(device: torch.device | int | None) -> int:
@@ -74,6 +75,14 @@ def shared_pool(device: torch.device | int | None = None) -> GraphPool:
                 pool = _new_pinned_pool(index)
                 _pools[index] = pool
     return pool.handle
+
+
+def retire_shared_pool(device: int, handle: GraphPool) -> None:
+    """Replace the device's shared pool if it is ``handle`` (after a failed capture)."""
+    with _lock:
+        pool = _pools.get(device)
+        if pool is not None and pool.handle == handle:
+            _retired.append(_pools.pop(device))
 
 
 def _new_pinned_pool(index: int) -> _DevicePool:

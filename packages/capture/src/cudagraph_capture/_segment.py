@@ -20,7 +20,7 @@ import torch
 from cudagraph_dispatch import BatchDescriptor
 
 from ._errors import CaptureError
-from ._pool import GraphPool
+from ._pool import GraphPool, retire_shared_pool
 
 # The graph-replay entry point without the Python-level wrapper of
 # torch.cuda.CUDAGraph.replay (one frame less per replay); CPU builds lack it.
@@ -57,7 +57,7 @@ def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
     graph.capture_begin(pool=pool, capture_error_mode=_ERROR_MODE)
 
 
-def end_segment(graph: torch.cuda.CUDAGraph, descriptor: BatchDescriptor | None) -> bool:
+def end_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool, descriptor: BatchDescriptor | None) -> bool:
     """End the capture of ``graph``; False when it captured no work (empty graph).
 
     An unjoined side stream makes the CUDA runtime refuse to end the capture:
@@ -68,6 +68,7 @@ def end_segment(graph: torch.cuda.CUDAGraph, descriptor: BatchDescriptor | None)
         try:
             graph.capture_end()
         except RuntimeError as error:
+            repair_failed_capture(pool)
             text = str(error).lower()
             if any(word in text for word in _UNJOINED):
                 raise CaptureError(
@@ -86,11 +87,34 @@ def end_segment(graph: torch.cuda.CUDAGraph, descriptor: BatchDescriptor | None)
     return not empty
 
 
-def abort_segment(graph: torch.cuda.CUDAGraph) -> None:
+def abort_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
     """End a capture that an exception interrupted, keeping that exception primary."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             graph.capture_end()
         except RuntimeError:
-            pass  # the capture was already invalidated; the original error says why
+            # The capture was invalidated (the original error says why).
+            repair_failed_capture(pool)
+
+
+def repair_failed_capture(pool: GraphPool) -> None:
+    """Finish the bookkeeping that ``capture_end`` skips when CUDA refuses to end a capture.
+
+    CUDA has ended the capture, but torch raised before it (a) stopped routing
+    allocations to the pool, in the device and the host caching allocators,
+    and (b) took the device's random generator out of capture mode; left so,
+    the next capture into the pool and every later ``torch.randn`` on the
+    device fail. The generator gets a fresh state, the device allocator is
+    closed here, and the shared pool is replaced (the host allocator cannot be
+    reached from Python): the process stays usable. A caller's own pool stays
+    unusable for new captures; graphs already captured into it still replay.
+    """
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        pass  # the allocator had already closed it
+    generator = torch.cuda.default_generators[device]
+    generator.graphsafe_set_state(generator.clone_state())
+    retire_shared_pool(device, pool)

@@ -15,7 +15,13 @@ from typing import Final, Generic, ParamSpec, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import (
+    FORWARD_CONTEXT_VAR,
+    BatchDescriptor,
+    CUDAGraphMode,
+    ForwardContext,
+    set_forward_context,
+)
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._enabled import check_capture_enabled
@@ -80,7 +86,7 @@ class _GraphWrapper(Generic[P, R]):
         assert descriptor is not None  # set_forward_context requires one for graph modes
         entry = self._entries.get(descriptor)
         if entry is None:
-            return self._capture(descriptor, args, kwargs)
+            return self._capture(context, descriptor, args, kwargs)
         if entry.addresses is not None:
             _check_addresses(descriptor, entry.addresses, args, kwargs)
         entry.replay()
@@ -119,7 +125,13 @@ class _GraphWrapper(Generic[P, R]):
                 f"{type(self).__name__} has no attribute {name!r}, and neither has its runnable {runnable!r}"
             ) from None
 
-    def _capture(self, descriptor: BatchDescriptor, args: tuple[object, ...], kwargs: dict[str, object]) -> R:
+    def _capture(
+        self,
+        context: ForwardContext,
+        descriptor: BatchDescriptor,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> R:
         check_capture_enabled(descriptor)
         if THREAD.breakable is not None:
             raise CaptureError(
@@ -130,6 +142,8 @@ class _GraphWrapper(Generic[P, R]):
         pool = shared_pool(device) if options.pool is None else options.pool
         stream = capture_stream(device) if options.stream is None else options.stream
         try:
+            if options.warmup_runs:
+                self._warm_up(context, stream, args, kwargs)
             engine, replay, output = self._capture_engine(descriptor, pool, stream, args, kwargs)
         except CaptureError:
             raise
@@ -146,6 +160,26 @@ class _GraphWrapper(Generic[P, R]):
         # The strong output goes back to the caller: while it holds it, later
         # captures into the pool cannot reuse its memory (it may feed them).
         return output
+
+    def _warm_up(
+        self,
+        context: ForwardContext,
+        stream: torch.cuda.Stream,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> None:
+        """Run the runnable eagerly on the capture stream, as NONE (nested wrappers pass through)."""
+        caller = torch.cuda.current_stream()
+        stream.wait_stream(caller)
+        try:
+            with (
+                torch.cuda.stream(stream),
+                set_forward_context(CUDAGraphMode.NONE, context.batch_descriptor, **context.extra),
+            ):
+                for _ in range(self._options.warmup_runs):
+                    self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+        finally:
+            caller.wait_stream(stream)
 
     def _capture_engine(
         self,
@@ -202,9 +236,9 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
                 try:
                     output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
                 except BaseException:
-                    abort_segment(graph)
+                    abort_segment(graph, pool)
                     raise
-                captured_work = end_segment(graph, descriptor)
+                captured_work = end_segment(graph, pool, descriptor)
         finally:
             caller.wait_stream(stream)
         replay: Callable[[], object] = REPLAY.__get__(graph) if captured_work else _nothing
