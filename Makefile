@@ -40,10 +40,21 @@ lint: $(STAMP)  ## ruff check
 test: typecheck  ## Type check, then the tests (GPU tests skip without CUDA)
 	$(VPY) -m pytest $(PYTEST_FLAGS)
 
+# One process per benchmark module: a device-side assert poisons a CUDA context
+# for good, so one broken module must not take the others' numbers with it.
+define run_benchmarks
+	mkdir -p $(BENCH_DIR); status=0; \
+	for file in tests/benchmarks/test_bench_*.py; do \
+	    name=$$(basename $$file .py); \
+	    PYTHONPATH=$(2) $(1) -m pytest -p no:cacheprovider $$file --benchmark-only \
+	        --benchmark-json=$(BENCH_DIR)/$$name.json $(PYTEST_FLAGS) || status=1; \
+	done; \
+	PYTHONPATH=$(2) $(1) -m tests.benchmarks.report $(BENCH_DIR)/test_bench_*.json $(BENCH_DIR) || status=1; \
+	exit $$status
+endef
+
 bench: $(STAMP)  ## Benchmarks: JSON, a Markdown table and a plot under $(BENCH_DIR)
-	mkdir -p $(BENCH_DIR)
-	$(VPY) -m pytest tests/benchmarks --benchmark-only --benchmark-json=$(BENCH_DIR)/bench.json $(PYTEST_FLAGS)
-	$(VPY) -m tests.benchmarks.report $(BENCH_DIR)/bench.json $(BENCH_DIR)
+	$(call run_benchmarks,$(VPY),.)
 
 demo: $(STAMP)  ## The main job: capture and replay the reference decoder
 	$(VPY) -m cudagraph_manager.demo
@@ -54,10 +65,7 @@ gpu-test:  ## Tests only, with $(PYTHON) and no installs
 	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider $(PYTEST_FLAGS)
 
 gpu-bench:  ## Benchmarks only, with $(PYTHON) and no installs
-	mkdir -p $(BENCH_DIR)
-	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider tests/benchmarks --benchmark-only \
-	    --benchmark-json=$(BENCH_DIR)/bench.json $(PYTEST_FLAGS)
-	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m tests.benchmarks.report $(BENCH_DIR)/bench.json $(BENCH_DIR)
+	$(call run_benchmarks,$(PYTHON),$(SRC_PATH):.:$(PYTHONPATH))
 
 clean:  ## Remove the venv and caches
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache $(BENCH_DIR)

@@ -43,7 +43,7 @@ def mixed_case_names(draw: st.DrawFn, mode: CUDAGraphMode | None = None) -> tupl
     """A mode and its name with each letter's case drawn independently."""
     chosen = draw(modes) if mode is None else mode
     upper = draw(st.lists(st.booleans(), min_size=len(chosen.name), max_size=len(chosen.name)))
-    text = "".join(c.upper() if u else c.lower() for c, u in zip(chosen.name, upper))
+    text = "".join(c.upper() if u else c.lower() for c, u in zip(chosen.name, upper, strict=True))
     return chosen, text
 
 
@@ -56,20 +56,40 @@ capture_sizes: Final = st.one_of(
     st.builds(CaptureSizes, size_lists),
     st.builds(CaptureSizes.default, size_values),
 )
+#: Sizes for dispatchers: a dispatcher builds a table entry per token count up to
+#: its largest size, so explicit lists stay short and small; default lists still
+#: reach MAX_CAPTURE_SIZE (and the every-16 region above 256).
+dispatcher_capture_sizes: Final = st.one_of(
+    st.builds(CaptureSizes, st.lists(st.integers(min_value=1, max_value=160), min_size=1, max_size=12)),
+    st.builds(CaptureSizes.default, size_values),
+)
 #: Active-adapter counts to capture besides 0, unsorted as a caller might give them.
 lora_count_tuples: Final = st.lists(
-    st.integers(min_value=1, max_value=MAX_LORA_COUNT), max_size=3, unique=True
+    st.integers(min_value=1, max_value=MAX_LORA_COUNT), max_size=2, unique=True
 ).map(tuple)
 
-dispatch_configs: Final = st.builds(
-    DispatchConfig,
-    mode=modes,
-    capture_sizes=capture_sizes,
-    max_num_seqs=st.integers(min_value=1, max_value=300),
-    uniform_decode_query_len=st.integers(min_value=1, max_value=4),
-    lora_counts=lora_count_tuples,
-)
+
+def configs_with(mode: st.SearchStrategy[CUDAGraphMode]) -> st.SearchStrategy[DispatchConfig]:
+    """Valid configs whose mode is drawn from ``mode``."""
+    return st.builds(
+        DispatchConfig,
+        mode=mode,
+        capture_sizes=dispatcher_capture_sizes,
+        # Often below the sizes, so that num_reqs = min(size, max_num_seqs) and the
+        # uniform range [q, q * max_num_seqs] really cut.
+        max_num_seqs=st.integers(min_value=1, max_value=16) | st.integers(min_value=1, max_value=300),
+        uniform_decode_query_len=st.integers(min_value=1, max_value=4),
+        lora_counts=lora_count_tuples,
+    )
+
+
+dispatch_configs: Final = configs_with(modes)
 dispatchers: Final = st.builds(CUDAGraphDispatcher, dispatch_configs)
+#: Dispatchers with a uniform decode routine of their own (FULL_DECODE_ONLY, FULL_AND_PIECEWISE).
+separate_routine_dispatchers: Final = st.builds(
+    CUDAGraphDispatcher,
+    configs_with(st.sampled_from((CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE))),
+)
 
 #: LoRA counts to ask for: 0, captured ones, and some above every captured one.
 active_lora_counts: Final = st.integers(min_value=0, max_value=MAX_LORA_COUNT + 2)
@@ -77,14 +97,13 @@ active_lora_counts: Final = st.integers(min_value=0, max_value=MAX_LORA_COUNT + 
 
 @st.composite
 def token_counts(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> int:
-    """A token count around ``dispatcher``'s sizes: 0, in range, or just above the largest."""
+    """A token count around ``dispatcher``'s sizes: mostly in range, sometimes 0 or above the largest."""
     largest = dispatcher.config.capture_sizes.max
     return draw(
         st.one_of(
-            st.just(0),
             st.integers(min_value=1, max_value=largest),
             st.sampled_from(dispatcher.config.capture_sizes.sizes),
-            st.integers(min_value=largest + 1, max_value=largest + 64),
+            st.integers(min_value=0, max_value=largest + 64),
         )
     )
 
@@ -141,8 +160,10 @@ def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankR
 
 
 @st.composite
-def dispatchers_with_rank_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, list[RankRequest]]:
+def dispatchers_with_rank_requests(
+    draw: st.DrawFn, dispatcher_strategy: st.SearchStrategy[CUDAGraphDispatcher] = dispatchers
+) -> tuple[CUDAGraphDispatcher, list[RankRequest]]:
     """A dispatcher and one request per rank (1 to 8 ranks) sized for it."""
-    dispatcher = draw(dispatchers)
+    dispatcher = draw(dispatcher_strategy)
     requests = draw(st.lists(rank_requests_for(dispatcher), min_size=1, max_size=8))
     return dispatcher, requests

@@ -1,4 +1,8 @@
-"""CUDAGraphDispatcher: the key set from DESIGN.md, dispatch against a naive model, and the capture plan."""
+"""CUDAGraphDispatcher: the key set from DESIGN.md, dispatch against a naive model, and the capture plan.
+
+Property tests that build dispatchers run without a Hypothesis deadline: building the
+tables takes tens of milliseconds per example, and a busy machine must not make that flaky.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import re
 from typing import Final
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import (
@@ -107,6 +111,7 @@ def spec_dispatch(
 # -- keys --
 
 
+@settings(deadline=None)
 @given(dispatch_configs)
 def test_keys_follow_the_design(config: DispatchConfig) -> None:
     """keys(mode) is exactly the DESIGN.md key set for each runtime mode (NONE has none)."""
@@ -116,6 +121,7 @@ def test_keys_follow_the_design(config: DispatchConfig) -> None:
         assert dispatcher.keys(mode) == expected[mode]
 
 
+@settings(deadline=None)
 @given(dispatchers)
 def test_keys_of_a_mode_have_one_shape(dispatcher: CUDAGraphDispatcher) -> None:
     """PIECEWISE keys are relaxed; FULL keys are exact (num_reqs set, never above num_tokens)."""
@@ -140,6 +146,29 @@ def test_lora_count_order_does_not_matter() -> None:
 # -- dispatch --
 
 
+@pytest.mark.parametrize(("num_tokens", "padded"), [(5, 8), (9, 16), (16, 16)])
+def test_full_keys_cap_num_reqs_at_max_num_seqs(num_tokens: int, padded: int) -> None:
+    """A FULL graph above max_num_seqs tokens is keyed with max_num_seqs requests, and dispatch finds it."""
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8, 16]), max_num_seqs=8))
+    expected = Dispatch(M.FULL, BatchDescriptor(padded, num_reqs=min(padded, 8)))
+    assert dispatcher.dispatch(num_tokens) == expected
+    assert dispatcher.dispatch(num_tokens, uniform_decode=True) == expected  # FULL: no separate routine
+
+
+def test_uniform_keys_stop_at_q_times_max_num_seqs() -> None:
+    """With q=2 and 4 sequences, decode graphs exist for 2, 4, 8 (<= 2 * 4) and not for 16 or odd sizes."""
+    sizes = CaptureSizes([1, 2, 3, 4, 8, 16])
+    dispatcher = CUDAGraphDispatcher(
+        DispatchConfig(M.FULL_DECODE_ONLY, sizes, max_num_seqs=4, uniform_decode_query_len=2)
+    )
+    assert {k.num_tokens for k in dispatcher.keys(M.FULL)} == {2, 4, 8}
+    assert dispatcher.dispatch(3, uniform_decode=True) == Dispatch(
+        M.FULL, BatchDescriptor(4, 2, uniform=True)
+    )
+    assert dispatcher.dispatch(10, uniform_decode=True) == Dispatch(M.NONE, BatchDescriptor(10))
+
+
+@settings(deadline=None)
 @given(
     dispatchers_with_token_counts(),
     st.booleans(),
@@ -160,6 +189,7 @@ def test_dispatch_matches_the_spec_model(
     assert got == spec_dispatch(dispatcher.config, n, uniform_decode, num_active_loras, invalid_modes)
 
 
+@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
 def test_dispatch_properties(
     case: tuple[CUDAGraphDispatcher, int],
@@ -187,6 +217,7 @@ def test_dispatch_properties(
         assert key.num_reqs * dispatcher.config.uniform_decode_query_len == key.num_tokens
 
 
+@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts)
 def test_padding_is_to_the_smallest_captured_size(
     case: tuple[CUDAGraphDispatcher, int], uniform_decode: bool, num_active_loras: int
@@ -198,6 +229,7 @@ def test_padding_is_to_the_smallest_captured_size(
         assert key.num_tokens == dispatcher.config.capture_sizes.pad(n)
 
 
+@settings(deadline=None)
 @given(dispatchers, st.integers(min_value=1, max_value=64), st.booleans())
 def test_above_the_largest_size_runs_eagerly(
     dispatcher: CUDAGraphDispatcher, excess: int, uniform_decode: bool
@@ -207,6 +239,7 @@ def test_above_the_largest_size_runs_eagerly(
     assert dispatcher.dispatch(n, uniform_decode=uniform_decode) == Dispatch(M.NONE, BatchDescriptor(n))
 
 
+@settings(deadline=None)
 @given(dispatchers, st.booleans(), invalid_mode_sets)
 def test_zero_tokens_run_eagerly(
     dispatcher: CUDAGraphDispatcher, uniform_decode: bool, invalid_modes: frozenset[CUDAGraphMode]
@@ -216,6 +249,7 @@ def test_zero_tokens_run_eagerly(
     assert got == Dispatch(M.NONE, BatchDescriptor(0))
 
 
+@settings(deadline=None)
 @given(dispatchers)
 def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -> None:
     """With PIECEWISE and FULL both turned off, every batch runs eagerly, whatever else was asked."""
@@ -225,6 +259,7 @@ def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -
             assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=both).mode is M.NONE
 
 
+@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.lists(invalid_mode_sets, max_size=4))
 def test_dispatch_does_not_depend_on_history(
     case: tuple[CUDAGraphDispatcher, int], earlier: list[frozenset[CUDAGraphMode]]
@@ -241,6 +276,7 @@ def test_dispatch_does_not_depend_on_history(
             )
 
 
+@settings(deadline=None)
 @given(dispatchers_with_token_counts(), active_lora_counts)
 def test_lora_pads_to_the_smallest_captured_count(
     case: tuple[CUDAGraphDispatcher, int], num_active_loras: int
@@ -257,23 +293,24 @@ def test_lora_pads_to_the_smallest_captured_count(
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field", "value"),
+    ("num_tokens", "num_active_loras", "field", "value"),
     [
-        ({"num_tokens": -1}, "num_tokens", "-1"),
-        ({"num_tokens": -512}, "num_tokens", "-512"),
-        ({"num_tokens": 4, "num_active_loras": -1}, "num_active_loras", "-1"),
+        (-1, 0, "num_tokens", "-1"),
+        (-512, 0, "num_tokens", "-512"),
+        (4, -1, "num_active_loras", "-1"),
     ],
 )
-def test_negative_counts_are_rejected(kwargs: dict[str, int], field: str, value: str) -> None:
+def test_negative_counts_are_rejected(num_tokens: int, num_active_loras: int, field: str, value: str) -> None:
     """A negative count is a caller bug: ValueError naming the argument and the value."""
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 8]), 8))
     with pytest.raises(ValueError, match=f"{re.escape(field)}.*{re.escape(value)}"):
-        dispatcher.dispatch(**kwargs)
+        dispatcher.dispatch(num_tokens, num_active_loras=num_active_loras)
 
 
 # -- capture plan --
 
 
+@settings(deadline=None)
 @given(dispatchers)
 def test_capture_plan_order_and_content(dispatcher: CUDAGraphDispatcher) -> None:
     """PIECEWISE group then FULL, each largest first, no empty group, and together exactly keys()."""
@@ -291,6 +328,7 @@ def test_capture_plan_order_and_content(dispatcher: CUDAGraphDispatcher) -> None
     assert planned == existing
 
 
+@settings(deadline=None)
 @given(dispatch_configs)
 def test_capture_plan_is_empty_exactly_when_there_are_no_keys(config: DispatchConfig) -> None:
     """Mode NONE captures nothing; every other mode captures at least one group."""

@@ -5,6 +5,13 @@ are decorated with ``eager_break_during_capture``. Inside a breakable capture
 a call to one ends the current graph segment, runs the op eagerly on the
 capture stream, records it, and starts a new segment. Replay runs the
 recorded steps in order on the caller's stream: graph, op, graph, ...
+
+Each segment is replayed as soon as it is captured, before the eager op that
+follows it runs. A captured segment has only been recorded, not run, so
+without this the eager op would read whatever the pool memory held (indices
+included: an out-of-range gather is a device-side assert that kills the
+process). With it, a capture computes the same values as an eager forward,
+and its outputs are valid when the capture ends.
 """
 
 from __future__ import annotations
@@ -197,7 +204,9 @@ class BreakableCUDAGraphCapture:
         assert graph is not None and self._pool is not None
         if end_segment(graph, self._pool, self._descriptor):
             self._graphs.append(graph)
-            self._tail.append(functools.partial(REPLAY, graph))
+            step = functools.partial(REPLAY, graph)
+            self._tail.append(step)
+            step()  # run what was just recorded: the next eager op reads its results
 
     def _finish(self, *, failed: bool) -> None:
         """Leave the capture stream, order the caller after it, clear the thread state."""

@@ -144,16 +144,17 @@ class _GraphWrapper(Generic[P, R]):
         try:
             if options.warmup_runs:
                 self._warm_up(context, stream, args, kwargs)
-            engine, replay, output = self._capture_engine(descriptor, pool, stream, args, kwargs)
+            engine, replay, output, ran = self._capture_engine(descriptor, pool, stream, args, kwargs)
         except CaptureError:
             raise
         except Exception as error:
             raise CaptureError(
                 f"{type(self).__name__}: capture failed with {type(error).__name__}: {error}", descriptor
             ) from error
-        # The capture only recorded the work: run it once so that this call's
-        # outputs hold the result for this call's inputs.
-        replay()
+        if not ran:
+            # The capture only recorded the work: run it once so that this
+            # call's outputs hold the result for this call's inputs.
+            replay()
         addresses = _addresses(args, kwargs) if options.check_input_addresses else None
         kept = weak_ref_tensors(output) if options.weak_ref_output else output
         self._entries[descriptor] = _Entry(engine, replay, kept, addresses)
@@ -188,7 +189,8 @@ class _GraphWrapper(Generic[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
-    ) -> tuple[object, Callable[[], object], R]:
+    ) -> tuple[object, Callable[[], object], R, bool]:
+        """Capture; returns (owner, replay, output, whether the capture already ran the work)."""
         raise NotImplementedError
 
 
@@ -225,7 +227,7 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
-    ) -> tuple[object, Callable[[], object], R]:
+    ) -> tuple[object, Callable[[], object], R, bool]:
         graph = torch.cuda.CUDAGraph()
         caller = torch.cuda.current_stream()
         prepare_capture(self._options.gc_disable)
@@ -242,7 +244,7 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         finally:
             caller.wait_stream(stream)
         replay: Callable[[], object] = REPLAY.__get__(graph) if captured_work else _nothing
-        return graph, replay, output
+        return graph, replay, output, False
 
 
 class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
@@ -258,6 +260,14 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
     def __init__(self, runnable: Callable[P, R], options: CaptureOptions | None = None) -> None:
         super().__init__(runnable, (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), options)
 
+    def capture_for(self, descriptor: BatchDescriptor) -> BreakableCUDAGraphCapture | None:
+        """The segments captured for ``descriptor`` (their counts), or ``None``."""
+        entry = self._entries.get(descriptor)
+        if entry is None:
+            return None
+        assert isinstance(entry.engine, BreakableCUDAGraphCapture)
+        return entry.engine
+
     def _capture_engine(
         self,
         descriptor: BatchDescriptor,
@@ -265,13 +275,13 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
-    ) -> tuple[object, Callable[[], object], R]:
+    ) -> tuple[object, Callable[[], object], R, bool]:
         capture = BreakableCUDAGraphCapture(
             pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor
         )
         with capture:
             output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
-        return capture, capture.replay, output
+        return capture, capture.replay, output, True  # segments run as they are captured
 
 
 def _nothing() -> None:

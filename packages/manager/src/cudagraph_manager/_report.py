@@ -1,0 +1,133 @@
+"""What the manager did: the capture report and the run statistics, as values."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+
+_UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CapturedGraph:
+    """One captured graph: its key, what it cost in host time and in pool memory.
+
+    ``seconds`` is host time of the warm-up and the capture (the device is not
+    synchronized per graph). ``pool_bytes`` is the growth of the device's
+    reserved memory during the capture: the new memory this graph needed from
+    the shared pool. Graphs captured later (smaller) mostly reuse the pool, so
+    their share is often 0.
+    """
+
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+    seconds: float
+    pool_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CaptureReport:
+    """Every graph one ``capture()`` call captured, in capture order, and the totals.
+
+    ``seconds`` is the wall time of the whole phase, device synchronized at
+    the end; ``reserved_bytes`` is the growth of reserved device memory over
+    it (the graphs' pool plus the allocator blocks of the eager warm-ups).
+    """
+
+    graphs: tuple[CapturedGraph, ...]
+    seconds: float
+    reserved_bytes: int
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def pool_bytes(self) -> int:
+        """The memory the graphs took from the pool: the sum of their shares."""
+        return sum(g.pool_bytes for g in self.graphs)
+
+    def __str__(self) -> str:
+        header = (
+            f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
+            f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}"
+        )
+        rows = [
+            (
+                g.mode.name,
+                str(g.descriptor.num_tokens),
+                "-" if g.descriptor.num_reqs is None else str(g.descriptor.num_reqs),
+                "yes" if g.descriptor.uniform else "no",
+                str(g.descriptor.num_active_loras),
+                f"{g.seconds:.4f}",
+                format_bytes(g.pool_bytes),
+            )
+            for g in self.graphs
+        ]
+        total = (
+            "total",
+            "",
+            "",
+            "",
+            "",
+            f"{sum(g.seconds for g in self.graphs):.4f}",
+            format_bytes(self.pool_bytes),
+        )
+        headers = ("mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool")
+        return "\n".join([header, *format_table(headers, [*rows, total], right=frozenset({1, 2, 4, 5, 6}))])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """What ``run`` did since the manager was built (or its stats were reset).
+
+    ``replays`` counts replays per ``(runtime mode, padded num_tokens)``.
+    ``eager_runs`` counts runs without a graph, for any reason (above the
+    largest size, no graph for this kind of batch, or not captured yet);
+    ``uncaptured_runs`` is the part of those whose graph exists in the plan
+    but was not captured yet. ``padded_tokens`` is the padding rows the
+    replays computed on top of the real tokens.
+    """
+
+    replays: Mapping[tuple[CUDAGraphMode, int], int]
+    eager_runs: int
+    uncaptured_runs: int
+    padded_tokens: int
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays.values())
+
+    def replays_of(self, mode: CUDAGraphMode) -> int:
+        """Replays in runtime mode ``mode``, over all sizes."""
+        return sum(n for (m, _), n in self.replays.items() if m is mode)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``"0 B"``, ``"1.5 KiB"``, ``"-12.0 MiB"``."""
+    size = float(abs(n))
+    unit = 0
+    while size >= 1024 and unit < len(_UNITS) - 1:
+        size /= 1024
+        unit += 1
+    sign = "-" if n < 0 else ""
+    return f"{sign}{abs(n)} B" if unit == 0 else f"{sign}{size:.1f} {_UNITS[unit]}"
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: frozenset[int] = frozenset()
+) -> list[str]:
+    """Lines of an aligned text table; columns in ``right`` are right-aligned."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]

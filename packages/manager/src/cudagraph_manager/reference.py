@@ -1,0 +1,411 @@
+"""A reference decoder (Llama-like) for the demo, the tests and the benchmarks.
+
+It has what makes CUDA graphs both worth having and hard to get right in a
+real engine: hundreds of small kernels per step, a static KV cache updated in
+place, per-step attention metadata, and an attention op that can run inside a
+FULL graph or eagerly between PIECEWISE segments.
+
+- Inputs of one step (``num_tokens`` rows, any mix of requests):
+  ``input_ids [T]``, ``positions [T]`` (position of each token in its
+  sequence) and ``slot_ids [T]`` (the KV cache row of the token's request).
+  Tokens of one request in one step sit at consecutive positions (a prefill
+  chunk); a uniform decode step has one token per request.
+- Attention metadata is built once per step, at the start of ``forward``,
+  with capturable torch ops only (no ``.item()``, no host sync, no
+  data-dependent shapes): a mask ``[T, max_seq_len]`` (key ``j`` is visible to
+  token ``t`` iff ``j <= positions[t]``), the flat cache index of each token,
+  and the rotary cos/sin.
+- ``cached_attention`` is an ``eager_break_during_capture`` op: it writes the
+  step's K/V into the cache at ``(slot, position)`` and attends over the
+  request's cache row, writing into a caller-provided buffer. A breakable
+  (PIECEWISE) capture splits the forward there, one break per layer; a FULL
+  capture records it inline.
+- Padding rows use a scratch cache row (index ``max_num_seqs``), so padding
+  never writes into a real request's cache. Writing K/V is idempotent: the
+  same step run twice (a graph replay, then eagerly) gives the same outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Final, NamedTuple
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
+from torch import nn
+
+from cudagraph_capture import eager_break_during_capture
+
+from ._static import StaticInput
+
+# Step inputs, in the order of ``ReferenceDecoder.forward``.
+INPUT_NAMES: Final[tuple[str, ...]] = ("input_ids", "positions", "slot_ids")
+
+_ROPE_THETA: Final = 10000.0
+_RMS_EPS: Final = 1e-5
+# Weights are drawn with std fan_in ** -0.5 so every branch contributes to the
+# residual stream as much as the embedding does: a wrong attention or MLP
+# result then changes the output visibly, and the tests can see it.
+_EMBED_STD: Final = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Shapes and limits of the reference decoder.
+
+    The defaults are the benchmark model: 8 layers, d=1024, 16 heads of 64,
+    bf16, a KV cache for 256 requests of up to 256 tokens (plus one scratch
+    row for padding). ``small()`` is a float32 model for CPU tests.
+    """
+
+    num_layers: int = 8
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 2816  # ~2.75 x hidden, as in Llama
+    vocab_size: int = 4096
+    max_num_seqs: int = 256
+    max_seq_len: int = 256
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_num_seqs",
+            "max_seq_len",
+        ):
+            value: object = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads: must divide hidden_size={self.hidden_size}, got {self.num_heads!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"num_heads: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        dtype: object = self.dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def scratch_slot(self) -> int:
+        """The KV cache row that padding rows write to and read from."""
+        return self.max_num_seqs
+
+    @classmethod
+    def small(cls) -> DecoderConfig:
+        """A float32 model small enough for CPU tests: 2 layers, d=128, 4 heads."""
+        return cls(
+            num_layers=2,
+            hidden_size=128,
+            num_heads=4,
+            intermediate_size=352,
+            vocab_size=512,
+            max_num_seqs=16,
+            max_seq_len=64,
+            dtype=torch.float32,
+        )
+
+
+class AttentionMetadata(NamedTuple):
+    """Per-step attention metadata, built once at the start of ``forward``.
+
+    A NamedTuple rather than a dataclass so that tracers (torch.compile) see
+    through it without a graph break.
+    """
+
+    slot_ids: torch.Tensor  # [T] int64: the cache row of each token
+    cache_index: torch.Tensor  # [T] int64: slot * max_seq_len + position
+    mask: torch.Tensor  # [T, 1, 1, max_seq_len] bool: key j visible iff j <= position
+    cos: torch.Tensor  # [T, 1, head_dim // 2]
+    sin: torch.Tensor  # [T, 1, head_dim // 2]
+
+
+def build_attention_metadata(
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor,
+    key_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """The metadata of one step, with capturable ops only (no host sync).
+
+    ``positions`` and ``slot_ids`` are ``[T]``; ``key_positions`` is
+    ``arange(max_seq_len)``; ``inv_freq`` is ``[head_dim // 2]``.
+    """
+    max_seq_len = key_positions.shape[0]
+    mask = key_positions[None, :] <= positions[:, None]  # [T, L]
+    cache_index = slot_ids * max_seq_len + positions  # [T]
+    freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [T, head_dim // 2]
+    return AttentionMetadata(
+        slot_ids=slot_ids,
+        cache_index=cache_index,
+        mask=mask[:, None, None, :],
+        cos=freqs.cos().to(dtype)[:, None, :],
+        sin=freqs.sin().to(dtype)[:, None, :],
+    )
+
+
+def _cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cache_index: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Write this step's K/V into the cache, attend, write the result to ``out``.
+
+    Shapes: ``q``, ``k``, ``v`` and ``out`` are ``[T, heads, head_dim]``; the
+    caches are ``[max_num_seqs + 1, max_seq_len, heads, head_dim]``;
+    ``slot_ids`` and ``cache_index`` are ``[T]``; ``mask`` is
+    ``[T, 1, 1, max_seq_len]``. Token ``t`` attends over its request's cache
+    row at positions ``<= positions[t]``, which include the keys this step
+    writes (a prefill chunk is causal within itself).
+
+    Fixed shapes throughout (the gather reads whole cache rows), so it is
+    capturable; the write is idempotent for the same inputs.
+    """
+    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, cache_index, k)
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, cache_index, v)
+    keys = k_cache.index_select(0, slot_ids).transpose(1, 2)  # [T, heads, L, head_dim]
+    values = v_cache.index_select(0, slot_ids).transpose(1, 2)  # [T, heads, L, head_dim]
+    result = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask)  # [T, heads, 1, d]
+    out.copy_(result.squeeze(2))
+
+
+#: The attention op as an eager break: a breakable (PIECEWISE) capture runs it
+#: between graph segments, a FULL capture records it like any other code.
+cached_attention: Final = eager_break_during_capture(_cached_attention)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [T, heads, head_dim]`` (halves rotated, Llama/NeoX style)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, head_dim // 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: RMSNorm, fused QKV, RoPE, cached attention, SiLU-gated MLP.
+
+    Holds its KV cache as buffers allocated once:
+    ``[max_num_seqs + 1, max_seq_len, heads, head_dim]`` each, the last row
+    being the padding scratch row.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def __init__(self, config: DecoderConfig, *, device: torch.device | None, breakable: bool) -> None:
+        super().__init__()
+        self.config: Final = config
+        self._breakable: Final = breakable
+        d, f, dtype = config.hidden_size, config.intermediate_size, config.dtype
+        self.input_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        self.qkv_weight = nn.Parameter(_normal((3 * d, d), d, device, dtype))
+        self.o_weight = nn.Parameter(_normal((d, d), d, device, dtype))
+        self.post_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        self.gate_up_weight = nn.Parameter(_normal((2 * f, d), d, device, dtype))
+        self.down_weight = nn.Parameter(_normal((d, f), f, device, dtype))
+        # Random contents stand for earlier context: a decode step at position
+        # p attends to p keys that earlier steps wrote.
+        cache_shape = (config.max_num_seqs + 1, config.max_seq_len, config.num_heads, config.head_dim)
+        self.register_buffer(
+            "k_cache", torch.randn(cache_shape, device=device, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.randn(cache_shape, device=device, dtype=dtype), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``; writes this step's K/V into the cache."""
+        config = self.config
+        num_tokens, d = x.shape[0], config.hidden_size
+        h = F.rms_norm(x, (d,), self.input_norm, _RMS_EPS)
+        qkv = F.linear(h, self.qkv_weight).view(num_tokens, 3, config.num_heads, config.head_dim)
+        q, k, v = qkv.unbind(1)  # [T, heads, head_dim] each
+        q = _rotate(q, meta.cos, meta.sin)
+        k = _rotate(k, meta.cos, meta.sin)
+        attn = torch.empty((num_tokens, config.num_heads, config.head_dim), device=x.device, dtype=x.dtype)
+        attention = cached_attention if self._breakable else _cached_attention
+        attention(q, k, v, self.k_cache, self.v_cache, meta.slot_ids, meta.cache_index, meta.mask, attn)
+        x = x + F.linear(attn.view(num_tokens, d), self.o_weight)
+        h = F.rms_norm(x, (d,), self.post_norm, _RMS_EPS)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, intermediate] each
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class ReferenceDecoder(nn.Module):
+    """A Llama-like decoder over a static KV cache, returning final hidden states.
+
+    ``forward(input_ids, positions, slot_ids) -> [T, hidden]``, all inputs
+    ``[T]`` int64 on the model's device. Capturable whole (FULL) or split at
+    each layer's attention (PIECEWISE: ``num_layers`` eager breaks). Inference
+    only: parameters do not require grad.
+
+    ``breakable=False`` calls attention without the break point, for tracers
+    (``torch.compile``) that should see the whole forward as plain torch code.
+    """
+
+    key_positions: torch.Tensor
+    inv_freq: torch.Tensor
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        device: torch.device | str | None = None,
+        breakable: bool = True,
+    ) -> None:
+        super().__init__()
+        dev = None if device is None else torch.device(device)
+        self.config: Final = config
+        self.embed = nn.Parameter(
+            torch.randn((config.vocab_size, config.hidden_size), device=dev, dtype=config.dtype) * _EMBED_STD
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device=dev, breakable=breakable) for _ in range(config.num_layers)
+        )
+        self.final_norm = nn.Parameter(torch.ones(config.hidden_size, device=dev, dtype=config.dtype))
+        half = config.head_dim // 2
+        inv_freq = _ROPE_THETA ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
+        self.register_buffer(
+            "key_positions", torch.arange(config.max_seq_len, device=dev), persistent=False
+        )  # [max_seq_len]
+        self.requires_grad_(False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One step: ``[T]`` int64 inputs -> final hidden states ``[T, hidden]``."""
+        config = self.config
+        meta = build_attention_metadata(positions, slot_ids, self.key_positions, self.inv_freq, config.dtype)
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            x = layer.forward(x, meta)
+        return F.rms_norm(x, (config.hidden_size,), self.final_norm, _RMS_EPS)  # [T, hidden]
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``forward`` on a dict of step inputs (``make_step_inputs``), typed."""
+        return self.forward(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(k_cache, v_cache)`` of every layer: the model's mutable state."""
+        caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            caches.append((layer.k_cache, layer.v_cache))
+        return caches
+
+
+def _normal(
+    shape: tuple[int, int], fan_in: int, device: torch.device | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Weights with std ``fan_in ** -0.5``: each projection keeps its input's scale."""
+    return torch.randn(shape, device=device, dtype=dtype) * (1.0 / math.sqrt(fan_in))
+
+
+def static_inputs(config: DecoderConfig) -> dict[str, StaticInput]:
+    """The decoder's inputs for ``CUDAGraphManager``: three ``[T]`` int64 token rows.
+
+    Padding rows get token 0 at position 0 in the scratch cache row, so they
+    never write into (or read from) a real request's cache.
+    """
+    return {
+        "input_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
+        "positions": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
+        "slot_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=config.scratch_slot),
+    }
+
+
+def pad_step_inputs(
+    config: DecoderConfig, inputs: dict[str, torch.Tensor], num_tokens: int
+) -> dict[str, torch.Tensor]:
+    """``inputs`` padded to ``num_tokens`` rows as the manager pads them (for eager checks)."""
+    real = inputs["input_ids"].shape[0]
+    if num_tokens < real:
+        raise ValueError(f"num_tokens: must be >= the {real} rows of the inputs, got {num_tokens!r}")
+    pads = {name: spec.pad_value for name, spec in static_inputs(config).items()}
+    padded: dict[str, torch.Tensor] = {}
+    for name in INPUT_NAMES:
+        tensor = inputs[name]  # [T]
+        fill = torch.full((num_tokens - real,), pads[name], dtype=tensor.dtype, device=tensor.device)
+        padded[name] = torch.cat((tensor, fill))  # [num_tokens]
+    return padded
+
+
+def make_step_inputs(
+    config: DecoderConfig,
+    num_tokens: int,
+    *,
+    uniform_decode: bool,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of one step with ``num_tokens`` tokens (``[T]`` int64 each).
+
+    ``uniform_decode``: one token per request, each in its own cache row, at a
+    random position. Otherwise a mixed batch: the first request is a prefill
+    chunk of at least 2 tokens (when ``num_tokens >= 2``), the others chunks
+    or single decode tokens; each request has its own row and consecutive
+    positions. Drawn on the CPU with ``generator``, then moved to ``device``.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
+    limit = config.max_num_seqs if uniform_decode else config.max_num_seqs * config.max_seq_len
+    if num_tokens > limit:
+        raise ValueError(f"num_tokens: at most {limit} fit the KV cache here, got {num_tokens!r}")
+    g = generator
+
+    def randint(low: int, high: int) -> int:  # uniform in [low, high]
+        return int(torch.randint(low, high + 1, (), generator=g))
+
+    if uniform_decode:
+        lengths = [1] * num_tokens
+    else:
+        lengths = []
+        remaining = num_tokens
+        while remaining:
+            # Every length lies in [shortest, longest]: the rest always fits the rows left.
+            shortest = -(-remaining // (config.max_num_seqs - len(lengths)))
+            longest = min(remaining, config.max_seq_len)
+            if not lengths and num_tokens >= 2:  # the prefill chunk that makes the batch mixed
+                low = min(max(shortest, 2), longest)
+                length = randint(low, min(longest, max(low, num_tokens // 2)))
+            elif randint(0, 1):  # a decode token, unless the rows run short
+                length = shortest
+            else:
+                length = randint(shortest, min(longest, max(shortest, num_tokens // 4)))
+            lengths.append(length)
+            remaining -= length
+    slots = torch.randperm(config.max_num_seqs, generator=g)[: len(lengths)]
+    positions: list[torch.Tensor] = []
+    slot_rows: list[torch.Tensor] = []
+    for length, slot in zip(lengths, slots.tolist(), strict=True):
+        start = randint(0, config.max_seq_len - length)
+        positions.append(torch.arange(start, start + length))
+        slot_rows.append(torch.full((length,), slot, dtype=torch.int64))
+    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=g)
+    return {
+        "input_ids": input_ids.to(device),  # [T]
+        "positions": torch.cat(positions).to(device),  # [T]
+        "slot_ids": torch.cat(slot_rows).to(device),  # [T]
+    }
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float32 (Frobenius norms); syncs."""
+    a, e = actual.to(torch.float32), expected.to(torch.float32)
+    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-30))

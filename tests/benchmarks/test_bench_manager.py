@@ -1,0 +1,507 @@
+"""Benchmarks of the manager against its baselines, all measured in this run.
+
+- Decoder steps (the 8-layer reference decoder, d=1024, bf16, uniform decode
+  batches of 1, 13 (graphs padded to 16), 16 and 128 requests): eager, a
+  hand-written ``torch.cuda.CUDAGraph`` with its own input copies, the
+  capture engine's breakable replay driven directly, the manager in FULL and
+  in PIECEWISE mode, and ``torch.compile(mode="reduce-overhead")``.
+- Host overhead: ``run()`` on a one-kernel model against copy + replay.
+- Capture: time and pool memory of the 51 default sizes up to 512 (FULL)
+  against the pool memory of the largest size alone.
+
+Every benchmarked callable runs many steps and then synchronizes the device
+once, so the time is the device's throughput with the host's launch overhead
+in it, not one sync per step. Medians per step and ratios against the
+baselines go into ``extra_info``; ``tests/benchmarks/report.py`` tabulates and
+plots them.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Final, Protocol
+
+import pytest
+import torch
+
+from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions, GraphPool
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    set_forward_context,
+)
+from cudagraph_manager import CaptureReport, CUDAGraphManager, StaticInput
+from cudagraph_manager.demo import run_graph
+from cudagraph_manager.reference import (
+    INPUT_NAMES,
+    DecoderConfig,
+    ReferenceDecoder,
+    make_step_inputs,
+    pad_step_inputs,
+    relative_error,
+    static_inputs,
+)
+
+pytestmark = pytest.mark.gpu
+
+_STEP_BATCHES: Final = (1, 13, 16, 128)  # 13 requests replay the graph of 16
+_CAPTURE_SIZES: Final = CaptureSizes([1, 16, 128])
+_STEPS_PER_CALL: Final = 20  # decoder steps between two syncs
+_ROUNDS: Final = 15
+_WARMUP_ROUNDS: Final = 2
+_TOLERANCE: Final = 3e-2  # bf16 graph vs eager: rounding only (a bug is of order 1)
+# torch.compile: batch 1 and 128 always, first; the others only while the budget lasts
+# (each batch size is a compile of its own, tens of seconds).
+_COMPILE_BATCHES: Final = (1, 128, 16, 13)
+_COMPILE_ALWAYS: Final = frozenset({1, 128})
+_COMPILE_BUDGET_S: Final = 60.0
+_COMPILE_WARMUPS: Final = 3
+# Host overhead: a model of one tiny kernel, many calls between two syncs.
+_TINY_ELEMENTS: Final = 64
+_HOST_CALLS: Final = 1000
+_HOST_ROUNDS: Final = 10
+# Capture: the default sizes up to 512 (51 of them), FULL mode.
+_CAPTURE_MAX: Final = 512
+_DEFAULT_NUM_SIZES: Final = 51
+
+# (label, batch) -> median milliseconds per step, for ratios within this run.
+_MEDIANS: Final[dict[tuple[str, int], float]] = {}
+
+
+class _Stats(Protocol):
+    @property
+    def median(self) -> float: ...
+
+
+class _Metadata(Protocol):
+    @property
+    def stats(self) -> _Stats: ...
+
+
+class BenchmarkFixture(Protocol):
+    """The part of pytest-benchmark's ``benchmark`` fixture used here (it ships no types)."""
+
+    group: str | None
+
+    @property
+    def extra_info(self) -> dict[str, object]: ...
+
+    @property
+    def stats(self) -> _Metadata | None: ...
+
+    def pedantic(
+        self, target: Callable[[], object], *, rounds: int, warmup_rounds: int = 0, iterations: int = 1
+    ) -> object: ...
+
+
+# -- fixtures: one decoder and its inputs for the whole module --
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Iterator[ReferenceDecoder]:
+    torch.manual_seed(0)
+    model = ReferenceDecoder(DecoderConfig(), device="cuda")
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def step_inputs(decoder: ReferenceDecoder) -> dict[int, dict[str, torch.Tensor]]:
+    """Uniform decode steps: one token per request, requests in distinct cache rows."""
+    generator = torch.Generator().manual_seed(1)
+    return {
+        batch: make_step_inputs(
+            decoder.config, batch, uniform_decode=True, generator=generator, device="cuda"
+        )
+        for batch in _STEP_BATCHES
+    }
+
+
+@pytest.fixture(scope="module")
+def managers(decoder: ReferenceDecoder) -> dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]]:
+    """One manager per runtime mode over the same decoder, sizes 1, 16 and 128 captured."""
+    built: dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]] = {}
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+        config = DispatchConfig(mode, _CAPTURE_SIZES, max_num_seqs=decoder.config.max_num_seqs)
+        manager = CUDAGraphManager(decoder.forward, static_inputs(decoder.config), config)
+        report = manager.capture()
+        assert report.num_graphs == len(_CAPTURE_SIZES)
+        built[mode] = manager
+    return built
+
+
+class _Compiled:
+    """A ``torch.compile(mode="reduce-overhead")`` decoder and the compile time spent on it."""
+
+    __slots__ = ("fn", "model", "spent_s")
+
+    def __init__(self, model: ReferenceDecoder) -> None:
+        self.model: Final = model
+        self.fn: Final = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        self.spent_s = 0.0
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        # Inference: each call is a new step (untyped in torch's stubs).
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+        out = self.fn(**inputs)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> _Compiled:
+    # Attention without the break point: the tracer sees plain torch code.
+    # Same seed as `decoder`: the same weights and initial cache.
+    torch.manual_seed(0)
+    model = ReferenceDecoder(DecoderConfig(), device="cuda", breakable=False)
+    for k_cache, v_cache in model.kv_caches():
+        # Mutated in place every step: static addresses keep them graph inputs.
+        torch._dynamo.mark_static_address(k_cache)
+        torch._dynamo.mark_static_address(v_cache)
+    return _Compiled(model)
+
+
+# -- helpers --
+
+
+def _padded(batch: int) -> int:
+    padded = _CAPTURE_SIZES.pad(batch)
+    assert padded is not None
+    return padded
+
+
+def _group(batch: int) -> str:
+    padded = _padded(batch)
+    suffix = f" (graphs padded to {padded})" if padded != batch else ""
+    return f"decoder step, batch {batch}{suffix}"
+
+
+def _median_s(benchmark: BenchmarkFixture) -> float:
+    metadata = benchmark.stats
+    assert metadata is not None, "the benchmark did not run"
+    return float(metadata.stats.median)
+
+
+def _bench_step(
+    benchmark: BenchmarkFixture,
+    steps: Callable[[], object],
+    *,
+    label: str,
+    batch: int,
+    extra: dict[str, object] | None = None,
+) -> float:
+    """Time ``steps`` (``_STEPS_PER_CALL`` steps, then a sync); record the median per step."""
+    benchmark.group = _group(batch)
+    benchmark.pedantic(steps, rounds=_ROUNDS, warmup_rounds=_WARMUP_ROUNDS, iterations=1)
+    median_ms = _median_s(benchmark) / _STEPS_PER_CALL * 1e3
+    _MEDIANS[(label, batch)] = median_ms
+    info = benchmark.extra_info
+    info.update(
+        label=label,
+        baseline="eager",
+        batch=batch,
+        padded_batch=_padded(batch),
+        steps_per_call=_STEPS_PER_CALL,
+        median_step_ms=median_ms,
+    )
+    eager = _MEDIANS.get(("eager", batch))
+    if eager is not None and label != "eager":
+        info["speedup_vs_eager"] = eager / median_ms
+    graph = _MEDIANS.get(("cuda_graph", batch))
+    if graph is not None and label not in ("eager", "cuda_graph"):
+        info["time_vs_cuda_graph"] = median_ms / graph
+    if extra:
+        info.update(extra)
+    return median_ms
+
+
+def _repeat(step: Callable[[], object], times: int) -> Callable[[], None]:
+    """``times`` calls of ``step``, then one device sync: the unit a benchmark times."""
+
+    def run() -> None:
+        for _ in range(times):
+            step()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def _copier(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """Copies ``inputs`` into the first rows of ``static``: what a hand-written replay loop does."""
+    num_tokens = inputs["input_ids"].shape[0]
+    pairs = [(static[name][:num_tokens], inputs[name]) for name in INPUT_NAMES]  # views built once
+
+    def copy() -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    return copy
+
+
+def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    error = relative_error(actual, expected)
+    assert error < _TOLERANCE, f"{what}: relative error {error:.3g} against eager"
+
+
+# -- decoder steps --
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_eager(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    inputs = step_inputs[batch]
+    decoder.step(inputs)
+    _bench_step(benchmark, _repeat(lambda: decoder.step(inputs), _STEPS_PER_CALL), label="eager", batch=batch)
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_cuda_graph(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    """The baseline: one ``torch.cuda.CUDAGraph`` per size, copies into its static inputs, replay."""
+    inputs = step_inputs[batch]
+    static = pad_step_inputs(decoder.config, inputs, _padded(batch))  # [padded] each
+    decoder.step(static)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decoder.step(static)  # [padded, hidden]
+    copy = _copier(static, inputs)
+
+    def step() -> None:
+        copy()
+        graph.replay()
+
+    step()
+    _check(out[:batch].clone(), decoder.step(inputs), "hand-written graph")
+    _bench_step(benchmark, _repeat(step, _STEPS_PER_CALL), label="cuda_graph", batch=batch)
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_breakable_engine(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    """The capture engine's PIECEWISE replay driven directly: the manager's floor in that mode."""
+    inputs = step_inputs[batch]
+    static = pad_step_inputs(decoder.config, inputs, _padded(batch))  # [padded] each
+    wrapper = BreakableCUDAGraphWrapper(decoder.forward)
+    key = BatchDescriptor(_padded(batch))
+    decoder.step(static)  # warm-up
+    ids, positions, slots = (static[name] for name in INPUT_NAMES)
+    with set_forward_context(CUDAGraphMode.PIECEWISE, key):
+        wrapper(ids, positions, slots)  # captures
+    copy = _copier(static, inputs)
+
+    def step() -> torch.Tensor:
+        copy()
+        with set_forward_context(CUDAGraphMode.PIECEWISE, key):
+            return wrapper(ids, positions, slots)  # [padded, hidden]
+
+    _check(step()[:batch].clone(), decoder.step(inputs), "breakable engine")
+    _bench_step(benchmark, _repeat(step, _STEPS_PER_CALL), label="breakable_engine", batch=batch)
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE], ids=["full", "piecewise"])
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_manager(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    managers: dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]],
+    batch: int,
+    mode: CUDAGraphMode,
+) -> None:
+    inputs = step_inputs[batch]
+    manager = managers[mode]
+    _check(run_graph(manager, False, inputs).clone(), decoder.step(inputs), f"manager {mode.name}")
+    replays_before = manager.stats.replays_of(mode)
+    label = f"manager_{mode.name.lower()}"
+    _bench_step(
+        benchmark,
+        _repeat(lambda: run_graph(manager, False, inputs), _STEPS_PER_CALL),
+        label=label,
+        batch=batch,
+    )
+    stats = manager.stats
+    assert stats.eager_runs == 0
+    assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
+
+
+@pytest.mark.parametrize("batch", _COMPILE_BATCHES)
+def test_step_torch_compile(
+    benchmark: BenchmarkFixture,
+    compiled: _Compiled,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    """``torch.compile(mode="reduce-overhead", dynamic=False)``: one compile per batch size."""
+    if batch not in _COMPILE_ALWAYS and compiled.spent_s > _COMPILE_BUDGET_S:
+        pytest.skip(f"torch.compile budget spent ({compiled.spent_s:.0f} s > {_COMPILE_BUDGET_S:.0f} s)")
+    inputs = step_inputs[batch]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # inductor's advice (TF32 and the like) is not a failure here
+        start = time.perf_counter()
+        for _ in range(_COMPILE_WARMUPS):  # compile, record the cudagraph tree, replay once
+            out = compiled.step(inputs)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        compiled.spent_s += compile_s
+        _check(out.clone(), compiled.model.step(inputs), "torch.compile")
+        _bench_step(
+            benchmark,
+            _repeat(lambda: compiled.step(inputs), _STEPS_PER_CALL),
+            label="torch_compile",
+            batch=batch,
+            extra={"compile_s": compile_s, "cudagraph_skips": _cudagraph_skips()},
+        )
+
+
+def _cudagraph_skips() -> int:
+    """How often inductor fell back from CUDA graphs (0: the timing is of graphs)."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
+# -- host overhead of run() --
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2  # [n]
+
+
+@pytest.fixture(scope="module")
+def tiny_input() -> torch.Tensor:
+    return torch.randn(_TINY_ELEMENTS, device="cuda")  # [64]
+
+
+def _bench_host(benchmark: BenchmarkFixture, call: Callable[[], object], *, label: str) -> None:
+    benchmark.group = f"host overhead: {_HOST_CALLS} calls of x * 2 ({_TINY_ELEMENTS} elements), one sync"
+    benchmark.pedantic(_repeat(call, _HOST_CALLS), rounds=_HOST_ROUNDS, warmup_rounds=1, iterations=1)
+    per_call_us = _median_s(benchmark) / _HOST_CALLS * 1e6
+    _MEDIANS[(label, 0)] = per_call_us
+    info = benchmark.extra_info
+    info.update(
+        label=label,
+        baseline="cuda_graph",
+        steps_per_call=_HOST_CALLS,
+        median_call_us=per_call_us,
+        median_step_ms=per_call_us / 1e3,
+    )
+    graph = _MEDIANS.get(("cuda_graph", 0))
+    if graph is not None and label != "cuda_graph":
+        info["time_vs_cuda_graph"] = per_call_us / graph
+        info["overhead_vs_cuda_graph_us"] = per_call_us - graph
+
+
+def test_host_overhead_eager(benchmark: BenchmarkFixture, tiny_input: torch.Tensor) -> None:
+    _bench_host(benchmark, lambda: _double(tiny_input), label="eager")
+
+
+def test_host_overhead_cuda_graph(benchmark: BenchmarkFixture, tiny_input: torch.Tensor) -> None:
+    static = tiny_input.clone()  # [64]
+    _double(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _double(static)
+
+    def step() -> None:
+        static.copy_(tiny_input)
+        graph.replay()
+
+    step()
+    torch.testing.assert_close(out, tiny_input * 2)
+    _bench_host(benchmark, step, label="cuda_graph")
+
+
+def test_host_overhead_manager_run(benchmark: BenchmarkFixture, tiny_input: torch.Tensor) -> None:
+    manager = CUDAGraphManager(
+        _double,
+        {"x": StaticInput(shape=(), dtype=torch.float32, rows="tokens")},
+        DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([_TINY_ELEMENTS]), max_num_seqs=_TINY_ELEMENTS),
+    )
+    manager.capture()
+    torch.testing.assert_close(manager.run(x=tiny_input), tiny_input * 2)
+    _bench_host(benchmark, lambda: manager.run(x=tiny_input), label="manager_full")
+    stats = manager.stats
+    assert stats.eager_runs == 0
+    assert stats.replays_of(CUDAGraphMode.FULL) == 1 + (_HOST_ROUNDS + 1) * _HOST_CALLS
+
+
+# -- capture time and pool memory --
+
+_CAPTURE_GROUP: Final = f"capture: FULL graphs of the decoder up to {_CAPTURE_MAX} tokens, own pool"
+
+
+def _pool_bytes(pool: GraphPool) -> int:
+    """Bytes of the device segments that belong to graph pool ``pool``."""
+    snapshot = torch.cuda.memory._snapshot()
+    wanted = tuple(pool)
+    return sum(
+        int(segment["total_size"])
+        for segment in snapshot["segments"]
+        if tuple(segment.get("segment_pool_id", ())) == wanted
+    )
+
+
+def _bench_capture(
+    benchmark: BenchmarkFixture, decoder: ReferenceDecoder, sizes: CaptureSizes, label: str
+) -> None:
+    pool = torch.cuda.graph_pool_handle()  # a pool of its own: its segments are this capture's memory
+    config = DispatchConfig(CUDAGraphMode.FULL, sizes, max_num_seqs=decoder.config.max_num_seqs)
+    manager = CUDAGraphManager(
+        decoder.forward, static_inputs(decoder.config), config, options=CaptureOptions(pool=pool)
+    )
+    decoder.step(make_step_inputs(decoder.config, _CAPTURE_MAX, uniform_decode=False, device="cuda"))
+    reports: list[CaptureReport] = []
+    benchmark.group = _CAPTURE_GROUP
+    benchmark.pedantic(lambda: reports.append(manager.capture(progress=False)), rounds=1, iterations=1)
+    (report,) = reports
+    assert report.num_graphs == len(sizes)
+    pool_bytes = _pool_bytes(pool)
+    assert pool_bytes > 0, "no segment of the capture's pool found in the memory snapshot"
+    _MEDIANS[(label, -1)] = float(pool_bytes)
+    info = benchmark.extra_info
+    info.update(
+        label=label,
+        baseline="largest_only",
+        num_graphs=report.num_graphs,
+        seconds_per_graph=report.seconds / report.num_graphs,
+        pool_mib=pool_bytes / 2**20,
+        report_pool_mib=report.pool_bytes / 2**20,
+        report_reserved_mib=report.reserved_bytes / 2**20,
+    )
+    largest = _MEDIANS.get(("largest_only", -1))
+    if largest is not None and label != "largest_only":
+        info["pool_vs_largest_only"] = pool_bytes / largest
+    # Every graph replays correctly from the shared pool: check the largest and the smallest.
+    for num_tokens in (sizes.max, sizes.sizes[0]):
+        inputs = make_step_inputs(decoder.config, num_tokens, uniform_decode=False, device="cuda")
+        _check(
+            run_graph(manager, False, inputs).clone(), decoder.step(inputs), f"capture {label} {num_tokens}"
+        )
+    assert manager.stats.eager_runs == 0
+
+
+def test_capture_largest_size_alone(benchmark: BenchmarkFixture, decoder: ReferenceDecoder) -> None:
+    _bench_capture(benchmark, decoder, CaptureSizes([_CAPTURE_MAX]), "largest_only")
+
+
+def test_capture_default_sizes(benchmark: BenchmarkFixture, decoder: ReferenceDecoder) -> None:
+    sizes = CaptureSizes.default(_CAPTURE_MAX)
+    assert len(sizes) == _DEFAULT_NUM_SIZES
+    _bench_capture(benchmark, decoder, sizes, "default_sizes")

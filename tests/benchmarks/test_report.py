@@ -1,0 +1,153 @@
+"""The benchmark report on a synthetic pytest-benchmark JSON file (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.report import MARKDOWN_NAME, PLOT_NAME, load_entries, main, step_series
+
+_STEPS = 20
+
+
+def _bench(
+    name: str, group: str | None, median_s: float, extra: dict[str, object] | None = None
+) -> dict[str, object]:
+    return {
+        "name": name,
+        "fullname": f"tests/benchmarks/test_x.py::{name}",
+        "group": group,
+        "params": None,
+        "stats": {
+            "min": median_s * 0.9,
+            "max": median_s * 1.2,
+            "median": median_s,
+            "mean": median_s,
+            "rounds": 15,
+        },
+        "extra_info": extra or {},
+    }
+
+
+def _step(label: str, batch: int, step_ms: float) -> dict[str, object]:
+    extra: dict[str, object] = {
+        "label": label,
+        "baseline": "eager",
+        "batch": batch,
+        "steps_per_call": _STEPS,
+        "median_step_ms": step_ms,
+    }
+    return _bench(
+        f"test_step_{label}[{batch}]", f"decoder step, batch {batch}", step_ms * _STEPS / 1e3, extra
+    )
+
+
+def _document() -> dict[str, object]:
+    benchmarks = []
+    for batch, eager_ms in ((1, 3.0), (128, 5.0)):
+        benchmarks += [
+            _step("eager", batch, eager_ms),
+            _step("cuda_graph", batch, 0.5),
+            _step("manager_full", batch, 0.6),
+            _step("manager_piecewise", batch, 1.5),
+            _step("torch_compile", batch, 0.55),
+            _step("breakable_engine", batch, 1.4),  # in the table, not in the plot
+        ]
+    benchmarks += [
+        # No baseline named, no steps: the first entry of the group is the baseline.
+        _bench("test_capture_a", "capture", 2.0, {"pool_mib": 512.0, "note": "a|b"}),
+        _bench("test_capture_b", "capture", 3.0, {"num_graphs": 51}),
+        _bench("test_loose", None, 1e-6),
+        # Another module's decoder steps: in the tables, not in the plot.
+        _bench(
+            "test_capture_step[eager-1]",
+            "capture: decoder step, batch 1",
+            1.0,
+            {"label": "eager", "batch": 1, "median_step_ms": 50.0},
+        ),
+    ]
+    return {"machine_info": {"node": "box", "python_version": "3.12"}, "benchmarks": benchmarks}
+
+
+def _write(tmp_path: Path, document: object) -> Path:
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _table_row(md: str, group: str, label: str) -> list[str]:
+    section = md.split(f"## {group}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith(f"| {label} ")]
+    assert len(rows) == 1, rows
+    return [cell.strip() for cell in rows[0].strip("|").split("|")]
+
+
+def test_markdown_has_one_table_per_group_with_ratios_against_the_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the plot is not what this test checks
+    out = tmp_path / "out"
+    assert main([str(_write(tmp_path, _document())), str(out)]) == 0
+    md = (out / MARKDOWN_NAME).read_text()
+    assert [line for line in md.splitlines() if line.startswith("## ")] == [
+        "## decoder step, batch 1",
+        "## decoder step, batch 128",
+        "## capture",
+        "## (no group)",
+        "## capture: decoder step, batch 1",
+    ]
+    eager = _table_row(md, "decoder step, batch 1", "eager")
+    assert eager[1:5] == ["60 ms", "3 ms", "baseline", ""]
+    graph = _table_row(md, "decoder step, batch 128", "cuda_graph")
+    assert graph[1:5] == ["10 ms", "500 us", "0.1x eager", "10x"]
+    piecewise = _table_row(md, "decoder step, batch 1", "manager_piecewise")
+    assert piecewise[3:5] == ["0.5x eager", "2x"]
+    assert _table_row(md, "capture", "test_capture_a")[2:4] == ["baseline", ""]
+    capture_b = _table_row(md, "capture", "test_capture_b")
+    assert capture_b[1:4] == ["3 s", "1.5x test_capture_a", "0.667x"]
+    assert capture_b[-1] == "51"  # its own extra column, empty for the other entry
+    assert "a\\|b" in md  # a pipe in a value does not split the row
+    assert _table_row(md, "(no group)", "test_loose")[1] == "1 us"
+
+
+def test_step_series_holds_the_plotted_labels_sorted_by_batch() -> None:
+    series = step_series(load_entries(_document()))
+    assert list(series) == ["eager", "cuda_graph", "manager_full", "manager_piecewise", "torch_compile"]
+    assert series["eager"] == [(1, 3.0), (128, 5.0)]
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "out"
+    assert main([str(_write(tmp_path, _document())), str(out)]) == 0
+    assert "matplotlib is not installed: skipped step_time.png" in capsys.readouterr().out
+    assert not (out / PLOT_NAME).exists()
+    assert (out / MARKDOWN_NAME).exists()
+
+
+def test_plot_is_written_with_matplotlib(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert main([str(_write(tmp_path, _document())), str(out)]) == 0
+    assert (out / PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"benchmarks": "none"},
+        {"benchmarks": [{"name": "x", "stats": {"median": "fast"}}]},
+        ["not", "a", "dict"],
+    ],
+)
+def test_unreadable_input_exits_2(
+    tmp_path: Path, document: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(_write(tmp_path, document)), str(tmp_path / "out")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,51 @@
+"""Importing the torch packages must not initialize CUDA.
+
+Importing is what a process does before it forks workers or picks a device;
+a CUDA context created at import time breaks both. Meaningful without a GPU
+too, so these tests carry no ``gpu`` mark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+_REPO = Path(__file__).resolve().parents[2]
+_SRC_DIRS = [_REPO / "packages" / name / "src" for name in ("dispatch", "capture", "manager")]
+
+_PROBE = """
+import json, sys
+import {module}
+import torch
+print(json.dumps({{"cuda_initialized": torch.cuda.is_initialized(), "loaded": "{module}" in sys.modules}}))
+"""
+
+
+def _env() -> dict[str, str]:
+    paths = [str(p) for p in (*_SRC_DIRS, _REPO)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@pytest.mark.parametrize("module", ["cudagraph_capture", "cudagraph_manager"])
+def test_import_does_not_initialize_cuda(module: str) -> None:
+    """``import {module}`` in a fresh interpreter leaves ``torch.cuda.is_initialized()`` False."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"cuda_initialized": False, "loaded": True}
