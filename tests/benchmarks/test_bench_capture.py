@@ -22,6 +22,7 @@ asserted; only results are (a graph that replays garbage is not fast).
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from tests.benchmarks.decoder_bench_model import (
     BenchDecoderConfig,
     attention_reference,
 )
+from tests.benchmarks.support import BenchmarkFixture, interleaved_medians
 
 pytestmark = pytest.mark.gpu
 
@@ -67,30 +69,6 @@ _CAPTURE_ROUNDS: Final = 3
 _MEDIANS: Final[dict[tuple[str, str], float]] = {}
 
 
-class _Stats(Protocol):
-    @property
-    def median(self) -> float: ...
-
-
-class _Metadata(Protocol):
-    @property
-    def stats(self) -> _Stats: ...
-
-
-class BenchmarkFixture(Protocol):
-    """The part of pytest-benchmark's ``benchmark`` fixture used here (it ships no types)."""
-
-    group: str | None
-
-    @property
-    def extra_info(self) -> dict[str, object]: ...
-
-    @property
-    def stats(self) -> _Metadata | None: ...
-
-    def pedantic(
-        self, target: Callable[[], object], *, rounds: int, warmup_rounds: int = 0, iterations: int = 1
-    ) -> object: ...
 
 
 class _Peer(Protocol):
@@ -118,6 +96,10 @@ class _PeerContext(Protocol):
 def _peer() -> _Peer:
     module: _Peer = pytest.importorskip("breakable_cuda_graphs")  # untyped: ModuleType, attributes Any
     return module
+
+
+def _peer_available() -> bool:
+    return importlib.util.find_spec("breakable_cuda_graphs") is not None
 
 
 # -- helpers --
@@ -292,22 +274,14 @@ _STEP_BASELINES: Final[dict[str, tuple[str, ...]]] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("batch", "label"), [(batch, label) for batch in _STEP_BATCHES for label in _STEP_LABELS]
-)
-def test_decoder_step(
-    benchmark: BenchmarkFixture,
-    decoder: BenchDecoder,
-    step_buffers: tuple[torch.Tensor, torch.Tensor],
-    batch: int,
+def _decoder_step(
     label: str,
-) -> None:
-    """One decode step of the 8-layer decoder: eager, hand-written graph, our engines, the peer."""
-    group = f"capture: decoder step, batch {batch}"
-    benchmark.group = group
-    ids, positions = step_buffers[0][:batch], step_buffers[1][:batch]
-    expected = decoder.run(ids, positions).clone()  # idempotent: every variant computes this
-    desc = BatchDescriptor(batch)
+    decoder: BenchDecoder,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    desc: BatchDescriptor,
+) -> Callable[[], torch.Tensor]:
+    """One decode step of variant ``label``, captured if it is a graph variant (inputs static)."""
     step: Callable[[], torch.Tensor]
 
     if label == "eager":
@@ -356,6 +330,26 @@ def test_decoder_step(
             peer_graph.replay()
             return peer_out
 
+    return step
+
+
+@pytest.mark.parametrize(
+    ("batch", "label"), [(batch, label) for batch in _STEP_BATCHES for label in _STEP_LABELS]
+)
+def test_decoder_step(
+    benchmark: BenchmarkFixture,
+    decoder: BenchDecoder,
+    step_buffers: tuple[torch.Tensor, torch.Tensor],
+    batch: int,
+    label: str,
+) -> None:
+    """One decode step of the 8-layer decoder: eager, hand-written graph, our engines, the peer."""
+    group = f"capture: decoder step, batch {batch}"
+    benchmark.group = group
+    ids, positions = step_buffers[0][:batch], step_buffers[1][:batch]
+    expected = decoder.run(ids, positions).clone()  # idempotent: every variant computes this
+    step = _decoder_step(label, decoder, ids, positions, BatchDescriptor(batch))
+
     def steps() -> None:
         for _ in range(_STEPS_PER_CALL):
             step()
@@ -378,6 +372,45 @@ def test_decoder_step(
     benchmark.extra_info["median_step_ms"] = median * 1e3
     benchmark.extra_info["batch"] = batch
     benchmark.extra_info["eager_breaks"] = decoder.config.num_layers if "breakable" in label else 0
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_decoder_step_interleaved(
+    benchmark: BenchmarkFixture,
+    decoder: BenchDecoder,
+    step_buffers: tuple[torch.Tensor, torch.Tensor],
+    batch: int,
+) -> None:
+    """The target ratios from rounds that alternate every variant (drift-free; see timing.py).
+
+    The benchmark itself times our monolithic step; ``extra_info`` holds each
+    variant's interleaved median and ours over hand-written and over the peer.
+    """
+    benchmark.group = f"capture: decoder step, interleaved ratios, batch {batch}"
+    ids, positions = step_buffers[0][:batch], step_buffers[1][:batch]
+    expected = decoder.run(ids, positions).clone()
+    labels = [label for label in _STEP_LABELS if label != "peer_breakable" or _peer_available()]
+    steps = {label: _decoder_step(label, decoder, ids, positions, BatchDescriptor(batch)) for label in labels}
+    for label, step in steps.items():
+        err = _rel_err(step().clone(), expected)
+        assert err < _BF16_TOL, f"{label}: step differs from eager, rel err {err:.3e}"
+    medians = interleaved_medians(steps, rounds=_STEP_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    ours_full = steps["ours_full"]
+
+    def run_steps() -> None:
+        for _ in range(_STEPS_PER_CALL):
+            ours_full()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(run_steps, rounds=_STEP_ROUNDS, warmup_rounds=_WARMUP_ROUNDS)
+    info = benchmark.extra_info
+    info["batch"] = batch
+    for label, median in medians.items():
+        info[f"{label}_step_us"] = median * 1e6
+    info["full_vs_cuda_graph"] = medians["ours_full"] / medians["cuda_graph"]
+    info["breakable_vs_full"] = medians["ours_breakable"] / medians["ours_full"]
+    if "peer_breakable" in medians:
+        info["breakable_vs_peer"] = medians["ours_breakable"] / medians["peer_breakable"]
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Final, Protocol
+from typing import Final
 
 import pytest
 import torch
@@ -45,6 +45,7 @@ from cudagraph_manager.reference import (
     relative_error,
     static_inputs,
 )
+from tests.benchmarks.support import BenchmarkFixture, interleaved_medians
 
 pytestmark = pytest.mark.gpu
 
@@ -72,30 +73,6 @@ _DEFAULT_NUM_SIZES: Final = 51
 _MEDIANS: Final[dict[tuple[str, int], float]] = {}
 
 
-class _Stats(Protocol):
-    @property
-    def median(self) -> float: ...
-
-
-class _Metadata(Protocol):
-    @property
-    def stats(self) -> _Stats: ...
-
-
-class BenchmarkFixture(Protocol):
-    """The part of pytest-benchmark's ``benchmark`` fixture used here (it ships no types)."""
-
-    group: str | None
-
-    @property
-    def extra_info(self) -> dict[str, object]: ...
-
-    @property
-    def stats(self) -> _Metadata | None: ...
-
-    def pedantic(
-        self, target: Callable[[], object], *, rounds: int, warmup_rounds: int = 0, iterations: int = 1
-    ) -> object: ...
 
 
 # -- fixtures: one decoder and its inputs for the whole module --
@@ -263,15 +240,10 @@ def test_step_eager(
     _bench_step(benchmark, _repeat(lambda: decoder.step(inputs), _STEPS_PER_CALL), label="eager", batch=batch)
 
 
-@pytest.mark.parametrize("batch", _STEP_BATCHES)
-def test_step_cuda_graph(
-    benchmark: BenchmarkFixture,
-    decoder: ReferenceDecoder,
-    step_inputs: dict[int, dict[str, torch.Tensor]],
-    batch: int,
-) -> None:
-    """The baseline: one ``torch.cuda.CUDAGraph`` per size, copies into its static inputs, replay."""
-    inputs = step_inputs[batch]
+def _hand_written_step(
+    decoder: ReferenceDecoder, inputs: dict[str, torch.Tensor], batch: int
+) -> Callable[[], None]:
+    """One ``torch.cuda.CUDAGraph`` of the padded size: copy the inputs into its static rows, replay."""
     static = pad_step_inputs(decoder.config, inputs, _padded(batch))  # [padded] each
     decoder.step(static)  # warm-up
     torch.cuda.synchronize()
@@ -286,18 +258,13 @@ def test_step_cuda_graph(
 
     step()
     _check(out[:batch].clone(), decoder.step(inputs), "hand-written graph")
-    _bench_step(benchmark, _repeat(step, _STEPS_PER_CALL), label="cuda_graph", batch=batch)
+    return step
 
 
-@pytest.mark.parametrize("batch", _STEP_BATCHES)
-def test_step_breakable_engine(
-    benchmark: BenchmarkFixture,
-    decoder: ReferenceDecoder,
-    step_inputs: dict[int, dict[str, torch.Tensor]],
-    batch: int,
-) -> None:
-    """The capture engine's PIECEWISE replay driven directly: the manager's floor in that mode."""
-    inputs = step_inputs[batch]
+def _breakable_engine_step(
+    decoder: ReferenceDecoder, inputs: dict[str, torch.Tensor], batch: int
+) -> Callable[[], torch.Tensor]:
+    """The capture engine's PIECEWISE replay driven directly, with the same input copies."""
     static = pad_step_inputs(decoder.config, inputs, _padded(batch))  # [padded] each
     wrapper = BreakableCUDAGraphWrapper(decoder.forward)
     key = BatchDescriptor(_padded(batch))
@@ -313,6 +280,30 @@ def test_step_breakable_engine(
             return wrapper(ids, positions, slots)  # [padded, hidden]
 
     _check(step()[:batch].clone(), decoder.step(inputs), "breakable engine")
+    return step
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_cuda_graph(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    """The baseline: one ``torch.cuda.CUDAGraph`` per size, copies into its static inputs, replay."""
+    step = _hand_written_step(decoder, step_inputs[batch], batch)
+    _bench_step(benchmark, _repeat(step, _STEPS_PER_CALL), label="cuda_graph", batch=batch)
+
+
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_breakable_engine(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    batch: int,
+) -> None:
+    """The capture engine's PIECEWISE replay driven directly: the manager's floor in that mode."""
+    step = _breakable_engine_step(decoder, step_inputs[batch], batch)
     _bench_step(benchmark, _repeat(step, _STEPS_PER_CALL), label="breakable_engine", batch=batch)
 
 
@@ -340,6 +331,28 @@ def test_step_manager(
     stats = manager.stats
     assert stats.eager_runs == 0
     assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
+    # The target ratios, from rounds alternating with the baseline (drift-free);
+    # FULL against the hand-written graph, PIECEWISE against the engine's own replay.
+    baseline_label = "cuda_graph" if mode is CUDAGraphMode.FULL else "breakable_engine"
+    baseline = (
+        _hand_written_step(decoder, inputs, batch)
+        if mode is CUDAGraphMode.FULL
+        else _breakable_engine_step(decoder, inputs, batch)
+    )
+    candidates: dict[str, Callable[[], object]] = {
+        label: lambda: run_graph(manager, False, inputs),
+        baseline_label: baseline,
+    }
+    if mode is CUDAGraphMode.PIECEWISE:  # the other target: PIECEWISE over FULL at large batches
+        full = managers[CUDAGraphMode.FULL]
+        candidates["manager_full"] = lambda: run_graph(full, False, inputs)
+    medians = interleaved_medians(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    info = benchmark.extra_info
+    for other in candidates:
+        if other != label:
+            info[f"interleaved_vs_{other}"] = medians[label] / medians[other]
+    info["interleaved_step_us"] = medians[label] * 1e6
+    info[f"interleaved_{baseline_label}_step_us"] = medians[baseline_label] * 1e6
 
 
 @pytest.mark.parametrize("batch", _COMPILE_BATCHES)

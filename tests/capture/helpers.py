@@ -24,6 +24,8 @@ from cudagraph_capture import (
     eager_break_during_capture,
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from tests.torch_support import as_tensor as as_tensor
+from tests.torch_support import rel_err as rel_err
 
 #: Relative error allowed between a replay and eager on the same fp32 data.
 #: Replays run the same kernels as eager; cuBLAS may still pick another
@@ -47,24 +49,6 @@ SLEEP_CYCLES: Final = 50_000_000
 Engine = Literal["monolithic", "breakable"]
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float64.
-
-    The reference must not be all zeros: a zero reference would make any
-    output look either perfect or infinitely wrong, and say nothing.
-    """
-    assert actual.shape == expected.shape, f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}"
-    a = actual.detach().to(torch.float64)
-    b = expected.detach().to(torch.float64)
-    denom = float(torch.linalg.vector_norm(b).item())
-    assert denom > 0.0, "the reference is all zeros: the comparison would prove nothing"
-    return float(torch.linalg.vector_norm(a - b).item()) / denom
-
-
-def as_tensor(value: object) -> torch.Tensor:
-    """``value``, checked to be a tensor (narrows ``Any``/``object`` results)."""
-    assert isinstance(value, torch.Tensor), f"expected a tensor, got {type(value).__name__}"
-    return value
 
 
 def cuda() -> torch.device:

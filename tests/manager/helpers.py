@@ -33,6 +33,8 @@ from cudagraph_dispatch import (
     get_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, Rows, StaticInput
+from tests.torch_support import as_tensor as as_tensor
+from tests.torch_support import rel_err as rel_err
 
 #: Width, hidden width and vocabulary of the toy model: tiny, so the suite is fast.
 DIM: Final = 32
@@ -67,20 +69,6 @@ ALL_MODES: Final = (
 BACKENDS: Final = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float64; the reference must not be all zeros."""
-    assert actual.shape == expected.shape, f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}"
-    a = actual.detach().to(torch.float64)
-    b = expected.detach().to(torch.float64)
-    denom = float(torch.linalg.vector_norm(b).item())
-    assert denom > 0.0, "the reference is all zeros: the comparison would prove nothing"
-    return float(torch.linalg.vector_norm(a - b).item()) / denom
-
-
-def as_tensor(value: object) -> torch.Tensor:
-    """``value``, checked to be a tensor (narrows ``Any`` results of module calls)."""
-    assert isinstance(value, torch.Tensor), f"expected a tensor, got {type(value).__name__}"
-    return value
 
 
 def as_tensor_dict(value: object) -> dict[str, torch.Tensor]:

@@ -1,0 +1,68 @@
+"""What the benchmark modules share: the typed benchmark fixture, interleaved timing.
+
+Interleaved timing gives ratios that the GPU's drift during a run cannot
+bias: measured one after the other, two equal graphs differed by 15% on an
+H200 (the first measured ran faster; re-measured later, it matched the
+second). Alternating the candidates round by round gives each the same
+conditions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+
+
+class _Stats(Protocol):
+    @property
+    def median(self) -> float: ...
+
+
+class _Metadata(Protocol):
+    @property
+    def stats(self) -> _Stats: ...
+
+
+class BenchmarkFixture(Protocol):
+    """The part of pytest-benchmark's ``benchmark`` fixture used here (it ships no types)."""
+
+    group: str | None
+
+    @property
+    def extra_info(self) -> dict[str, object]: ...
+
+    @property
+    def stats(self) -> _Metadata | None: ...
+
+    def pedantic(
+        self, target: Callable[[], object], *, rounds: int, warmup_rounds: int = 0, iterations: int = 1
+    ) -> object: ...
+
+
+def interleaved_medians(
+    candidates: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int,
+    calls_per_round: int,
+    warmup_rounds: int = 2,
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, the candidates alternating round by round.
+
+    A round is ``calls_per_round`` calls then one device synchronize (so the
+    time includes the device's work, not just the host's enqueueing).
+    """
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for index in range(warmup_rounds + rounds):
+        for name, call in candidates.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls_per_round):
+                call()
+            torch.cuda.synchronize()
+            if index >= warmup_rounds:
+                samples[name].append((time.perf_counter() - start) / calls_per_round)
+    return {name: statistics.median(times) for name, times in samples.items()}

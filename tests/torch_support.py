@@ -1,0 +1,25 @@
+"""Helpers shared by the torch-using tests (capture, manager, benchmarks)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64.
+
+    The reference must not be all zeros: a zero reference would make any
+    output look either perfect or infinitely wrong, and say nothing.
+    """
+    assert actual.shape == expected.shape, f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    a = actual.detach().to(torch.float64)
+    b = expected.detach().to(torch.float64)
+    denom = float(torch.linalg.vector_norm(b).item())
+    assert denom > 0.0, "the reference is all zeros: the comparison would prove nothing"
+    return float(torch.linalg.vector_norm(a - b).item()) / denom
+
+
+def as_tensor(value: object) -> torch.Tensor:
+    """``value``, checked to be a tensor (narrows ``Any``/``object`` results of module calls)."""
+    assert isinstance(value, torch.Tensor), f"expected a tensor, got {type(value).__name__}"
+    return value
