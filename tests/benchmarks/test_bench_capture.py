@@ -69,8 +69,6 @@ _CAPTURE_ROUNDS: Final = 3
 _MEDIANS: Final[dict[tuple[str, str], float]] = {}
 
 
-
-
 class _Peer(Protocol):
     """What is used of ``breakable_cuda_graphs`` 0.1.0 (untyped; imported in the tests)."""
 

@@ -73,8 +73,6 @@ _DEFAULT_NUM_SIZES: Final = 51
 _MEDIANS: Final[dict[tuple[str, int], float]] = {}
 
 
-
-
 # -- fixtures: one decoder and its inputs for the whole module --
 
 

@@ -49,8 +49,6 @@ SLEEP_CYCLES: Final = 50_000_000
 Engine = Literal["monolithic", "breakable"]
 
 
-
-
 def cuda() -> torch.device:
     """The CUDA device the tests run on."""
     return torch.device("cuda", torch.cuda.current_device())

@@ -69,8 +69,6 @@ ALL_MODES: Final = (
 BACKENDS: Final = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 
 
-
-
 def as_tensor_dict(value: object) -> dict[str, torch.Tensor]:
     """``value``, checked to be a dict of tensors."""
     assert isinstance(value, dict), f"expected a dict, got {type(value).__name__}"

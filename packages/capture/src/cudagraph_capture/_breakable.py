@@ -201,7 +201,8 @@ class BreakableCUDAGraphCapture:
 
     def _end(self) -> None:
         graph, self._graph = self._graph, None
-        assert graph is not None and self._pool is not None
+        assert graph is not None
+        assert self._pool is not None
         if end_segment(graph, self._pool, self._descriptor):
             self._graphs.append(graph)
             step = functools.partial(REPLAY, graph)

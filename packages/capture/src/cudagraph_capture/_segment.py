@@ -9,6 +9,7 @@ before whatever the caller does next. No host synchronization is needed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import warnings
@@ -111,10 +112,8 @@ def repair_failed_capture(pool: GraphPool) -> None:
     unusable for new captures; graphs already captured into it still replay.
     """
     device = torch.cuda.current_device()
-    try:
+    with contextlib.suppress(RuntimeError):  # the allocator may have closed it already
         torch._C._cuda_endAllocateToPool(device, pool)
-    except RuntimeError:
-        pass  # the allocator had already closed it
     generator = torch.cuda.default_generators[device]
     generator.graphsafe_set_state(generator.clone_state())
     retire_shared_pool(device, pool)

@@ -308,7 +308,8 @@ def _check_addresses(
     got = _addresses(args, kwargs)
     if got == expected:
         return
-    for (name, address), (got_name, got_address) in zip(expected, got):
+    # The lengths may differ: that case is reported after the loop.
+    for (name, address), (got_name, got_address) in zip(expected, got, strict=False):
         if name != got_name or address != got_address:
             raise ValueError(
                 f"{got_name}: tensor at address {got_address:#x}, but the graph for {descriptor} "

@@ -66,9 +66,7 @@ class set_forward_context:  # noqa: N801 - used as a function-style context mana
             raise ValueError(f"runtime_mode: expected NONE, PIECEWISE or FULL, got {runtime_mode!r}")
         if batch_descriptor is None:
             if runtime_mode is not _NONE:
-                raise ValueError(
-                    f"batch_descriptor: required for runtime_mode {runtime_mode.name}, got None"
-                )
+                raise ValueError(f"batch_descriptor: required for runtime_mode {runtime_mode.name}, got None")
         elif batch_descriptor.__class__ is not BatchDescriptor:
             raise ValueError(f"batch_descriptor: expected a BatchDescriptor, got {batch_descriptor!r}")
         self._context = ForwardContext(

@@ -119,8 +119,9 @@ class CUDAGraphDispatcher:
         return tables
 
     def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
-        full = self._keys.get(_FULL, frozenset()) if _FULL not in invalid_modes else frozenset()
-        piecewise = self._keys.get(_PIECEWISE, frozenset()) if _PIECEWISE not in invalid_modes else frozenset()
+        none: frozenset[BatchDescriptor] = frozenset()
+        full = none if _FULL in invalid_modes else self._keys.get(_FULL, none)
+        piecewise = none if _PIECEWISE in invalid_modes else self._keys.get(_PIECEWISE, none)
         config = self._config
         sizes = config.capture_sizes
         decode_sizes = _DecodeSizes(sorted({k.num_tokens for k in full if k.uniform}))
@@ -203,4 +204,3 @@ def _largest_first(key: BatchDescriptor) -> tuple[int, int, int, bool]:
 
 def _reject_count(field: str, value: object) -> None:
     raise ValueError(f"{field}: expected an integer >= 0, got {value!r}")
-
