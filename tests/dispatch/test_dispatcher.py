@@ -336,10 +336,66 @@ def test_capture_plan_is_empty_exactly_when_there_are_no_keys(config: DispatchCo
     assert (plan == []) is (not any(spec_keys(config).values()))
 
 
+_Plan = list[tuple[CUDAGraphMode, list[BatchDescriptor]]]
+
+
+def _route(
+    dispatcher: GraphDispatcher, num_tokens: int
+) -> tuple[Dispatch, Dispatch, _Plan, frozenset[BatchDescriptor]]:
+    """What the capture and manager layers ask of a dispatcher, seeing only the protocol."""
+    return (
+        dispatcher.dispatch(num_tokens, uniform_decode=True),
+        dispatcher.dispatch(num_tokens, num_active_loras=0, invalid_modes=frozenset({M.PIECEWISE})),
+        dispatcher.capture_plan(),
+        dispatcher.keys(M.FULL),
+    )
+
+
+class _EagerOnlyDispatcher:
+    """A stand-in GraphDispatcher with no graphs: every batch runs eagerly. Records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, int, frozenset[CUDAGraphMode]]] = []
+
+    def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
+        return frozenset()
+
+    def dispatch(
+        self,
+        num_tokens: int,
+        *,
+        uniform_decode: bool = False,
+        num_active_loras: int = 0,
+        invalid_modes: frozenset[CUDAGraphMode] = frozenset(),
+    ) -> Dispatch:
+        self.calls.append((num_tokens, uniform_decode, num_active_loras, invalid_modes))
+        return Dispatch(M.NONE, BatchDescriptor(num_tokens))
+
+    def capture_plan(self) -> _Plan:
+        return []
+
+
 def test_dispatcher_satisfies_its_protocol() -> None:
-    """The capture and manager layers hold a GraphDispatcher: the concrete class must answer through it."""
+    """Code typed against GraphDispatcher gets the concrete class's answers, or a stand-in's if given one."""
     concrete = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4]), 4))
-    seen: GraphDispatcher = concrete  # checked by mypy
-    assert seen.dispatch(3, uniform_decode=True) == concrete.dispatch(3, uniform_decode=True)
-    assert seen.capture_plan() == concrete.capture_plan()
-    assert seen.dispatch(3).descriptor.num_tokens == 4
+    real = _route(concrete, 3)  # mypy checks that CUDAGraphDispatcher is a GraphDispatcher
+    # Written from DESIGN.md: 3 tokens pad to the 4-token graph; uniform decode keys FULL, mixed PIECEWISE.
+    full_keys = [BatchDescriptor(n, n, uniform=True) for n in (4, 2, 1)]
+    piecewise_keys = [BatchDescriptor(n) for n in (4, 2, 1)]
+    assert real == (
+        Dispatch(M.FULL, BatchDescriptor(4, 4, uniform=True)),
+        Dispatch(M.NONE, BatchDescriptor(3)),  # PIECEWISE invalid, no mixed FULL graph: eager
+        [(M.PIECEWISE, piecewise_keys), (M.FULL, full_keys)],
+        frozenset(full_keys),
+    )
+
+    fake = _EagerOnlyDispatcher()
+    stand_in = _route(fake, 3)  # mypy checks that the stand-in is a GraphDispatcher too
+    assert stand_in == (
+        Dispatch(M.NONE, BatchDescriptor(3)),
+        Dispatch(M.NONE, BatchDescriptor(3)),
+        [],
+        frozenset(),
+    )
+    assert fake.calls == [(3, True, 0, frozenset()), (3, False, 0, frozenset({M.PIECEWISE}))]
+    assert stand_in != real  # the answers come from the dispatcher passed in

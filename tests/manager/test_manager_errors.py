@@ -16,8 +16,8 @@ from typing import Final, cast
 import pytest
 import torch
 
-from cudagraph_capture import CaptureOptions
-from cudagraph_dispatch import CUDAGraphMode, DispatchConfig
+from cudagraph_capture import CaptureOptions, GraphPool
+from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
 from .helpers import (
@@ -27,6 +27,7 @@ from .helpers import (
     MAX_NUM_SEQS,
     Backend,
     FakeEngines,
+    FakeGraphEngine,
     ToyModel,
     assert_unchanged,
     config_for,
@@ -214,10 +215,45 @@ def test_bad_construction_raises_naming_the_argument(case: str) -> None:
 
 
 def test_valid_construction_keeps_options_and_device() -> None:
-    manager = _construct(options=CaptureOptions(weak_ref_output=False), strict=True)
-    assert isinstance(manager, CUDAGraphManager)
+    """The options given reach the engine factory: the manager may change warmup_runs, and nothing else."""
+    # Stand-ins for a pool and a stream, checked by identity (the fake engines never use them).
+    pool = cast(GraphPool, (1234, 5678))
+    stream = cast(torch.cuda.Stream, object())
+    given = CaptureOptions(
+        weak_ref_output=False,
+        gc_disable=False,
+        check_input_addresses=True,
+        pool=pool,
+        stream=stream,
+        warmup_runs=3,
+    )
+    engines = FakeEngines()
+    received: list[tuple[CUDAGraphMode, CaptureOptions]] = []
+
+    def factory(
+        model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
+    ) -> FakeGraphEngine:
+        received.append((mode, options))
+        return engines(model, mode, options)
+
+    manager = CUDAGraphManager(
+        ToyModel(CPU),
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        strict=True,
+        options=given,
+        engine_factory=factory,
+    )
     assert manager.device == CPU
     assert manager.num_captured == 0
+    assert received == []  # engines are built at capture
+    manager.capture()
+    assert [mode for mode, _ in received] == [FULL]
+    got = received[0][1]
+    for field in dataclasses.fields(CaptureOptions):
+        if field.name != "warmup_runs":
+            assert getattr(got, field.name) is getattr(given, field.name), field.name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device")
@@ -229,7 +265,7 @@ def test_default_device_needs_cuda() -> None:
 def test_config_errors_come_from_the_dispatch_config() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         config_for(FULL, max_num_seqs=0)
-    assert isinstance(config_for(FULL), DispatchConfig)
+    assert config_for(FULL, max_num_seqs=1).max_num_seqs == 1  # the smallest valid value is accepted
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +340,11 @@ def test_static_input_normalizes_the_shape() -> None:
 def test_static_input_accepts_representable_pad_values(dtype: torch.dtype, pad_value: float) -> None:
     spec = StaticInput((), dtype, pad_value=pad_value)
     buffer = torch.full((2,), spec.pad_value, dtype=dtype)  # what the manager allocates
-    assert buffer.dtype == dtype
+    # The pad value is stored exactly: read back, it is the value given (NaN stays NaN).
+    if math.isnan(pad_value):
+        assert bool(torch.isnan(buffer).all())
+    else:
+        assert buffer.tolist() == [pad_value, pad_value]
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from ._pool import GraphPool as GraphPool
 from ._pool import capture_stream as capture_stream
 from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
-from ._protocols import Replayable as Replayable
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 from ._wrapper import BreakableCUDAGraphWrapper as BreakableCUDAGraphWrapper
 from ._wrapper import CUDAGraphWrapper as CUDAGraphWrapper
@@ -34,7 +33,6 @@ __all__ = [
     "CaptureOptions",
     "GraphEngine",
     "GraphPool",
-    "Replayable",
     "capture_enabled",
     "capture_stream",
     "eager_break_during_capture",

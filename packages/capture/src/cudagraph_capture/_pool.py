@@ -98,5 +98,6 @@ def _new_pinned_pool(index: int) -> _DevicePool:
                 scratch.add_(1)
             finally:
                 anchor.capture_end()
+        # Not on_side_stream (in _segment, which imports this module): the same ordering.
         torch.cuda.current_stream(index).wait_stream(stream)
     return _DevicePool(handle, anchor, scratch)

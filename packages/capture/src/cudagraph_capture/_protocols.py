@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ParamSpec, Protocol, TypeVar
 
 from cudagraph_dispatch import BatchDescriptor
@@ -27,11 +26,3 @@ class GraphEngine(Protocol[P, R_co]):
 
     def clear(self) -> None: ...
 
-
-class Replayable(Protocol):
-    """Anything with a ``replay()``: a CUDA graph or a breakable capture."""
-
-    def replay(self) -> None: ...
-
-
-EagerFn = Callable[..., object]

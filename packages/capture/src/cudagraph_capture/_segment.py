@@ -13,7 +13,7 @@ import contextlib
 import gc
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import torch
@@ -44,6 +44,18 @@ class ThreadState(threading.local):
 
 
 THREAD: Final = ThreadState()
+
+
+@contextlib.contextmanager
+def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Run the body on ``stream``, ordered after the caller's stream and before its next work."""
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)  # the body sees every write queued before it
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)  # what the caller does next sees the body's work
 
 
 def prepare_capture(gc_disable: bool) -> None:

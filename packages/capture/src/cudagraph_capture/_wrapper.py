@@ -28,7 +28,15 @@ from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_stream, shared_pool
-from ._segment import REPLAY, THREAD, abort_segment, begin_segment, end_segment, prepare_capture
+from ._segment import (
+    REPLAY,
+    THREAD,
+    abort_segment,
+    begin_segment,
+    end_segment,
+    on_side_stream,
+    prepare_capture,
+)
 from ._weakref import weak_ref_tensors
 
 P = ParamSpec("P")
@@ -170,17 +178,12 @@ class _GraphWrapper(Generic[P, R]):
         kwargs: dict[str, object],
     ) -> None:
         """Run the runnable eagerly on the capture stream, as NONE (nested wrappers pass through)."""
-        caller = torch.cuda.current_stream()
-        stream.wait_stream(caller)
-        try:
-            with (
-                torch.cuda.stream(stream),
-                set_forward_context(CUDAGraphMode.NONE, context.batch_descriptor, **context.extra),
-            ):
-                for _ in range(self._options.warmup_runs):
-                    self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
-        finally:
-            caller.wait_stream(stream)
+        with (
+            on_side_stream(stream),
+            set_forward_context(CUDAGraphMode.NONE, context.batch_descriptor, **context.extra),
+        ):
+            for _ in range(self._options.warmup_runs):
+                self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
 
     def _capture_engine(
         self,
@@ -200,8 +203,10 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
     ``runtime_mode`` (FULL or PIECEWISE) is the forward-context mode this
     wrapper serves; under any other mode it is a plain call, which lets an
     outer FULL wrapper and inner PIECEWISE wrappers nest. Replay returns the
-    outputs captured for the descriptor; with ``weak_ref_output`` they stay
-    valid until the next replay of any graph in the same pool.
+    outputs captured for the descriptor, the same objects every time (treat
+    them, and a list or dict holding them, as read-only); with
+    ``weak_ref_output`` they stay valid until the next replay of any graph in
+    the same pool.
     """
 
     __slots__ = ()
@@ -229,22 +234,21 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         kwargs: dict[str, object],
     ) -> tuple[object, Callable[[], object], R, bool]:
         graph = torch.cuda.CUDAGraph()
-        caller = torch.cuda.current_stream()
         prepare_capture(self._options.gc_disable)
-        stream.wait_stream(caller)  # the capture sees every write queued before it
-        try:
-            with torch.cuda.stream(stream):
-                begin_segment(graph, pool)
-                try:
-                    output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
-                except BaseException:
-                    abort_segment(graph, pool)
-                    raise
-                captured_work = end_segment(graph, pool, descriptor)
-        finally:
-            caller.wait_stream(stream)
-        replay: Callable[[], object] = REPLAY.__get__(graph) if captured_work else _nothing
-        return graph, replay, output, False
+        with on_side_stream(stream):
+            begin_segment(graph, pool)
+            try:
+                output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+            except BaseException:
+                abort_segment(graph, pool)
+                raise
+            captured_work = end_segment(graph, pool, descriptor)
+        if not captured_work:
+            # Replaying nothing would hand back the capture's outputs forever: refuse.
+            raise CaptureError(
+                "the capture recorded no CUDA work (does the runnable run on the CPU?)", descriptor
+            )
+        return graph, REPLAY.__get__(graph), output, False
 
 
 class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
@@ -281,11 +285,12 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
         )
         with capture:
             output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+        if capture.num_graphs == 0 and capture.num_eager_breaks == 0:
+            raise CaptureError(
+                "the capture recorded no CUDA work and no eager break (does the runnable run on the CPU?)",
+                descriptor,
+            )
         return capture, capture.replay, output, True  # segments run as they are captured
-
-
-def _nothing() -> None:
-    """The replay of a graph that captured no work."""
 
 
 def _addresses(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:

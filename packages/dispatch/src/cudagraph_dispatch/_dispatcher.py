@@ -97,6 +97,39 @@ class CUDAGraphDispatcher:
         table = tables[(bool(uniform_decode), self._lora_slot[num_active_loras])]
         return table[num_tokens]
 
+    def explain(
+        self,
+        num_tokens: int,
+        *,
+        uniform_decode: bool = False,
+        num_active_loras: int = 0,
+        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+    ) -> str:
+        """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
+        decision = self.dispatch(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            num_active_loras=num_active_loras,
+            invalid_modes=invalid_modes,
+        )
+        if decision.mode is not _NONE:
+            return f"{num_tokens} tokens replay the {decision.mode.name} graph {decision.descriptor}"
+        config = self._config
+        if config.mode is _NONE:
+            return "the config's mode is NONE"
+        if num_tokens == 0:
+            return "an empty batch has no graph"
+        if num_tokens > self._max:
+            return f"{num_tokens} tokens exceed the largest capture size {self._max}"
+        if num_active_loras >= len(self._lora_slot):
+            return (
+                f"num_active_loras={num_active_loras} exceeds the largest captured count "
+                f"{len(self._lora_slot) - 1}"
+            )
+        kind = "uniform decode" if uniform_decode else "mixed"
+        skipped = f" with invalid_modes {sorted(m.name for m in invalid_modes)}" if invalid_modes else ""
+        return f"mode {config.mode.name} has no graph for a {kind} batch{skipped}"
+
     def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """What to capture: the PIECEWISE group, then FULL, each largest first."""
         plan: list[tuple[CUDAGraphMode, list[BatchDescriptor]]] = []

@@ -62,5 +62,3 @@ _DECODE: Final[dict[CUDAGraphMode, CUDAGraphMode]] = {
 _MIXED: Final[dict[CUDAGraphMode, CUDAGraphMode]] = {
     m: _BY_VALUE[m.value[1]] if isinstance(m.value, tuple) else m for m in CUDAGraphMode
 }
-
-RUNTIME_MODES: Final = frozenset(m for m in CUDAGraphMode if m.is_runtime_mode())

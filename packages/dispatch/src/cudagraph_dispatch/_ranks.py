@@ -12,8 +12,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from ._descriptor import BatchDescriptor
-from ._dispatcher import CUDAGraphDispatcher, Dispatch
+from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
+from ._protocols import GraphDispatcher
 from ._validate import check_int
 
 
@@ -33,7 +34,7 @@ class RankRequest:
 
 
 def agree_across_ranks(
-    dispatcher: CUDAGraphDispatcher,
+    dispatcher: GraphDispatcher,
     requests: Sequence[RankRequest],
     *,
     invalid_modes: frozenset[CUDAGraphMode] = frozenset(),

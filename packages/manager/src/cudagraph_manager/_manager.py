@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -25,7 +26,6 @@ from cudagraph_capture import (
     CaptureOptions,
     CUDAGraphWrapper,
     GraphEngine,
-    shared_pool,
 )
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
@@ -45,6 +45,7 @@ from ._protocols import GraphEngineFactory, OutputT
 from ._report import CapturedGraph, CaptureReport, ManagerStats
 from ._static import StaticInput
 
+_logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _FULL: Final = CUDAGraphMode.FULL
@@ -151,8 +152,8 @@ class CUDAGraphManager(Generic[OutputT]):
     on ``device`` (default: the current CUDA device), allocated once and
     filled with its ``pad_value``. ``config`` decides which graphs exist
     (through a ``CUDAGraphDispatcher``); ``options`` go to the capture engines
-    (one shared pool: ``options.pool``, else the capture package's
-    ``shared_pool``). ``output_rows`` says which count each output's leading
+    (one pool: ``options.pool``, else the capture package's shared
+    pool of the device). ``output_rows`` says which count each output's leading
     dimension follows ("tokens" by default), so ``run`` can cut it back to the
     real batch. ``strict=True`` raises ``NoGraphError`` where a batch would
     run eagerly. ``engine_factory`` replaces the capture engines (a seam for
@@ -188,6 +189,8 @@ class CUDAGraphManager(Generic[OutputT]):
                 "output_rows: an output follows 'reqs', but no input has rows='reqs' to count them"
             )
         self._device: Final = _resolve_device(device)
+        if engine_factory is None and self._device.type != "cuda":
+            raise ValueError(f"device: the CUDA graph engines need a CUDA device, got {self._device}")
 
         self._model: Final = model
         self._strict: Final = strict
@@ -218,6 +221,8 @@ class CUDAGraphManager(Generic[OutputT]):
         }
         self._max_num_seqs: Final = config.max_num_seqs
         self._query_len: Final = config.uniform_decode_query_len
+        self._max_tokens: Final = config.capture_sizes.max
+        self._logged_fallbacks: set[tuple[BatchDescriptor | None, bool, bool]] = set()
         self._eager_runs = 0
         self._uncaptured_runs = 0
         self._padded_tokens = 0
@@ -258,6 +263,14 @@ class CUDAGraphManager(Generic[OutputT]):
             padded_tokens=self._padded_tokens,
         )
 
+    def clear(self) -> None:
+        """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
+        for engine in self._engines.values():
+            engine.clear()
+        for graph in self._graphs.values():
+            graph.engine = None
+            graph.memo = None
+
     def reset_stats(self) -> None:
         for graph in self._graphs.values():
             graph.replays = 0
@@ -269,13 +282,16 @@ class CUDAGraphManager(Generic[OutputT]):
         """Capture every key of the capture plan not captured yet; report what it cost.
 
         Order: the PIECEWISE group, then FULL, each largest first, all into one
-        shared pool (smaller graphs reuse the memory of larger ones). Each key
-        gets one eager warm-up of its shape first (it allocates what the model
-        caches lazily, compiles what ``torch.compile`` compiles, and checks the
-        outputs against ``output_rows``). The garbage collector is paused for
-        the phase (restored after, also on error). ``progress``: show a tqdm
-        bar (default: when stderr is a terminal). A capture error propagates;
-        the keys captured before it stay usable.
+        shared pool (smaller graphs reuse the memory of larger ones). Each key's
+        views are filled with the inputs' pad values, then the engine warms the
+        shape up on its capture stream (``options.warmup_runs``, default 1: it
+        allocates what the model caches lazily and compiles what
+        ``torch.compile`` compiles) and captures it; its outputs are checked
+        against ``output_rows``. The garbage collector is paused for the phase
+        (restored after, also on error). ``progress``: show a tqdm bar
+        (default: when stderr is a terminal). A capture error (``CaptureError``,
+        naming the key) propagates; the keys captured before it stay usable,
+        and ``capture()`` can be called again for the rest.
         """
         pending = [g for g in self._graphs.values() if g.engine is None]
         device = self._device
@@ -292,17 +308,21 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def _capture_graph(self, graph: _Graph) -> CapturedGraph:
         start = time.perf_counter()
-        with set_forward_context(_NONE, graph.descriptor):
-            warm = self._model(**graph.views)
-        if self._layout is None:
-            self._layout = OutputLayout.of(warm, self._output_rows)
-        self._layout.check(warm, graph.num_tokens, graph.num_reqs)
-        del warm  # back to the allocator before the capture
+        # The warm-up and a breakable capture really run the model (its eager
+        # breaks included) on the buffers: pad values, never the last real batch.
+        for slot in graph.slots:
+            if slot.kind != _WHOLE:
+                slot.view.fill_(slot.pad_value)
         engine = self._engine(graph.mode)
         before = _reserved_bytes(self._device)
+        # The engine warms this shape up on its capture stream (options.warmup_runs), then captures.
         with set_forward_context(graph.mode, graph.descriptor):
-            engine(**graph.views)  # captures; replay returns the outputs the engine keeps
+            output = engine(**graph.views)
         pool_bytes = _reserved_bytes(self._device) - before
+        if self._layout is None:
+            self._layout = OutputLayout.of(output, self._output_rows)
+        self._layout.check(output, graph.num_tokens, graph.num_reqs)
+        del output  # the engine keeps a non-owning alias: smaller graphs may reuse this memory
         graph.engine = engine
         graph.memo = None
         return CapturedGraph(graph.mode, graph.descriptor, time.perf_counter() - start, pool_bytes)
@@ -311,12 +331,9 @@ class CUDAGraphManager(Generic[OutputT]):
         """The one engine per runtime mode, built on first use with the shared pool."""
         engine = self._engines.get(mode)
         if engine is None:
-            options = self._options
-            if options.pool is None and self._device.type == "cuda":
-                options = dataclasses.replace(options, pool=shared_pool(self._device))
-            # capture() has just warmed this shape up: the engine need not again.
-            options = dataclasses.replace(options, warmup_runs=max(0, options.warmup_runs - 1))
-            engine = self._engines[mode] = self._engine_factory(self._model, mode, options)
+            # options.pool None: the engines look the shared pool up at each capture,
+            # so they follow it when a failed capture replaces it.
+            engine = self._engines[mode] = self._engine_factory(self._model, mode, self._options)
         return engine
 
     # -- run --
@@ -406,12 +423,14 @@ class CUDAGraphManager(Generic[OutputT]):
 
         memo = graph.memo
         if memo is not None and memo[0] is raw and memo[1] == num_tokens and memo[2] == num_reqs:
-            return cast(OutputT, memo[3])
+            cached = memo[3]
+            # A fresh list or dict each step: a caller's edits must not reach the next step.
+            return cast(OutputT, cached.copy() if isinstance(cached, (list, dict)) else cached)
         layout = self._layout
         assert layout is not None  # set by the warm-up of every captured key
         out = layout.cut(raw, num_tokens, num_reqs)
         graph.memo = (raw, num_tokens, num_reqs, out)
-        return cast(OutputT, out)
+        return cast(OutputT, out.copy() if isinstance(out, (list, dict)) else out)
 
     def _check_inputs(
         self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool
@@ -507,6 +526,12 @@ class CUDAGraphManager(Generic[OutputT]):
         if self._strict:
             reason = self._why_eager(num_tokens, dispatch, uniform_decode, num_active_loras, invalid_modes)
             raise NoGraphError(num_tokens, reason)
+        # Counted always; logged once per kind of fallback, so a log shows it without flooding.
+        kind = (dispatch.descriptor if uncaptured else None, num_tokens > self._max_tokens, uniform_decode)
+        if kind not in self._logged_fallbacks:
+            self._logged_fallbacks.add(kind)
+            reason = self._why_eager(num_tokens, dispatch, uniform_decode, num_active_loras, invalid_modes)
+            _logger.warning("running a batch of %d tokens eagerly: %s", num_tokens, reason)
         with set_forward_context(_NONE, BatchDescriptor(num_tokens)), torch.no_grad():
             out = self._model(**inputs)
         self._eager_runs += 1
@@ -522,22 +547,15 @@ class CUDAGraphManager(Generic[OutputT]):
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> str:
-        config = self._dispatcher.config
         if dispatch.mode is not _NONE:
             mode = dispatch.mode.name
             return f"its {mode} graph {dispatch.descriptor} was not captured yet; call capture() first"
-        if config.mode is _NONE:
-            return "the config's mode is NONE"
-        if num_tokens == 0:
-            return "an empty batch has no graph"
-        if num_tokens > config.capture_sizes.max:
-            return f"{num_tokens} tokens exceed the largest capture size {config.capture_sizes.max}"
-        largest_loras = max((0, *config.lora_counts))
-        if num_active_loras > largest_loras:
-            return f"num_active_loras={num_active_loras} exceeds the largest captured count {largest_loras}"
-        kind = "uniform decode" if uniform_decode else "mixed"
-        skipped = f" with invalid_modes {sorted(m.name for m in invalid_modes)}" if invalid_modes else ""
-        return f"mode {config.mode.name} has no graph for a {kind} batch{skipped}"
+        return self._dispatcher.explain(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            num_active_loras=num_active_loras,
+            invalid_modes=invalid_modes,
+        )
 
 
 def _load(
