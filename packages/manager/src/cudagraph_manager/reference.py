@@ -122,9 +122,9 @@ class AttentionMetadata(NamedTuple):
 
     slot_ids: torch.Tensor  # [T] int64: the cache row of each token
     cache_index: torch.Tensor  # [T] int64: slot * max_seq_len + position
-    mask: torch.Tensor  # [T, 1, 1, max_seq_len] bool: key j visible iff j <= position
-    cos: torch.Tensor  # [T, 1, head_dim // 2]
-    sin: torch.Tensor  # [T, 1, head_dim // 2]
+    mask: torch.Tensor  # [T, 1, 1, max_seq_len] additive: 0 where key j <= position, else dtype's min
+    cos: torch.Tensor  # [T, 1, 1, head_dim // 2]
+    sin: torch.Tensor  # [T, 1, 1, head_dim // 2]
 
 
 def build_attention_metadata(
@@ -140,15 +140,19 @@ def build_attention_metadata(
     ``arange(max_seq_len)``; ``inv_freq`` is ``[head_dim // 2]``.
     """
     max_seq_len = key_positions.shape[0]
-    mask = key_positions[None, :] <= positions[:, None]  # [T, L]
+    hidden = key_positions[None, :] > positions[:, None]  # [T, L]
+    # Additive, in the model's dtype: SDPA adds it as is, where a boolean mask
+    # would be converted again in every layer. The dtype's min, not -inf: a
+    # row is never fully masked (key 0 is always visible), but min stays finite.
+    mask = hidden.to(dtype).mul_(torch.finfo(dtype).min)  # [T, L]
     cache_index = slot_ids * max_seq_len + positions  # [T]
     freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]  # [T, head_dim // 2]
     return AttentionMetadata(
         slot_ids=slot_ids,
         cache_index=cache_index,
         mask=mask[:, None, None, :],
-        cos=freqs.cos().to(dtype)[:, None, :],
-        sin=freqs.sin().to(dtype)[:, None, :],
+        cos=freqs.cos().to(dtype)[:, None, None, :],
+        sin=freqs.sin().to(dtype)[:, None, None, :],
     )
 
 
@@ -190,8 +194,8 @@ cached_attention: Final = eager_break_during_capture(_cached_attention)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x [T, heads, head_dim]`` (halves rotated, Llama/NeoX style)."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, head_dim // 2] each
+    """Rotary embedding of ``x [T, n, heads, head_dim]`` (halves rotated, Llama/NeoX style)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, n, heads, head_dim // 2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -233,9 +237,9 @@ class DecoderLayer(nn.Module):
         num_tokens, d = x.shape[0], config.hidden_size
         h = F.rms_norm(x, (d,), self.input_norm, _RMS_EPS)
         qkv = F.linear(h, self.qkv_weight).view(num_tokens, 3, config.num_heads, config.head_dim)
-        q, k, v = qkv.unbind(1)  # [T, heads, head_dim] each
-        q = _rotate(q, meta.cos, meta.sin)
-        k = _rotate(k, meta.cos, meta.sin)
+        # q and k rotated together: one set of kernels for both.
+        q, k = _rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, heads, head_dim] each
+        v = qkv[:, 2]  # [T, heads, head_dim]
         attn = torch.empty((num_tokens, config.num_heads, config.head_dim), device=x.device, dtype=x.dtype)
         attention = cached_attention if self._breakable else _cached_attention
         attention(q, k, v, self.k_cache, self.v_cache, meta.slot_ids, meta.cache_index, meta.mask, attn)
