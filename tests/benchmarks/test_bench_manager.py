@@ -344,6 +344,8 @@ def test_step_manager(
     if mode is CUDAGraphMode.PIECEWISE:  # the other target: PIECEWISE over FULL at large batches
         full = managers[CUDAGraphMode.FULL]
         candidates["manager_full"] = lambda: run_graph(full, False, inputs)
+    else:  # and FULL against eager: the host's speed drifts too, and eager is host-bound
+        candidates["eager"] = lambda: decoder.step(inputs)
     medians = interleaved_medians(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
     info = benchmark.extra_info
     for other in candidates:
