@@ -1,32 +1,26 @@
-"""Model-level CUDA graphs: static buffers, padding, dispatch, capture and replay.
+"""Model-level CUDA graphs: dispatch, capture and replay over static buffers.
 
 ``CUDAGraphManager`` owns one static buffer per model input and one graph per
 key of the dispatcher's capture plan. Everything a step needs is built once:
 each graph's views of the buffers (its keyword arguments), its forward
 context; slices for partial batches are cut once per row count and cached.
 A step then validates, dispatches, copies, replays and cuts the outputs
-without re-deriving any of it.
+without re-deriving any of it. This module orchestrates; the buffers, the
+input check and the copy live in ``_buffers``, the capture loop's
+surroundings in ``_capture_phase``, the default engines in ``_engines``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_capture import (
-    BreakableCUDAGraphWrapper,
-    CaptureOptions,
-    CUDAGraphWrapper,
-    GraphEngine,
-)
+from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     BatchDescriptor,
@@ -38,6 +32,9 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
+from ._buffers import REQS, TOKENS, WHOLE, Input, InputChecker, Slot, allocate, check_inputs_spec, load
+from ._capture_phase import capture_phase, reserved_bytes, synchronize
+from ._engines import capture_engine
 from ._errors import NoGraphError
 from ._outputs import OutputLayout, OutputRows, check_output_rows, uses_reqs
 from ._progress import progress as progress_bar
@@ -47,64 +44,7 @@ from ._static import StaticInput
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
-_PIECEWISE: Final = CUDAGraphMode.PIECEWISE
-_FULL: Final = CUDAGraphMode.FULL
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
-_Tensor: Final = torch.Tensor
-
-#: Keyword arguments of ``run`` itself: no model input may be named so.
-RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
-
-# Row kinds of an input, as small ints for the per-step loops.
-_TOKENS: Final = 0
-_REQS: Final = 1
-_WHOLE: Final = 2
-_KINDS: Final = {"tokens": _TOKENS, "reqs": _REQS, None: _WHOLE}
-
-
-def capture_engine(
-    model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
-) -> GraphEngine[..., object]:
-    """The default engines: FULL -> ``CUDAGraphWrapper``, PIECEWISE -> ``BreakableCUDAGraphWrapper``."""
-    if mode is _FULL:
-        return CUDAGraphWrapper(model, _FULL, options)
-    if mode is _PIECEWISE:
-        return BreakableCUDAGraphWrapper(model, options)
-    raise ValueError(f"mode: expected FULL or PIECEWISE, got {mode!r}")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Input:
-    """One declared input and the static buffer that holds it."""
-
-    name: str
-    spec: StaticInput
-    kind: int  # _TOKENS, _REQS or _WHOLE
-    buffer: torch.Tensor  # [max rows, *spec.shape], or spec.shape for _WHOLE
-
-
-class _Slot:
-    """One input as one graph sees it: a view of the buffer, and how to fill it."""
-
-    __slots__ = ("_splits", "kind", "name", "pad_value", "rows", "view")
-
-    def __init__(self, source: _Input, rows: int) -> None:
-        self.name = source.name
-        self.kind = source.kind
-        self.pad_value = source.spec.pad_value
-        self.rows = rows  # the graph's row count for this input; -1 for _WHOLE
-        self.view = source.buffer if source.kind == _WHOLE else source.buffer[:rows]  # [rows, *shape]
-        self._splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(view[:n], view[n:])``: the real rows and the padding.
-
-        Cached per row count (slicing costs microseconds; at most ``rows`` entries).
-        """
-        pair = self._splits.get(n)
-        if pair is None:
-            pair = self._splits[n] = (self.view[:n], self.view[n:])
-        return pair
 
 
 class _Graph:
@@ -124,7 +64,7 @@ class _Graph:
     )
 
     def __init__(
-        self, mode: CUDAGraphMode, descriptor: BatchDescriptor, inputs: tuple[_Input, ...], max_num_seqs: int
+        self, mode: CUDAGraphMode, descriptor: BatchDescriptor, inputs: tuple[Input, ...], max_num_seqs: int
     ) -> None:
         self.mode = mode
         self.descriptor = descriptor
@@ -134,8 +74,8 @@ class _Graph:
         self.num_reqs = (
             descriptor.num_reqs if descriptor.num_reqs is not None else min(self.num_tokens, max_num_seqs)
         )
-        rows = {_TOKENS: self.num_tokens, _REQS: self.num_reqs, _WHOLE: -1}
-        self.slots = tuple(_Slot(source, rows[source.kind]) for source in inputs)
+        rows = {TOKENS: self.num_tokens, REQS: self.num_reqs, WHOLE: -1}
+        self.slots = tuple(Slot(source, rows[source.kind]) for source in inputs)
         self.views = {slot.name: slot.view for slot in self.slots}  # the graph's keyword arguments
         self.engine: GraphEngine[..., object] | None = None  # set once this key is captured
         self.replays = 0
@@ -177,7 +117,7 @@ class CUDAGraphManager(Generic[OutputT]):
         if not callable(model):
             raise ValueError(f"model: expected a callable, got {type(model).__name__}")
         self._dispatcher: Final = CUDAGraphDispatcher(config)  # validates config
-        checked = _check_inputs_spec(inputs)
+        checked = check_inputs_spec(inputs)
         if not isinstance(strict, bool):
             raise ValueError(f"strict: expected a bool, got {strict!r}")
         given_options: object = options
@@ -201,26 +141,16 @@ class CUDAGraphManager(Generic[OutputT]):
         self._engines: dict[CUDAGraphMode, GraphEngine[..., object]] = {}
         self._layout: OutputLayout | None = None  # from the first warm-up
 
-        max_rows = {_TOKENS: config.capture_sizes.max, _REQS: config.max_num_seqs}
-        sources: list[_Input] = []
-        for name, spec in checked.items():
-            kind = _KINDS[spec.rows]
-            shape = spec.shape if kind == _WHOLE else (max_rows[kind], *spec.shape)
-            buffer = torch.full(shape, spec.pad_value, dtype=spec.dtype, device=self._device)
-            sources.append(_Input(name, spec, kind, buffer))
-        self._inputs: Final = tuple(sources)
-        # Per input, what run() checks: (name, dtype, ndim, trailing shape or whole shape, kind).
-        self._checks: Final = tuple(
-            (s.name, s.spec.dtype, len(s.spec.shape) + (s.kind != _WHOLE), s.spec.shape, s.kind)
-            for s in sources
-        )
+        self._inputs: Final = allocate(checked, config.capture_sizes.max, config.max_num_seqs, self._device)
+        # Bound once: run() checks its inputs with one call per step.
+        self._check_inputs: Final = InputChecker.of(
+            self._inputs, self._device, config.max_num_seqs, config.uniform_decode_query_len
+        ).check
         self._graphs: Final[dict[BatchDescriptor, _Graph]] = {
             descriptor: _Graph(mode, descriptor, self._inputs, config.max_num_seqs)
             for mode, descriptors in self._dispatcher.capture_plan()
             for descriptor in descriptors
         }
-        self._max_num_seqs: Final = config.max_num_seqs
-        self._query_len: Final = config.uniform_decode_query_len
         self._max_tokens: Final = config.capture_sizes.max
         self._logged_fallbacks: set[tuple[BatchDescriptor | None, bool, bool]] = set()
         self._eager_runs = 0
@@ -296,14 +226,14 @@ class CUDAGraphManager(Generic[OutputT]):
         pending = [g for g in self._graphs.values() if g.engine is None]
         device = self._device
         records: list[CapturedGraph] = []
-        with _capture_phase(device):
-            reserved_before = _reserved_bytes(device)
+        with capture_phase(device):
+            reserved_before = reserved_bytes(device)
             start = time.perf_counter()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 records.append(self._capture_graph(graph))
-            _synchronize(device)  # once, so the total includes the device's work
+            synchronize(device)  # once, so the total includes the device's work
             seconds = time.perf_counter() - start
-            reserved = _reserved_bytes(device) - reserved_before
+            reserved = reserved_bytes(device) - reserved_before
         return CaptureReport(graphs=tuple(records), seconds=seconds, reserved_bytes=reserved)
 
     def _capture_graph(self, graph: _Graph) -> CapturedGraph:
@@ -311,14 +241,14 @@ class CUDAGraphManager(Generic[OutputT]):
         # The warm-up and a breakable capture really run the model (its eager
         # breaks included) on the buffers: pad values, never the last real batch.
         for slot in graph.slots:
-            if slot.kind != _WHOLE:
+            if slot.kind != WHOLE:
                 slot.view.fill_(slot.pad_value)
         engine = self._engine(graph.mode)
-        before = _reserved_bytes(self._device)
+        before = reserved_bytes(self._device)
         # The engine warms this shape up on its capture stream (options.warmup_runs), then captures.
         with set_forward_context(graph.mode, graph.descriptor):
             output = engine(**graph.views)
-        pool_bytes = _reserved_bytes(self._device) - before
+        pool_bytes = reserved_bytes(self._device) - before
         if self._layout is None:
             self._layout = OutputLayout.of(output, self._output_rows)
         self._layout.check(output, graph.num_tokens, graph.num_reqs)
@@ -409,9 +339,9 @@ class CUDAGraphManager(Generic[OutputT]):
             )
         if grad and torch.is_grad_enabled():
             with torch.no_grad():  # a copy from a tensor that requires grad would record history
-                _load(graph.slots, inputs, num_tokens, num_reqs)
+                load(graph.slots, inputs, num_tokens, num_reqs)
         else:
-            _load(graph.slots, inputs, num_tokens, num_reqs)
+            load(graph.slots, inputs, num_tokens, num_reqs)
 
         token = FORWARD_CONTEXT_VAR.set(graph.context)
         try:
@@ -431,86 +361,6 @@ class CUDAGraphManager(Generic[OutputT]):
         out = layout.cut(raw, num_tokens, num_reqs)
         graph.memo = (raw, num_tokens, num_reqs, out)
         return cast(OutputT, out.copy() if isinstance(out, (list, dict)) else out)
-
-    def _check_inputs(
-        self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool
-    ) -> tuple[int, int, bool]:
-        """``(num_tokens, num_reqs, any input requires grad)``; ``num_reqs`` is -1 without "reqs" inputs.
-
-        Cheap by design (this is per step): dtype and device are compared as
-        objects, shapes as tuples.
-        """
-        if len(inputs) != len(self._checks):
-            raise self._names_error(inputs)
-        device = self._device
-        num_tokens = num_reqs = -1
-        tokens_from = reqs_from = ""
-        grad = False
-        for name, dtype, ndim, shape, kind in self._checks:
-            x = inputs.get(name)
-            if x.__class__ is not _Tensor and not isinstance(x, _Tensor):
-                if name not in inputs:
-                    raise self._names_error(inputs)
-                raise ValueError(f"run: input {name!r}: expected a torch.Tensor, got {type(x).__name__}")
-            assert x is not None
-            if x.dtype is not dtype:
-                raise ValueError(f"run: input {name!r}: expected dtype {dtype}, got {x.dtype}")
-            if x.device != device:
-                raise ValueError(f"run: input {name!r}: expected a tensor on {device}, got one on {x.device}")
-            size = x.shape
-            if kind == _WHOLE:
-                if size != shape:
-                    raise ValueError(
-                        f"run: input {name!r}: expected shape {shape} (not batched), got {tuple(size)}"
-                    )
-            else:
-                if len(size) != ndim or size[1:] != shape:
-                    raise ValueError(
-                        f"run: input {name!r}: expected shape [rows, *{shape}], got {tuple(size)}"
-                    )
-                rows = size[0]
-                if kind == _TOKENS:
-                    if num_tokens < 0:
-                        num_tokens, tokens_from = rows, name
-                    elif rows != num_tokens:
-                        raise ValueError(
-                            f"run: input {name!r}: {rows} rows, but input {tokens_from!r} has {num_tokens}; "
-                            "all 'tokens' inputs have num_tokens rows"
-                        )
-                elif num_reqs < 0:
-                    num_reqs, reqs_from = rows, name
-                elif rows != num_reqs:
-                    raise ValueError(
-                        f"run: input {name!r}: {rows} rows, but input {reqs_from!r} has {num_reqs}; "
-                        "all 'reqs' inputs have num_reqs rows"
-                    )
-            if x.requires_grad:
-                grad = True
-        if num_reqs >= 0:
-            if num_reqs > self._max_num_seqs:
-                raise ValueError(
-                    f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed "
-                    f"max_num_seqs={self._max_num_seqs}"
-                )
-            if num_reqs > num_tokens:
-                raise ValueError(
-                    f"run: input {reqs_from!r}: {num_reqs} requests for {num_tokens} tokens; "
-                    "every request has at least one token"
-                )
-            if uniform_decode and num_tokens != num_reqs * self._query_len:
-                raise ValueError(
-                    f"uniform_decode: a uniform decode batch has num_reqs * {self._query_len} tokens, "
-                    f"got {num_tokens} tokens for {num_reqs} requests"
-                )
-        return num_tokens, num_reqs, grad
-
-    def _names_error(self, inputs: Mapping[str, object]) -> ValueError:
-        expected = [name for name, *_ in self._checks]
-        missing = [n for n in expected if n not in inputs]
-        unknown = sorted(n for n in inputs if n not in expected)
-        parts = [f"missing input(s) {missing}"] if missing else []
-        parts += [f"unknown input(s) {unknown}"] if unknown else []
-        return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
 
     def _run_eager(
         self,
@@ -558,51 +408,6 @@ class CUDAGraphManager(Generic[OutputT]):
         )
 
 
-def _load(
-    slots: tuple[_Slot, ...], inputs: Mapping[str, torch.Tensor], num_tokens: int, num_reqs: int
-) -> None:
-    """Copy the batch into one graph's views of the static buffers; pad the rest.
-
-    Real rows first, then the padding rows, so an input that already is (a
-    prefix of) its static buffer is not overwritten before it is read.
-    """
-    for slot in slots:
-        src = inputs[slot.name]  # [n, *shape], or shape for _WHOLE
-        kind = slot.kind
-        if kind == _WHOLE:
-            slot.view.copy_(src)
-            continue
-        n = num_tokens if kind == _TOKENS else num_reqs
-        if n == slot.rows:
-            slot.view.copy_(src)
-        else:
-            head, tail = slot.split(n)
-            head.copy_(src)
-            tail.fill_(slot.pad_value)
-
-
-def _check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
-    """The declared inputs, validated: names usable as keywords, at least one "tokens" input."""
-    given: object = inputs
-    if not isinstance(given, Mapping) or not given:
-        raise ValueError(f"inputs: expected a non-empty mapping of names to StaticInput, got {inputs!r}")
-    checked: dict[str, StaticInput] = {}
-    for name, spec in inputs.items():
-        given_name: object = name  # checked at run time: callers may not be typed
-        if not isinstance(given_name, str) or not given_name.isidentifier():
-            raise ValueError(f"inputs: names are passed as keywords, so must be identifiers, got {name!r}")
-        if name in RESERVED_NAMES:
-            raise ValueError(f"inputs[{name!r}]: the name is a keyword of run() itself; rename the input")
-        if not isinstance(spec, StaticInput):
-            raise ValueError(f"inputs[{name!r}]: expected a StaticInput, got {spec!r}")
-        checked[name] = spec
-    if not any(spec.rows == "tokens" for spec in checked.values()):
-        raise ValueError(
-            "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
-        )
-    return checked
-
-
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     """``device`` as a torch.device with an index for CUDA (tensors report one, comparisons need it)."""
     if device is None:
@@ -619,44 +424,3 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     if resolved.type == "cuda" and index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the garbage collector: no collection walks the heap between captures.
-
-    Existing objects are frozen (explicit ``gc.collect`` calls then skip
-    them) unless the application froze some itself: unfreezing would thaw those.
-    """
-    was_enabled = gc.isenabled()
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if freeze:
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def _capture_phase(device: torch.device) -> Iterator[None]:
-    """The capture loop's surroundings: gc paused, no autograd, ``device`` current."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_gc_paused())
-        stack.enter_context(torch.no_grad())
-        if device.type == "cuda":
-            stack.enter_context(torch.cuda.device(device))
-        yield
-
-
-def _reserved_bytes(device: torch.device) -> int:
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
