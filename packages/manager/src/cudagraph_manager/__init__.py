@@ -1,4 +1,13 @@
-"""Model-level CUDA graph capture and replay."""
+"""Model-level CUDA graph capture and replay.
+
+``CUDAGraphManager`` takes a model and a description of its inputs
+(``StaticInput``), captures every graph the dispatcher plans at start-up
+(largest first, one shared pool) and runs each step through the right one:
+validate, dispatch, copy into static buffers, pad, replay (FULL through the
+monolithic engine, PIECEWISE through the breakable one), cut the outputs back.
+``reference`` holds a small Llama-like decoder for the demo, tests and
+benchmarks. Importing this package does not initialize CUDA.
+"""
 
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
