@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -23,3 +27,18 @@ def as_tensor(value: object) -> torch.Tensor:
     """``value``, checked to be a tensor (narrows ``Any``/``object`` results of module calls)."""
     assert isinstance(value, torch.Tensor), f"expected a tensor, got {type(value).__name__}"
     return value
+
+
+@contextmanager
+def highest_fp32_matmul_precision() -> Iterator[None]:
+    """Run fp32 matmuls in full fp32 (no TF32), restoring the previous setting."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some torch versions warn about the TF32 knobs
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.set_float32_matmul_precision(previous)

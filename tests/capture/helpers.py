@@ -8,9 +8,7 @@ the result instead of letting ``Any`` spread into the tests.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, Protocol
 
 import torch
@@ -25,6 +23,7 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
 from tests.torch_support import as_tensor as as_tensor
+from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision
 from tests.torch_support import rel_err as rel_err
 
 #: Relative error allowed between a replay and eager on the same fp32 data.
@@ -69,22 +68,6 @@ def new_stream() -> torch.cuda.Stream:
 def sleep_gpu(cycles: int = SLEEP_CYCLES) -> None:
     """Queue a busy-wait kernel on the current stream (the host does not wait)."""
     torch._C._cuda_sleep(cycles)
-
-
-@contextmanager
-def highest_fp32_matmul_precision() -> Iterator[None]:
-    """Run fp32 matmuls in full fp32 (no TF32), restoring the previous setting."""
-    with warnings.catch_warnings():
-        # Some torch versions warn about the TF32 knobs; the setting is what matters.
-        warnings.simplefilter("ignore")
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.set_float32_matmul_precision(previous)
 
 
 # ---------------------------------------------------------------------------

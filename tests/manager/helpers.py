@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import pytest
@@ -34,6 +32,7 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, Rows, StaticInput
 from tests.torch_support import as_tensor as as_tensor
+from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision
 from tests.torch_support import rel_err as rel_err
 
 #: Width, hidden width and vocabulary of the toy model: tiny, so the suite is fast.
@@ -74,21 +73,6 @@ def as_tensor_dict(value: object) -> dict[str, torch.Tensor]:
     assert isinstance(value, dict), f"expected a dict, got {type(value).__name__}"
     assert all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
     return value
-
-
-@contextmanager
-def highest_fp32_matmul_precision() -> Iterator[None]:
-    """Run fp32 matmuls in full fp32 (no TF32), restoring the previous setting."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # some torch versions warn about the TF32 knobs
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.set_float32_matmul_precision(previous)
 
 
 # ---------------------------------------------------------------------------
