@@ -7,18 +7,19 @@ from those keys, so the per-step cost is a few list and dict look-ups.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, NoReturn
 
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
+from ._sizes import CaptureSizes
 
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _FULL: Final = CUDAGraphMode.FULL
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 _INVALIDATABLE: Final = frozenset({_PIECEWISE, _FULL})
+_INVALID_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), _INVALIDATABLE)
 
 
 class Dispatch(NamedTuple):
@@ -54,8 +55,11 @@ class CUDAGraphDispatcher:
         # num_active_loras -> the smallest captured LoRA count that holds it.
         cases = (0, *config.lora_counts)
         self._lora_slot: Final = tuple(next(c for c in cases if c >= k) for k in range(cases[-1] + 1))
-        self._tables: Final[dict[frozenset[CUDAGraphMode], _Table]] = {}
-        self._tables[_NO_MODES] = self._build_tables(_NO_MODES)
+        # Every set of invalid modes up front: a first step with cascade
+        # attention (FULL invalid) must not stall on building its table.
+        self._tables: Final[dict[frozenset[CUDAGraphMode], _Table]] = {
+            invalid: self._build_tables(invalid) for invalid in _INVALID_SETS
+        }
 
     @property
     def config(self) -> DispatchConfig:
@@ -87,11 +91,9 @@ class CUDAGraphDispatcher:
             _reject_count("num_tokens", num_tokens)
         if num_active_loras.__class__ is not int or num_active_loras < 0:
             _reject_count("num_active_loras", num_active_loras)
-        if not invalid_modes:
-            tables = self._tables[_NO_MODES]
-        else:
-            found = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
-            tables = self._tables_for(invalid_modes) if found is None else found
+        tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
+        if tables is None:
+            _reject_invalid_modes(invalid_modes)
         if num_tokens > self._max or num_active_loras >= len(self._lora_slot):
             return Dispatch(_NONE, BatchDescriptor(num_tokens))
         table = tables[(bool(uniform_decode), self._lora_slot[num_active_loras])]
@@ -141,44 +143,34 @@ class CUDAGraphDispatcher:
 
     # -- table construction (once per config and set of invalid modes) --
 
-    def _tables_for(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
-        given: object = invalid_modes
-        if not isinstance(given, frozenset) or not given <= _INVALIDATABLE:
-            raise ValueError(
-                f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}"
-            )
-        tables = self._build_tables(invalid_modes)
-        self._tables[invalid_modes] = tables
-        return tables
-
     def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
         none: frozenset[BatchDescriptor] = frozenset()
         full = none if _FULL in invalid_modes else self._keys.get(_FULL, none)
         piecewise = none if _PIECEWISE in invalid_modes else self._keys.get(_PIECEWISE, none)
         config = self._config
-        sizes = config.capture_sizes
-        decode_sizes = _DecodeSizes(sorted({k.num_tokens for k in full if k.uniform}))
+        pad = config.capture_sizes.pad
+        decode = sorted({k.num_tokens for k in full if k.uniform})
+        decode_pad = CaptureSizes(decode).pad if decode else _no_size
         tables: _Table = {}
         for uniform, loras in itertools.product((False, True), (0, *config.lora_counts)):
             row = [Dispatch(_NONE, BatchDescriptor(0))]
+            # A graph decision depends on n only through its padded sizes: resolve
+            # each pair once, so all counts padded to one graph share one Dispatch.
+            graphs: dict[tuple[int | None, int | None], Dispatch] = {}
             for n in range(1, self._max + 1):
-                row.append(
-                    _resolve(n, uniform, loras, sizes.pad(n), decode_sizes.pad(n), config, full, piecewise)
-                )
+                padded = (pad(n), decode_pad(n))
+                decision = graphs.get(padded)
+                if decision is None:
+                    decision = _resolve(n, uniform, loras, *padded, config, full, piecewise)
+                    if decision.mode is not _NONE:
+                        graphs[padded] = decision
+                row.append(decision)
             tables[(uniform, loras)] = tuple(row)
         return tables
 
 
-class _DecodeSizes:
-    """Padding over a possibly empty ascending list (the uniform decode sizes)."""
-
-    __slots__ = ("_sizes",)
-
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self._sizes = sizes
-
-    def pad(self, n: int) -> int | None:
-        return next((s for s in self._sizes if s >= n), None)
+def _no_size(n: int) -> None:
+    """Padding when there are no sizes to pad to."""
 
 
 def _resolve(
@@ -233,6 +225,10 @@ def _build_keys(config: DispatchConfig) -> dict[CUDAGraphMode, frozenset[BatchDe
 
 def _largest_first(key: BatchDescriptor) -> tuple[int, int, int, bool]:
     return (-key.num_tokens, -key.num_active_loras, -(key.num_reqs or 0), not key.uniform)
+
+
+def _reject_invalid_modes(invalid_modes: object) -> NoReturn:
+    raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
 
 
 def _reject_count(field: str, value: object) -> None:
