@@ -32,8 +32,9 @@ class Dispatch(NamedTuple):
     descriptor: BatchDescriptor
 
 
-# One table per (uniform, LoRA case): entry n is the decision for n tokens.
-_Table = dict[tuple[bool, int], tuple[Dispatch, ...]]
+# Indexed [uniform][LoRA case][n]: the decision for n tokens. Nested tuples, so
+# a step's look-up builds no key.
+_Table = tuple[tuple[tuple[Dispatch, ...], ...], ...]
 
 
 class CUDAGraphDispatcher:
@@ -52,9 +53,11 @@ class CUDAGraphDispatcher:
         self._config: Final = config
         self._max: Final = config.capture_sizes.max
         self._keys: Final = _build_keys(config)
-        # num_active_loras -> the smallest captured LoRA count that holds it.
         cases = (0, *config.lora_counts)
-        self._lora_slot: Final = tuple(next(c for c in cases if c >= k) for k in range(cases[-1] + 1))
+        # num_active_loras -> index of the smallest captured count that holds it.
+        self._lora_slot: Final = tuple(
+            next(i for i, c in enumerate(cases) if c >= k) for k in range(cases[-1] + 1)
+        )
         # Every set of invalid modes up front: a first step with cascade
         # attention (FULL invalid) must not stall on building its table.
         self._tables: Final[dict[frozenset[CUDAGraphMode], _Table]] = {
@@ -96,8 +99,7 @@ class CUDAGraphDispatcher:
             _reject_invalid_modes(invalid_modes)
         if num_tokens > self._max or num_active_loras >= len(self._lora_slot):
             return Dispatch(_NONE, BatchDescriptor(num_tokens))
-        table = tables[(bool(uniform_decode), self._lora_slot[num_active_loras])]
-        return table[num_tokens]
+        return tables[1 if uniform_decode else 0][self._lora_slot[num_active_loras]][num_tokens]
 
     def explain(
         self,
@@ -151,7 +153,7 @@ class CUDAGraphDispatcher:
         pad = config.capture_sizes.pad
         decode = sorted({k.num_tokens for k in full if k.uniform})
         decode_pad = CaptureSizes(decode).pad if decode else _no_size
-        tables: _Table = {}
+        rows: dict[tuple[bool, int], tuple[Dispatch, ...]] = {}
         for uniform, loras in itertools.product((False, True), (0, *config.lora_counts)):
             row = [Dispatch(_NONE, BatchDescriptor(0))]
             # A graph decision depends on n only through its padded sizes: resolve
@@ -165,8 +167,9 @@ class CUDAGraphDispatcher:
                     if decision.mode is not _NONE:
                         graphs[padded] = decision
                 row.append(decision)
-            tables[(uniform, loras)] = tuple(row)
-        return tables
+            rows[(uniform, loras)] = tuple(row)
+        cases = (0, *config.lora_counts)
+        return tuple(tuple(rows[(uniform, loras)] for loras in cases) for uniform in (False, True))
 
 
 def _no_size(n: int) -> None:
