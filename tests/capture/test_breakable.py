@@ -14,7 +14,7 @@ import gc
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal
 
 import pytest
@@ -41,28 +41,15 @@ from tests.capture.helpers import (
     call,
     cuda,
     fill_fresh_,
-    highest_fp32_matmul_precision,
     new_stream,
     rel_err,
     sleep_gpu,
     warm_up,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_capture_state")]
 
 N: int = 16  # elements of the small static buffers
-
-
-@pytest.fixture(autouse=True)
-def _clean_state() -> Iterator[None]:
-    """Seeded, capture enabled, full-fp32 matmuls; no capture may be left active by a test."""
-    torch.manual_seed(0)
-    set_capture_enabled(True)
-    with highest_fp32_matmul_precision():
-        yield
-    set_capture_enabled(True)
-    torch.cuda.synchronize()
-    assert BreakableCUDAGraphCapture.current() is None
 
 
 def _static(numel: int = N) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal, cast
 
 import pytest
@@ -44,7 +44,6 @@ from tests.capture.helpers import (
     case_id,
     cuda,
     fill_fresh_,
-    highest_fp32_matmul_precision,
     make_wrapper,
     new_stream,
     rel_err,
@@ -52,20 +51,9 @@ from tests.capture.helpers import (
     warm_up,
 )
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_capture_state")]
 
 Case = tuple[Engine, CUDAGraphMode]
-
-
-@pytest.fixture(autouse=True)
-def _clean_state() -> Iterator[None]:
-    """Seeded, capture enabled, full-fp32 matmuls; capture re-enabled whatever the test did."""
-    torch.manual_seed(0)
-    set_capture_enabled(True)
-    with highest_fp32_matmul_precision():
-        yield
-    set_capture_enabled(True)
-    torch.cuda.synchronize()
 
 
 def _input_buffer() -> torch.Tensor:

@@ -97,7 +97,7 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
     x = model.embed[torch.tensor(ids)]  # [T, hidden]
     for layer in _layers(model):
         h = _rms_norm(x, layer.input_norm)
-        qkv = h @ layer.qkv_weight.T  # [T, 3 * hidden]
+        qkv = h @ layer.qkv_weight  # [T, 3 * hidden]
         q, k, v = (part.reshape(num_tokens, heads, head_dim) for part in qkv.chunk(3, dim=-1))
         q = torch.stack([_rope(q[t], positions[t]) for t in range(num_tokens)])
         k = torch.stack([_rope(k[t], positions[t]) for t in range(num_tokens)])
@@ -110,10 +110,10 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
             values = layer.v_cache[slots[t], : positions[t] + 1]
             scores = torch.einsum("hd,nhd->hn", q[t], keys) / math.sqrt(head_dim)
             attn[t] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
-        x = x + attn.reshape(num_tokens, -1) @ layer.o_weight.T
+        x = x + attn.reshape(num_tokens, -1) @ layer.o_weight
         h = _rms_norm(x, layer.post_norm)
-        gate, up = (h @ layer.gate_up_weight.T).chunk(2, dim=-1)
-        x = x + (torch.nn.functional.silu(gate) * up) @ layer.down_weight.T
+        gate, up = (h @ layer.gate_up_weight).chunk(2, dim=-1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ layer.down_weight
     return _rms_norm(x, model.final_norm)
 
 
