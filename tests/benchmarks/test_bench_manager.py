@@ -363,6 +363,9 @@ def test_step_manager(
         candidates["manager_full"] = lambda: run_graph(full, False, inputs)
     else:  # and FULL against eager: the host's speed drifts too, and eager is host-bound
         candidates["eager"] = _eager_step(decoder, inputs)
+        # For reference: the same eager step outside inference mode (autograd's
+        # per-op bookkeeping included), as a model called without it runs.
+        candidates["eager_default_mode"] = lambda: decoder.step(inputs)
     medians = interleaved_medians(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
     info = benchmark.extra_info
     for other in candidates:
