@@ -44,7 +44,7 @@ from tests.benchmarks.decoder_bench_model import (
     BenchDecoderConfig,
     attention_reference,
 )
-from tests.benchmarks.support import BenchmarkFixture, interleaved_medians
+from tests.benchmarks.support import BenchmarkFixture, interleave
 
 pytestmark = pytest.mark.gpu
 
@@ -379,7 +379,7 @@ def test_decoder_step_interleaved(
     step_buffers: tuple[torch.Tensor, torch.Tensor],
     batch: int,
 ) -> None:
-    """The target ratios from rounds that alternate every variant (drift-free; see timing.py).
+    """The target ratios from rounds that alternate every variant (drift-free; see support.py).
 
     The benchmark itself times our monolithic step; ``extra_info`` holds each
     variant's interleaved median and ours over hand-written and over the peer.
@@ -392,7 +392,7 @@ def test_decoder_step_interleaved(
     for label, step in steps.items():
         err = _rel_err(step().clone(), expected)
         assert err < _BF16_TOL, f"{label}: step differs from eager, rel err {err:.3e}"
-    medians = interleaved_medians(steps, rounds=_STEP_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    timed = interleave(steps, rounds=_STEP_ROUNDS, calls_per_round=_STEPS_PER_CALL)
     ours_full = steps["ours_full"]
 
     def run_steps() -> None:
@@ -403,12 +403,12 @@ def test_decoder_step_interleaved(
     benchmark.pedantic(run_steps, rounds=_STEP_ROUNDS, warmup_rounds=_WARMUP_ROUNDS)
     info = benchmark.extra_info
     info["batch"] = batch
-    for label, median in medians.items():
-        info[f"{label}_step_us"] = median * 1e6
-    info["full_vs_cuda_graph"] = medians["ours_full"] / medians["cuda_graph"]
-    info["breakable_vs_full"] = medians["ours_breakable"] / medians["ours_full"]
-    if "peer_breakable" in medians:
-        info["breakable_vs_peer"] = medians["ours_breakable"] / medians["peer_breakable"]
+    for label in steps:
+        info[f"{label}_step_us"] = timed.median(label) * 1e6
+    info["full_vs_cuda_graph"] = timed.ratio("ours_full", "cuda_graph")
+    info["breakable_vs_full"] = timed.ratio("ours_breakable", "ours_full")
+    if "peer_breakable" in steps:
+        info["breakable_vs_peer"] = timed.ratio("ours_breakable", "peer_breakable")
 
 
 # ---------------------------------------------------------------------------
