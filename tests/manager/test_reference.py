@@ -215,6 +215,30 @@ def test_running_a_step_twice_gives_the_same_outputs_and_caches() -> None:
     assert torch.equal(changed, expected)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "traced"])
+def test_unbreakable_model_matches_the_breakable_one(compiled: bool) -> None:
+    """``breakable=False`` (the custom op for tracers) computes and writes what the break does."""
+    config = SMALL
+    model = _model(config, seed=8)
+    torch.manual_seed(8)
+    unbreakable = ReferenceDecoder(config, breakable=False)
+    _assert_caches_close(model, unbreakable, atol=0)  # same seed: same weights and caches
+    inputs = _inputs(19, uniform=False, seed=8)
+    expected = model.step(inputs)
+    # aot_eager traces through AOTAutograd (functionalization included), no C++ compiler needed.
+    forward = torch.compile(unbreakable, backend="aot_eager", fullgraph=True) if compiled else unbreakable
+    actual = forward(**inputs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    _assert_caches_close(unbreakable, model, atol=1e-6)
+
+
+def test_traced_attention_declares_its_in_place_writes() -> None:
+    # What inductor relies on to leave the cache in place: the schema's write annotations.
+    schema = torch.ops.cudagraph_manager.cached_attention.default._schema
+    written = {arg.name for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write}
+    assert written == {"kv_cache", "out"}
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "padded_to", "uniform"), [(3, 4, True), (13, 16, True), (21, 32, False)]
 )

@@ -223,6 +223,43 @@ def _cached_attention(
 cached_attention: Final = eager_break_during_capture(_cached_attention)
 
 
+@torch.library.custom_op("cudagraph_manager::cached_attention", mutates_args=("kv_cache", "out"))
+def traced_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    key_index: torch.Tensor,
+    value_index: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``_cached_attention`` as one opaque op for tracers (``torch.compile``).
+
+    Declared as mutating the cache and ``out`` in place, as engines register
+    their attention. Traced as plain code instead (in-place writes into a
+    2 GB cache that is a graph input), the compiled step was as slow as eager:
+    2.4 ms against 0.39 ms with this op, batch 1, H200, torch 2.11.
+    """
+    _cached_attention(q, k, v, kv_cache, slot_ids, key_index, value_index, mask, out)
+
+
+@traced_cached_attention.register_fake
+def _traced_cached_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    key_index: torch.Tensor,
+    value_index: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    return None  # no outputs: the op only writes into kv_cache and out
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x [T, 2, heads, head_dim]`` (halves rotated, Llama/NeoX style).
 
@@ -284,7 +321,7 @@ class DecoderLayer(nn.Module):
         q, k = _rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, heads, head_dim] each
         v = qkv[:, 2]  # [T, heads, head_dim]
         attn = torch.empty((num_tokens, config.num_heads, config.head_dim), device=x.device, dtype=x.dtype)
-        attention = cached_attention if self._breakable else _cached_attention
+        attention = cached_attention if self._breakable else traced_cached_attention
         attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
         x = x + torch.mm(attn.view(num_tokens, d), self.o_weight)
         h = F.rms_norm(x, (d,), self.post_norm, _RMS_EPS)
@@ -300,8 +337,9 @@ class ReferenceDecoder(nn.Module):
     each layer's attention (PIECEWISE: ``num_layers`` eager breaks). Inference
     only: parameters do not require grad.
 
-    ``breakable=False`` calls attention without the break point, for tracers
-    (``torch.compile``) that should see the whole forward as plain torch code.
+    ``breakable=False`` calls attention without the break point, as one
+    opaque custom op that writes the cache in place, for tracers
+    (``torch.compile``) that should see the whole forward in one graph.
     """
 
     key_positions: torch.Tensor
