@@ -11,7 +11,8 @@ creation and never freed, which keeps the pool's use count above zero.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Final, TypeAlias
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
 
 import torch
 
@@ -25,7 +26,7 @@ else:
 
 
 class _DevicePool:
-    __slots__ = ("anchor", "handle", "scratch", "stream")
+    __slots__ = ("anchor", "handle", "scratch")
 
     def __init__(self, handle: GraphPool, anchor: torch.cuda.CUDAGraph, scratch: torch.Tensor) -> None:
         self.handle: Final = handle
@@ -37,6 +38,7 @@ _pools: Final[dict[int, _DevicePool]] = {}
 _retired: Final[list[_DevicePool]] = []  # replaced after a failed capture; their graphs still replay
 _streams: Final[dict[int, torch.cuda.Stream]] = {}
 _lock: Final = threading.RLock()  # shared_pool creates the capture stream under it
+_T = TypeVar("_T")
 
 
 def device_index(device: torch.device | int | None) -> int:
@@ -51,30 +53,29 @@ def device_index(device: torch.device | int | None) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
+def _per_device(cache: dict[int, _T], index: int, make: Callable[[int], _T]) -> _T:
+    """``cache[index]``, made once under the lock on first use (lock-free afterwards)."""
+    value = cache.get(index)
+    if value is None:
+        with _lock:
+            value = cache.get(index)
+            if value is None:
+                value = cache[index] = make(index)
+    return value
+
+
+def _new_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+
+
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """The side stream both engines capture on, one per device."""
-    index = device_index(device)
-    stream = _streams.get(index)
-    if stream is None:
-        with _lock:
-            stream = _streams.get(index)
-            if stream is None:
-                stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                _streams[index] = stream
-    return stream
+    return _per_device(_streams, device_index(device), _new_stream)
 
 
 def shared_pool(device: torch.device | int | None = None) -> GraphPool:
     """The device's shared graph pool; valid even after all its graphs are freed."""
-    index = device_index(device)
-    pool = _pools.get(index)
-    if pool is None:
-        with _lock:
-            pool = _pools.get(index)
-            if pool is None:
-                pool = _new_pinned_pool(index)
-                _pools[index] = pool
-    return pool.handle
+    return _per_device(_pools, device_index(device), _new_pinned_pool).handle
 
 
 def retire_shared_pool(device: int, handle: GraphPool) -> None:

@@ -122,7 +122,7 @@ class AttentionMetadata(NamedTuple):
 
     slot_ids: torch.Tensor  # [T] int64: the cache row of each token
     key_index: torch.Tensor  # [T] int64: the token's key row in the flat cache (see ``_cached_attention``)
-    value_index: torch.Tensor  # [T] int64: its value row, ``key_index + max_seq_len``
+    value_index: torch.Tensor  # [T] int64: its value row, ``key_index + max_seq_len`` (once per step)
     mask: torch.Tensor  # [T, 1, 1, max_seq_len] additive: 0 where key j <= position, else dtype's min
     cos: torch.Tensor  # [T, 2, heads, head_dim]: cos of each rotary angle, for q and k
     sin: torch.Tensor  # [T, 2, heads, head_dim]: sin, negated on the first half (see ``_rotate``)
