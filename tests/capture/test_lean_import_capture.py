@@ -28,7 +28,8 @@ print(json.dumps({{"cuda_initialized": torch.cuda.is_initialized(), "loaded": "{
 """
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
+    """The environment of a probe interpreter: the three src folders and the repo on its path."""
     paths = [str(p) for p in (*_SRC_DIRS, _REPO)]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
@@ -42,7 +43,7 @@ def test_import_does_not_initialize_cuda(module: str) -> None:
         [sys.executable, "-c", _PROBE.format(module=module)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env(),
         timeout=300,
         check=False,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Final, Generic, TypeVar, cast
 
 import pytest
 import torch
@@ -29,11 +29,14 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     DispatchConfig,
     get_forward_context,
+    set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, Rows, StaticInput
 from tests.torch_support import as_tensor as as_tensor
 from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision
 from tests.torch_support import rel_err as rel_err
+
+R = TypeVar("R")
 
 #: Width, hidden width and vocabulary of the toy model: tiny, so the suite is fast.
 DIM: Final = 32
@@ -169,45 +172,41 @@ class DictModel(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-class FakeGraphEngine:
+class FakeGraphEngine(Generic[R]):
     """Keeps the contract of a graph engine on any device, by re-running the model.
 
-    The first call per descriptor "captures": it runs the model and keeps the
-    argument tensors and the outputs. A later call "replays": it checks that
-    it got the very same tensors (a graph reads fixed addresses; the manager
-    must copy new data into them), re-runs the model on the kept tensors and
-    copies the results into the kept outputs, which it returns. Without a
-    forward context of its mode it calls the model, like the real engines.
+    ``capture`` runs the model and keeps the argument tensors and the
+    outputs. ``replay`` re-runs the model on the kept tensors (a graph reads
+    fixed addresses: the manager must have copied the step into them) and
+    copies the results into the kept outputs, which it returns.
     """
 
-    def __init__(
-        self, model: Callable[..., object], mode: CUDAGraphMode, on_capture: Callable[[], None]
-    ) -> None:
+    def __init__(self, model: Callable[..., R], mode: CUDAGraphMode, on_capture: Callable[[], None]) -> None:
         self.model = model
         self.mode = mode
         self.on_capture = on_capture
         self.replays = 0
-        self._entries: dict[BatchDescriptor, tuple[dict[str, torch.Tensor], object]] = {}
+        self._entries: dict[BatchDescriptor, tuple[dict[str, torch.Tensor], R]] = {}
 
-    def __call__(self, *args: object, **kwargs: object) -> object:
+    def capture(self, descriptor: BatchDescriptor, /, *args: object, **kwargs: object) -> R:
         assert not args, "the manager passes inputs as keywords"
+        assert descriptor not in self._entries, "the manager captures a key once"
+        assert get_forward_context() is None, "the manager calls the engine directly, without a context"
+        self.on_capture()
         inputs = {name: as_tensor(value) for name, value in kwargs.items()}
-        context = get_forward_context()
-        if context is None or context.runtime_mode is not self.mode:
-            return self.model(**inputs)
-        key = context.batch_descriptor
-        assert key is not None
-        entry = self._entries.get(key)
-        if entry is None:
-            self.on_capture()
+        with set_forward_context(self.mode, descriptor):  # as the real engines run the capture
             output = self.model(**inputs)
-            self._entries[key] = (inputs, output)
-            return output
-        kept_inputs, kept_output = entry
-        assert inputs.keys() == kept_inputs.keys()
-        for name, tensor in inputs.items():
-            kept = kept_inputs[name]
-            assert (tensor.data_ptr(), tensor.shape) == (kept.data_ptr(), kept.shape), f"{name} moved"
+        self._entries[descriptor] = (inputs, output)
+        return output
+
+    def discard(self, descriptor: BatchDescriptor, /) -> None:
+        self._entries.pop(descriptor, None)
+
+    def is_captured(self, descriptor: BatchDescriptor, /) -> bool:
+        return descriptor in self._entries
+
+    def replay(self, descriptor: BatchDescriptor, /) -> R:
+        kept_inputs, kept_output = self._entries[descriptor]
         fresh = self.model(**kept_inputs)
         for dst, src in zip(_leaves(kept_output), _leaves(fresh), strict=True):
             dst.copy_(src)
@@ -220,6 +219,10 @@ class FakeGraphEngine:
 
     def captured(self) -> frozenset[BatchDescriptor]:
         return frozenset(self._entries)
+
+    def kept_inputs(self, descriptor: BatchDescriptor) -> dict[str, torch.Tensor]:
+        """The tensors ``descriptor`` was captured with (what its "graph" reads)."""
+        return self._entries[descriptor][0]
 
     def clear(self) -> None:
         self._entries.clear()
@@ -242,14 +245,15 @@ class FakeEngines:
     """
 
     def __init__(self, on_capture: Callable[[], None] = lambda: None) -> None:
-        self.engines: dict[CUDAGraphMode, FakeGraphEngine] = {}
+        self.engines: dict[CUDAGraphMode, FakeGraphEngine[object]] = {}
         self.on_capture = on_capture
 
     def __call__(
-        self, model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
-    ) -> FakeGraphEngine:
+        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
+    ) -> FakeGraphEngine[R]:
         assert mode not in self.engines, "the manager builds one engine per mode"
-        engine = self.engines[mode] = FakeGraphEngine(model, mode, lambda: self.on_capture())
+        engine = FakeGraphEngine(model, mode, lambda: self.on_capture())
+        self.engines[mode] = cast("FakeGraphEngine[object]", engine)
         return engine
 
 

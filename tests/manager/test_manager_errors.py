@@ -11,7 +11,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Final, cast
+from typing import Final, TypeVar, cast
 
 import pytest
 import torch
@@ -38,6 +38,7 @@ from .helpers import (
 
 FULL: Final = CUDAGraphMode.FULL
 CPU: Final = torch.device("cpu")
+R = TypeVar("R")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -184,7 +185,7 @@ BAD_CONSTRUCTIONS: Final[dict[str, tuple[dict[str, object], str]]] = {
         {"inputs": {"s": StaticInput(rows="reqs"), "b": StaticInput(rows=None)}},
         "at least one input needs rows='tokens'",
     ),
-    "strict not a bool": ({"strict": 1}, "strict: expected a bool, got 1"),
+    "strict not a bool": ({"strict": 1}, "strict: expected True or False, got 1"),
     "options not CaptureOptions": (
         {"options": {"gc_disable": True}},
         "options: expected CaptureOptions or None",
@@ -230,9 +231,7 @@ def test_valid_construction_keeps_options_and_device() -> None:
     engines = FakeEngines()
     received: list[tuple[CUDAGraphMode, CaptureOptions]] = []
 
-    def factory(
-        model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
-    ) -> FakeGraphEngine:
+    def factory(model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions) -> FakeGraphEngine[R]:
         received.append((mode, options))
         return engines(model, mode, options)
 
@@ -247,19 +246,25 @@ def test_valid_construction_keeps_options_and_device() -> None:
     )
     assert manager.device == CPU
     assert manager.num_captured == 0
-    assert received == []  # engines are built at capture
+    assert [mode for mode, _ in received] == [FULL]  # one engine per mode of the plan, built up front
     manager.capture()
-    assert [mode for mode, _ in received] == [FULL]
+    assert manager.num_captured == len(config_for(FULL).capture_sizes)
     got = received[0][1]
     for field in dataclasses.fields(CaptureOptions):
         if field.name != "warmup_runs":
             assert getattr(got, field.name) is getattr(given, field.name), field.name
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device")
-def test_default_device_needs_cuda() -> None:
-    with pytest.raises(RuntimeError, match="device: no CUDA device is available; pass device= explicitly"):
-        _construct(device=None)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the default device where there is no CUDA")
+def test_default_device_without_cuda_is_the_cpu() -> None:
+    assert _construct(device=None).device == CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors raised where there is no CUDA device")
+@pytest.mark.parametrize("device", [0, "cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_devices_without_cuda_are_named(device: object) -> None:
+    with pytest.raises(ValueError, match=r"device: .* is a CUDA device, but CUDA is not available here"):
+        _construct(device=device)
 
 
 def test_config_errors_come_from_the_dispatch_config() -> None:
@@ -293,7 +298,13 @@ BAD_STATIC_INPUTS: Final[dict[str, tuple[dict[str, object], str]]] = {
         {"dtype": torch.int8, "pad_value": 128},
         "pad_value: 128 is out of range for torch.int8",
     ),
-    "pad_value for bool": ({"dtype": torch.bool, "pad_value": 2}, "pad_value: expected 0/1 or a bool"),
+    "pad_value for bool": ({"dtype": torch.bool, "pad_value": 2}, "pad_value: expected 0 or 1 for dtype torch.bool"),
+    "pad_value a bool": ({"dtype": torch.bool, "pad_value": True}, "pad_value: expected an int or a float, got True"),
+    "pad_value nan": ({"pad_value": float("nan")}, "pad_value: expected a finite number"),
+    "pad_value nan for int": ({"dtype": torch.int32, "pad_value": float("nan")}, "pad_value: expected a finite"),
+    "pad_value inf": ({"pad_value": float("inf")}, "pad_value: expected a finite number"),
+    "dtype quantized": ({"dtype": torch.quint8}, "dtype: expected a floating, integer or bool torch.dtype"),
+    "dtype complex": ({"dtype": torch.complex64}, "dtype: expected a floating, integer or bool torch.dtype"),
     "pad_value overflows half": (
         {"dtype": torch.float16, "pad_value": 1e6},
         "pad_value: 1000000.0 overflows",
@@ -330,9 +341,9 @@ def test_static_input_normalizes_the_shape() -> None:
 @pytest.mark.parametrize(
     ("dtype", "pad_value"),
     [
-        (torch.float32, -math.inf),
-        (torch.float32, math.nan),
-        (torch.bool, True),
+        (torch.float32, -(2.0**127)),
+        (torch.bfloat16, 1.0),
+        (torch.bool, 1),
         (torch.int64, 2.0),
         (torch.uint8, 255),
     ],
@@ -340,11 +351,8 @@ def test_static_input_normalizes_the_shape() -> None:
 def test_static_input_accepts_representable_pad_values(dtype: torch.dtype, pad_value: float) -> None:
     spec = StaticInput((), dtype, pad_value=pad_value)
     buffer = torch.full((2,), spec.pad_value, dtype=dtype)  # what the manager allocates
-    # The pad value is stored exactly: read back, it is the value given (NaN stays NaN).
-    if math.isnan(pad_value):
-        assert bool(torch.isnan(buffer).all())
-    else:
-        assert buffer.tolist() == [pad_value, pad_value]
+    # The pad value is stored exactly: read back, it is the value given.
+    assert buffer.tolist() == [pad_value, pad_value]
 
 
 # ---------------------------------------------------------------------------

@@ -9,10 +9,12 @@ capture on a side stream. Importing this package does not initialize CUDA.
 
 from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
 from ._breakable import eager_break_during_capture as eager_break_during_capture
+from ._device import resolve_device as resolve_device
 from ._enabled import capture_enabled as capture_enabled
 from ._enabled import set_capture_enabled as set_capture_enabled
 from ._errors import CaptureDisabledError as CaptureDisabledError
 from ._errors import CaptureError as CaptureError
+from ._gc import collector_paused as collector_paused
 from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
 from ._pool import capture_stream as capture_stream
@@ -35,7 +37,9 @@ __all__ = [
     "GraphPool",
     "capture_enabled",
     "capture_stream",
+    "collector_paused",
     "eager_break_during_capture",
+    "resolve_device",
     "set_capture_enabled",
     "shared_pool",
     "weak_ref_tensors",

@@ -28,14 +28,9 @@ from cudagraph_dispatch import BatchDescriptor
 from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._pool import GraphPool, capture_stream, shared_pool
-from ._segment import (
-    REPLAY,
-    THREAD,
-    abort_segment,
-    begin_segment,
-    end_segment,
-    prepare_capture,
-)
+from ._device import require_cuda
+from ._gc import collect_before_capture
+from ._segment import THREAD, abort_segment, begin_segment, end_segment
 from ._weakref import contains_cuda_tensor, weak_ref_tensors
 
 P = ParamSpec("P")
@@ -121,13 +116,17 @@ class BreakableCUDAGraphCapture:
         if self._state != "new":
             raise RuntimeError(f"BreakableCUDAGraphCapture: can be entered once (state: {self._state})")
         check_capture_enabled(self._descriptor)
+        try:
+            require_cuda("BreakableCUDAGraphCapture")
+        except RuntimeError as error:
+            raise CaptureError(str(error), self._descriptor) from None
         device = torch.cuda.current_device()
         self._pool = shared_pool(device) if self._pool is None else self._pool
         stream = capture_stream(device) if self._stream is None else self._stream
         self._stream = stream
         caller = torch.cuda.current_stream(device)
         self._caller = caller
-        prepare_capture(self._gc_disable)
+        collect_before_capture(self._gc_disable)
         stream.wait_stream(caller)
         self._stream_ctx = torch.cuda.stream(stream)
         self._stream_ctx.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
@@ -205,7 +204,7 @@ class BreakableCUDAGraphCapture:
         assert self._pool is not None
         if end_segment(graph, self._pool, self._descriptor):
             self._graphs.append(graph)
-            step = functools.partial(REPLAY, graph)
+            step = graph.replay
             self._tail.append(step)
             step()  # run what was just recorded: the next eager op reads its results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch import BatchDescriptor, check_bool
 
 from ._errors import CaptureDisabledError
 
@@ -18,9 +18,7 @@ _state: Final = {"enabled": True}
 
 def set_capture_enabled(flag: bool) -> None:
     """Allow (``True``) or forbid (``False``) new captures in this process."""
-    if not isinstance(flag, bool):
-        raise ValueError(f"flag: expected a bool, got {flag!r}")
-    _state["enabled"] = flag
+    _state["enabled"] = check_bool("flag", flag)
 
 
 def capture_enabled() -> bool:

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from cudagraph_dispatch import check_bool, check_int
+
 from ._pool import GraphPool
 
 
@@ -16,10 +18,11 @@ class CaptureOptions:
     - ``weak_ref_output``: keep captured outputs as non-owning aliases, so the
       shared pool can hand their memory to the next (smaller) capture. The
       outputs then stay valid until the next replay of any graph in the pool.
-    - ``gc_disable``: skip ``gc.collect()`` and ``empty_cache()`` before each
-      capture (they dominate capture time when many sizes are captured).
-    - ``check_input_addresses``: debug check that every replay gets its tensor
-      arguments at the addresses seen at capture (a graph reads fixed addresses).
+    - ``gc_disable``: the garbage-collection policy of captures (``collector_paused``
+      says it whole): no ``gc.collect()``/``empty_cache()`` per capture.
+    - ``check_input_addresses``: debug check that every replay through a call
+      (the forward-context path) gets its tensor arguments at the addresses
+      seen at capture (a graph reads fixed addresses).
     - ``pool``: the graph memory pool; ``None`` is the device's shared pool.
     - ``stream``: the capture stream; ``None`` is one side stream per device.
     - ``warmup_runs``: eager runs on the capture stream before each capture,
@@ -36,6 +39,7 @@ class CaptureOptions:
     warmup_runs: int = 1
 
     def __post_init__(self) -> None:
-        runs: object = self.warmup_runs
-        if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
-            raise ValueError(f"warmup_runs: expected an integer >= 0, got {runs!r}")
+        check_bool("weak_ref_output", self.weak_ref_output)
+        check_bool("gc_disable", self.gc_disable)
+        check_bool("check_input_addresses", self.check_input_addresses)
+        check_int("warmup_runs", self.warmup_runs, minimum=0)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
 
 import torch
 
+from ._device import cuda_index
+
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
@@ -41,18 +43,6 @@ _lock: Final = threading.RLock()  # shared_pool creates the capture stream under
 _T = TypeVar("_T")
 
 
-def device_index(device: torch.device | int | None) -> int:
-    """The CUDA device index of ``device`` (``None``: the current device)."""
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    if device.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device, got {device}")
-    index: int | None = device.index  # None: the current device
-    return torch.cuda.current_device() if index is None else index
-
-
 def _per_device(cache: dict[int, _T], index: int, make: Callable[[int], _T]) -> _T:
     """``cache[index]``, made once under the lock on first use (lock-free afterwards)."""
     value = cache.get(index)
@@ -68,14 +58,14 @@ def _new_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
 
 
-def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
     """The side stream both engines capture on, one per device."""
-    return _per_device(_streams, device_index(device), _new_stream)
+    return _per_device(_streams, cuda_index(device), _new_stream)
 
 
-def shared_pool(device: torch.device | int | None = None) -> GraphPool:
+def shared_pool(device: torch.device | str | int | None = None) -> GraphPool:
     """The device's shared graph pool; valid even after all its graphs are freed."""
-    return _per_device(_pools, device_index(device), _new_pinned_pool).handle
+    return _per_device(_pools, cuda_index(device), _new_pinned_pool).handle
 
 
 def retire_shared_pool(device: int, handle: GraphPool) -> None:

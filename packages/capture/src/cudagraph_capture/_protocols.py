@@ -11,17 +11,27 @@ R_co = TypeVar("R_co", covariant=True)
 
 
 class GraphEngine(Protocol[P, R_co]):
-    """A callable that captures per forward-context descriptor and replays after.
+    """Capture and replay keyed by batch descriptor, called directly (no forward context).
 
-    Both ``CUDAGraphWrapper`` and ``BreakableCUDAGraphWrapper`` satisfy it; the
-    manager layer depends on this protocol, not on the classes.
+    ``CUDAGraphWrapper`` and ``BreakableCUDAGraphWrapper`` satisfy it; the
+    manager depends on this protocol, not on the classes. The engine is the
+    one owner of "is this key captured".
     """
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+    def capture(self, descriptor: BatchDescriptor, /, *args: P.args, **kwargs: P.kwargs) -> R_co:
+        """Capture ``descriptor``'s graph from a call with these arguments; return its outputs."""
+        ...
 
-    @property
-    def num_captured(self) -> int: ...
+    def is_captured(self, descriptor: BatchDescriptor, /) -> bool: ...
 
-    def captured(self) -> frozenset[BatchDescriptor]: ...
+    def discard(self, descriptor: BatchDescriptor, /) -> None:
+        """Free ``descriptor``'s graph, if captured."""
+        ...
 
-    def clear(self) -> None: ...
+    def replay(self, descriptor: BatchDescriptor, /) -> R_co:
+        """Replay ``descriptor``'s graph; return the outputs its capture returned, rewritten."""
+        ...
+
+    def clear(self) -> None:
+        """Free every captured graph."""
+        ...

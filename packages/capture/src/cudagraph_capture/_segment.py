@@ -10,10 +10,9 @@ before whatever the caller does next. No host synchronization is needed.
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Final
 
 import torch
@@ -22,12 +21,6 @@ from cudagraph_dispatch import BatchDescriptor
 
 from ._errors import CaptureError
 from ._pool import GraphPool, retire_shared_pool
-
-# The graph-replay entry point without the Python-level wrapper of
-# torch.cuda.CUDAGraph.replay (one frame less per replay); CPU builds lack it.
-REPLAY: Final[Callable[[torch.cuda.CUDAGraph], None]] = getattr(
-    torch._C._CUDAGraph, "replay", torch.cuda.CUDAGraph.replay
-)
 
 # Only this thread's unsafe CUDA calls invalidate its capture: a server's other
 # threads may keep working while start-up captures.
@@ -56,13 +49,6 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         caller.wait_stream(stream)  # what the caller does next sees the body's work
-
-
-def prepare_capture(gc_disable: bool) -> None:
-    """Free what can be freed before a capture, unless ``gc_disable`` says not to."""
-    if not gc_disable:
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:

@@ -1,10 +1,17 @@
 """Graph wrappers: capture once per batch descriptor, replay afterwards.
 
-A wrapper trusts the forward context (``cudagraph_dispatch``): with no context,
-NONE, or a mode it does not serve, it calls its runnable; otherwise it
-captures on the first call for the context's descriptor and replays the
-graph on every later call. It keeps no input buffers: the caller keeps its
-inputs at fixed addresses and copies new data into them before each call.
+Two ways in, one table of captured graphs:
+
+- As a model layer (vLLM's contract): a call reads the forward context
+  (``cudagraph_dispatch``). With no context, NONE, or a mode the wrapper does
+  not serve, it calls its runnable; otherwise it captures on the first call
+  for the context's descriptor and replays that graph on every later call.
+- Directly (what ``cudagraph_manager`` uses): ``capture(descriptor, ...)``,
+  ``is_captured(descriptor)`` and ``replay(descriptor)``, with no forward
+  context to set and read back on every step.
+
+A wrapper keeps no input buffers: the caller keeps its inputs at fixed
+addresses and copies new data into them before each replay.
 """
 
 from __future__ import annotations
@@ -27,23 +34,17 @@ from ._breakable import BreakableCUDAGraphCapture
 from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._options import CaptureOptions
+from ._device import require_cuda
+from ._gc import collect_before_capture
 from ._pool import GraphPool, capture_stream, shared_pool
-from ._segment import (
-    REPLAY,
-    THREAD,
-    abort_segment,
-    begin_segment,
-    end_segment,
-    on_side_stream,
-    prepare_capture,
-)
+from ._segment import THREAD, abort_segment, begin_segment, end_segment, on_side_stream
 from ._weakref import weak_ref_tensors
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _DEFAULT_OPTIONS: Final = CaptureOptions()
-_OWN: Final = frozenset({"_runnable", "_options", "_entries", "_mode_a", "_mode_b"})
+_OWN: Final = frozenset({"_runnable", "_options", "_entries", "_capture_mode", "_other_mode"})
 
 
 class _Entry(Generic[R]):
@@ -67,28 +68,34 @@ class _Entry(Generic[R]):
 class _GraphWrapper(Generic[P, R]):
     """What both wrappers share: the dispatch contract, entries, errors."""
 
-    __slots__ = ("__weakref__", "_entries", "_mode_a", "_mode_b", "_options", "_runnable")
+    __slots__ = ("__weakref__", "_capture_mode", "_entries", "_options", "_other_mode", "_runnable")
 
     def __init__(
         self,
         runnable: Callable[P, R],
-        modes: tuple[CUDAGraphMode, CUDAGraphMode],
+        capture_mode: CUDAGraphMode,
+        other_mode: CUDAGraphMode,
         options: CaptureOptions | None,
     ) -> None:
         if not callable(runnable):
             raise ValueError(f"runnable: expected a callable, got {runnable!r}")
+        given: object = options
+        if given is not None and not isinstance(given, CaptureOptions):
+            raise ValueError(f"options: expected CaptureOptions or None, got {options!r}")
         self._runnable: Final = runnable
         self._options: Final = _DEFAULT_OPTIONS if options is None else options
         self._entries: Final[dict[BatchDescriptor, _Entry[R]]] = {}
-        self._mode_a: Final = modes[0]
-        self._mode_b: Final = modes[1]
+        # The forward-context modes this wrapper captures and replays under; the
+        # first is also the context an explicit capture() runs its runnable in.
+        self._capture_mode: Final = capture_mode
+        self._other_mode: Final = other_mode
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         context = FORWARD_CONTEXT_VAR.get()
         if context is None:
             return self._runnable(*args, **kwargs)
         mode = context.runtime_mode
-        if mode is not self._mode_a and mode is not self._mode_b:
+        if mode is not self._capture_mode and mode is not self._other_mode:
             return self._runnable(*args, **kwargs)
         descriptor = context.batch_descriptor
         assert descriptor is not None  # set_forward_context requires one for graph modes
@@ -97,6 +104,48 @@ class _GraphWrapper(Generic[P, R]):
             return self._capture(context, descriptor, args, kwargs)
         if entry.addresses is not None:
             _check_addresses(descriptor, entry.addresses, args, kwargs)
+        entry.replay()
+        return entry.output
+
+    def capture(self, descriptor: BatchDescriptor, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Capture the graph of ``descriptor`` now, from a call of the runnable with these arguments.
+
+        The runnable runs under the forward context ``(mode, descriptor)`` (the
+        warm-up under NONE), as it would when called as a layer. Returns the
+        capture's outputs, computed for these arguments. A descriptor that is
+        already captured raises ``ValueError`` (``clear()`` first); a failed
+        capture raises ``CaptureError`` and leaves the wrapper usable.
+        """
+        if descriptor.__class__ is not BatchDescriptor:
+            raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
+        if descriptor in self._entries:
+            raise ValueError(f"descriptor: {descriptor} is already captured; clear() to capture it again")
+        context = ForwardContext(self._capture_mode, descriptor)
+        token = FORWARD_CONTEXT_VAR.set(context)
+        try:
+            return self._capture(context, descriptor, args, kwargs)
+        finally:
+            FORWARD_CONTEXT_VAR.reset(token)
+
+    def discard(self, descriptor: BatchDescriptor, /) -> None:
+        """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured)."""
+        self._entries.pop(descriptor, None)
+
+    def is_captured(self, descriptor: BatchDescriptor, /) -> bool:
+        """Whether ``descriptor`` has a captured graph: this table is the one place that knows."""
+        return descriptor in self._entries
+
+    def replay(self, descriptor: BatchDescriptor, /) -> R:
+        """Replay the graph of ``descriptor`` on the current stream; return its outputs.
+
+        The outputs are the objects the capture returned (aliases of graph
+        memory, rewritten by every replay). No host synchronization. A
+        descriptor that was never captured raises ``KeyError``.
+        """
+        try:
+            entry = self._entries[descriptor]
+        except KeyError:
+            raise KeyError(f"{type(self).__name__}: no graph captured for {descriptor}") from None
         entry.replay()
         return entry.output
 
@@ -112,10 +161,6 @@ class _GraphWrapper(Generic[P, R]):
     def num_captured(self) -> int:
         """How many descriptors have a captured graph."""
         return len(self._entries)
-
-    def captured(self) -> frozenset[BatchDescriptor]:
-        """The descriptors that have a captured graph."""
-        return frozenset(self._entries)
 
     def clear(self) -> None:
         """Free every captured graph; the shared pool stays usable for new captures."""
@@ -141,6 +186,10 @@ class _GraphWrapper(Generic[P, R]):
         kwargs: dict[str, object],
     ) -> R:
         check_capture_enabled(descriptor)
+        try:
+            require_cuda(type(self).__name__)
+        except RuntimeError as error:
+            raise CaptureError(str(error), descriptor) from None
         if THREAD.breakable is not None:
             raise CaptureError(
                 f"{type(self).__name__}: cannot capture inside an active breakable capture", descriptor
@@ -183,7 +232,7 @@ class _GraphWrapper(Generic[P, R]):
             set_forward_context(CUDAGraphMode.NONE, context.batch_descriptor, **context.extra),
         ):
             for _ in range(self._options.warmup_runs):
-                self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+                self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
 
     def _capture_engine(
         self,
@@ -219,11 +268,11 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
     ) -> None:
         if runtime_mode is not CUDAGraphMode.FULL and runtime_mode is not CUDAGraphMode.PIECEWISE:
             raise ValueError(f"runtime_mode: expected FULL or PIECEWISE, got {runtime_mode!r}")
-        super().__init__(runnable, (runtime_mode, runtime_mode), options)
+        super().__init__(runnable, runtime_mode, runtime_mode, options)
 
     @property
     def runtime_mode(self) -> CUDAGraphMode:
-        return self._mode_a
+        return self._capture_mode
 
     def _capture_engine(
         self,
@@ -234,11 +283,11 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         kwargs: dict[str, object],
     ) -> tuple[object, Callable[[], object], R, bool]:
         graph = torch.cuda.CUDAGraph()
-        prepare_capture(self._options.gc_disable)
+        collect_before_capture(self._options.gc_disable)
         with on_side_stream(stream):
             begin_segment(graph, pool)
             try:
-                output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+                output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
             except BaseException:
                 abort_segment(graph, pool)
                 raise
@@ -248,7 +297,7 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
             raise CaptureError(
                 "the capture recorded no CUDA work (does the runnable run on the CPU?)", descriptor
             )
-        return graph, REPLAY.__get__(graph), output, False
+        return graph, graph.replay, output, False
 
 
 class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
@@ -256,13 +305,14 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
 
     Captures with a ``BreakableCUDAGraphCapture`` under any forward-context
     mode other than NONE: graph segments split at ``eager_break_during_capture``
-    ops, replayed in order with the ops run eagerly between them.
+    ops, replayed in order with the ops run eagerly between them. An explicit
+    ``capture()`` runs the runnable under a PIECEWISE context.
     """
 
     __slots__ = ()
 
     def __init__(self, runnable: Callable[P, R], options: CaptureOptions | None = None) -> None:
-        super().__init__(runnable, (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL), options)
+        super().__init__(runnable, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, options)
 
     def capture_for(self, descriptor: BatchDescriptor) -> BreakableCUDAGraphCapture | None:
         """The segments captured for ``descriptor`` (their counts), or ``None``."""
@@ -284,7 +334,7 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
             pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor
         )
         with capture:
-            output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from __call__'s P
+            output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
         if capture.num_graphs == 0 and capture.num_eager_breaks == 0:
             raise CaptureError(
                 "the capture recorded no CUDA work and no eager break (does the runnable run on the CPU?)",

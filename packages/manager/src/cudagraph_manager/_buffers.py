@@ -1,70 +1,208 @@
-"""The static-input side of the manager: the buffers, the per-step check, the copy in.
+"""Static buffers: one per declared input, allocated once, refilled in place every step.
 
-A graph reads its inputs from the addresses it was captured with, so each
-declared input gets one buffer, allocated once; every graph sees a view of it
-(a ``Slot``). A step's tensors are checked against the declarations before a
-buffer is touched, then copied into one graph's views with the rest padded.
-The check and the copy run every step, so their loops work on values
-precomputed here (row kinds as small ints, shapes as tuples).
+A graph reads its inputs at the addresses it was captured with. Each declared
+input gets one ``StaticBuffer`` holding its largest row count; a graph of
+``g`` rows reads the buffer's first ``g`` rows. A step's tensors are checked
+against the declarations before any buffer is touched, then each is copied
+into the first rows of its buffer and the graph's remaining rows are filled
+with the input's pad value.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from typing import Final, TypeAlias
+from typing import Final
 
 import torch
 
-from ._static import StaticInput
+from ._static import Rows, StaticInput
 
 _Tensor: Final = torch.Tensor
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
 RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
 
-# Row kinds of an input, as small ints for the per-step loops.
-TOKENS: Final = 0
-REQS: Final = 1
-WHOLE: Final = 2
-_KINDS: Final = {"tokens": TOKENS, "reqs": REQS, None: WHOLE}
 
-# What the per-step check needs of one input: (name, dtype, ndim, trailing shape or whole shape, kind).
-_Check: TypeAlias = tuple[str, torch.dtype, int, tuple[int, ...], int]
+class StaticBuffer:
+    """One input's static buffer: its rows, its view for a row count, its checks, its copy-in.
 
+    ``tensor`` is ``[max rows, *shape]`` (``shape`` for an unbatched input).
+    Views are cut once per row count and kept: slicing a tensor costs about
+    a microsecond, and a step needs two views per input.
+    """
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Input:
-    """One declared input and the static buffer that holds it."""
+    __slots__ = ("_splits", "_views", "device", "dtype", "name", "pad_value", "rows", "shape", "tensor")
 
-    name: str
-    spec: StaticInput
-    kind: int  # TOKENS, REQS or WHOLE
-    buffer: torch.Tensor  # [max rows, *spec.shape], or spec.shape for WHOLE
+    def __init__(self, name: str, spec: StaticInput, max_rows: int, device: torch.device) -> None:
+        self.name: Final = name
+        self.rows: Final[Rows] = spec.rows
+        self.dtype: Final = spec.dtype
+        self.shape: Final = spec.shape  # trailing dims; the whole shape of an unbatched input
+        self.pad_value: Final = spec.pad_value
+        self.device: Final = device
+        full_shape = spec.shape if spec.rows is None else (max_rows, *spec.shape)
+        self.tensor: Final = torch.full(full_shape, spec.pad_value, dtype=spec.dtype, device=device)
+        self._views: dict[int, torch.Tensor] = {}
+        self._splits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def view(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows (the whole buffer when unbatched): what a graph of that size reads."""
+        if self.rows is None:
+            return self.tensor
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = self.tensor[:rows]  # [rows, *shape]
+        return view
 
-class Slot:
-    """One input as one graph sees it: a view of the buffer, and how to fill it."""
+    def check(self, x: object) -> int:
+        """The row count of step tensor ``x`` (0 when unbatched); ``ValueError`` naming the input."""
+        if x.__class__ is not _Tensor and not isinstance(x, _Tensor):
+            raise ValueError(f"run: input {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype is not self.dtype:
+            raise ValueError(f"run: input {self.name!r}: expected dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(
+                f"run: input {self.name!r}: expected a tensor on {self.device}, got one on {x.device}"
+            )
+        size = x.shape
+        if self.rows is None:
+            if size != self.shape:
+                raise ValueError(
+                    f"run: input {self.name!r}: expected shape {self.shape} (not batched), got {tuple(size)}"
+                )
+            return 0
+        if len(size) != len(self.shape) + 1 or size[1:] != self.shape:
+            raise ValueError(
+                f"run: input {self.name!r}: expected shape [rows, *{self.shape}], got {tuple(size)}"
+            )
+        rows: int = size[0]
+        return rows
 
-    __slots__ = ("_splits", "kind", "name", "pad_value", "rows", "view")
+    def load(self, x: torch.Tensor, rows: int, graph_rows: int) -> None:
+        """Copy ``x`` (``rows`` rows) in; fill the rows up to ``graph_rows`` with the pad value.
 
-    def __init__(self, source: Input, rows: int) -> None:
-        self.name = source.name
-        self.kind = source.kind
-        self.pad_value = source.spec.pad_value
-        self.rows = rows  # the graph's row count for this input; -1 for WHOLE
-        self.view = source.buffer if source.kind == WHOLE else source.buffer[:rows]  # [rows, *shape]
-        self._splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(view[:n], view[n:])``: the real rows and the padding.
-
-        Cached per row count (slicing costs microseconds; at most ``rows`` entries).
+        Real rows first, then the padding, so an ``x`` that already is (a
+        prefix of) this buffer is read before anything overwrites it.
+        Asynchronous on the current stream.
         """
-        pair = self._splits.get(n)
-        if pair is None:
-            pair = self._splits[n] = (self.view[:n], self.view[n:])
-        return pair
+        if rows == graph_rows or self.rows is None:
+            self.view(graph_rows).copy_(x)
+            return
+        split = self._splits.get((rows, graph_rows))
+        if split is None:
+            split = self._splits[(rows, graph_rows)] = (self.tensor[:rows], self.tensor[rows:graph_rows])
+        split[0].copy_(x)
+        split[1].fill_(self.pad_value)
+
+
+class StaticBuffers:
+    """Every declared input's buffer: the step's checks across inputs, and the copy in."""
+
+    __slots__ = ("buffers", "max_num_seqs", "query_len")
+
+    def __init__(
+        self,
+        inputs: Mapping[str, StaticInput],
+        *,
+        max_tokens: int,
+        max_num_seqs: int,
+        query_len: int,
+        device: torch.device,
+    ) -> None:
+        max_rows = {"tokens": max_tokens, "reqs": max_num_seqs, None: 0}
+        self.buffers: Final = tuple(
+            StaticBuffer(name, spec, max_rows[spec.rows], device) for name, spec in inputs.items()
+        )
+        self.max_num_seqs: Final = max_num_seqs
+        self.query_len: Final = query_len  # uniform_decode_query_len
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live buffers by name."""
+        return {b.name: b.tensor for b in self.buffers}
+
+    def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        """What a graph of ``num_tokens`` tokens and ``num_reqs`` requests reads, by input name."""
+        return {b.name: b.view(num_reqs if b.rows == "reqs" else num_tokens) for b in self.buffers}
+
+    def fill_padding(self, num_tokens: int, num_reqs: int) -> None:
+        """Fill a graph's batched views with pad values (before its warm-up and capture run the model)."""
+        for b in self.buffers:
+            if b.rows is not None:
+                b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
+
+    def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int]:
+        """``(num_tokens, num_reqs)`` of a step's inputs, or ``ValueError`` naming the input.
+
+        Exact names, each tensor checked by its buffer, one row count per
+        kind of rows. ``num_reqs`` is 0 for a model without "reqs" inputs.
+        """
+        if len(inputs) != len(self.buffers):
+            raise self._names_error(inputs)
+        num_tokens = num_reqs = 0
+        tokens_from = reqs_from = ""
+        for b in self.buffers:
+            x = inputs.get(b.name)
+            if x is None and b.name not in inputs:
+                raise self._names_error(inputs)
+            rows = b.check(x)
+            if b.rows == "tokens":
+                if not tokens_from:
+                    num_tokens, tokens_from = rows, b.name
+                elif rows != num_tokens:
+                    raise ValueError(
+                        f"run: input {b.name!r}: {rows} rows, but input {tokens_from!r} has {num_tokens}; "
+                        "all 'tokens' inputs have num_tokens rows"
+                    )
+            elif b.rows == "reqs":
+                if not reqs_from:
+                    num_reqs, reqs_from = rows, b.name
+                elif rows != num_reqs:
+                    raise ValueError(
+                        f"run: input {b.name!r}: {rows} rows, but input {reqs_from!r} has {num_reqs}; "
+                        "all 'reqs' inputs have num_reqs rows"
+                    )
+        if reqs_from:
+            self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)
+        return num_tokens, num_reqs
+
+    def load(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        num_tokens: int,
+        num_reqs: int,
+        graph_tokens: int,
+        graph_reqs: int,
+    ) -> None:
+        """Copy a checked step into the buffers, padded to a graph's row counts."""
+        for b in self.buffers:
+            if b.rows == "reqs":
+                b.load(inputs[b.name], num_reqs, graph_reqs)
+            else:
+                b.load(inputs[b.name], num_tokens, graph_tokens)
+
+    def _check_requests(self, num_tokens: int, num_reqs: int, reqs_from: str, uniform_decode: bool) -> None:
+        if num_reqs > self.max_num_seqs:
+            raise ValueError(
+                f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed max_num_seqs={self.max_num_seqs}"
+            )
+        if num_reqs > num_tokens:
+            raise ValueError(
+                f"run: input {reqs_from!r}: {num_reqs} requests for {num_tokens} tokens; "
+                "every request has at least one token"
+            )
+        if uniform_decode and num_tokens != num_reqs * self.query_len:
+            raise ValueError(
+                f"uniform_decode: a uniform decode batch has num_reqs * {self.query_len} tokens, "
+                f"got {num_tokens} tokens for {num_reqs} requests"
+            )
+
+    def _names_error(self, inputs: Mapping[str, object]) -> ValueError:
+        expected = [b.name for b in self.buffers]
+        missing = [n for n in expected if n not in inputs]
+        unknown = sorted(n for n in inputs if n not in expected)
+        parts = [f"missing input(s) {missing}"] if missing else []
+        parts += [f"unknown input(s) {unknown}"] if unknown else []
+        return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
 
 
 def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
@@ -87,144 +225,3 @@ def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInpu
             "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
         )
     return checked
-
-
-def allocate(
-    inputs: Mapping[str, StaticInput], max_tokens: int, max_num_seqs: int, device: torch.device
-) -> tuple[Input, ...]:
-    """One buffer per declared input on ``device``, filled with its ``pad_value``.
-
-    ``max_tokens`` rows for a "tokens" input, ``max_num_seqs`` for a "reqs"
-    one: the largest graph's rows, so every graph's view fits in it.
-    """
-    max_rows = {TOKENS: max_tokens, REQS: max_num_seqs}
-    sources: list[Input] = []
-    for name, spec in inputs.items():
-        kind = _KINDS[spec.rows]
-        shape = spec.shape if kind == WHOLE else (max_rows[kind], *spec.shape)
-        buffer = torch.full(shape, spec.pad_value, dtype=spec.dtype, device=device)
-        sources.append(Input(name, spec, kind, buffer))
-    return tuple(sources)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class InputChecker:
-    """``run``'s check of a step's inputs against the declared ones, before any buffer is touched.
-
-    Holds exactly what the check reads, precomputed once (``of``), so the
-    manager binds ``check`` once and calls it once per step.
-    """
-
-    checks: tuple[_Check, ...]  # one per declared input, in declaration order
-    device: torch.device
-    max_num_seqs: int
-    query_len: int  # uniform_decode_query_len
-
-    @classmethod
-    def of(
-        cls, inputs: tuple[Input, ...], device: torch.device, max_num_seqs: int, query_len: int
-    ) -> InputChecker:
-        checks = tuple(
-            (s.name, s.spec.dtype, len(s.spec.shape) + (s.kind != WHOLE), s.spec.shape, s.kind)
-            for s in inputs
-        )
-        return cls(checks, device, max_num_seqs, query_len)
-
-    def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int, bool]:
-        """``(num_tokens, num_reqs, any input requires grad)``; ``num_reqs`` is -1 without "reqs" inputs.
-
-        Cheap by design (this is per step): dtype and device are compared as
-        objects, shapes as tuples.
-        """
-        if len(inputs) != len(self.checks):
-            raise self._names_error(inputs)
-        device = self.device
-        num_tokens = num_reqs = -1
-        tokens_from = reqs_from = ""
-        grad = False
-        for name, dtype, ndim, shape, kind in self.checks:
-            x = inputs.get(name)
-            if x.__class__ is not _Tensor and not isinstance(x, _Tensor):
-                if name not in inputs:
-                    raise self._names_error(inputs)
-                raise ValueError(f"run: input {name!r}: expected a torch.Tensor, got {type(x).__name__}")
-            assert x is not None
-            if x.dtype is not dtype:
-                raise ValueError(f"run: input {name!r}: expected dtype {dtype}, got {x.dtype}")
-            if x.device != device:
-                raise ValueError(f"run: input {name!r}: expected a tensor on {device}, got one on {x.device}")
-            size = x.shape
-            if kind == WHOLE:
-                if size != shape:
-                    raise ValueError(
-                        f"run: input {name!r}: expected shape {shape} (not batched), got {tuple(size)}"
-                    )
-            else:
-                if len(size) != ndim or size[1:] != shape:
-                    raise ValueError(
-                        f"run: input {name!r}: expected shape [rows, *{shape}], got {tuple(size)}"
-                    )
-                rows = size[0]
-                if kind == TOKENS:
-                    if num_tokens < 0:
-                        num_tokens, tokens_from = rows, name
-                    elif rows != num_tokens:
-                        raise ValueError(
-                            f"run: input {name!r}: {rows} rows, but input {tokens_from!r} has {num_tokens}; "
-                            "all 'tokens' inputs have num_tokens rows"
-                        )
-                elif num_reqs < 0:
-                    num_reqs, reqs_from = rows, name
-                elif rows != num_reqs:
-                    raise ValueError(
-                        f"run: input {name!r}: {rows} rows, but input {reqs_from!r} has {num_reqs}; "
-                        "all 'reqs' inputs have num_reqs rows"
-                    )
-            if x.requires_grad:
-                grad = True
-        if num_reqs >= 0:
-            if num_reqs > self.max_num_seqs:
-                raise ValueError(
-                    f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed "
-                    f"max_num_seqs={self.max_num_seqs}"
-                )
-            if num_reqs > num_tokens:
-                raise ValueError(
-                    f"run: input {reqs_from!r}: {num_reqs} requests for {num_tokens} tokens; "
-                    "every request has at least one token"
-                )
-            if uniform_decode and num_tokens != num_reqs * self.query_len:
-                raise ValueError(
-                    f"uniform_decode: a uniform decode batch has num_reqs * {self.query_len} tokens, "
-                    f"got {num_tokens} tokens for {num_reqs} requests"
-                )
-        return num_tokens, num_reqs, grad
-
-    def _names_error(self, inputs: Mapping[str, object]) -> ValueError:
-        expected = [name for name, *_ in self.checks]
-        missing = [n for n in expected if n not in inputs]
-        unknown = sorted(n for n in inputs if n not in expected)
-        parts = [f"missing input(s) {missing}"] if missing else []
-        parts += [f"unknown input(s) {unknown}"] if unknown else []
-        return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
-
-
-def load(slots: tuple[Slot, ...], inputs: Mapping[str, torch.Tensor], num_tokens: int, num_reqs: int) -> None:
-    """Copy the batch into one graph's views of the static buffers; pad the rest.
-
-    Real rows first, then the padding rows, so an input that already is (a
-    prefix of) its static buffer is not overwritten before it is read.
-    """
-    for slot in slots:
-        src = inputs[slot.name]  # [n, *shape], or shape for WHOLE
-        kind = slot.kind
-        if kind == WHOLE:
-            slot.view.copy_(src)
-            continue
-        n = num_tokens if kind == TOKENS else num_reqs
-        if n == slot.rows:
-            slot.view.copy_(src)
-        else:
-            head, tail = slot.split(n)
-            head.copy_(src)
-            tail.fill_(slot.pad_value)

@@ -1,26 +1,20 @@
-"""The default ``GraphEngineFactory``: ``cudagraph_capture``'s wrappers, one per runtime mode.
-
-The manager builds its engines only through a factory (see ``_protocols``);
-this one is used unless the caller passes ``engine_factory``.
-"""
+"""The default ``GraphEngineFactory``: ``cudagraph_capture``'s wrappers, one per runtime mode."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
-from cudagraph_capture import (
-    BreakableCUDAGraphWrapper,
-    CaptureOptions,
-    CUDAGraphWrapper,
-    GraphEngine,
-)
+from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions, CUDAGraphWrapper, GraphEngine
 from cudagraph_dispatch import CUDAGraphMode
 
+R = TypeVar("R")
 
-def capture_engine(
-    model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
-) -> GraphEngine[..., object]:
-    """The default engines: FULL -> ``CUDAGraphWrapper``, PIECEWISE -> ``BreakableCUDAGraphWrapper``."""
+
+def default_engine_factory(
+    model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
+) -> GraphEngine[..., R]:
+    """FULL -> ``CUDAGraphWrapper`` (one graph per key), PIECEWISE -> ``BreakableCUDAGraphWrapper``."""
     if mode is CUDAGraphMode.FULL:
         return CUDAGraphWrapper(model, CUDAGraphMode.FULL, options)
     if mode is CUDAGraphMode.PIECEWISE:

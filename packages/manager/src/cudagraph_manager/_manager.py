@@ -1,17 +1,19 @@
 """Model-level CUDA graphs: dispatch, capture and replay over static buffers.
 
-``CUDAGraphManager`` owns one static buffer per model input and one graph per
-key of the dispatcher's capture plan. Everything a step needs is built once:
-each graph's views of the buffers (its keyword arguments), its forward
-context; slices for partial batches are cut once per row count and cached.
-A step then validates, dispatches, copies, replays and cuts the outputs
-without re-deriving any of it. This module orchestrates; the buffers, the
-input check and the copy live in ``_buffers``, the capture loop's
-surroundings in ``_capture_phase``, the default engines in ``_engines``.
+``CUDAGraphManager`` owns one static buffer per model input and one engine per
+runtime mode; each key of the dispatcher's capture plan is captured by the
+engine of its mode, which from then on owns that graph. A step is four hops:
+
+    check the inputs -> dispatch -> copy into the static buffers -> engine.replay(key)
+
+then the outputs are cut back to the real rows. Everything a step needs (the
+views each graph reads, the cut of its outputs for a row count) is built once
+and reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +22,7 @@ from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_capture import CaptureOptions, GraphEngine
+from cudagraph_capture import CaptureOptions, GraphEngine, collector_paused, resolve_device
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     BatchDescriptor,
@@ -29,58 +31,52 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
     ForwardContext,
+    check_bool,
     set_forward_context,
 )
 
-from ._buffers import REQS, TOKENS, WHOLE, Input, InputChecker, Slot, allocate, check_inputs_spec, load
-from ._capture_phase import capture_phase, reserved_bytes, synchronize
-from ._engines import capture_engine
+from ._buffers import StaticBuffers, check_inputs_spec
+from ._engines import default_engine_factory
 from ._errors import NoGraphError
 from ._outputs import OutputLayout, OutputRows, check_output_rows, uses_reqs
 from ._progress import progress as progress_bar
 from ._protocols import GraphEngineFactory, OutputT
-from ._report import CapturedGraph, CaptureReport, ManagerStats
+from ._report import CapturedGraph, CaptureReport, EagerReason, ManagerStats
 from ._static import StaticInput
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
+_PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 
 
-class _Graph:
-    """One key of the capture plan: what its graph reads, its context, engine and counters."""
+class _PlannedGraph(Generic[OutputT]):
+    """One key of the capture plan: its engine, the views its graph reads, its counters."""
 
-    __slots__ = (
-        "context",
-        "descriptor",
-        "engine",
-        "memo",
-        "mode",
-        "num_reqs",
-        "num_tokens",
-        "replays",
-        "slots",
-        "views",
-    )
+    __slots__ = ("context", "descriptor", "engine", "inputs", "last_cut", "mode", "num_reqs", "num_tokens", "replays")
 
     def __init__(
-        self, mode: CUDAGraphMode, descriptor: BatchDescriptor, inputs: tuple[Input, ...], max_num_seqs: int
+        self,
+        mode: CUDAGraphMode,
+        descriptor: BatchDescriptor,
+        engine: GraphEngine[..., OutputT] | None,
+        buffers: StaticBuffers,
+        max_num_seqs: int,
     ) -> None:
-        self.mode = mode
-        self.descriptor = descriptor
-        self.context = ForwardContext(mode, descriptor)
-        self.num_tokens = descriptor.num_tokens
-        # PIECEWISE keys are relaxed (no request count): size their request rows like vLLM does.
-        self.num_reqs = (
+        self.mode: Final = mode
+        self.descriptor: Final = descriptor
+        self.engine: Final = engine  # None on a device without CUDA graphs
+        # Eager breaks run for real during a PIECEWISE replay and may read the context.
+        self.context: Final = ForwardContext(mode, descriptor)
+        self.num_tokens: Final = descriptor.num_tokens
+        # PIECEWISE keys are relaxed (no request count): size their request rows as vLLM does.
+        self.num_reqs: Final = (
             descriptor.num_reqs if descriptor.num_reqs is not None else min(self.num_tokens, max_num_seqs)
         )
-        rows = {TOKENS: self.num_tokens, REQS: self.num_reqs, WHOLE: -1}
-        self.slots = tuple(Slot(source, rows[source.kind]) for source in inputs)
-        self.views = {slot.name: slot.view for slot in self.slots}  # the graph's keyword arguments
-        self.engine: GraphEngine[..., object] | None = None  # set once this key is captured
+        self.inputs: Final = buffers.views(self.num_tokens, self.num_reqs)  # the graph's keyword arguments
         self.replays = 0
-        # The last (engine output, num_tokens, num_reqs, cut output): steps of one size reuse it.
-        self.memo: tuple[object, int, int, object] | None = None
+        # The last (engine output, num_tokens, num_reqs, its cut): steps of one row count reuse the cut.
+        self.last_cut: tuple[object, int, int, object] | None = None
 
 
 class CUDAGraphManager(Generic[OutputT]):
@@ -89,15 +85,19 @@ class CUDAGraphManager(Generic[OutputT]):
     ``model`` is any callable (an ``nn.Module``, a bound method, a compiled
     function) taking the ``inputs`` as keyword arguments and returning a tensor
     or a flat tuple, list or dict of tensors. Each input gets a static buffer
-    on ``device`` (default: the current CUDA device), allocated once and
-    filled with its ``pad_value``. ``config`` decides which graphs exist
-    (through a ``CUDAGraphDispatcher``); ``options`` go to the capture engines
-    (one pool: ``options.pool``, else the capture package's shared
-    pool of the device). ``output_rows`` says which count each output's leading
+    on ``device`` (default: the current CUDA device, or the CPU without CUDA),
+    allocated once and filled with its ``pad_value``. ``config`` decides which
+    graphs exist (through a ``CUDAGraphDispatcher``); ``options`` go to the
+    capture engines. ``output_rows`` says which count each output's leading
     dimension follows ("tokens" by default), so ``run`` can cut it back to the
-    real batch. ``strict=True`` raises ``NoGraphError`` where a batch would
-    run eagerly. ``engine_factory`` replaces the capture engines (a seam for
-    tests and other engines).
+    real batch. ``strict=True`` raises ``NoGraphError`` where a step would run
+    eagerly. ``engine_factory`` replaces the capture engines (a seam for tests
+    and other engines).
+
+    Without CUDA (a CPU device, and no ``engine_factory``) nothing is
+    captured: every step still goes through the checks, dispatch, static
+    buffers and padding, then runs the model eagerly on the padded buffers;
+    ``strict=True`` then raises ``ValueError`` at construction.
 
     Not thread-safe: one manager's buffers serve one step at a time.
     """
@@ -118,44 +118,52 @@ class CUDAGraphManager(Generic[OutputT]):
             raise ValueError(f"model: expected a callable, got {type(model).__name__}")
         self._dispatcher: Final = CUDAGraphDispatcher(config)  # validates config
         checked = check_inputs_spec(inputs)
-        if not isinstance(strict, bool):
-            raise ValueError(f"strict: expected a bool, got {strict!r}")
+        self._strict: Final = check_bool("strict", strict)
         given_options: object = options
         if given_options is not None and not isinstance(given_options, CaptureOptions):
             raise ValueError(f"options: expected CaptureOptions or None, got {options!r}")
+        self._options: Final = options if options is not None else CaptureOptions()
         self._output_rows: Final = check_output_rows(output_rows)
         if uses_reqs(self._output_rows) and not any(s.rows == "reqs" for s in checked.values()):
             raise ValueError(
                 "output_rows: an output follows 'reqs', but no input has rows='reqs' to count them"
             )
-        self._device: Final = _resolve_device(device)
-        if engine_factory is None and self._device.type != "cuda":
-            raise ValueError(f"device: the CUDA graph engines need a CUDA device, got {self._device}")
+        self._device: Final = resolve_device(device)
+        #: Why this manager captures nothing (``None``: it captures).
+        self._no_graphs: Final = (
+            f"CUDA graphs need a CUDA device, and the manager's device is {self._device}"
+            if engine_factory is None and self._device.type != "cuda"
+            else None
+        )
+        if strict and self._no_graphs is not None:
+            raise ValueError(f"strict: {self._no_graphs}; pass strict=False to run every step eagerly")
 
         self._model: Final = model
-        self._strict: Final = strict
-        self._options: Final = options if options is not None else CaptureOptions()
-        self._engine_factory: Final[GraphEngineFactory] = (
-            engine_factory if engine_factory is not None else capture_engine
+        self._buffers: Final = StaticBuffers(
+            checked,
+            max_tokens=config.capture_sizes.max,
+            max_num_seqs=config.max_num_seqs,
+            query_len=config.uniform_decode_query_len,
+            device=self._device,
         )
-        self._engines: dict[CUDAGraphMode, GraphEngine[..., object]] = {}
-        self._layout: OutputLayout | None = None  # from the first warm-up
-
-        self._inputs: Final = allocate(checked, config.capture_sizes.max, config.max_num_seqs, self._device)
-        # Bound once: run() checks its inputs with one call per step.
-        self._check_inputs: Final = InputChecker.of(
-            self._inputs, self._device, config.max_num_seqs, config.uniform_decode_query_len
-        ).check
-        self._graphs: Final[dict[BatchDescriptor, _Graph]] = {
-            descriptor: _Graph(mode, descriptor, self._inputs, config.max_num_seqs)
-            for mode, descriptors in self._dispatcher.capture_plan()
+        plan = self._dispatcher.capture_plan()
+        factory = default_engine_factory if engine_factory is None else engine_factory
+        self._engines: Final[dict[CUDAGraphMode, GraphEngine[..., OutputT]]] = (
+            {} if self._no_graphs is not None else {mode: factory(model, mode, self._options) for mode, _ in plan}
+        )
+        self._planned: Final[dict[BatchDescriptor, _PlannedGraph[OutputT]]] = {
+            descriptor: _PlannedGraph(
+                mode, descriptor, self._engines.get(mode), self._buffers, config.max_num_seqs
+            )
+            for mode, descriptors in plan
             for descriptor in descriptors
         }
-        self._max_tokens: Final = config.capture_sizes.max
-        self._logged_fallbacks: set[tuple[BatchDescriptor | None, bool, bool]] = set()
-        self._eager_runs = 0
+        self._layout: OutputLayout | None = None  # from the first outputs seen
+        self._logged_reasons: set[EagerReason] = set()
+        self._eager_reasons: dict[EagerReason, int] = {}
         self._uncaptured_runs = 0
         self._padded_tokens = 0
+        self._idle_steps = 0
 
     # -- accessors --
 
@@ -171,40 +179,44 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def static_buffers(self) -> Mapping[str, torch.Tensor]:
         """The static input buffers by name (read-only mapping; the tensors are the live buffers)."""
-        return MappingProxyType({s.name: s.buffer for s in self._inputs})
+        return MappingProxyType(self._buffers.tensors())
 
     @property
     def num_captured(self) -> int:
-        """How many keys of the capture plan have a captured graph."""
-        return sum(g.engine is not None for g in self._graphs.values())
+        """How many keys of the capture plan have a captured graph (their engines know)."""
+        return sum(
+            p.engine is not None and p.engine.is_captured(p.descriptor) for p in self._planned.values()
+        )
 
     @property
     def stats(self) -> ManagerStats:
         """A snapshot of what ``run`` did since construction or ``reset_stats``."""
         replays: dict[tuple[CUDAGraphMode, int], int] = {}
-        for graph in self._graphs.values():
-            if graph.replays:
-                key = (graph.mode, graph.num_tokens)
-                replays[key] = replays.get(key, 0) + graph.replays
+        for planned in self._planned.values():
+            if planned.replays:
+                key = (planned.mode, planned.num_tokens)
+                replays[key] = replays.get(key, 0) + planned.replays
         return ManagerStats(
             replays=MappingProxyType(replays),
-            eager_runs=self._eager_runs,
+            eager_runs=sum(self._eager_reasons.values()),
             uncaptured_runs=self._uncaptured_runs,
             padded_tokens=self._padded_tokens,
+            eager_reasons=MappingProxyType({r.value: n for r, n in self._eager_reasons.items()}),
+            idle_steps=self._idle_steps,
         )
 
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         for engine in self._engines.values():
             engine.clear()
-        for graph in self._graphs.values():
-            graph.engine = None
-            graph.memo = None
+        for planned in self._planned.values():
+            planned.last_cut = None
 
     def reset_stats(self) -> None:
-        for graph in self._graphs.values():
-            graph.replays = 0
-        self._eager_runs = self._uncaptured_runs = self._padded_tokens = 0
+        for planned in self._planned.values():
+            planned.replays = 0
+        self._eager_reasons.clear()
+        self._uncaptured_runs = self._padded_tokens = self._idle_steps = 0
 
     # -- capture --
 
@@ -213,58 +225,53 @@ class CUDAGraphManager(Generic[OutputT]):
 
         Order: the PIECEWISE group, then FULL, each largest first, all into one
         shared pool (smaller graphs reuse the memory of larger ones). Each key's
-        views are filled with the inputs' pad values, then the engine warms the
+        views are filled with the inputs' pad values, then its engine warms the
         shape up on its capture stream (``options.warmup_runs``, default 1: it
         allocates what the model caches lazily and compiles what
         ``torch.compile`` compiles) and captures it; its outputs are checked
-        against ``output_rows``. The garbage collector is paused for the phase
-        (restored after, also on error). ``progress``: show a tqdm bar
-        (default: when stderr is a terminal). A capture error (``CaptureError``,
-        naming the key) propagates; the keys captured before it stay usable,
-        and ``capture()`` can be called again for the rest.
+        against ``output_rows``. The collector follows the capture package's
+        policy (``collector_paused``). ``progress``: show a tqdm bar (default:
+        when stderr is a terminal). A capture error (``CaptureError``, naming
+        the key) propagates; the keys captured before it stay usable, and
+        ``capture()`` can be called again for the rest. Without CUDA the
+        report says why nothing was captured. Synchronizes the device once.
         """
-        pending = [g for g in self._graphs.values() if g.engine is None]
+        if self._no_graphs is not None:
+            return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
+        pending = [
+            p for p in self._planned.values() if p.engine is not None and not p.engine.is_captured(p.descriptor)
+        ]
         device = self._device
         records: list[CapturedGraph] = []
-        with capture_phase(device):
-            reserved_before = reserved_bytes(device)
+        with collector_paused(self._options.gc_disable), torch.no_grad(), _current(device):
+            reserved_before = _reserved_bytes(device)
             start = time.perf_counter()
-            for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                records.append(self._capture_graph(graph))
-            synchronize(device)  # once, so the total includes the device's work
+            for planned in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
+                records.append(self._capture_one(planned))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # once, so the total includes the device's work
             seconds = time.perf_counter() - start
-            reserved = reserved_bytes(device) - reserved_before
+            reserved = _reserved_bytes(device) - reserved_before
         return CaptureReport(graphs=tuple(records), seconds=seconds, reserved_bytes=reserved)
 
-    def _capture_graph(self, graph: _Graph) -> CapturedGraph:
+    def _capture_one(self, planned: _PlannedGraph[OutputT]) -> CapturedGraph:
+        engine = planned.engine
+        assert engine is not None  # only planned graphs with an engine are captured
         start = time.perf_counter()
         # The warm-up and a breakable capture really run the model (its eager
         # breaks included) on the buffers: pad values, never the last real batch.
-        for slot in graph.slots:
-            if slot.kind != WHOLE:
-                slot.view.fill_(slot.pad_value)
-        engine = self._engine(graph.mode)
-        before = reserved_bytes(self._device)
-        # The engine warms this shape up on its capture stream (options.warmup_runs), then captures.
-        with set_forward_context(graph.mode, graph.descriptor):
-            output = engine(**graph.views)
-        pool_bytes = reserved_bytes(self._device) - before
-        if self._layout is None:
-            self._layout = OutputLayout.of(output, self._output_rows)
-        self._layout.check(output, graph.num_tokens, graph.num_reqs)
+        self._buffers.fill_padding(planned.num_tokens, planned.num_reqs)
+        before = _reserved_bytes(self._device)
+        output = engine.capture(planned.descriptor, **planned.inputs)
+        pool_bytes = _reserved_bytes(self._device) - before
+        try:
+            self._layout_of(output).check(output, planned.num_tokens, planned.num_reqs)
+        except ValueError:
+            engine.discard(planned.descriptor)  # outputs that cannot be cut: the key stays uncaptured
+            raise
         del output  # the engine keeps a non-owning alias: smaller graphs may reuse this memory
-        graph.engine = engine
-        graph.memo = None
-        return CapturedGraph(graph.mode, graph.descriptor, time.perf_counter() - start, pool_bytes)
-
-    def _engine(self, mode: CUDAGraphMode) -> GraphEngine[..., object]:
-        """The one engine per runtime mode, built on first use with the shared pool."""
-        engine = self._engines.get(mode)
-        if engine is None:
-            # options.pool None: the engines look the shared pool up at each capture,
-            # so they follow it when a failed capture replaces it.
-            engine = self._engines[mode] = self._engine_factory(self._model, mode, self._options)
-        return engine
+        planned.last_cut = None
+        return CapturedGraph(planned.mode, planned.descriptor, time.perf_counter() - start, pool_bytes)
 
     # -- run --
 
@@ -277,7 +284,7 @@ class CUDAGraphManager(Generic[OutputT]):
         invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
         **inputs: torch.Tensor,
     ) -> OutputT:
-        """Run one batch: replay its graph on the padded batch, or run the model eagerly.
+        """Run one step: replay its graph on the padded batch, or run the model eagerly.
 
         The inputs are checked first (exact names, tensors of the declared
         dtype, on ``device``, with the declared trailing shape, and consistent
@@ -289,8 +296,10 @@ class CUDAGraphManager(Generic[OutputT]):
         ``run`` of this manager, or any replay from the same pool; copy what
         must live longer). Without one (above the largest size, a kind of batch
         the mode has no graph for, not captured yet) the model runs eagerly on
-        the given tensors and the run is counted in ``stats``; a ``strict``
-        manager raises ``NoGraphError`` instead. Runs without autograd.
+        the given tensors, or on the padded buffers where CUDA graphs are
+        unavailable, and the run is counted per reason in ``stats``; a
+        ``strict`` manager raises ``NoGraphError`` instead. A step of 0 tokens
+        is idle: empty outputs, no model call. Runs without autograd.
         ``run_batch`` is the same call with the inputs in one mapping.
         """
         return self._run(inputs, uniform_decode, num_active_loras, invalid_modes)
@@ -323,83 +332,148 @@ class CUDAGraphManager(Generic[OutputT]):
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
-        """The step: check, dispatch, then replay (copy, pad, replay, cut) or run eagerly."""
-        num_tokens, num_reqs, grad = self._check_inputs(inputs, uniform_decode)
-        dispatch = self._dispatcher.dispatch(
+        """The step: check, dispatch, copy in, replay, cut; or a step without a graph."""
+        num_tokens, num_reqs = self._buffers.check(inputs, uniform_decode)
+        decision = self._dispatcher.dispatch(
             num_tokens,
             uniform_decode=uniform_decode,
             num_active_loras=num_active_loras,
             invalid_modes=invalid_modes,
         )
-        graph = self._graphs[dispatch.descriptor] if dispatch.mode is not _NONE else None
-        engine = graph.engine if graph is not None else None
-        if graph is None or engine is None:
-            return self._run_eager(
-                inputs, num_tokens, dispatch, uniform_decode, num_active_loras, invalid_modes
+        planned = self._planned.get(decision.descriptor) if decision.mode is not _NONE else None
+        engine = planned.engine if planned is not None else None
+        if planned is None or engine is None or not engine.is_captured(planned.descriptor):
+            return self._run_without_graph(
+                inputs, num_tokens, num_reqs, decision, planned, uniform_decode, num_active_loras, invalid_modes
             )
-        if grad and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             with torch.no_grad():  # a copy from a tensor that requires grad would record history
-                load(graph.slots, inputs, num_tokens, num_reqs)
+                self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         else:
-            load(graph.slots, inputs, num_tokens, num_reqs)
+            self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+        if planned.mode is _PIECEWISE:
+            token = FORWARD_CONTEXT_VAR.set(planned.context)
+            try:
+                raw = engine.replay(planned.descriptor)
+            finally:
+                FORWARD_CONTEXT_VAR.reset(token)
+        else:
+            raw = engine.replay(planned.descriptor)
+        planned.replays += 1
+        self._padded_tokens += planned.num_tokens - num_tokens
+        return self._cut(planned, raw, num_tokens, num_reqs)
 
-        token = FORWARD_CONTEXT_VAR.set(graph.context)
-        try:
-            raw = engine(**graph.views)
-        finally:
-            FORWARD_CONTEXT_VAR.reset(token)
-        graph.replays += 1
-        self._padded_tokens += graph.num_tokens - num_tokens
+    def _cut(self, planned: _PlannedGraph[OutputT], raw: OutputT, num_tokens: int, num_reqs: int) -> OutputT:
+        """The graph's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""
+        last = planned.last_cut
+        if last is not None and last[0] is raw and last[1] == num_tokens and last[2] == num_reqs:
+            cut = last[3]
+        else:
+            layout = self._layout
+            assert layout is not None  # set by the capture of every captured key
+            cut = layout.cut(raw, num_tokens, num_reqs)
+            planned.last_cut = (raw, num_tokens, num_reqs, cut)
+        return cast(OutputT, cut.copy() if isinstance(cut, (list, dict)) else cut)
 
-        memo = graph.memo
-        if memo is not None and memo[0] is raw and memo[1] == num_tokens and memo[2] == num_reqs:
-            cached = memo[3]
-            # A fresh list or dict each step: a caller's edits must not reach the next step.
-            return cast(OutputT, cached.copy() if isinstance(cached, (list, dict)) else cached)
-        layout = self._layout
-        assert layout is not None  # set by the warm-up of every captured key
-        out = layout.cut(raw, num_tokens, num_reqs)
-        graph.memo = (raw, num_tokens, num_reqs, out)
-        return cast(OutputT, out.copy() if isinstance(out, (list, dict)) else out)
-
-    def _run_eager(
+    def _run_without_graph(
         self,
         inputs: Mapping[str, torch.Tensor],
         num_tokens: int,
-        dispatch: Dispatch,
+        num_reqs: int,
+        decision: Dispatch,
+        planned: _PlannedGraph[OutputT] | None,
         uniform_decode: bool,
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
-        """The model on the caller's tensors, unpadded; counted (strict: ``NoGraphError``)."""
-        uncaptured = dispatch.mode is not _NONE
+        """An idle step, or the model run eagerly; counted per reason (strict: ``NoGraphError``)."""
+        if num_tokens == 0:
+            return self._idle(inputs)
+        reason = self._eager_reason(decision, num_tokens, uniform_decode, num_active_loras, invalid_modes)
         if self._strict:
-            reason = self._why_eager(num_tokens, dispatch, uniform_decode, num_active_loras, invalid_modes)
-            raise NoGraphError(num_tokens, reason)
-        # Counted always; logged once per kind of fallback, so a log shows it without flooding.
-        kind = (dispatch.descriptor if uncaptured else None, num_tokens > self._max_tokens, uniform_decode)
-        if kind not in self._logged_fallbacks:
-            self._logged_fallbacks.add(kind)
-            reason = self._why_eager(num_tokens, dispatch, uniform_decode, num_active_loras, invalid_modes)
-            _logger.warning("running a batch of %d tokens eagerly: %s", num_tokens, reason)
-        with set_forward_context(_NONE, BatchDescriptor(num_tokens)), torch.no_grad():
-            out = self._model(**inputs)
-        self._eager_runs += 1
-        if uncaptured:
+            raise NoGraphError(num_tokens, self._explain(reason, decision, num_tokens, uniform_decode,
+                                                         num_active_loras, invalid_modes))
+        if reason not in self._logged_reasons:  # once per reason: visible, never a flood
+            self._logged_reasons.add(reason)
+            level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
+            text = self._explain(reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes)
+            _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, text)
+        self._eager_reasons[reason] = self._eager_reasons.get(reason, 0) + 1
+        if reason is EagerReason.NOT_CAPTURED:
             self._uncaptured_runs += 1
-        return out
+        with torch.no_grad():
+            if reason is not EagerReason.NO_CUDA or planned is None:
+                with set_forward_context(_NONE, BatchDescriptor(num_tokens)):
+                    out = self._model(**inputs)
+                self._layout_of(out)
+                return out
+            # No CUDA graphs here: the step the graph would replay, run eagerly
+            # on the padded static buffers, then cut like a replay's outputs.
+            self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+            with set_forward_context(_NONE, planned.descriptor):
+                padded = self._model(**planned.inputs)
+        self._padded_tokens += planned.num_tokens - num_tokens
+        return cast(OutputT, self._layout_of(padded).cut(padded, num_tokens, num_reqs))
 
-    def _why_eager(
+    def _idle(self, inputs: Mapping[str, torch.Tensor]) -> OutputT:
+        """A step of 0 tokens: the outputs' structure with no rows, without calling the model.
+
+        Only a manager that has seen no outputs yet (no capture, no step) calls
+        the model once, on the empty inputs, to learn their structure.
+        """
+        self._idle_steps += 1
+        layout = self._layout
+        if layout is None:
+            with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(0)):
+                out = self._model(**inputs)
+            self._layout_of(out)
+            return out
+        return cast(OutputT, layout.empty())
+
+    def _layout_of(self, output: object) -> OutputLayout:
+        """The output layout, taken from the first outputs seen (a capture's or an eager step's)."""
+        if self._layout is None:
+            self._layout = OutputLayout.of(output, self._output_rows)
+        return self._layout
+
+    def _eager_reason(
         self,
+        decision: Dispatch,
         num_tokens: int,
-        dispatch: Dispatch,
+        uniform_decode: bool,
+        num_active_loras: int,
+        invalid_modes: frozenset[CUDAGraphMode],
+    ) -> EagerReason:
+        if decision.mode is not _NONE:
+            return EagerReason.NO_CUDA if self._no_graphs is not None else EagerReason.NOT_CAPTURED
+        config = self._dispatcher.config
+        if num_tokens > config.capture_sizes.max:
+            return EagerReason.ABOVE_LARGEST_SIZE
+        if num_active_loras > max(config.lora_counts, default=0):
+            return EagerReason.LORA_COUNT
+        if invalid_modes:
+            allowed = self._dispatcher.dispatch(
+                num_tokens, uniform_decode=uniform_decode, num_active_loras=num_active_loras
+            )
+            if allowed.mode is not _NONE:
+                return EagerReason.INVALID_MODES
+        return EagerReason.NO_GRAPH_FOR_BATCH
+
+    def _explain(
+        self,
+        reason: EagerReason,
+        decision: Dispatch,
+        num_tokens: int,
         uniform_decode: bool,
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> str:
-        if dispatch.mode is not _NONE:
-            mode = dispatch.mode.name
-            return f"its {mode} graph {dispatch.descriptor} was not captured yet; call capture() first"
+        if reason is EagerReason.NO_CUDA:
+            assert self._no_graphs is not None
+            return self._no_graphs
+        if reason is EagerReason.NOT_CAPTURED:
+            mode = decision.mode.name
+            return f"its {mode} graph {decision.descriptor} was not captured yet; call capture() first"
         return self._dispatcher.explain(
             num_tokens,
             uniform_decode=uniform_decode,
@@ -408,19 +482,11 @@ class CUDAGraphManager(Generic[OutputT]):
         )
 
 
-def _resolve_device(device: torch.device | str | int | None) -> torch.device:
-    """``device`` as a torch.device with an index for CUDA (tensors report one, comparisons need it)."""
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("device: no CUDA device is available; pass device= explicitly")
-        return torch.device("cuda", torch.cuda.current_device())
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device: expected a torch.device, a device string or a CUDA index, got {device!r}"
-        ) from exc
-    index: int | None = resolved.index  # None for "cuda" (torch's stubs say int)
-    if resolved.type == "cuda" and index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
+def _reserved_bytes(device: torch.device) -> int:
+    """The device's reserved memory (0 off CUDA): its growth is what a capture cost."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
+def _current(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """``device`` made the current CUDA device for a block (a no-op context off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

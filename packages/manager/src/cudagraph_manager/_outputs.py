@@ -1,18 +1,20 @@
 """The model's outputs: their structure, and cutting graph outputs back to the real rows.
 
 A graph computes the padded batch; the caller wants the rows of its real
-batch. Which count an output's leading dimension follows (tokens, requests,
-or none) is declared once, checked against the warm-up's outputs, and used to
-slice every replay's outputs.
+batch. Which count each output tensor's leading dimension follows (tokens,
+requests, or none) is declared once (``output_rows``), checked against the
+first outputs seen, and used to slice every step's outputs: a map over the
+output's pytree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ._static import Rows
 
@@ -24,7 +26,7 @@ OutputRows: TypeAlias = Rows | Mapping[str, Rows] | tuple[Rows, ...]
 #: ``output_rows`` once checked (a mapping copied to a dict).
 RowsSpec: TypeAlias = Rows | dict[str, Rows] | tuple[Rows, ...]
 
-_Kind: TypeAlias = Literal["tensor", "tuple", "list", "dict"]
+_CONTAINERS = (tuple, list, dict)
 
 
 def check_output_rows(spec: object) -> RowsSpec:
@@ -64,113 +66,107 @@ def uses_reqs(spec: RowsSpec) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputLayout:
-    """The structure of the model's output and the rows each of its tensors follows."""
+    """The structure of the model's output (its pytree spec) and the rows each tensor follows."""
 
-    kind: _Kind
-    keys: tuple[str | int, ...]  # dict keys, or 0..n-1 for a tuple or list; () for one tensor
-    rows: tuple[Rows, ...]  # one per tensor, in output order
+    treespec: pytree.TreeSpec
+    structure: str  # for errors: "a tensor []", "a tuple [0, 1]", "a dict ['a']"
+    labels: tuple[str, ...]  # one per tensor, for errors: "model output" or "model output['key']"
+    rows: tuple[Rows, ...]  # one per tensor, in flattening order
+    empty_leaves: tuple[torch.Tensor, ...]  # an idle step's: 0 rows, or zeros when unbatched
 
     @classmethod
     def of(cls, output: object, spec: RowsSpec) -> OutputLayout:
-        """The layout of ``output`` (a warm-up's result), with rows resolved from ``spec``."""
-        keys: tuple[str | int, ...]
-        tensors: list[object]
-        kind: _Kind
-        if isinstance(output, torch.Tensor):
-            kind, keys, tensors = "tensor", (), [output]
-        elif type(output) is tuple or type(output) is list:
-            kind = "tuple" if type(output) is tuple else "list"
-            tensors = list(output)
-            keys = tuple(range(len(tensors)))
-        elif type(output) is dict:
-            named: dict[object, object] = output
-            if not all(isinstance(k, str) for k in named):
-                raise ValueError(f"model output: dict keys must be str, got {list(named)!r}")
-            kind, keys, tensors = "dict", tuple(str(k) for k in named), list(named.values())
-        else:
+        """The layout of ``output`` (the first outputs seen), with rows resolved from ``spec``."""
+        keys = _keys(output)
+        leaves, treespec = pytree.tree_flatten(output)
+        labels = tuple("model output" if k is None else f"model output[{k!r}]" for k in keys)
+        if len(leaves) != len(keys):
             raise ValueError(
-                "model output: expected a tensor or a tuple, list or dict of tensors, "
-                f"got {type(output).__name__}"
+                "model output: expected a tensor or a flat tuple, list or dict of tensors, "
+                f"got a nested {type(output).__name__}"
             )
-        labels = keys if kind != "tensor" else ("",)
-        for label, value in zip(labels, tensors, strict=True):
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"{_name(kind, label)}: expected a tensor, got {type(value).__name__}")
-        rows: tuple[Rows, ...]
-        if isinstance(spec, dict):
-            if kind != "dict":
-                raise ValueError(
-                    f"output_rows: a mapping needs a dict output, but the model returns a {kind}"
-                )
-            unknown = [k for k in spec if k not in keys]
-            if unknown:
-                raise ValueError(f"output_rows: no output named {unknown!r}; the outputs are {list(keys)!r}")
-            rows = tuple(spec.get(str(k), "tokens") for k in keys)
-        elif isinstance(spec, tuple):
-            if kind not in ("tuple", "list") or len(spec) != len(keys):
-                count = f"{len(keys)} tensors" if kind != "tensor" else "1 tensor"
-                raise ValueError(
-                    f"output_rows: a tuple gives one entry per tensor of a tuple or list output; "
-                    f"got {len(spec)} entries for a {kind} of {count}"
-                )
-            rows = spec
-        else:
-            rows = (spec,) * len(labels)
-        return cls(kind, keys, rows)
-
-    @property
-    def labels(self) -> tuple[str | int, ...]:
-        """One label per tensor: its key or index ("" for a single tensor)."""
-        return self.keys if self.kind != "tensor" else ("",)
+        tensors: list[torch.Tensor] = []
+        for label, leaf in zip(labels, leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise ValueError(f"{label}: expected a tensor, got {type(leaf).__name__}")
+            tensors.append(leaf)
+        rows = _resolve_rows(output, keys, spec)
+        empty = tuple(
+            t.new_zeros(t.shape) if r is None or t.dim() == 0 else t.new_empty((0, *t.shape[1:]))
+            for t, r in zip(tensors, rows, strict=True)
+        )
+        kind = type(output).__name__ if type(output) in _CONTAINERS else "tensor"
+        structure = f"a {kind} {[k for k in keys if k is not None]!r}"
+        return cls(treespec, structure, labels, rows, empty)
 
     def check(self, output: object, num_tokens: int, num_reqs: int) -> None:
-        """``output`` has this layout and the row counts of a graph of that size, else ``ValueError``."""
-        now = OutputLayout.of(output, "tokens")  # raises on an invalid structure
-        if (now.kind, now.keys) != (self.kind, self.keys):
+        """``output`` has this layout and a graph's row counts, else ``ValueError`` naming the output."""
+        leaves, treespec = pytree.tree_flatten(output)
+        if treespec != self.treespec:
+            now = OutputLayout.of(output, None)  # raises on an invalid structure
             raise ValueError(
                 "model output: its structure changed between batch sizes "
-                f"(first a {self.kind} {list(self.keys)!r}, now a {now.kind} {list(now.keys)!r})"
+                f"(first {self.structure}, now {now.structure})"
             )
-        for key, rows, tensor in zip(self.labels, self.rows, _tensors(output), strict=True):
+        for label, rows, leaf in zip(self.labels, self.rows, leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise ValueError(f"{label}: expected a tensor, got {type(leaf).__name__}")
             if rows is None:
                 continue
             expected = num_tokens if rows == "tokens" else num_reqs
-            if tensor.dim() == 0 or tensor.shape[0] != expected:
+            if leaf.dim() == 0 or leaf.shape[0] != expected:
                 raise ValueError(
-                    f"{_name(self.kind, key)}: shape {tuple(tensor.shape)} does not have the {expected} "
-                    f"rows of the batch's {rows!r} count; declare its rows in output_rows "
-                    "('tokens', 'reqs' or None)"
+                    f"{label}: shape {tuple(leaf.shape)} does not have the {expected} rows of the "
+                    f"batch's {rows!r} count; declare its rows in output_rows ('tokens', 'reqs' or None)"
                 )
 
     def cut(self, output: object, num_tokens: int, num_reqs: int) -> object:
         """``output`` with each batched tensor sliced to the real rows (views, no copies)."""
-        if self.kind == "tensor":
-            assert isinstance(output, torch.Tensor)
-            return _cut(output, self.rows[0], num_tokens, num_reqs)
-        tensors = [
-            _cut(t, rows, num_tokens, num_reqs) for t, rows in zip(_tensors(output), self.rows, strict=True)
+        leaves = pytree.tree_leaves(output)
+        cut = [
+            leaf if rows is None else leaf[: num_tokens if rows == "tokens" else num_reqs]
+            for leaf, rows in zip(leaves, self.rows, strict=True)
         ]
-        if self.kind == "dict":
-            return {str(k): t for k, t in zip(self.keys, tensors, strict=True)}
-        return tuple(tensors) if self.kind == "tuple" else tensors
+        return pytree.tree_unflatten(cut, self.treespec)
 
 
-def _cut(tensor: torch.Tensor, rows: Rows, num_tokens: int, num_reqs: int) -> torch.Tensor:
-    if rows is None:
-        return tensor
-    n = num_tokens if rows == "tokens" else num_reqs
-    return tensor if tensor.shape[0] == n else tensor[:n]
+    def empty(self) -> object:
+        """The outputs of an idle step (0 tokens): batched tensors with 0 rows, unbatched ones zero."""
+        return pytree.tree_unflatten([t.clone() for t in self.empty_leaves], self.treespec)
 
 
-def _tensors(output: object) -> list[torch.Tensor]:
-    """The tensors of an output of a known-valid layout, in order."""
+def _keys(output: object) -> tuple[str | int | None, ...]:
+    """One key per output tensor: ``None`` for a lone tensor, else its index or dict key."""
     if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        return list(output.values())
-    assert isinstance(output, (tuple, list))
-    return list(output)
+        return (None,)
+    if type(output) in (tuple, list):
+        assert isinstance(output, (tuple, list))
+        return tuple(range(len(output)))
+    if type(output) is dict:
+        named: dict[object, object] = output
+        if not all(isinstance(k, str) for k in named):
+            raise ValueError(f"model output: dict keys must be str, got {list(named)!r}")
+        return tuple(str(k) for k in named)
+    raise ValueError(
+        f"model output: expected a tensor or a tuple, list or dict of tensors, got {type(output).__name__}"
+    )
 
 
-def _name(kind: _Kind, key: str | int) -> str:
-    return "model output" if kind == "tensor" else f"model output[{key!r}]"
+def _resolve_rows(output: object, keys: tuple[str | int | None, ...], spec: RowsSpec) -> tuple[Rows, ...]:
+    kind = type(output).__name__ if type(output) in _CONTAINERS else "tensor"
+    if isinstance(spec, dict):
+        if kind != "dict":
+            raise ValueError(f"output_rows: a mapping needs a dict output, but the model returns a {kind}")
+        unknown = [k for k in spec if k not in keys]
+        if unknown:
+            raise ValueError(f"output_rows: no output named {unknown!r}; the outputs are {list(keys)!r}")
+        return tuple(spec.get(str(k), "tokens") for k in keys)
+    if isinstance(spec, tuple):
+        if kind not in ("tuple", "list") or len(spec) != len(keys):
+            count = f"{len(keys)} tensors" if kind != "tensor" else "1 tensor"
+            raise ValueError(
+                f"output_rows: a tuple gives one entry per tensor of a tuple or list output; "
+                f"got {len(spec)} entries for a {kind} of {count}"
+            )
+        return spec
+    return (spec,) * len(keys)

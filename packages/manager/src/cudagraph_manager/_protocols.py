@@ -1,9 +1,9 @@
-"""The seams of this package, as types: the model's outputs and the capture engines.
+"""The seams of this package, as types: the model's outputs and the engine factory.
 
-The manager talks to the capture layer through ``GraphEngineFactory`` and the
-capture package's ``GraphEngine`` protocol: the default factory builds
-``cudagraph_capture``'s wrappers, and a test (or another engine) can pass its
-own without touching the manager.
+The manager reaches the capture layer only through ``GraphEngineFactory`` and
+the capture package's ``GraphEngine`` protocol (``capture``, ``is_captured``,
+``replay``, ``clear``): the default factory builds ``cudagraph_capture``'s
+wrappers, and a test (or another engine) can pass its own.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ ModelOutput: TypeAlias = (
 
 #: The output type of one manager's model (``run`` returns the same structure).
 OutputT = TypeVar("OutputT", bound=ModelOutput)
+R = TypeVar("R")
 
 
 class GraphEngineFactory(Protocol):
-    """Builds the engine that captures ``model`` for one runtime mode (FULL or PIECEWISE).
+    """Builds the engine that captures and replays ``model`` for one runtime mode (FULL or PIECEWISE).
 
-    The engine follows ``cudagraph_capture.GraphEngine``: with no forward
-    context, or one of another mode, it calls the model; otherwise the first
-    call for a descriptor captures, and later calls replay (ignoring their
-    arguments: a graph reads the tensors it was captured with) and return the
-    outputs captured for that descriptor.
+    The manager calls ``engine.capture(descriptor, **static_views)`` once per
+    key of its plan, then ``engine.replay(descriptor)`` on every step that
+    dispatches to that key; ``engine.is_captured(descriptor)`` decides
+    between replay and an eager run.
     """
 
     def __call__(
-        self, model: Callable[..., object], mode: CUDAGraphMode, options: CaptureOptions
-    ) -> GraphEngine[..., object]: ...
+        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
+    ) -> GraphEngine[..., R]: ...

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+class EagerReason(enum.Enum):
+    """Why a step ran without a graph: the keys (values) of ``ManagerStats.eager_reasons``."""
+
+    NO_CUDA = "no_cuda"  # the manager's device has no CUDA graphs: every step runs eagerly, padded
+    ABOVE_LARGEST_SIZE = "above_largest_size"  # more tokens than the largest capture size
+    LORA_COUNT = "lora_count"  # more active adapters than the largest captured LoRA count
+    INVALID_MODES = "invalid_modes"  # the step's invalid_modes turned off the graph it had
+    NO_GRAPH_FOR_BATCH = "no_graph_for_batch"  # the mode has no graph for this kind of batch
+    NOT_CAPTURED = "not_captured"  # its graph is in the plan but was not captured (yet)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,11 +47,14 @@ class CaptureReport:
     ``seconds`` is the wall time of the whole phase, device synchronized at
     the end; ``reserved_bytes`` is the growth of reserved device memory over
     it (the graphs' pool plus the allocator blocks of the eager warm-ups).
+    ``not_captured`` says why nothing was captured where graphs cannot be
+    (a manager on a device without CUDA graphs); ``None`` otherwise.
     """
 
     graphs: tuple[CapturedGraph, ...]
     seconds: float
     reserved_bytes: int
+    not_captured: str | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -51,6 +66,8 @@ class CaptureReport:
         return sum(g.pool_bytes for g in self.graphs)
 
     def __str__(self) -> str:
+        if self.not_captured is not None:
+            return f"Captured no CUDA graphs: {self.not_captured}"
         header = (
             f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}"
@@ -85,17 +102,20 @@ class ManagerStats:
     """What ``run`` did since the manager was built (or its stats were reset).
 
     ``replays`` counts replays per ``(runtime mode, padded num_tokens)``.
-    ``eager_runs`` counts runs without a graph, for any reason (above the
-    largest size, no graph for this kind of batch, or not captured yet);
-    ``uncaptured_runs`` is the part of those whose graph exists in the plan
-    but was not captured yet. ``padded_tokens`` is the padding rows the
-    replays computed on top of the real tokens.
+    ``eager_runs`` counts steps run without a graph, for any reason;
+    ``eager_reasons`` splits them by ``EagerReason`` (its value as the key);
+    ``uncaptured_runs`` is the part whose graph exists in the plan but was
+    not captured yet. ``idle_steps`` counts steps of 0 tokens (no model
+    call). ``padded_tokens`` is the padding rows the replays computed on top
+    of the real tokens.
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
     eager_runs: int
     uncaptured_runs: int
     padded_tokens: int
+    eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    idle_steps: int = 0
 
     @property
     def num_replays(self) -> int:

@@ -13,11 +13,15 @@ from typing import Final, Literal, TypeAlias
 
 import torch
 
+from cudagraph_dispatch import check_int
+
+_INTEGER_DTYPES: Final = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+)
+
 #: Which batch count an input's (or an output's) leading dimension follows:
 #: ``"tokens"`` (num_tokens), ``"reqs"`` (num_reqs) or ``None`` (not batched).
 Rows: TypeAlias = Literal["tokens", "reqs"] | None
-
-ROWS_VALUES: Final[tuple[Rows, ...]] = ("tokens", "reqs", None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,43 +44,50 @@ class StaticInput:
     def __post_init__(self) -> None:
         # Checked at run time: callers may not be typed.
         shape: object = self.shape
-        if isinstance(shape, list):
-            shape = tuple(shape)
-        if not isinstance(shape, tuple) or not all(_is_int(d) and d >= 1 for d in shape):
+        try:
+            if not isinstance(shape, (tuple, list, torch.Size)):
+                raise ValueError
+            dims = tuple(check_int("shape", d, minimum=1) for d in shape)
+        except ValueError:
             raise ValueError(
                 f"shape: expected a tuple of integers >= 1 (the trailing dims), got {self.shape!r}"
-            )
-        object.__setattr__(self, "shape", tuple(int(d) for d in shape))  # torch.Size -> plain tuple
-        dtype: object = self.dtype
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype: expected a torch.dtype, got {self.dtype!r}")
-        if self.rows not in ROWS_VALUES:
+            ) from None
+        object.__setattr__(self, "shape", dims)  # a list or torch.Size -> a plain tuple
+        _check_dtype(self.dtype)
+        if self.rows not in ("tokens", "reqs", None):
             raise ValueError(f"rows: expected 'tokens', 'reqs' or None, got {self.rows!r}")
-        _check_pad_value(self.pad_value, dtype)
+        _check_pad_value(self.pad_value, self.dtype)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_dtype(dtype: object) -> None:
+    """A dtype whose buffers can be filled and copied: floating, integer or bool."""
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    if dtype.is_floating_point or dtype is torch.bool or dtype in _INTEGER_DTYPES:
+        return
+    raise ValueError(
+        f"dtype: expected a floating, integer or bool torch.dtype, got {dtype} "
+        "(complex and quantized inputs are not supported)"
+    )
 
 
 def _check_pad_value(value: object, dtype: torch.dtype) -> None:
-    """``value`` must be a number that ``dtype`` holds exactly (no overflow, no rounding to int)."""
-    if not isinstance(value, (int, float)):
+    """``value`` must be a finite number that ``dtype`` holds exactly (no overflow, no rounding)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"pad_value: expected an int or a float, got {value!r}")
-    if dtype.is_floating_point or dtype.is_complex:
+    if not math.isfinite(value):
+        raise ValueError(f"pad_value: expected a finite number (padding rows must stay inert), got {value!r}")
+    if dtype.is_floating_point:
         limit = torch.finfo(dtype).max
-        if math.isfinite(value) and abs(value) > limit:
+        if abs(value) > limit:
             raise ValueError(f"pad_value: {value!r} overflows {dtype} (largest magnitude {limit})")
         return
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"pad_value: {value!r} is not an integer, but dtype is {dtype}")
     if dtype is torch.bool:
         if value not in (0, 1):
-            raise ValueError(f"pad_value: expected 0/1 or a bool for dtype torch.bool, got {value!r}")
+            raise ValueError(f"pad_value: expected 0 or 1 for dtype torch.bool, got {value!r}")
         return
-    try:
-        info = torch.iinfo(dtype)
-    except TypeError:
-        raise ValueError(f"dtype: {dtype} has no fill value semantics (not a float, int or bool)") from None
+    info = torch.iinfo(dtype)
     if not info.min <= value <= info.max:
         raise ValueError(f"pad_value: {value!r} is out of range for {dtype} [{info.min}, {info.max}]")

@@ -13,13 +13,16 @@ FULL graph or eagerly between PIECEWISE segments.
 - Attention metadata is built once per step, at the start of ``forward``,
   with capturable torch ops only (no ``.item()``, no host sync, no
   data-dependent shapes): a mask ``[T, max_seq_len]`` (key ``j`` is visible to
-  token ``t`` iff ``j <= positions[t]``), the flat cache indices of each token's key and value,
-  and the rotary cos/sin.
-- ``cached_attention`` is an ``eager_break_during_capture`` op: it writes the
-  step's K/V into the cache at ``(slot, position)`` and attends over the
-  request's cache row, writing into a caller-provided buffer. A breakable
-  (PIECEWISE) capture splits the forward there, one break per layer; a FULL
-  capture records it inline.
+  token ``t`` iff ``j <= positions[t]``), the flat cache indices of each
+  token's key and value, and the rotary cos/sin. ``metadata`` builds it on
+  its own and ``forward_with_metadata`` runs the rest of the step, for callers
+  that prepare it outside the graph, as engines prepare theirs.
+- ``cached_attention`` writes the step's K/V into the cache at
+  ``(slot, position)`` and attends over the request's cache row, writing into
+  a caller-provided buffer. The layers call it through an injectable op
+  (``AttentionOp``), by default ``breakable_cached_attention``, an
+  ``eager_break_during_capture`` op: a breakable (PIECEWISE) capture splits
+  the forward there, one break per layer; a FULL capture records it inline.
 - Padding rows use a scratch cache row (index ``max_num_seqs``), so padding
   never writes into a real request's cache. Writing K/V is idempotent: the
   same step run twice (a graph replay, then eagerly) gives the same outputs.
@@ -27,17 +30,17 @@ FULL graph or eagerly between PIECEWISE segments.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
 from cudagraph_capture import eager_break_during_capture
-
-from ._static import StaticInput
+from cudagraph_manager import StaticInput
 
 # Step inputs, in the order of ``ReferenceDecoder.forward``.
 INPUT_NAMES: Final[tuple[str, ...]] = ("input_ids", "positions", "slot_ids")
@@ -178,7 +181,7 @@ def build_attention_metadata(
     )
 
 
-def _cached_attention(
+def cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -207,10 +210,8 @@ def _cached_attention(
     flat = kv_cache.view(-1, num_heads, head_dim)  # [rows * 2 * max_seq_len, heads, head_dim]
     flat.index_copy_(0, key_index, k)
     flat.index_copy_(0, value_index, v)
-    # Keys and values of the step's requests in one gather along the leading
-    # axis. Measured on an H200 (torch 2.11), per layer: this layout and gather
-    # were the fastest at 1, 16 and 128 tokens; index_select took 3x as long
-    # at 16 tokens, and gathering from a [2, rows, ...] cache 3x as long at 128.
+    # Keys and values of the step's requests in one advanced-index gather
+    # along the leading axis: the fastest layout and gather at 1 to 128 tokens.
     rows = kv_cache[slot_ids].transpose(2, 3)  # [T, 2, heads, L, head_dim]
     result = F.scaled_dot_product_attention(
         q.unsqueeze(2), rows[:, 0], rows[:, 1], attn_mask=mask
@@ -218,18 +219,41 @@ def _cached_attention(
     out.copy_(result.squeeze(2))
 
 
+class AttentionOp(Protocol):
+    """The attention a layer calls: ``cached_attention``'s arguments and effects.
+
+    Writes the step's K/V into ``kv_cache`` and the attention into ``out``,
+    returns nothing. ``breakable_cached_attention`` and
+    ``traced_cached_attention`` are ``cached_attention`` behind a break point
+    and as a tracer's op; another engine's break decorator around it is one too.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_ids: torch.Tensor,
+        key_index: torch.Tensor,
+        value_index: torch.Tensor,
+        mask: torch.Tensor,
+        out: torch.Tensor,
+        /,
+    ) -> None: ...
+
+
 #: The attention op as an eager break: a breakable (PIECEWISE) capture runs it
 #: between graph segments, a FULL capture records it like any other code.
-cached_attention: Final = eager_break_during_capture(_cached_attention)
+breakable_cached_attention: Final = eager_break_during_capture(cached_attention)
 
 
-#: ``_cached_attention`` as one opaque op for tracers (``torch.compile``),
+#: ``cached_attention`` as one opaque op for tracers (``torch.compile``),
 #: declared as writing the cache and ``out`` in place, as engines register
-#: their attention. Traced as plain code instead (in-place writes into a 2 GB
-#: cache that is a graph input), the compiled step was as slow as eager: 2.4 ms
-#: against 0.39 ms with this op, batch 1, H200, torch 2.11.
+#: their attention. Traced as plain code instead, its in-place writes into the
+#: cache (a graph input) would make the compiled step as slow as eager.
 traced_cached_attention: Final = torch.library.custom_op(
-    "cudagraph_manager::cached_attention", _cached_attention, mutates_args=("kv_cache", "out")
+    "cudagraph_manager::cached_attention", cached_attention, mutates_args=("kv_cache", "out")
 )
 
 
@@ -258,15 +282,13 @@ class DecoderLayer(nn.Module):
 
     kv_cache: torch.Tensor
 
-    def __init__(self, config: DecoderConfig, *, device: torch.device | None, breakable: bool) -> None:
+    def __init__(self, config: DecoderConfig, *, device: torch.device | None) -> None:
         super().__init__()
         self.config: Final = config
-        self._breakable: Final = breakable
         d, f, dtype = config.hidden_size, config.intermediate_size, config.dtype
         self.input_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
         # Projections stored [in, out] and applied with mm (x @ W): at one token
-        # cuBLAS picks a kernel twice as fast for the d x d output projection in
-        # this layout (3.8 against 7.8 us on an H200, torch 2.11), the others equal.
+        # cuBLAS picks a faster kernel for the d x d output projection in this layout.
         self.qkv_weight = nn.Parameter(_normal((d, 3 * d), d, device, dtype))
         self.o_weight = nn.Parameter(_normal((d, d), d, device, dtype))
         self.post_norm = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
@@ -289,8 +311,8 @@ class DecoderLayer(nn.Module):
         """The values, like ``k_cache``."""
         return self.kv_cache[:, 1]
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``x [T, hidden] -> [T, hidden]``; writes this step's K/V into the cache."""
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, attention: AttentionOp) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``; ``attention`` writes this step's K/V into the cache."""
         config = self.config
         num_tokens, d = x.shape[0], config.hidden_size
         h = F.rms_norm(x, (d,), self.input_norm, _RMS_EPS)
@@ -299,7 +321,6 @@ class DecoderLayer(nn.Module):
         q, k = _rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, heads, head_dim] each
         v = qkv[:, 2]  # [T, heads, head_dim]
         attn = torch.empty((num_tokens, config.num_heads, config.head_dim), device=x.device, dtype=x.dtype)
-        attention = cached_attention if self._breakable else traced_cached_attention
         attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
         x = x + torch.mm(attn.view(num_tokens, d), self.o_weight)
         h = F.rms_norm(x, (d,), self.post_norm, _RMS_EPS)
@@ -315,9 +336,12 @@ class ReferenceDecoder(nn.Module):
     each layer's attention (PIECEWISE: ``num_layers`` eager breaks). Inference
     only: parameters do not require grad.
 
-    ``breakable=False`` calls attention without the break point, as one
-    opaque custom op that writes the cache in place, for tracers
-    (``torch.compile``) that should see the whole forward in one graph.
+    ``attention`` is the op every layer calls (``AttentionOp``): when not
+    given, ``breakable_cached_attention``, or with ``breakable=False``
+    ``traced_cached_attention``, one opaque custom op that writes the cache in
+    place, for tracers (``torch.compile``) that should see the whole forward in
+    one graph. ``with_attention`` gives this model (its weights and caches)
+    with another op.
     """
 
     key_positions: torch.Tensor
@@ -329,16 +353,21 @@ class ReferenceDecoder(nn.Module):
         *,
         device: torch.device | str | None = None,
         breakable: bool = True,
+        attention: AttentionOp | None = None,
     ) -> None:
         super().__init__()
         dev = None if device is None else torch.device(device)
         self.config: Final = config
+        if attention is None:
+            attention = breakable_cached_attention if breakable else traced_cached_attention
+        self.attention: AttentionOp = attention
         self.embed = nn.Parameter(
             torch.randn((config.vocab_size, config.hidden_size), device=dev, dtype=config.dtype) * _EMBED_STD
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, device=dev, breakable=breakable) for _ in range(config.num_layers)
-        )
+        layers = [DecoderLayer(config, device=dev) for _ in range(config.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        #: The same modules as ``layers``, typed.
+        self.decoder_layers: Final = tuple(layers)
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size, device=dev, dtype=config.dtype))
         self.register_buffer(
             "rotary", rotary_table(config, dev), persistent=False
@@ -352,27 +381,41 @@ class ReferenceDecoder(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
         """One step: ``[T]`` int64 inputs -> final hidden states ``[T, hidden]``."""
-        config = self.config
-        meta = build_attention_metadata(
-            positions, slot_ids, self.key_positions, self.rotary, config.num_heads
+        return self.forward_with_metadata(input_ids, self.metadata(positions, slot_ids))
+
+    def metadata(self, positions: torch.Tensor, slot_ids: torch.Tensor) -> AttentionMetadata:
+        """The attention metadata of the step at ``positions [T]`` in cache rows ``slot_ids [T]``."""
+        return build_attention_metadata(
+            positions, slot_ids, self.key_positions, self.rotary, self.config.num_heads
         )
+
+    def forward_with_metadata(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``forward`` on metadata the caller built (``metadata``), outside the graph if it likes.
+
+        A graph of this reads ``meta`` from the caller's tensors, refilled
+        before each replay as engines prepare attention metadata. An eager
+        break then reads real metadata during capture even where the segment
+        before it has not run yet (``breakable_cuda_graphs`` runs it only on
+        replay).
+        """
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            x = layer.forward(x, meta)
-        return F.rms_norm(x, (config.hidden_size,), self.final_norm, _RMS_EPS)  # [T, hidden]
+        for layer in self.decoder_layers:
+            x = layer.forward(x, meta, self.attention)
+        return F.rms_norm(x, (self.config.hidden_size,), self.final_norm, _RMS_EPS)  # [T, hidden]
 
     def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """``forward`` on a dict of step inputs (``make_step_inputs``), typed."""
         return self.forward(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
 
+    def with_attention(self, attention: AttentionOp) -> ReferenceDecoder:
+        """This model calling ``attention``: the same weights and KV caches, shared, not copied."""
+        twin = copy.copy(self)  # a new module whose parameters, buffers and layers are this one's
+        twin.attention = attention
+        return twin
+
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(k_cache, v_cache)`` of every layer: the model's mutable state."""
-        caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            caches.append((layer.k_cache, layer.v_cache))
-        return caches
+        return [(layer.k_cache, layer.v_cache) for layer in self.decoder_layers]
 
 
 def _normal(
@@ -393,22 +436,6 @@ def static_inputs(config: DecoderConfig) -> dict[str, StaticInput]:
         "positions": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
         "slot_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=config.scratch_slot),
     }
-
-
-def pad_step_inputs(
-    config: DecoderConfig, inputs: dict[str, torch.Tensor], num_tokens: int
-) -> dict[str, torch.Tensor]:
-    """``inputs`` padded to ``num_tokens`` rows as the manager pads them (for eager checks)."""
-    real = inputs["input_ids"].shape[0]
-    if num_tokens < real:
-        raise ValueError(f"num_tokens: must be >= the {real} rows of the inputs, got {num_tokens!r}")
-    pads = {name: spec.pad_value for name, spec in static_inputs(config).items()}
-    padded: dict[str, torch.Tensor] = {}
-    for name in INPUT_NAMES:
-        tensor = inputs[name]  # [T]
-        fill = torch.full((num_tokens - real,), pads[name], dtype=tensor.dtype, device=tensor.device)
-        padded[name] = torch.cat((tensor, fill))  # [num_tokens]
-    return padded
 
 
 def make_step_inputs(
@@ -468,9 +495,3 @@ def make_step_inputs(
         "positions": torch.cat(positions).to(device),  # [T]
         "slot_ids": torch.cat(slot_rows).to(device),  # [T]
     }
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float32 (Frobenius norms); syncs."""
-    a, e = actual.to(torch.float32), expected.to(torch.float32)
-    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-30))

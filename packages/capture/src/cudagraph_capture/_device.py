@@ -1,0 +1,58 @@
+"""Device arguments, resolved once: a ``torch.device`` with an explicit index for CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """``device`` as a ``torch.device``; a CUDA device always carries its index.
+
+    ``None`` is the current CUDA device, or the CPU where CUDA is unavailable.
+    An int is a CUDA index. A CUDA device that does not exist here (no CUDA
+    at all, or an index past the last device) raises ``ValueError`` naming
+    the value, as does anything that is not a device.
+    """
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    given: object = device  # checked at run time: callers may not be typed
+    if isinstance(given, bool) or not isinstance(given, (torch.device, str, int)):
+        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, got {device!r}")
+    try:
+        resolved = torch.device("cuda", given) if isinstance(given, int) else torch.device(given)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"device: expected a torch.device, a device string or a CUDA index, got {device!r}"
+        ) from error
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} is a CUDA device, but CUDA is not available here")
+    index: int | None = resolved.index  # None for plain "cuda" (torch's stubs say int)
+    if index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device: {device!r} does not exist; this machine has {count} CUDA device(s)")
+    return resolved
+
+
+def cuda_index(device: torch.device | str | int | None) -> int:
+    """The index of CUDA device ``device`` (``None``: the current one); ``ValueError`` for others."""
+    if device is None:
+        return torch.cuda.current_device()
+    resolved = resolve_device(device)
+    if resolved.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device!r}")
+    return resolved.index
+
+
+def require_cuda(what: str) -> None:
+    """Raise ``RuntimeError`` saying that ``what`` needs a CUDA device, where there is none."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what} needs a CUDA device, and none is available here "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not compiled in'})"
+        )

@@ -1,0 +1,65 @@
+"""``import cudagraph_manager`` loads the library only: no example code, no custom op.
+
+The reference decoder registers a ``torch.library`` op and the demo pulls in
+argparse and the decoder; both live in ``cudagraph_manager.examples``, imported
+on purpose. Checked in a fresh interpreter, with a positive control (importing
+the examples does register the op), so the check can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.capture.test_lean_import_capture import subprocess_env
+
+pytest.importorskip("torch")
+
+_PROBE = """
+import json, sys
+import torch
+
+def ours():
+    return sorted(str(s.name) for s in torch._C._jit_get_all_schemas() if str(s.name).startswith("cudagraph_manager::"))
+
+import {module}
+print(json.dumps({{
+    "modules": sorted(m for m in sys.modules if m.startswith("cudagraph_manager")),
+    "ops": ours(),
+    "cuda_initialized": torch.cuda.is_initialized(),
+}}))
+"""
+
+
+def _probe(module: str) -> dict[str, object]:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_import_loads_no_example_code_and_registers_no_op() -> None:
+    report = _probe("cudagraph_manager")
+    modules = report["modules"]
+    assert isinstance(modules, list)
+    assert "cudagraph_manager" in modules
+    assert [m for m in modules if m.startswith(("cudagraph_manager.examples", "cudagraph_manager.demo"))] == []
+    assert report["ops"] == []
+    assert report["cuda_initialized"] is False
+
+
+def test_importing_the_examples_registers_the_reference_op() -> None:
+    """The positive control: the probe sees the op once the examples are imported."""
+    report = _probe("cudagraph_manager.examples")
+    assert report["ops"] == ["cudagraph_manager::cached_attention"]
+    assert report["cuda_initialized"] is False
