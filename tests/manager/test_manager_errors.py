@@ -257,7 +257,9 @@ def test_valid_construction_keeps_options_and_device() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the default device where there is no CUDA")
 def test_default_device_without_cuda_is_the_cpu() -> None:
-    assert _construct(device=None).device == CPU
+    manager = _construct(device=None)
+    assert isinstance(manager, CUDAGraphManager)
+    assert manager.device == CPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors raised where there is no CUDA device")

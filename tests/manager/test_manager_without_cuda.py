@@ -43,7 +43,9 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return Backend.of(str(request.param))
 
 
-def _cpu_manager(model: ToyModel, mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE, *, strict: bool = False) -> CUDAGraphManager[torch.Tensor]:
+def _cpu_manager(
+    model: ToyModel, mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE, *, strict: bool = False
+) -> CUDAGraphManager[torch.Tensor]:
     return CUDAGraphManager(model, INPUTS, config_for(mode), device="cpu", strict=strict)
 
 
@@ -63,7 +65,9 @@ def test_steps_without_cuda_run_eagerly_on_the_padded_buffers(mode: CUDAGraphMod
     manager = _cpu_manager(model, mode)
     manager.capture()
     padded = 0
-    for seed, (tokens, reqs, uniform) in enumerate([(5, 3, False), (3, 3, True), (17, 9, False), (16, 16, True)]):
+    for seed, (tokens, reqs, uniform) in enumerate(
+        [(5, 3, False), (3, 3, True), (17, 9, False), (16, 16, True)]
+    ):
         batch = make_batch(tokens, reqs, CPU, seed=seed)
         out = manager.run_batch(batch, uniform_decode=uniform)
         assert out.shape == (tokens, 32)
@@ -92,7 +96,9 @@ def test_a_step_above_the_largest_size_runs_on_the_callers_tensors() -> None:
 
 
 def test_strict_without_cuda_raises_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"strict: CUDA graphs need a CUDA device, and the manager's device is cpu"):
+    with pytest.raises(
+        ValueError, match=r"strict: CUDA graphs need a CUDA device, and the manager's device is cpu"
+    ):
         _cpu_manager(ToyModel(CPU), strict=True)
 
 
@@ -127,25 +133,28 @@ def test_eager_steps_are_counted_and_logged_once_per_reason(
     backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = ToyModel(backend.device)
-    manager = make_manager(backend, model, config=config_for(CUDAGraphMode.FULL_DECODE_ONLY, lora_counts=(1,)))
-    steps = [
-        (make_batch(4, 4, backend.device, seed=0), {"uniform_decode": True}),  # not captured yet
-        (make_batch(4, 4, backend.device, seed=1), {"uniform_decode": True}),
+    manager = make_manager(
+        backend, model, config=config_for(CUDAGraphMode.FULL_DECODE_ONLY, lora_counts=(1,))
+    )
+    uniform, no_modes = True, frozenset[CUDAGraphMode]()
+    # (tokens, requests, uniform_decode, num_active_loras, invalid_modes)
+    before_capture = [(4, 4, uniform, 0, no_modes), (4, 4, uniform, 0, no_modes)]  # not captured yet
+    after_capture = [
+        (max(SIZES) + 1, 4, False, 0, no_modes),  # above the largest size
+        (max(SIZES) + 2, 4, False, 0, no_modes),
+        (5, 3, False, 0, no_modes),  # mixed: no graph in FULL_DECODE_ONLY
+        (4, 4, uniform, 2, no_modes),  # more adapters than captured
+        (4, 4, uniform, 0, frozenset({FULL})),  # its FULL graph turned off
+        (4, 4, uniform, 0, no_modes),  # replays
     ]
     with caplog.at_level(logging.INFO, logger="cudagraph_manager"):
-        for batch, kwargs in steps:
-            manager.run_batch(batch, **kwargs)
-        manager.capture()
-        more = [
-            (make_batch(max(SIZES) + 1, 4, backend.device, seed=2), {}),  # above the largest size
-            (make_batch(max(SIZES) + 2, 4, backend.device, seed=3), {}),
-            (make_batch(5, 3, backend.device, seed=4), {}),  # mixed: no graph in FULL_DECODE_ONLY
-            (make_batch(4, 4, backend.device, seed=5), {"uniform_decode": True, "num_active_loras": 2}),
-            (make_batch(4, 4, backend.device, seed=6), {"uniform_decode": True, "invalid_modes": frozenset({FULL})}),
-            (make_batch(4, 4, backend.device, seed=7), {"uniform_decode": True}),  # replays
-        ]
-        for batch, kwargs in more:
-            out = manager.run_batch(batch, **kwargs)
+        for seed, (tokens, reqs, decode, loras, invalid) in enumerate([*before_capture, *after_capture]):
+            if seed == len(before_capture):
+                manager.capture()
+            batch = make_batch(tokens, reqs, backend.device, seed=seed)
+            out = manager.run_batch(
+                batch, uniform_decode=decode, num_active_loras=loras, invalid_modes=invalid
+            )
             assert rel_err(out, model.eager(batch)) < TOL
     expected = {
         EagerReason.NOT_CAPTURED.value: 2,

@@ -53,7 +53,17 @@ _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 class _PlannedGraph(Generic[OutputT]):
     """One key of the capture plan: its engine, the views its graph reads, its counters."""
 
-    __slots__ = ("context", "descriptor", "engine", "inputs", "last_cut", "mode", "num_reqs", "num_tokens", "replays")
+    __slots__ = (
+        "context",
+        "descriptor",
+        "engine",
+        "inputs",
+        "last_cut",
+        "mode",
+        "num_reqs",
+        "num_tokens",
+        "replays",
+    )
 
     def __init__(
         self,
@@ -149,7 +159,9 @@ class CUDAGraphManager(Generic[OutputT]):
         plan = self._dispatcher.capture_plan()
         factory = default_engine_factory if engine_factory is None else engine_factory
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[..., OutputT]]] = (
-            {} if self._no_graphs is not None else {mode: factory(model, mode, self._options) for mode, _ in plan}
+            {}
+            if self._no_graphs is not None
+            else {mode: factory(model, mode, self._options) for mode, _ in plan}
         )
         self._planned: Final[dict[BatchDescriptor, _PlannedGraph[OutputT]]] = {
             descriptor: _PlannedGraph(
@@ -239,7 +251,9 @@ class CUDAGraphManager(Generic[OutputT]):
         if self._no_graphs is not None:
             return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
         pending = [
-            p for p in self._planned.values() if p.engine is not None and not p.engine.is_captured(p.descriptor)
+            p
+            for p in self._planned.values()
+            if p.engine is not None and not p.engine.is_captured(p.descriptor)
         ]
         device = self._device
         records: list[CapturedGraph] = []
@@ -344,7 +358,14 @@ class CUDAGraphManager(Generic[OutputT]):
         engine = planned.engine if planned is not None else None
         if planned is None or engine is None or not engine.is_captured(planned.descriptor):
             return self._run_without_graph(
-                inputs, num_tokens, num_reqs, decision, planned, uniform_decode, num_active_loras, invalid_modes
+                inputs,
+                num_tokens,
+                num_reqs,
+                decision,
+                planned,
+                uniform_decode,
+                num_active_loras,
+                invalid_modes,
             )
         if torch.is_grad_enabled():
             with torch.no_grad():  # a copy from a tensor that requires grad would record history
@@ -391,12 +412,16 @@ class CUDAGraphManager(Generic[OutputT]):
             return self._idle(inputs)
         reason = self._eager_reason(decision, num_tokens, uniform_decode, num_active_loras, invalid_modes)
         if self._strict:
-            raise NoGraphError(num_tokens, self._explain(reason, decision, num_tokens, uniform_decode,
-                                                         num_active_loras, invalid_modes))
+            raise NoGraphError(
+                num_tokens,
+                self._explain(reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes),
+            )
         if reason not in self._logged_reasons:  # once per reason: visible, never a flood
             self._logged_reasons.add(reason)
             level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
-            text = self._explain(reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes)
+            text = self._explain(
+                reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes
+            )
             _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, text)
         self._eager_reasons[reason] = self._eager_reasons.get(reason, 0) + 1
         if reason is EagerReason.NOT_CAPTURED:
