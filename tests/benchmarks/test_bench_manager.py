@@ -36,18 +36,17 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CaptureReport, CUDAGraphManager, StaticInput
-from cudagraph_manager.demo import run_graph
-from cudagraph_manager.reference import (
+from cudagraph_manager.examples.demo import run_graph
+from cudagraph_manager.examples.reference import (
     INPUT_NAMES,
     DecoderConfig,
-    DecoderLayer,
     ReferenceDecoder,
     make_step_inputs,
-    pad_step_inputs,
-    relative_error,
     static_inputs,
 )
 from tests.benchmarks.support import BenchmarkFixture, interleave
+from tests.manager.reference_support import pad_step_inputs
+from tests.torch_support import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -135,12 +134,11 @@ class _Compiled:
 
 @pytest.fixture(scope="module")
 def compiled() -> _Compiled:
-    # Attention without the break point: the tracer sees plain torch code.
+    # Attention without the break point: one opaque op that writes the cache in place.
     # Same seed as `decoder`: the same weights and initial cache.
     torch.manual_seed(0)
     model = ReferenceDecoder(DecoderConfig(), device="cuda", breakable=False)
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
+    for layer in model.decoder_layers:
         # Mutated in place every step: a static address keeps it a graph input.
         torch._dynamo.mark_static_address(layer.kv_cache)
     return _Compiled(model)
@@ -238,7 +236,7 @@ def _copier(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) ->
 
 
 def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    error = relative_error(actual, expected)
+    error = rel_err(actual, expected)
     assert error < _TOLERANCE, f"{what}: relative error {error:.3g} against eager"
 
 

@@ -23,7 +23,8 @@ import json, sys
 import torch
 
 def ours():
-    return sorted(str(s.name) for s in torch._C._jit_get_all_schemas() if str(s.name).startswith("cudagraph_manager::"))
+    names = (str(s.name) for s in torch._C._jit_get_all_schemas())
+    return sorted(n for n in names if n.startswith("cudagraph_manager::"))
 
 import {module}
 print(json.dumps({{
@@ -53,7 +54,9 @@ def test_import_loads_no_example_code_and_registers_no_op() -> None:
     modules = report["modules"]
     assert isinstance(modules, list)
     assert "cudagraph_manager" in modules
-    assert [m for m in modules if m.startswith(("cudagraph_manager.examples", "cudagraph_manager.demo"))] == []
+    assert [
+        m for m in modules if m.startswith(("cudagraph_manager.examples", "cudagraph_manager.demo"))
+    ] == []
     assert report["ops"] == []
     assert report["cuda_initialized"] is False
 

@@ -8,7 +8,6 @@ errors are checked on both backends (``helpers``); the rest needs no GPU.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Final, TypeVar, cast
@@ -262,7 +261,9 @@ def test_default_device_without_cuda_is_the_cpu() -> None:
     assert manager.device == CPU
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors raised where there is no CUDA device")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the errors raised where there is no CUDA device"
+)
 @pytest.mark.parametrize("device", [0, "cuda", "cuda:0", torch.device("cuda", 1)])
 def test_cuda_devices_without_cuda_are_named(device: object) -> None:
     with pytest.raises(ValueError, match=r"device: .* is a CUDA device, but CUDA is not available here"):
@@ -300,10 +301,19 @@ BAD_STATIC_INPUTS: Final[dict[str, tuple[dict[str, object], str]]] = {
         {"dtype": torch.int8, "pad_value": 128},
         "pad_value: 128 is out of range for torch.int8",
     ),
-    "pad_value for bool": ({"dtype": torch.bool, "pad_value": 2}, "pad_value: expected 0 or 1 for dtype torch.bool"),
-    "pad_value a bool": ({"dtype": torch.bool, "pad_value": True}, "pad_value: expected an int or a float, got True"),
+    "pad_value for bool": (
+        {"dtype": torch.bool, "pad_value": 2},
+        "pad_value: expected 0 or 1 for dtype torch.bool",
+    ),
+    "pad_value a bool": (
+        {"dtype": torch.bool, "pad_value": True},
+        "pad_value: expected an int or a float, got True",
+    ),
     "pad_value nan": ({"pad_value": float("nan")}, "pad_value: expected a finite number"),
-    "pad_value nan for int": ({"dtype": torch.int32, "pad_value": float("nan")}, "pad_value: expected a finite"),
+    "pad_value nan for int": (
+        {"dtype": torch.int32, "pad_value": float("nan")},
+        "pad_value: expected a finite",
+    ),
     "pad_value inf": ({"pad_value": float("inf")}, "pad_value: expected a finite number"),
     "dtype quantized": ({"dtype": torch.quint8}, "dtype: expected a floating, integer or bool torch.dtype"),
     "dtype complex": ({"dtype": torch.complex64}, "dtype: expected a floating, integer or bool torch.dtype"),

@@ -2,7 +2,9 @@
 
 CPU tests check the model against a naive per-token implementation and check
 the properties the graphs rely on (padding rows and reruns leave real
-requests alone); GPU tests capture it FULL and PIECEWISE and compare with eager.
+requests alone, the injected attention op is the one that runs, metadata
+built outside the forward gives the same step); GPU tests capture it FULL and
+PIECEWISE and compare with eager.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager.demo import main as demo_main
-from cudagraph_manager.demo import run_graph, schedule
-from cudagraph_manager.reference import (
+from cudagraph_manager.examples.demo import main as demo_main
+from cudagraph_manager.examples.demo import run_graph, schedule
+from cudagraph_manager.examples.reference import (
     INPUT_NAMES,
     DecoderConfig,
-    DecoderLayer,
     ReferenceDecoder,
+    breakable_cached_attention,
+    cached_attention,
     make_step_inputs,
-    pad_step_inputs,
-    relative_error,
     static_inputs,
+    traced_cached_attention,
 )
+from tests.manager.reference_support import StaticStep, pad_step_inputs
+from tests.torch_support import rel_err
 
 SMALL: Final = DecoderConfig.small()
 _EPS: Final = 1e-5  # the decoder's RMSNorm epsilon
@@ -51,12 +55,6 @@ def _inputs(
 ) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return make_step_inputs(config, num_tokens, uniform_decode=uniform, generator=generator, device=device)
-
-
-def _layers(model: ReferenceDecoder) -> list[DecoderLayer]:
-    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-    assert len(layers) == model.config.num_layers
-    return layers
 
 
 def _requests(inputs: dict[str, torch.Tensor]) -> dict[int, list[int]]:
@@ -95,7 +93,7 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
     ids, positions, slots = (inputs[name].tolist() for name in INPUT_NAMES)
     num_tokens = len(ids)
     x = model.embed[torch.tensor(ids)]  # [T, hidden]
-    for layer in _layers(model):
+    for layer in model.decoder_layers:
         h = _rms_norm(x, layer.input_norm)
         qkv = h @ layer.qkv_weight  # [T, 3 * hidden]
         q, k, v = (part.reshape(num_tokens, heads, head_dim) for part in qkv.chunk(3, dim=-1))
@@ -149,7 +147,7 @@ def test_matches_naive_per_token_decoder(num_tokens: int, uniform: bool, seed: i
     inputs = _inputs(num_tokens, uniform=uniform, seed=seed)
     out = model.step(inputs)
     expected = _naive_forward(naive_model, inputs)
-    assert relative_error(out, expected) < _FP32_TOL
+    assert rel_err(out, expected) < _FP32_TOL
     _assert_caches_close(model, naive_model)
 
 
@@ -177,7 +175,7 @@ def test_chunked_prefill_then_decode_equals_one_longer_chunk() -> None:
     one_step = _model(seed=4).forward(ids, positions, slots)  # [length + 1, hidden]
     torch.testing.assert_close(decoded[0], one_step[length], atol=1e-5, rtol=1e-5)
     other = _model(seed=4).forward(ids[length:], positions[length:], slots[length:])  # no prefill written
-    assert relative_error(other[0], one_step[length]) > 1e-2
+    assert rel_err(other[0], one_step[length]) > 1e-2
 
 
 def test_mask_hides_later_positions_and_shows_earlier_ones() -> None:
@@ -195,7 +193,7 @@ def test_mask_hides_later_positions_and_shows_earlier_ones() -> None:
     earlier = copy.deepcopy(model)
     for _, v_cache in earlier.kv_caches():
         v_cache[slot, :position] = torch.randn_like(v_cache[slot, :position])
-    assert relative_error(earlier.step(inputs), reference) > 1e-2
+    assert rel_err(earlier.step(inputs), reference) > 1e-2
 
 
 def test_running_a_step_twice_gives_the_same_outputs_and_caches() -> None:
@@ -237,6 +235,124 @@ def test_traced_attention_declares_its_in_place_writes() -> None:
     schema = torch.ops.cudagraph_manager.cached_attention.default._schema
     written = {arg.name for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write}
     assert written == {"kv_cache", "out"}
+
+
+def test_breakable_picks_the_default_attention() -> None:
+    assert _model().attention is breakable_cached_attention
+    assert ReferenceDecoder(SMALL, breakable=False).attention is traced_cached_attention
+
+
+class _Recorder:
+    """An attention op that records which cache each call writes, then runs ``cached_attention``."""
+
+    def __init__(self) -> None:
+        self.caches: list[torch.Tensor] = []
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_ids: torch.Tensor,
+        key_index: torch.Tensor,
+        value_index: torch.Tensor,
+        mask: torch.Tensor,
+        out: torch.Tensor,
+        /,
+    ) -> None:
+        self.caches.append(kv_cache)
+        cached_attention(q, k, v, kv_cache, slot_ids, key_index, value_index, mask, out)
+
+
+def _no_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    key_index: torch.Tensor,
+    value_index: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+    /,
+) -> None:
+    """Attention that attends to nothing: zeros out, writes no cache."""
+    out.zero_()
+
+
+@pytest.mark.parametrize("inject", ["constructor", "with_attention"])
+def test_injected_attention_is_what_every_layer_runs(inject: str) -> None:
+    recorder = _Recorder()
+    if inject == "constructor":
+        torch.manual_seed(9)
+        model = ReferenceDecoder(SMALL, attention=recorder)
+    else:
+        model = _model(seed=9).with_attention(recorder)
+    default = _model(seed=9)  # the same weights and caches, the default attention
+    inputs = _inputs(17, uniform=False, seed=9)
+    out = model.step(inputs)
+    assert [cache.data_ptr() for cache in recorder.caches] == [
+        layer.kv_cache.data_ptr() for layer in model.decoder_layers
+    ]
+    torch.testing.assert_close(out, default.step(inputs), atol=0, rtol=0)
+    _assert_caches_close(model, default, atol=0)
+    # An op that attends to nothing changes the output and leaves the caches alone.
+    before = copy.deepcopy(model)
+    silent = model.with_attention(_no_attention)
+    assert rel_err(silent.step(inputs), out) > 1e-2
+    _assert_caches_close(model, before, atol=0)
+    assert model.attention is recorder  # the twin's op is its own
+
+
+def test_with_attention_shares_weights_and_caches() -> None:
+    model = _model(seed=10)
+    twin = model.with_attention(cached_attention)
+    assert twin is not model
+    assert twin.attention is cached_attention
+    assert model.attention is breakable_cached_attention
+    assert dict(twin.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    for (name, mine), (_, theirs) in zip(twin.named_parameters(), model.named_parameters(), strict=True):
+        assert mine is theirs, name
+    for layer, twin_layer in zip(model.decoder_layers, twin.decoder_layers, strict=True):
+        assert twin_layer is layer
+    before = copy.deepcopy(model)
+    inputs = _inputs(6, uniform=True, seed=10)
+    out = twin.step(inputs)  # writes the step's K/V into the shared caches
+    torch.testing.assert_close(out, before.step(inputs), atol=0, rtol=0)
+    _assert_caches_close(model, before, atol=0)
+
+
+@pytest.mark.parametrize(("num_tokens", "uniform", "seed"), [(1, True, 11), (12, True, 12), (29, False, 13)])
+def test_forward_with_metadata_built_outside_equals_forward(
+    num_tokens: int, uniform: bool, seed: int
+) -> None:
+    model = _model(seed=seed)
+    other = copy.deepcopy(model)
+    inputs = _inputs(num_tokens, uniform=uniform, seed=seed)
+    meta = model.metadata(inputs["positions"], inputs["slot_ids"])
+    out = model.forward_with_metadata(inputs["input_ids"], meta)
+    torch.testing.assert_close(out, other.step(inputs), atol=0, rtol=0)
+    _assert_caches_close(model, other, atol=0)
+
+
+def test_static_step_replays_fresh_inputs_like_forward() -> None:
+    """Metadata built into static buffers, then rebuilt there for a fresh step, as the benchmarks run it."""
+    model = _model(seed=14)
+    other = copy.deepcopy(model)
+    static = StaticStep(model, _inputs(SMALL.max_num_seqs, uniform=True, seed=14))
+    ids, meta = static.rows(5)
+    addresses = [ids.data_ptr(), *(tensor.data_ptr() for tensor in meta)]
+    for seed in (15, 16):
+        fresh = _inputs(5, uniform=seed == 15, seed=seed)
+        static.load(fresh)
+        for name, tensor in static.step_inputs(5).items():
+            assert torch.equal(tensor, fresh[name]), name
+        ids, meta = static.rows(5)
+        assert [ids.data_ptr(), *(tensor.data_ptr() for tensor in meta)] == addresses
+        out = model.forward_with_metadata(ids, meta)
+        torch.testing.assert_close(out, other.step(fresh), atol=0, rtol=0)
+    _assert_caches_close(model, other, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -362,9 +478,10 @@ def test_demo_fails_loudly_above_tolerance(capsys: pytest.CaptureFixture[str]) -
     assert out.count("FAILED: step") == 3
 
 
-def test_importing_the_manager_does_not_initialize_cuda() -> None:
+def test_importing_the_examples_does_not_initialize_cuda() -> None:
     code = (
-        "import torch, cudagraph_manager, cudagraph_manager.reference, cudagraph_manager.demo\n"
+        "import torch, cudagraph_manager.examples.reference, cudagraph_manager.examples.demo\n"
+        "import cudagraph_manager.demo\n"
         "assert not torch.cuda.is_initialized(), 'importing initialized CUDA'\n"
     )
     env = dict(os.environ)
@@ -406,7 +523,7 @@ def test_hand_written_full_graph_of_the_decoder_matches_eager() -> None:
             static[name].copy_(tensor)
         graph.replay()
         replayed = out.clone()
-        assert relative_error(replayed, model.step(fresh)) < 1e-4
+        assert rel_err(replayed, model.step(fresh)) < 1e-4
 
 
 @pytest.mark.gpu
@@ -427,7 +544,7 @@ def test_breakable_capture_breaks_once_per_layer_and_replays_like_eager() -> Non
             static[name].copy_(tensor)
         capture.replay()
         replayed = out.clone()
-        assert relative_error(replayed, model.step(fresh)) < 1e-4
+        assert rel_err(replayed, model.step(fresh)) < 1e-4
 
 
 @pytest.mark.gpu
@@ -446,7 +563,7 @@ def test_manager_replay_of_the_decoder_matches_eager(mode: CUDAGraphMode) -> Non
         graph_out = run_graph(manager, uniform, inputs)
         assert graph_out.shape == (num_tokens, _GPU_CONFIG.hidden_size)
         replayed = graph_out.clone()
-        assert relative_error(replayed, model.step(inputs)) < 1e-4, (mode, num_tokens, uniform)
+        assert rel_err(replayed, model.step(inputs)) < 1e-4, (mode, num_tokens, uniform)
 
 
 @pytest.mark.gpu

@@ -25,11 +25,11 @@ import torch
 
 from cudagraph_dispatch import BatchDescriptor
 
+from ._device import require_cuda
 from ._enabled import check_capture_enabled
 from ._errors import CaptureError
-from ._pool import GraphPool, capture_stream, shared_pool
-from ._device import require_cuda
 from ._gc import collect_before_capture
+from ._pool import GraphPool, capture_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment
 from ._weakref import contains_cuda_tensor, weak_ref_tensors
 

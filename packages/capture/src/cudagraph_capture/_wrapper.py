@@ -31,11 +31,11 @@ from cudagraph_dispatch import (
 )
 
 from ._breakable import BreakableCUDAGraphCapture
+from ._device import require_cuda
 from ._enabled import check_capture_enabled
 from ._errors import CaptureError
-from ._options import CaptureOptions
-from ._device import require_cuda
 from ._gc import collect_before_capture
+from ._options import CaptureOptions
 from ._pool import GraphPool, capture_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment, on_side_stream
 from ._weakref import weak_ref_tensors

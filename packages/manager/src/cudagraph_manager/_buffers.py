@@ -183,7 +183,8 @@ class StaticBuffers:
     def _check_requests(self, num_tokens: int, num_reqs: int, reqs_from: str, uniform_decode: bool) -> None:
         if num_reqs > self.max_num_seqs:
             raise ValueError(
-                f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed max_num_seqs={self.max_num_seqs}"
+                f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed "
+                f"max_num_seqs={self.max_num_seqs}"
             )
         if num_reqs > num_tokens:
             raise ValueError(

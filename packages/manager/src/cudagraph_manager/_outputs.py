@@ -129,7 +129,6 @@ class OutputLayout:
         ]
         return pytree.tree_unflatten(cut, self.treespec)
 
-
     def empty(self) -> object:
         """The outputs of an idle step (0 tokens): batched tensors with 0 rows, unbatched ones zero."""
         return pytree.tree_unflatten([t.clone() for t in self.empty_leaves], self.treespec)

@@ -35,8 +35,8 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
 )
-
 from cudagraph_manager import CUDAGraphManager
+
 from .reference import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs
 
 _DTYPES: Final[dict[str, torch.dtype]] = {

@@ -117,14 +117,14 @@ class DecoderConfig:
 
 
 class AttentionMetadata(NamedTuple):
-    """Per-step attention metadata, built once at the start of ``forward``.
+    """Per-step attention metadata, built once per step (``ReferenceDecoder.metadata``).
 
     A NamedTuple rather than a dataclass so that tracers (torch.compile) see
     through it without a graph break.
     """
 
     slot_ids: torch.Tensor  # [T] int64: the cache row of each token
-    key_index: torch.Tensor  # [T] int64: the token's key row in the flat cache (see ``_cached_attention``)
+    key_index: torch.Tensor  # [T] int64: the token's key row in the flat cache (see ``cached_attention``)
     value_index: torch.Tensor  # [T] int64: its value row, ``key_index + max_seq_len`` (once per step)
     mask: torch.Tensor  # [T, 1, 1, max_seq_len] additive: 0 where key j <= position, else dtype's min
     cos: torch.Tensor  # [T, 2, heads, head_dim]: cos of each rotary angle, for q and k
