@@ -88,7 +88,7 @@ def test_explicit_capture_and_replay_match_eager(engine: Engine) -> None:
 @pytest.mark.usefixtures("clean_capture_state")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_replay_goes_through_the_public_graph_replay(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every replay calls ``torch.cuda.CUDAGraph.replay`` (its liveness checks, its hooks), not ``torch._C``."""
+    """Every replay calls ``torch.cuda.CUDAGraph.replay`` (liveness checks, hooks), not ``torch._C``."""
     calls: list[torch.cuda.CUDAGraph] = []
     public = torch.cuda.CUDAGraph.replay
 
