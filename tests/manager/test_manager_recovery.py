@@ -136,6 +136,9 @@ def test_a_graph_that_records_no_cuda_work_is_refused() -> None:
     assert wrapper.num_captured == 0
 
 
-def test_the_default_engines_refuse_a_cpu_device() -> None:
-    with pytest.raises(ValueError, match="device: the CUDA graph engines need a CUDA device"):
-        CUDAGraphManager(_Recorder(), INPUTS, _config(CUDAGraphMode.FULL), device="cpu")
+def test_a_cpu_manager_beside_cuda_captures_nothing_and_says_why() -> None:
+    """``device="cpu"`` on a GPU machine: the default engines are not built, nothing is captured."""
+    manager = CUDAGraphManager(_Recorder(), INPUTS, _config(CUDAGraphMode.FULL), device="cpu")
+    report = manager.capture()
+    assert report.num_graphs == 0
+    assert report.not_captured == "CUDA graphs need a CUDA device, and the manager's device is cpu"

@@ -130,21 +130,26 @@ class StaticBuffers:
             if b.rows is not None:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
-    def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int]:
-        """``(num_tokens, num_reqs)`` of a step's inputs, or ``ValueError`` naming the input.
+    def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int, bool]:
+        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs, or ``ValueError`` naming the input.
 
         Exact names, each tensor checked by its buffer, one row count per
-        kind of rows. ``num_reqs`` is 0 for a model without "reqs" inputs.
+        kind of rows. ``num_reqs`` is 0 for a model without "reqs" inputs;
+        ``requires_grad`` says whether any input requires grad (copying it
+        into a buffer would then record autograd history, unless under no_grad).
         """
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
         num_tokens = num_reqs = 0
         tokens_from = reqs_from = ""
+        requires_grad = False
         for b in self.buffers:
             x = inputs.get(b.name)
             if x is None and b.name not in inputs:
                 raise self._names_error(inputs)
             rows = b.check(x)
+            if x.requires_grad:  # type: ignore[union-attr]  # b.check raised unless x is a tensor
+                requires_grad = True
             if b.rows == "tokens":
                 if not tokens_from:
                     num_tokens, tokens_from = rows, b.name
@@ -163,7 +168,7 @@ class StaticBuffers:
                     )
         if reqs_from:
             self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)
-        return num_tokens, num_reqs
+        return num_tokens, num_reqs, requires_grad
 
     def load(
         self,

@@ -347,7 +347,7 @@ class CUDAGraphManager(Generic[OutputT]):
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
         """The step: check, dispatch, copy in, replay, cut; or a step without a graph."""
-        num_tokens, num_reqs = self._buffers.check(inputs, uniform_decode)
+        num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
         decision = self._dispatcher.dispatch(
             num_tokens,
             uniform_decode=uniform_decode,
@@ -367,7 +367,7 @@ class CUDAGraphManager(Generic[OutputT]):
                 num_active_loras,
                 invalid_modes,
             )
-        if torch.is_grad_enabled():
+        if requires_grad and torch.is_grad_enabled():
             with torch.no_grad():  # a copy from a tensor that requires grad would record history
                 self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         else:
