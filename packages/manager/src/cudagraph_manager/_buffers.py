@@ -78,7 +78,7 @@ class StaticBuffer:
         rows: int = size[0]
         return rows
 
-    def load(self, x: torch.Tensor, rows: int, graph_rows: int) -> None:
+    def copy_in(self, x: torch.Tensor, rows: int, graph_rows: int) -> None:
         """Copy ``x`` (``rows`` rows) in; fill the rows up to ``graph_rows`` with the pad value.
 
         Real rows first, then the padding, so an ``x`` that already is (a
@@ -170,7 +170,7 @@ class StaticBuffers:
             self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)
         return num_tokens, num_reqs, requires_grad
 
-    def load(
+    def copy_in(
         self,
         inputs: Mapping[str, torch.Tensor],
         num_tokens: int,
@@ -181,9 +181,9 @@ class StaticBuffers:
         """Copy a checked step into the buffers, padded to a graph's row counts."""
         for b in self.buffers:
             if b.rows == "reqs":
-                b.load(inputs[b.name], num_reqs, graph_reqs)
+                b.copy_in(inputs[b.name], num_reqs, graph_reqs)
             else:
-                b.load(inputs[b.name], num_tokens, graph_tokens)
+                b.copy_in(inputs[b.name], num_tokens, graph_tokens)
 
     def _check_requests(self, num_tokens: int, num_reqs: int, reqs_from: str, uniform_decode: bool) -> None:
         if num_reqs > self.max_num_seqs:

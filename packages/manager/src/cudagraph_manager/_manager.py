@@ -357,21 +357,13 @@ class CUDAGraphManager(Generic[OutputT]):
         planned = self._planned.get(decision.descriptor) if decision.mode is not _NONE else None
         engine = planned.engine if planned is not None else None
         if planned is None or engine is None or not engine.is_captured(planned.descriptor):
-            return self._run_without_graph(
-                inputs,
-                num_tokens,
-                num_reqs,
-                decision,
-                planned,
-                uniform_decode,
-                num_active_loras,
-                invalid_modes,
-            )
+            step = (uniform_decode, num_active_loras, invalid_modes)
+            return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step)
         if requires_grad and torch.is_grad_enabled():
             with torch.no_grad():  # a copy from a tensor that requires grad would record history
-                self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+                self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         else:
-            self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+            self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         if planned.mode is _PIECEWISE:
             token = FORWARD_CONTEXT_VAR.set(planned.context)
             try:
@@ -403,29 +395,20 @@ class CUDAGraphManager(Generic[OutputT]):
         num_reqs: int,
         decision: Dispatch,
         planned: _PlannedGraph[OutputT] | None,
-        uniform_decode: bool,
-        num_active_loras: int,
-        invalid_modes: frozenset[CUDAGraphMode],
+        step: tuple[bool, int, frozenset[CUDAGraphMode]],  # uniform_decode, num_active_loras, invalid_modes
     ) -> OutputT:
         """An idle step, or the model run eagerly; counted per reason (strict: ``NoGraphError``)."""
         if num_tokens == 0:
             return self._idle(inputs)
-        reason = self._eager_reason(decision, num_tokens, uniform_decode, num_active_loras, invalid_modes)
+        reason, why = self._why_eager(decision, num_tokens, *step)
         if self._strict:
-            raise NoGraphError(
-                num_tokens,
-                self._explain(reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes),
-            )
+            raise NoGraphError(num_tokens, why)
         if reason not in self._logged_reasons:  # once per reason: visible, never a flood
             self._logged_reasons.add(reason)
             level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
-            text = self._explain(
-                reason, decision, num_tokens, uniform_decode, num_active_loras, invalid_modes
-            )
-            _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, text)
+            _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, why)
         self._eager_reasons[reason] = self._eager_reasons.get(reason, 0) + 1
-        if reason is EagerReason.NOT_CAPTURED:
-            self._uncaptured_runs += 1
+        self._uncaptured_runs += reason is EagerReason.NOT_CAPTURED
         with torch.no_grad():
             if reason is not EagerReason.NO_CUDA or planned is None:
                 with set_forward_context(_NONE, BatchDescriptor(num_tokens)):
@@ -434,7 +417,7 @@ class CUDAGraphManager(Generic[OutputT]):
                 return out
             # No CUDA graphs here: the step the graph would replay, run eagerly
             # on the padded static buffers, then cut like a replay's outputs.
-            self._buffers.load(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+            self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
             with set_forward_context(_NONE, planned.descriptor):
                 padded = self._model(**planned.inputs)
         self._padded_tokens += planned.num_tokens - num_tokens
@@ -461,50 +444,40 @@ class CUDAGraphManager(Generic[OutputT]):
             self._layout = OutputLayout.of(output, self._output_rows)
         return self._layout
 
-    def _eager_reason(
+    def _why_eager(
         self,
         decision: Dispatch,
         num_tokens: int,
         uniform_decode: bool,
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
-    ) -> EagerReason:
+    ) -> tuple[EagerReason, str]:
+        """Why a step has no graph: its reason, and the reason in words (for logs and errors)."""
         if decision.mode is not _NONE:
-            return EagerReason.NO_CUDA if self._no_graphs is not None else EagerReason.NOT_CAPTURED
-        config = self._dispatcher.config
-        if num_tokens > config.capture_sizes.max:
-            return EagerReason.ABOVE_LARGEST_SIZE
-        if num_active_loras > max(config.lora_counts, default=0):
-            return EagerReason.LORA_COUNT
-        if invalid_modes:
-            allowed = self._dispatcher.dispatch(
-                num_tokens, uniform_decode=uniform_decode, num_active_loras=num_active_loras
+            if self._no_graphs is not None:
+                return EagerReason.NO_CUDA, self._no_graphs
+            text = (
+                f"its {decision.mode.name} graph {decision.descriptor} was not captured yet; call capture()"
             )
-            if allowed.mode is not _NONE:
-                return EagerReason.INVALID_MODES
-        return EagerReason.NO_GRAPH_FOR_BATCH
-
-    def _explain(
-        self,
-        reason: EagerReason,
-        decision: Dispatch,
-        num_tokens: int,
-        uniform_decode: bool,
-        num_active_loras: int,
-        invalid_modes: frozenset[CUDAGraphMode],
-    ) -> str:
-        if reason is EagerReason.NO_CUDA:
-            assert self._no_graphs is not None
-            return self._no_graphs
-        if reason is EagerReason.NOT_CAPTURED:
-            mode = decision.mode.name
-            return f"its {mode} graph {decision.descriptor} was not captured yet; call capture() first"
-        return self._dispatcher.explain(
+            return EagerReason.NOT_CAPTURED, text
+        dispatcher = self._dispatcher
+        words = dispatcher.explain(
             num_tokens,
             uniform_decode=uniform_decode,
             num_active_loras=num_active_loras,
             invalid_modes=invalid_modes,
         )
+        if num_tokens > dispatcher.config.capture_sizes.max:
+            return EagerReason.ABOVE_LARGEST_SIZE, words
+        if num_active_loras > max(dispatcher.config.lora_counts, default=0):
+            return EagerReason.LORA_COUNT, words
+        if invalid_modes:
+            allowed = dispatcher.dispatch(
+                num_tokens, uniform_decode=uniform_decode, num_active_loras=num_active_loras
+            )
+            if allowed.mode is not _NONE:
+                return EagerReason.INVALID_MODES, words
+        return EagerReason.NO_GRAPH_FOR_BATCH, words
 
 
 def _reserved_bytes(device: torch.device) -> int:
