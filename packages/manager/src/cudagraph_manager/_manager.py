@@ -456,10 +456,11 @@ class CUDAGraphManager(Generic[OutputT]):
         if decision.mode is not _NONE:
             if self._no_graphs is not None:
                 return EagerReason.NO_CUDA, self._no_graphs
-            text = (
-                f"its {decision.mode.name} graph {decision.descriptor} was not captured yet; call capture()"
+            mode, key = decision.mode.name, decision.descriptor
+            return (
+                EagerReason.NOT_CAPTURED,
+                f"its {mode} graph {key} was not captured yet; call capture() first",
             )
-            return EagerReason.NOT_CAPTURED, text
         dispatcher = self._dispatcher
         words = dispatcher.explain(
             num_tokens,
