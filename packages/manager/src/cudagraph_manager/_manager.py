@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -38,7 +39,7 @@ from cudagraph_dispatch import (
 from ._buffers import StaticBuffers, check_inputs_spec
 from ._engines import default_engine_factory
 from ._errors import NoGraphError
-from ._outputs import OutputLayout, OutputRows, check_output_rows, uses_reqs
+from ._outputs import OutputGuard, OutputLayout, OutputRows, check_output_rows, uses_reqs
 from ._progress import progress as progress_bar
 from ._protocols import GraphEngineFactory, OutputT
 from ._report import CapturedGraph, CaptureReport, EagerReason, ManagerStats
@@ -109,7 +110,12 @@ class CUDAGraphManager(Generic[OutputT]):
     buffers and padding, then runs the model eagerly on the padded buffers;
     ``strict=True`` then raises ``ValueError`` at construction.
 
-    Not thread-safe: one manager's buffers serve one step at a time.
+    ``check_overwritten_outputs=True`` (a debug check, off by default) makes
+    the outputs of a replay unreadable once a later replay may have
+    overwritten them: reading one raises instead of returning newer numbers.
+
+    One step at a time: the static buffers serve one step, so a ``run`` while
+    another thread is inside ``run`` of the same manager raises ``RuntimeError``.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class CUDAGraphManager(Generic[OutputT]):
         options: CaptureOptions | None = None,
         output_rows: OutputRows = "tokens",
         engine_factory: GraphEngineFactory | None = None,
+        check_overwritten_outputs: bool = False,
     ) -> None:
         if not callable(model):
             raise ValueError(f"model: expected a callable, got {type(model).__name__}")
@@ -170,6 +177,10 @@ class CUDAGraphManager(Generic[OutputT]):
             for mode, descriptors in plan
             for descriptor in descriptors
         }
+        self._guard: Final = (
+            OutputGuard() if check_bool("check_overwritten_outputs", check_overwritten_outputs) else None
+        )
+        self._step_lock: Final = threading.Lock()
         self._layout: OutputLayout | None = None  # from the first outputs seen
         self._logged_reasons: set[EagerReason] = set()
         self._eager_reasons: dict[EagerReason, int] = {}
@@ -346,6 +357,24 @@ class CUDAGraphManager(Generic[OutputT]):
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
+        """One step at a time: a call from a second thread meanwhile raises instead of mixing steps."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError(
+                "CUDAGraphManager.run: another thread is inside run() of this manager; its static "
+                "buffers serve one step at a time (serialize the calls, or use a manager per thread)"
+            )
+        try:
+            return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
+        finally:
+            self._step_lock.release()
+
+    def _step(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        uniform_decode: bool,
+        num_active_loras: int,
+        invalid_modes: frozenset[CUDAGraphMode],
+    ) -> OutputT:
         """The step: check, dispatch, copy in, replay, cut; or a step without a graph."""
         num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
         decision = self._dispatcher.dispatch(
@@ -364,6 +393,8 @@ class CUDAGraphManager(Generic[OutputT]):
                 self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         else:
             self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+        if self._guard is not None:
+            self._guard.retire(planned.descriptor)
         if planned.mode is _PIECEWISE:
             token = FORWARD_CONTEXT_VAR.set(planned.context)
             try:
@@ -374,7 +405,8 @@ class CUDAGraphManager(Generic[OutputT]):
             raw = engine.replay(planned.descriptor)
         planned.replays += 1
         self._padded_tokens += planned.num_tokens - num_tokens
-        return self._cut(planned, raw, num_tokens, num_reqs)
+        out = self._cut(planned, raw, num_tokens, num_reqs)
+        return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
 
     def _cut(self, planned: _PlannedGraph[OutputT], raw: OutputT, num_tokens: int, num_reqs: int) -> OutputT:
         """The graph's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""
