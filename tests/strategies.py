@@ -1,12 +1,16 @@
 """Hypothesis strategies shared by every test package (one module, by design).
 
 ``st.builds`` by default; ``@st.composite`` only where one draw depends on
-another (token counts that depend on the dispatcher's largest size). Sizes
-stay small (<= 600) so that building a dispatcher's tables is quick.
+another (token counts that depend on the dispatcher's largest size). Every
+strategy here is cheap to draw from: a dispatcher's tables grow with the
+number of its sizes, not the largest one, so explicit size lists reach
+``2**20``; text is drawn from a short alphabet, as the full unicode one costs
+Hypothesis most of a second to set up on first use.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Final
 
 from hypothesis import strategies as st
@@ -19,9 +23,13 @@ from cudagraph_dispatch import (
     DispatchConfig,
     RankRequest,
 )
+from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
 
 #: The largest capture size any strategy here produces.
-MAX_CAPTURE_SIZE: Final = 600
+MAX_CAPTURE_SIZE: Final = 2**20
+#: The largest ``max_size`` given to ``CaptureSizes.default``: past DENSE_PAD_LIMIT,
+#: with a few hundred sizes (one every 16 tokens), so that default lists stay short.
+MAX_DEFAULT_SIZE: Final = DENSE_PAD_LIMIT + 1000
 #: The largest LoRA count any strategy here produces.
 MAX_LORA_COUNT: Final = 8
 
@@ -49,19 +57,21 @@ def mixed_case_names(draw: st.DrawFn, mode: CUDAGraphMode | None = None) -> tupl
 
 # -- sizes and configs --
 
-size_values: Final = st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE)
+#: One size: small ones (where uniform decode graphs live), ones around
+#: DENSE_PAD_LIMIT, and any up to MAX_CAPTURE_SIZE.
+size_values: Final = st.one_of(
+    st.integers(min_value=1, max_value=64),
+    st.integers(min_value=DENSE_PAD_LIMIT - 2, max_value=DENSE_PAD_LIMIT + 2),
+    st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE),
+)
 #: Raw size lists as a caller might pass them: unsorted, with duplicates.
 size_lists: Final = st.lists(size_values, min_size=1, max_size=24)
+#: ``max_size`` for ``CaptureSizes.default``, on both sides of 256 (where the step changes)
+#: and of DENSE_PAD_LIMIT.
+default_max_sizes: Final = st.integers(min_value=1, max_value=MAX_DEFAULT_SIZE)
 capture_sizes: Final = st.one_of(
     st.builds(CaptureSizes, size_lists),
-    st.builds(CaptureSizes.default, size_values),
-)
-#: Sizes for dispatchers: a dispatcher builds a table entry per token count up to
-#: its largest size, so explicit lists stay short and small; default lists still
-#: reach MAX_CAPTURE_SIZE (and the every-16 region above 256).
-dispatcher_capture_sizes: Final = st.one_of(
-    st.builds(CaptureSizes, st.lists(st.integers(min_value=1, max_value=160), min_size=1, max_size=12)),
-    st.builds(CaptureSizes.default, size_values),
+    st.builds(CaptureSizes.default, default_max_sizes),
 )
 #: Active-adapter counts to capture besides 0, unsorted as a caller might give them.
 lora_count_tuples: Final = st.lists(
@@ -74,7 +84,7 @@ def configs_with(mode: st.SearchStrategy[CUDAGraphMode]) -> st.SearchStrategy[Di
     return st.builds(
         DispatchConfig,
         mode=mode,
-        capture_sizes=dispatcher_capture_sizes,
+        capture_sizes=capture_sizes,
         # Often below the sizes, so that num_reqs = min(size, max_num_seqs) and the
         # uniform range [q, q * max_num_seqs] really cut.
         max_num_seqs=st.integers(min_value=1, max_value=16) | st.integers(min_value=1, max_value=300),
@@ -97,13 +107,19 @@ active_lora_counts: Final = st.integers(min_value=0, max_value=MAX_LORA_COUNT + 
 
 @st.composite
 def token_counts(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> int:
-    """A token count around ``dispatcher``'s sizes: mostly in range, sometimes 0 or above the largest."""
-    largest = dispatcher.config.capture_sizes.max
+    """A token count around ``dispatcher``'s sizes.
+
+    Mostly in range; also a size or one of its neighbours (padding is tightest
+    there), a count either side of DENSE_PAD_LIMIT, and sometimes 0 or above
+    the largest size.
+    """
+    sizes = dispatcher.config.capture_sizes.sizes
     return draw(
         st.one_of(
-            st.integers(min_value=1, max_value=largest),
-            st.sampled_from(dispatcher.config.capture_sizes.sizes),
-            st.integers(min_value=0, max_value=largest + 64),
+            st.integers(min_value=1, max_value=sizes[-1]),
+            st.builds(operator.add, st.sampled_from(sizes), st.integers(min_value=-1, max_value=1)),
+            st.integers(min_value=DENSE_PAD_LIMIT - 1, max_value=DENSE_PAD_LIMIT + 1),
+            st.integers(min_value=0, max_value=sizes[-1] + 64),
         )
     )
 
@@ -135,7 +151,7 @@ forward_context_args: Final = st.one_of(
 #: Extra forward-context entries, as an engine passes attention metadata.
 forward_context_extras: Final = st.dictionaries(
     st.sampled_from(("attn_metadata", "slot_mapping", "step", "positions")),
-    st.integers() | st.text(max_size=4) | st.none(),
+    st.integers() | st.text(alphabet="abcxyz", max_size=4) | st.none(),
     max_size=3,
 )
 
@@ -167,3 +183,23 @@ def dispatchers_with_rank_requests(
     dispatcher = draw(dispatcher_strategy)
     requests = draw(st.lists(rank_requests_for(dispatcher), min_size=1, max_size=8))
     return dispatcher, requests
+
+
+# -- manager steps --
+
+
+@st.composite
+def manager_step_shapes(draw: st.DrawFn, config: DispatchConfig) -> tuple[int, int, bool]:
+    """``(num_tokens, num_reqs, uniform_decode)`` of a valid manager step under ``config``.
+
+    0 tokens (an idle step, 0 requests) up to a few tokens above the largest
+    size. A uniform decode batch has ``num_reqs * uniform_decode_query_len``
+    tokens; a mixed one 1 to ``min(num_tokens, max_num_seqs)`` requests.
+    """
+    if draw(st.booleans()):
+        num_reqs = draw(st.integers(min_value=0, max_value=config.max_num_seqs))
+        return num_reqs * config.uniform_decode_query_len, num_reqs, True
+    num_tokens = draw(st.integers(min_value=0, max_value=config.capture_sizes.max + 4))
+    if num_tokens == 0:
+        return 0, 0, False
+    return num_tokens, draw(st.integers(min_value=1, max_value=min(num_tokens, config.max_num_seqs))), False

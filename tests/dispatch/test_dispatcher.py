@@ -1,16 +1,17 @@
 """CUDAGraphDispatcher: the key set from DESIGN.md, dispatch against a naive model, and the capture plan.
 
-Property tests that build dispatchers run without a Hypothesis deadline: building the
-tables takes tens of milliseconds per example, and a busy machine must not make that flaky.
+The dispatchers drawn here have capture sizes up to 2**20: building one costs
+per size, not per token count, so the property tests need no special deadline.
 """
 
 from __future__ import annotations
 
 import re
+import tracemalloc
 from typing import Final
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import (
@@ -111,7 +112,6 @@ def spec_dispatch(
 # -- keys --
 
 
-@settings(deadline=None)
 @given(dispatch_configs)
 def test_keys_follow_the_design(config: DispatchConfig) -> None:
     """keys(mode) is exactly the DESIGN.md key set for each runtime mode (NONE has none)."""
@@ -121,7 +121,6 @@ def test_keys_follow_the_design(config: DispatchConfig) -> None:
         assert dispatcher.keys(mode) == expected[mode]
 
 
-@settings(deadline=None)
 @given(dispatchers)
 def test_keys_of_a_mode_have_one_shape(dispatcher: CUDAGraphDispatcher) -> None:
     """PIECEWISE keys are relaxed; FULL keys are exact (num_reqs set, never above num_tokens)."""
@@ -168,7 +167,6 @@ def test_uniform_keys_stop_at_q_times_max_num_seqs() -> None:
     assert dispatcher.dispatch(10, uniform_decode=True) == Dispatch(M.NONE, BatchDescriptor(10))
 
 
-@settings(deadline=None)
 @given(
     dispatchers_with_token_counts(),
     st.booleans(),
@@ -189,7 +187,6 @@ def test_dispatch_matches_the_spec_model(
     assert got == spec_dispatch(dispatcher.config, n, uniform_decode, num_active_loras, invalid_modes)
 
 
-@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
 def test_dispatch_properties(
     case: tuple[CUDAGraphDispatcher, int],
@@ -217,7 +214,6 @@ def test_dispatch_properties(
         assert key.num_reqs * dispatcher.config.uniform_decode_query_len == key.num_tokens
 
 
-@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts)
 def test_padding_is_to_the_smallest_captured_size(
     case: tuple[CUDAGraphDispatcher, int], uniform_decode: bool, num_active_loras: int
@@ -229,7 +225,6 @@ def test_padding_is_to_the_smallest_captured_size(
         assert key.num_tokens == dispatcher.config.capture_sizes.pad(n)
 
 
-@settings(deadline=None)
 @given(dispatchers, st.integers(min_value=1, max_value=64), st.booleans())
 def test_above_the_largest_size_runs_eagerly(
     dispatcher: CUDAGraphDispatcher, excess: int, uniform_decode: bool
@@ -239,7 +234,6 @@ def test_above_the_largest_size_runs_eagerly(
     assert dispatcher.dispatch(n, uniform_decode=uniform_decode) == Dispatch(M.NONE, BatchDescriptor(n))
 
 
-@settings(deadline=None)
 @given(dispatchers, st.booleans(), invalid_mode_sets)
 def test_zero_tokens_run_eagerly(
     dispatcher: CUDAGraphDispatcher, uniform_decode: bool, invalid_modes: frozenset[CUDAGraphMode]
@@ -249,7 +243,6 @@ def test_zero_tokens_run_eagerly(
     assert got == Dispatch(M.NONE, BatchDescriptor(0))
 
 
-@settings(deadline=None)
 @given(dispatchers)
 def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -> None:
     """With PIECEWISE and FULL both turned off, every batch runs eagerly, whatever else was asked."""
@@ -259,12 +252,11 @@ def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -
             assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=both).mode is M.NONE
 
 
-@settings(deadline=None)
 @given(dispatchers_with_token_counts(), st.lists(invalid_mode_sets, max_size=4))
 def test_dispatch_does_not_depend_on_history(
     case: tuple[CUDAGraphDispatcher, int], earlier: list[frozenset[CUDAGraphMode]]
 ) -> None:
-    """Calls with other invalid_modes before (tables built lazily) never change a later answer."""
+    """Earlier calls, with other invalid_modes, never change a later answer: dispatch keeps no history."""
     dispatcher, n = case
     fresh = CUDAGraphDispatcher(dispatcher.config)
     for invalid in earlier:
@@ -276,7 +268,6 @@ def test_dispatch_does_not_depend_on_history(
             )
 
 
-@settings(deadline=None)
 @given(dispatchers_with_token_counts(), active_lora_counts)
 def test_lora_pads_to_the_smallest_captured_count(
     case: tuple[CUDAGraphDispatcher, int], num_active_loras: int
@@ -290,6 +281,62 @@ def test_lora_pads_to_the_smallest_captured_count(
     elif mode is not M.NONE:
         assert key.num_active_loras == min(captured)
         assert key.has_lora is (min(captured) > 0)
+
+
+def test_huge_lora_counts_cost_nothing_extra() -> None:
+    """Capturing 10**6 adapters is one LoRA case: counts up to it pad to it, those above run eagerly."""
+    config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 8, lora_counts=(10**6,))
+    tracemalloc.start()
+    try:
+        dispatcher = CUDAGraphDispatcher(config)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024 * 1024, peak  # a slot per adapter count would be 8 MB of pointers alone
+    padded = BatchDescriptor(8, has_lora=True, num_active_loras=10**6)
+    assert dispatcher.dispatch(5, num_active_loras=1) == Dispatch(M.PIECEWISE, padded)
+    assert dispatcher.dispatch(5, num_active_loras=10**6) == Dispatch(M.PIECEWISE, padded)
+    assert dispatcher.dispatch(5, num_active_loras=10**6 + 1) == Dispatch(M.NONE, BatchDescriptor(5))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "lora_counts", "far_count"),
+    [
+        (CaptureSizes([1, 2**20]), (), 2**20 - 1),
+        (CaptureSizes.default(32768), (1, 2, 4, 8), 32767),
+    ],
+    ids=["two-sizes-up-to-2**20", "default-32768-with-lora"],
+)
+def test_tables_grow_with_the_number_of_sizes(
+    sizes: CaptureSizes, lora_counts: tuple[int, ...], far_count: int
+) -> None:
+    """Building takes memory per capture size, not per token count (that would be 1 GB for [1, 10**6])."""
+    config = DispatchConfig(M.FULL_AND_PIECEWISE, sizes, max_num_seqs=1024, lora_counts=lora_counts)
+    tracemalloc.start()
+    try:
+        dispatcher = CUDAGraphDispatcher(config)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 1024 * 1024, peak
+    # Still right at the far end, and for the largest LoRA case.
+    loras = max(lora_counts, default=0)
+    expected = BatchDescriptor(sizes.max, has_lora=loras > 0, num_active_loras=loras)
+    assert dispatcher.dispatch(far_count, num_active_loras=loras) == Dispatch(M.PIECEWISE, expected)
+    assert dispatcher.dispatch(sizes.max + 1) == Dispatch(M.NONE, BatchDescriptor(sizes.max + 1))
+
+
+class _Count(int):
+    """An int subclass, as some engines pass (an IntEnum, a counter type)."""
+
+
+def test_int_subclasses_dispatch_as_plain_ints() -> None:
+    """An int subclass is a valid count: it takes the checked path and dispatches like the plain int."""
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 8]), 8))
+    for n in (0, 3, 8, 9):
+        got = dispatcher.dispatch(_Count(n), num_active_loras=_Count(0), uniform_decode=n % 2 == 0)
+        assert got == dispatcher.dispatch(n, uniform_decode=n % 2 == 0)
+        assert got.descriptor.num_tokens.__class__ is int
 
 
 @pytest.mark.parametrize(
@@ -310,7 +357,6 @@ def test_negative_counts_are_rejected(num_tokens: int, num_active_loras: int, fi
 # -- capture plan --
 
 
-@settings(deadline=None)
 @given(dispatchers)
 def test_capture_plan_order_and_content(dispatcher: CUDAGraphDispatcher) -> None:
     """PIECEWISE group then FULL, each largest first, no empty group, and together exactly keys()."""
@@ -328,7 +374,6 @@ def test_capture_plan_order_and_content(dispatcher: CUDAGraphDispatcher) -> None
     assert planned == existing
 
 
-@settings(deadline=None)
 @given(dispatch_configs)
 def test_capture_plan_is_empty_exactly_when_there_are_no_keys(config: DispatchConfig) -> None:
     """Mode NONE captures nothing; every other mode captures at least one group."""

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import re
+from typing import Final
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
+from tests.strategies import active_lora_counts, dispatchers_with_token_counts, invalid_mode_sets
 
 M = CUDAGraphMode
+#: The sentences for a batch that runs eagerly, one per reason (the figures vary).
+EAGER_REASONS: Final = (
+    r"the config's mode is NONE",
+    r"an empty batch has no graph",
+    r"\d+ tokens exceed the largest capture size \d+",
+    r"num_active_loras=\d+ exceeds the largest captured count \d+",
+    r"mode \w+ has no graph for a (mixed|uniform decode) batch( with invalid_modes \[.*\])?",
+)
 
 
 def _dispatcher(mode: CUDAGraphMode, lora_counts: tuple[int, ...] = ()) -> CUDAGraphDispatcher:
@@ -54,3 +66,24 @@ def test_explain_agrees_with_dispatch_on_graph_decisions() -> None:
     dispatcher = _dispatcher(M.FULL_AND_PIECEWISE)
     decision = dispatcher.dispatch(5, uniform_decode=True)
     assert str(decision.descriptor) in dispatcher.explain(5, uniform_decode=True)
+
+
+@given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
+def test_explain_never_disagrees_with_dispatch(
+    case: tuple[CUDAGraphDispatcher, int],
+    uniform_decode: bool,
+    num_active_loras: int,
+    invalid_modes: frozenset[CUDAGraphMode],
+) -> None:
+    """A graph decision is explained by naming exactly that graph, an eager one by an eager reason."""
+    dispatcher, n = case
+    mode, key = dispatcher.dispatch(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
+    text = dispatcher.explain(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
+    if mode is M.NONE:
+        assert any(re.fullmatch(reason, text) for reason in EAGER_REASONS), text
+    else:
+        assert text == f"{n} tokens replay the {mode.name} graph {key}"

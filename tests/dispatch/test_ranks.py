@@ -1,8 +1,4 @@
-"""agree_across_ranks: one decision for every data-parallel rank, computed locally from all requests.
-
-Property tests that build dispatchers run without a Hypothesis deadline: building the
-tables takes tens of milliseconds per example, and a busy machine must not make that flaky.
-"""
+"""agree_across_ranks: one decision for every data-parallel rank, computed locally from all requests."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import re
 from typing import Final
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import (
@@ -44,7 +40,6 @@ def _own(dispatcher: CUDAGraphDispatcher, request: RankRequest) -> Dispatch:
     )
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests(), st.data())
 def test_decision_does_not_depend_on_rank_order(case: Case, data: st.DataObject) -> None:
     """Each rank sees the gathered requests in its own order; all must reach the same decision."""
@@ -53,7 +48,6 @@ def test_decision_does_not_depend_on_rank_order(case: Case, data: st.DataObject)
     assert agree_across_ranks(dispatcher, shuffled) == agree_across_ranks(dispatcher, requests)
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests())
 def test_every_rank_is_every_rank_in_turn(case: Case) -> None:
     """Rotating the list (each rank putting itself first) changes nothing: the function is pure."""
@@ -62,7 +56,6 @@ def test_every_rank_is_every_rank_in_turn(case: Case) -> None:
     assert len(decisions) == 1
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests())
 def test_no_rank_is_padded_below_its_tokens(case: Case) -> None:
     """The agreed token count holds every rank's batch, graph or eager."""
@@ -73,7 +66,6 @@ def test_no_rank_is_padded_below_its_tokens(case: Case) -> None:
         assert all(key.num_active_loras >= r.num_active_loras for r in requests if r.num_tokens > 0)
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests())
 def test_graph_decision_is_a_captured_key(case: Case) -> None:
     """A graph decision is one of the dispatcher's keys, uniform only if every rank with tokens is."""
@@ -87,7 +79,6 @@ def test_graph_decision_is_a_captured_key(case: Case) -> None:
         assert all(r.uniform_decode for r in active)
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests())
 def test_graph_decision_is_the_dispatch_of_the_largest_request(case: Case) -> None:
     """When every rank can use a graph, all pad to the dispatch of the largest request (joint flags)."""
@@ -104,7 +95,6 @@ def test_graph_decision_is_the_dispatch_of_the_largest_request(case: Case) -> No
     assert decision == joint
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests(separate_routine_dispatchers))
 def test_uniform_only_if_every_active_rank_is_uniform(case: Case) -> None:
     """Where decode has its own graphs, one mixed rank with tokens moves every rank to the mixed graph."""
@@ -116,7 +106,6 @@ def test_uniform_only_if_every_active_rank_is_uniform(case: Case) -> None:
         assert key in dispatcher.keys(dispatcher.config.mode.mixed_mode())
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests())
 def test_one_eager_rank_makes_all_eager(case: Case) -> None:
     """If any rank with tokens would run eagerly, all run eagerly, unpadded (the largest real count)."""
@@ -128,7 +117,6 @@ def test_one_eager_rank_makes_all_eager(case: Case) -> None:
     assert agree_across_ranks(dispatcher, requests) == Dispatch(M.NONE, BatchDescriptor(largest))
 
 
-@settings(deadline=None)
 @given(dispatchers, st.integers(min_value=1, max_value=8))
 def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks: int) -> None:
     """With no tokens anywhere there is nothing to replay: NONE with 0 tokens."""
@@ -136,7 +124,6 @@ def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks
     assert agree_across_ranks(dispatcher, requests) == Dispatch(M.NONE, BatchDescriptor(0))
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests(), st.integers(min_value=1, max_value=4), st.booleans())
 def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> None:
     """Ranks with 0 tokens (whatever their flags) do not change the decision of the ranks with tokens."""
@@ -145,14 +132,12 @@ def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> N
     assert agree_across_ranks(dispatcher, padded) == agree_across_ranks(dispatcher, requests)
 
 
-@settings(deadline=None)
 @given(dispatchers, rank_requests)
 def test_a_single_rank_dispatches_as_usual(dispatcher: CUDAGraphDispatcher, request: RankRequest) -> None:
     """With one rank there is nobody to agree with: the decision is that rank's own dispatch."""
     assert agree_across_ranks(dispatcher, [request]) == _own(dispatcher, request)
 
 
-@settings(deadline=None)
 @given(dispatchers_with_rank_requests(), invalid_mode_sets)
 def test_invalid_modes_hold_for_all_ranks(case: Case, invalid_modes: frozenset[CUDAGraphMode]) -> None:
     """A mode turned off for the step (e.g. FULL under cascade attention) is never agreed on."""

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import tracemalloc
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes
-from tests.strategies import MAX_CAPTURE_SIZE, capture_sizes, size_lists, size_values
+from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT
+from tests.strategies import MAX_CAPTURE_SIZE, capture_sizes, default_max_sizes, size_lists
 
 
 def _naive_pad(sizes: list[int], n: int) -> int | None:
@@ -36,10 +38,45 @@ def test_sizes_are_sorted_and_deduplicated(raw: list[int]) -> None:
     assert sizes.max == max(raw)
 
 
-@given(size_lists, st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE + 64))
+@given(
+    size_lists,
+    st.integers(min_value=0, max_value=DENSE_PAD_LIMIT + 64)
+    | st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE + 64),
+)
 def test_pad_agrees_with_a_linear_scan(raw: list[int], n: int) -> None:
-    """The O(1) pad table gives the same answer as scanning the sizes: smallest size >= n, else None."""
+    """pad (look-up, or bisection above DENSE_PAD_LIMIT) matches a scan: smallest size >= n, else None."""
     assert CaptureSizes(raw).pad(n) == _naive_pad(raw, n)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [1, DENSE_PAD_LIMIT - 1, DENSE_PAD_LIMIT, DENSE_PAD_LIMIT + 1, 2**20],
+        [3, 2**20],
+        [DENSE_PAD_LIMIT + 5],
+        [5, DENSE_PAD_LIMIT],
+        [7, 9],
+    ],
+)
+def test_pad_on_both_sides_of_the_table_bound(raw: list[int]) -> None:
+    """Up to DENSE_PAD_LIMIT pad looks up, above it bisects: both match a scan at every edge."""
+    sizes = CaptureSizes(raw)
+    bound = DENSE_PAD_LIMIT
+    edges = {0, 1, 2, bound - 1, bound, bound + 1, 2**20 + 1} | {s + d for s in raw for d in (-1, 0, 1)}
+    for n in sorted(edges):
+        assert sizes.pad(n) == _naive_pad(raw, n), n
+
+
+def test_memory_does_not_grow_with_the_largest_size() -> None:
+    """Sizes [1, 2**20]: the padding table stops at DENSE_PAD_LIMIT instead of holding 2**20 entries."""
+    tracemalloc.start()
+    try:
+        sizes = CaptureSizes([1, 2**20])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024, peak  # a table per count would be 8 MiB of pointers
+    assert (sizes.pad(2), sizes.pad(2**20), sizes.pad(2**20 + 1)) == (2**20, 2**20, None)
 
 
 @given(capture_sizes, st.data())
@@ -74,7 +111,7 @@ def test_default_512_has_51_sizes() -> None:
     assert sizes.sizes[-2:] == (496, 512)
 
 
-@given(size_values)
+@given(default_max_sizes)
 def test_default_follows_the_formula(max_size: int) -> None:
     """default(n) is exactly the DESIGN.md list, which always contains n and nothing above it."""
     sizes = CaptureSizes.default(max_size)

@@ -157,8 +157,7 @@ class ForwardContextMachine(RuleBasedStateMachine):
         assert get_forward_context() is None
 
 
-# Each run builds a dispatcher (tens of ms): no deadline, so a busy machine is not a failure.
 ForwardContextMachine.TestCase.settings = settings(
-    ForwardContextMachine.TestCase.settings, stateful_step_count=30, deadline=None
+    ForwardContextMachine.TestCase.settings, stateful_step_count=30
 )
 TestForwardContextMachine = ForwardContextMachine.TestCase

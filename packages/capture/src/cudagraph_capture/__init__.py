@@ -15,6 +15,7 @@ from ._enabled import set_capture_enabled as set_capture_enabled
 from ._errors import CaptureDisabledError as CaptureDisabledError
 from ._errors import CaptureError as CaptureError
 from ._gc import collector_paused as collector_paused
+from ._guard import OutputGuard as OutputGuard
 from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
 from ._pool import capture_stream as capture_stream
@@ -35,6 +36,7 @@ __all__ = [
     "CaptureOptions",
     "GraphEngine",
     "GraphPool",
+    "OutputGuard",
     "capture_enabled",
     "capture_stream",
     "collector_paused",

@@ -5,6 +5,8 @@ step (which graph, padded to which size) are values that can be tested and
 agreed across ranks without a GPU.
 """
 
+from ._checks import check_bool as check_bool
+from ._checks import check_int as check_int
 from ._config import DispatchConfig as DispatchConfig
 from ._context import FORWARD_CONTEXT_VAR as FORWARD_CONTEXT_VAR
 from ._context import ForwardContext as ForwardContext
@@ -33,6 +35,8 @@ __all__ = [
     "GraphDispatcher",
     "RankRequest",
     "agree_across_ranks",
+    "check_bool",
+    "check_int",
     "get_forward_context",
     "set_forward_context",
 ]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._checks import check_int
 from ._modes import CUDAGraphMode
 from ._sizes import CaptureSizes
-from ._validate import check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ._checks import check_bool, check_int
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchDescriptor:
@@ -12,7 +14,10 @@ class BatchDescriptor:
     ``num_tokens`` is the (padded) token count. ``num_reqs`` and ``uniform``
     are set only on keys of graphs that depend on them (FULL graphs, whose
     attention kernels see the request layout); PIECEWISE graphs use the
-    relaxed key, which leaves them out.
+    relaxed key, which leaves them out. Fields are checked on construction
+    (``num_tokens >= 0``, ``num_reqs`` None or >= 1, real bools,
+    ``num_active_loras >= 0``): a wrong key would name a graph that can never
+    exist.
     """
 
     num_tokens: int
@@ -20,6 +25,34 @@ class BatchDescriptor:
     uniform: bool = False
     has_lora: bool = False
     num_active_loras: int = 0
+
+    def __post_init__(self) -> None:
+        # One cheap test of the usual case (dispatch builds a descriptor per
+        # eager step); the field-by-field checks below only run to find and
+        # name what is wrong. The flags are read as plain objects: callers may
+        # not be typed, whatever the annotations promise.
+        num_reqs = self.num_reqs
+        uniform: object = self.uniform
+        has_lora: object = self.has_lora
+        if (
+            self.num_tokens.__class__ is not int
+            or self.num_tokens < 0
+            or (num_reqs is not None and (num_reqs.__class__ is not int or num_reqs < 1))
+            or (uniform is not True and uniform is not False)
+            or (has_lora is not True and has_lora is not False)
+            or self.num_active_loras.__class__ is not int
+            or self.num_active_loras < 0
+        ):
+            self._check_fields()
+
+    def _check_fields(self) -> None:
+        """Raise a ``ValueError`` naming the first bad field (int subclasses pass)."""
+        check_int("num_tokens", self.num_tokens, minimum=0)
+        if self.num_reqs is not None:
+            check_int("num_reqs", self.num_reqs, minimum=1)
+        check_bool("uniform", self.uniform)
+        check_bool("has_lora", self.has_lora)
+        check_int("num_active_loras", self.num_active_loras, minimum=0)
 
     def relaxed(self) -> BatchDescriptor:
         """This key without the request layout, as PIECEWISE graphs are keyed."""

@@ -1,25 +1,33 @@
 """The dispatcher: the one source of truth for which graphs exist.
 
-Keys are built once from the config; ``dispatch`` answers from tables built
-from those keys, so the per-step cost is a few list and dict look-ups.
+The graphs are built once from the config. One rule function, ``_decide``,
+states DESIGN.md's dispatch rules for one batch and returns the decision with
+the reason for it. ``dispatch`` answers from tables filled by calling that
+rule once per padding slot of the capture sizes (every count in a slot pads
+to the same graphs, so it gets the same decision); ``explain`` calls the rule
+itself and words its reason. The tables grow with the number of capture
+sizes, never with the largest size.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Final, NamedTuple, NoReturn
+import dataclasses
+from bisect import bisect_left
+from typing import Final, NamedTuple, TypedDict
 
+from ._checks import check_bool, check_int
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
-from ._sizes import CaptureSizes
 
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _FULL: Final = CUDAGraphMode.FULL
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
-_INVALIDATABLE: Final = frozenset({_PIECEWISE, _FULL})
-_INVALID_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), _INVALIDATABLE)
+_GRAPH_MODES: Final = frozenset({_PIECEWISE, _FULL})
+#: Every value ``invalid_modes`` may take; each gets its tables up front, so a
+#: first step with cascade attention (FULL invalid) does not build anything.
+_INVALID_MODE_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), _GRAPH_MODES)
 
 
 class Dispatch(NamedTuple):
@@ -32,9 +40,47 @@ class Dispatch(NamedTuple):
     descriptor: BatchDescriptor
 
 
-# Indexed [uniform][LoRA case][n]: the decision for n tokens. Nested tuples, so
-# a step's look-up builds no key.
-_Table = tuple[tuple[tuple[Dispatch, ...], ...], ...]
+# Why the rule decided as it did: templates that ``explain`` fills in with the
+# batch's own figures. The rule returns one with every decision, so the words
+# and the decision come from the same branch; a constant costs nothing while
+# the tables are built.
+_WHY_CONFIG_NONE: Final = "the config's mode is NONE"
+_WHY_EMPTY: Final = "an empty batch has no graph"
+_WHY_ABOVE_SIZES: Final = "{num_tokens} tokens exceed the largest capture size {largest_size}"
+_WHY_ABOVE_LORAS: Final = (
+    "num_active_loras={num_active_loras} exceeds the largest captured count {largest_lora_count}"
+)
+_WHY_NO_GRAPH: Final = "mode {config_mode} has no graph for a {batch_kind} batch{skipped}"
+_WHY_GRAPH: Final = "{num_tokens} tokens replay the {decision.mode.name} graph {decision.descriptor}"
+
+
+# What the rule decides for one batch, and why: the decision, or None for
+# "run eagerly with the count as given" (that Dispatch is built per call, as it
+# carries the count), and one of the _WHY_ templates. A plain tuple: building
+# the tables takes thousands.
+_Verdict = tuple[Dispatch | None, str]
+
+#: The decision for an empty batch (an idle data-parallel rank): one count, so
+#: one value, kept in the tables rather than built per step.
+_EMPTY_BATCH: Final = Dispatch(_NONE, BatchDescriptor(0))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LoraCaseGraphs:
+    """The graphs of one LoRA case, as the decisions that replay them (built once, shared by all tables)."""
+
+    uniform: tuple[Dispatch, ...]  # FULL uniform decode graphs, one per decode size, ascending
+    # The graphs of mixed batches, one per capture size, ascending; empty unless
+    # the config's mixed mode is FULL (exact keys) or PIECEWISE (relaxed keys).
+    mixed_full: tuple[Dispatch, ...]
+    mixed_piecewise: tuple[Dispatch, ...]
+
+
+# Decisions of one (invalid modes, LoRA case, uniformity), indexed by padding
+# slot; None where the batch runs eagerly with its own count.
+_Row = tuple[Dispatch | None, ...]
+# Indexed [LoRA case][uniform]; one more LoRA case than captured, for counts above them all.
+_Tables = tuple[tuple[_Row, _Row], ...]
 
 
 class CUDAGraphDispatcher:
@@ -44,28 +90,46 @@ class CUDAGraphDispatcher:
     lists them, and ``dispatch`` only ever returns one of them (or ``NONE``).
     """
 
-    __slots__ = ("_config", "_keys", "_lora_slot", "_max", "_tables")
+    __slots__ = (
+        "_bounds",
+        "_config",
+        "_decode_sizes",
+        "_dense_slots",
+        "_graphs",
+        "_keys",
+        "_lora_cases",
+        "_mode",
+        "_num_dense_slots",
+        "_sizes",
+        "_tables",
+    )
 
     def __init__(self, config: DispatchConfig) -> None:
         given: object = config  # checked at run time: callers may not be typed
         if not isinstance(given, DispatchConfig):
             raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
+        capture_sizes = config.capture_sizes
         self._config: Final = config
-        self._max: Final = config.capture_sizes.max
-        self._keys: Final = _build_keys(config)
-        cases = (0, *config.lora_counts)
-        # num_active_loras -> index of the smallest captured count that holds it.
-        self._lora_slot: Final = tuple(
-            next(i for i, c in enumerate(cases) if c >= k) for k in range(cases[-1] + 1)
+        self._mode: Final = config.mode
+        self._sizes: Final = capture_sizes.sizes
+        self._lora_cases: Final = (0, *config.lora_counts)
+        self._decode_sizes: Final = _decode_sizes(config)
+        self._graphs: Final = tuple(
+            _lora_case_graphs(config, self._decode_sizes, n) for n in self._lora_cases
         )
-        # Every set of invalid modes up front: a first step with cascade
-        # attention (FULL invalid) must not stall on building its table.
-        self._tables: Final[dict[frozenset[CUDAGraphMode], _Table]] = {
-            invalid: self._build_tables(invalid) for invalid in _INVALID_SETS
+        self._keys: Final = _keys_by_mode(self._graphs)
+        # The count -> padding slot look-up of the capture sizes, held here so
+        # that dispatch reaches it without a call.
+        self._bounds: Final = capture_sizes._bounds
+        self._dense_slots: Final = capture_sizes._dense_slots
+        self._num_dense_slots: Final = len(capture_sizes._dense_slots)
+        self._tables: Final[dict[frozenset[CUDAGraphMode], _Tables]] = {
+            invalid: self._build_tables(invalid) for invalid in _INVALID_MODE_SETS
         }
 
     @property
     def config(self) -> DispatchConfig:
+        """The configuration the graphs were built from."""
         return self._config
 
     def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
@@ -88,18 +152,31 @@ class CUDAGraphDispatcher:
         Tries, in order, the uniform FULL key (``uniform_decode`` only), the
         exact FULL key and the relaxed PIECEWISE key, padding the count to the
         smallest captured size; modes in ``invalid_modes`` are skipped. Falls
-        back to ``(NONE, BatchDescriptor(num_tokens))``.
+        back to ``(NONE, BatchDescriptor(num_tokens))``. A bad argument raises
+        ``ValueError`` naming it.
         """
-        if num_tokens.__class__ is not int or num_tokens < 0:
-            _reject_count("num_tokens", num_tokens)
-        if num_active_loras.__class__ is not int or num_active_loras < 0:
-            _reject_count("num_active_loras", num_active_loras)
+        # Runs every step: one test accepts the usual arguments (plain ints,
+        # a real bool, one of the four frozensets); anything else goes the
+        # slow way, which names what is wrong or normalizes it.
         tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
-        if tables is None:
-            _reject_invalid_modes(invalid_modes)
-        if num_tokens > self._max or num_active_loras >= len(self._lora_slot):
-            return Dispatch(_NONE, BatchDescriptor(num_tokens))
-        return tables[1 if uniform_decode else 0][self._lora_slot[num_active_loras]][num_tokens]
+        flag: object = uniform_decode
+        if (
+            tables is None
+            or num_tokens.__class__ is not int
+            or num_tokens < 0
+            or num_active_loras.__class__ is not int
+            or num_active_loras < 0
+            or (flag is not True and flag is not False)
+        ):
+            return self.dispatch(**_checked_request(num_tokens, flag, num_active_loras, invalid_modes))
+        lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
+        row = tables[lora_case][uniform_decode]
+        decision = row[
+            self._dense_slots[num_tokens]
+            if num_tokens < self._num_dense_slots
+            else bisect_left(self._bounds, num_tokens)
+        ]
+        return Dispatch(_NONE, BatchDescriptor(num_tokens)) if decision is None else decision
 
     def explain(
         self,
@@ -110,29 +187,18 @@ class CUDAGraphDispatcher:
         invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
     ) -> str:
         """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
-        decision = self.dispatch(
-            num_tokens,
-            uniform_decode=uniform_decode,
-            num_active_loras=num_active_loras,
-            invalid_modes=invalid_modes,
+        request = _checked_request(num_tokens, uniform_decode, num_active_loras, invalid_modes)
+        decision, why = self._decide(**request)
+        skipped = request["invalid_modes"]
+        return why.format(
+            **request,
+            decision=decision,
+            largest_size=self._config.capture_sizes.max,
+            largest_lora_count=self._lora_cases[-1],
+            config_mode=self._config.mode.name,
+            batch_kind="uniform decode" if request["uniform_decode"] else "mixed",
+            skipped=f" with invalid_modes {sorted(m.name for m in skipped)}" if skipped else "",
         )
-        if decision.mode is not _NONE:
-            return f"{num_tokens} tokens replay the {decision.mode.name} graph {decision.descriptor}"
-        config = self._config
-        if config.mode is _NONE:
-            return "the config's mode is NONE"
-        if num_tokens == 0:
-            return "an empty batch has no graph"
-        if num_tokens > self._max:
-            return f"{num_tokens} tokens exceed the largest capture size {self._max}"
-        if num_active_loras >= len(self._lora_slot):
-            return (
-                f"num_active_loras={num_active_loras} exceeds the largest captured count "
-                f"{len(self._lora_slot) - 1}"
-            )
-        kind = "uniform decode" if uniform_decode else "mixed"
-        skipped = f" with invalid_modes {sorted(m.name for m in invalid_modes)}" if invalid_modes else ""
-        return f"mode {config.mode.name} has no graph for a {kind} batch{skipped}"
 
     def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """What to capture: the PIECEWISE group, then FULL, each largest first."""
@@ -143,96 +209,135 @@ class CUDAGraphDispatcher:
                 plan.append((mode, keys))
         return plan
 
-    # -- table construction (once per config and set of invalid modes) --
+    def _decide(
+        self,
+        num_tokens: int,
+        uniform_decode: bool,
+        num_active_loras: int,
+        invalid_modes: frozenset[CUDAGraphMode],
+    ) -> _Verdict:
+        """DESIGN.md's dispatch rules for one batch: the decision, and why.
 
-    def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Table:
-        none: frozenset[BatchDescriptor] = frozenset()
-        full = none if _FULL in invalid_modes else self._keys.get(_FULL, none)
-        piecewise = none if _PIECEWISE in invalid_modes else self._keys.get(_PIECEWISE, none)
-        config = self._config
-        pad = config.capture_sizes.pad
-        decode = sorted({k.num_tokens for k in full if k.uniform})
-        decode_pad = CaptureSizes(decode).pad if decode else _no_size
-        rows: dict[tuple[bool, int], tuple[Dispatch, ...]] = {}
-        for uniform, loras in itertools.product((False, True), (0, *config.lora_counts)):
-            row = [Dispatch(_NONE, BatchDescriptor(0))]
-            # A graph decision depends on n only through its padded sizes: resolve
-            # each pair once, so all counts padded to one graph share one Dispatch.
-            graphs: dict[tuple[int | None, int | None], Dispatch] = {}
-            for n in range(1, self._max + 1):
-                padded = (pad(n), decode_pad(n))
-                decision = graphs.get(padded)
-                if decision is None:
-                    decision = _resolve(n, uniform, loras, *padded, config, full, piecewise)
-                    if decision.mode is not _NONE:
-                        graphs[padded] = decision
-                row.append(decision)
-            rows[(uniform, loras)] = tuple(row)
-        cases = (0, *config.lora_counts)
-        return tuple(tuple(rows[(uniform, loras)] for loras in cases) for uniform in (False, True))
+        The only statement of the rules: ``dispatch``'s tables hold its
+        decisions and ``explain`` words its reasons.
+        """
+        sizes = self._sizes
+        if self._mode is _NONE:
+            return None, _WHY_CONFIG_NONE
+        if num_tokens == 0:
+            return _EMPTY_BATCH, _WHY_EMPTY
+        if num_tokens > sizes[-1]:
+            return None, _WHY_ABOVE_SIZES
+        # LoRA: the smallest captured count that holds the active adapters.
+        lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
+        if lora_case == len(self._lora_cases):
+            return None, _WHY_ABOVE_LORAS
+        graphs = self._graphs[lora_case]
+        if uniform_decode and _FULL not in invalid_modes:
+            decode_index = bisect_left(
+                self._decode_sizes, num_tokens
+            )  # the smallest decode size that holds it
+            if decode_index < len(graphs.uniform):
+                return graphs.uniform[decode_index], _WHY_GRAPH
+        size_index = bisect_left(sizes, num_tokens)  # the smallest capture size that holds it
+        if graphs.mixed_full and _FULL not in invalid_modes:
+            return graphs.mixed_full[size_index], _WHY_GRAPH
+        if graphs.mixed_piecewise and _PIECEWISE not in invalid_modes:
+            return graphs.mixed_piecewise[size_index], _WHY_GRAPH
+        return None, _WHY_NO_GRAPH
 
+    def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Tables:
+        """The rule's decision for every (LoRA case, uniformity, padding slot) under ``invalid_modes``.
 
-def _no_size(n: int) -> None:
-    """Padding when there are no sizes to pad to."""
-
-
-def _resolve(
-    n: int,
-    uniform: bool,
-    loras: int,
-    padded: int | None,
-    decode_padded: int | None,
-    config: DispatchConfig,
-    full: frozenset[BatchDescriptor],
-    piecewise: frozenset[BatchDescriptor],
-) -> Dispatch:
-    """The decision for one (count, uniformity, LoRA case): see ``dispatch``."""
-    has_lora = loras > 0
-    if uniform and decode_padded is not None:
-        key = _uniform_key(decode_padded, config.uniform_decode_query_len, loras)
-        if key in full:
-            return Dispatch(_FULL, key)
-    if padded is not None:
-        key = BatchDescriptor(padded, min(padded, config.max_num_seqs), False, has_lora, loras)
-        if key in full:
-            return Dispatch(_FULL, key)
-        relaxed = key.relaxed()
-        if relaxed in piecewise:
-            return Dispatch(_PIECEWISE, relaxed)
-    return Dispatch(_NONE, BatchDescriptor(n))
-
-
-def _uniform_key(num_tokens: int, query_len: int, loras: int) -> BatchDescriptor:
-    return BatchDescriptor(num_tokens, num_tokens // query_len, True, loras > 0, loras)
+        Each slot is decided at one count of it (``_representatives``): the
+        rule depends on a count only through its padded sizes. The extra
+        LoRA case, one above the largest captured count, stands for all
+        counts above it. A uniform batch larger than every decode size is
+        decided as a mixed one (the rule's fallback), so past the slot of the
+        largest decode size the uniform row repeats the mixed row rather than
+        asking the rule again: that keeps the build to about one rule call per
+        size and LoRA case.
+        """
+        counts = self._config.capture_sizes._representatives()
+        decode_slots = bisect_left(counts, self._decode_sizes[-1]) + 1 if self._decode_sizes else 0
+        decide = self._decide
+        tables: list[tuple[_Row, _Row]] = []
+        for lora_count in (*self._lora_cases, self._lora_cases[-1] + 1):
+            mixed = tuple([decide(count, False, lora_count, invalid_modes)[0] for count in counts])
+            uniform = [decide(count, True, lora_count, invalid_modes)[0] for count in counts[:decode_slots]]
+            tables.append((mixed, (*uniform, *mixed[decode_slots:])))
+        return tuple(tables)
 
 
-def _build_keys(config: DispatchConfig) -> dict[CUDAGraphMode, frozenset[BatchDescriptor]]:
-    """Every graph the config asks for, grouped by runtime mode."""
+class _Request(TypedDict):
+    """A batch's ``dispatch`` arguments, checked, as plain values."""
+
+    num_tokens: int
+    uniform_decode: bool
+    num_active_loras: int
+    invalid_modes: frozenset[CUDAGraphMode]
+
+
+def _checked_request(
+    num_tokens: object, uniform_decode: object, num_active_loras: object, invalid_modes: object
+) -> _Request:
+    """The arguments of ``dispatch`` as plain values, or a ``ValueError`` naming a bad one."""
+    if not isinstance(invalid_modes, frozenset) or not invalid_modes <= _GRAPH_MODES:
+        raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
+    return _Request(
+        num_tokens=int(check_int("num_tokens", num_tokens, minimum=0)),
+        uniform_decode=check_bool("uniform_decode", uniform_decode),
+        num_active_loras=int(check_int("num_active_loras", num_active_loras, minimum=0)),
+        invalid_modes=frozenset(invalid_modes),
+    )
+
+
+def _decode_sizes(config: DispatchConfig) -> tuple[int, ...]:
+    """The sizes with a uniform decode graph, ascending: multiples of q in ``[q, q * max_num_seqs]``.
+
+    Only modes whose decode batches have a FULL routine of their own have them.
+    """
     mode = config.mode
-    keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {_PIECEWISE: set(), _FULL: set()}
-    if mode is _NONE:
-        return {}
-    lora_cases = (0, *config.lora_counts)
-    mixed = mode.mixed_mode()
-    if mixed is not _NONE:
-        for size, loras in itertools.product(config.capture_sizes.sizes, lora_cases):
-            exact = BatchDescriptor(size, min(size, config.max_num_seqs), False, loras > 0, loras)
-            keys[mixed].add(exact if mixed is _FULL else exact.relaxed())
-    if mode.decode_mode() is _FULL and mode.separate_routine():
-        q = config.uniform_decode_query_len
-        for size, loras in itertools.product(config.capture_sizes.sizes, lora_cases):
-            if size % q == 0 and q <= size <= q * config.max_num_seqs:
-                keys[_FULL].add(_uniform_key(size, q, loras))
-    return {m: frozenset(k) for m, k in keys.items() if k}
+    if mode.decode_mode() is not _FULL or not mode.separate_routine():
+        return ()
+    query_len = config.uniform_decode_query_len
+    largest = query_len * config.max_num_seqs
+    return tuple(
+        size for size in config.capture_sizes.sizes if size % query_len == 0 and query_len <= size <= largest
+    )
+
+
+def _lora_case_graphs(
+    config: DispatchConfig, decode_sizes: tuple[int, ...], num_active_loras: int
+) -> _LoraCaseGraphs:
+    """Every graph the config asks for with ``num_active_loras`` adapters, as decisions."""
+    has_lora = num_active_loras > 0
+    query_len = config.uniform_decode_query_len
+    max_num_seqs = config.max_num_seqs
+    sizes = config.capture_sizes.sizes
+    mixed_mode = config.mode.mixed_mode()
+    return _LoraCaseGraphs(
+        uniform=tuple(
+            Dispatch(_FULL, BatchDescriptor(size, size // query_len, True, has_lora, num_active_loras))
+            for size in decode_sizes
+        ),
+        mixed_full=tuple(
+            Dispatch(_FULL, BatchDescriptor(size, min(size, max_num_seqs), False, has_lora, num_active_loras))
+            for size in (sizes if mixed_mode is _FULL else ())
+        ),
+        mixed_piecewise=tuple(
+            Dispatch(_PIECEWISE, BatchDescriptor(size, None, False, has_lora, num_active_loras))
+            for size in (sizes if mixed_mode is _PIECEWISE else ())
+        ),
+    )
+
+
+def _keys_by_mode(graphs: tuple[_LoraCaseGraphs, ...]) -> dict[CUDAGraphMode, frozenset[BatchDescriptor]]:
+    """The keys of every graph, grouped by runtime mode; modes without a graph are left out."""
+    full = frozenset(graph.descriptor for case in graphs for graph in (*case.uniform, *case.mixed_full))
+    piecewise = frozenset(graph.descriptor for case in graphs for graph in case.mixed_piecewise)
+    return {mode: keys for mode, keys in ((_PIECEWISE, piecewise), (_FULL, full)) if keys}
 
 
 def _largest_first(key: BatchDescriptor) -> tuple[int, int, int, bool]:
     return (-key.num_tokens, -key.num_active_loras, -(key.num_reqs or 0), not key.uniform)
-
-
-def _reject_invalid_modes(invalid_modes: object) -> NoReturn:
-    raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
-
-
-def _reject_count(field: str, value: object) -> None:
-    raise ValueError(f"{field}: expected an integer >= 0, got {value!r}")

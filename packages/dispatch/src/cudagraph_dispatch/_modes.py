@@ -21,6 +21,11 @@ class CUDAGraphMode(enum.Enum):
     FULL_DECODE_ONLY = (2, 0)  # decode FULL, mixed NONE
     FULL_AND_PIECEWISE = (2, 1)  # decode FULL, mixed PIECEWISE
 
+    # Members are singletons, so hashing by identity is correct; it runs in C,
+    # where Enum's own hash (of the name) is a Python call. The dispatcher
+    # looks modes up in sets tens of thousands of times while it builds.
+    __hash__ = object.__hash__
+
     def decode_mode(self) -> CUDAGraphMode:
         """The runtime mode used for uniform decode batches."""
         return _DECODE[self]
@@ -35,8 +40,9 @@ class CUDAGraphMode(enum.Enum):
 
     def has_mode(self, mode: CUDAGraphMode) -> bool:
         """True when ``mode`` (a runtime mode) is used by this mode."""
-        if not mode.is_runtime_mode():
-            raise ValueError(f"mode: expected a runtime mode (NONE, PIECEWISE, FULL), got {mode.name}")
+        given: object = mode  # checked at run time: callers may not be typed
+        if not isinstance(given, CUDAGraphMode) or not given.is_runtime_mode():
+            raise ValueError(f"mode: expected a runtime mode (NONE, PIECEWISE, FULL), got {given!r}")
         return mode in (_DECODE[self], _MIXED[self])
 
     def is_runtime_mode(self) -> bool:
@@ -46,12 +52,13 @@ class CUDAGraphMode(enum.Enum):
     @classmethod
     def parse(cls, text: str) -> CUDAGraphMode:
         """The mode named ``text``, case-insensitive (``"full_and_piecewise"``)."""
-        if not isinstance(text, str):
-            raise ValueError(f"mode: expected a mode name, got {text!r}")
-        mode = cls.__members__.get(text.strip().upper())
+        given: object = text  # checked at run time: callers may not be typed
+        if not isinstance(given, str):
+            raise ValueError(f"text: expected a CUDA graph mode name, got {given!r}")
+        mode = cls.__members__.get(given.strip().upper())
         if mode is None:
             valid = ", ".join(cls.__members__)
-            raise ValueError(f"mode: unknown CUDA graph mode {text!r}; valid names: {valid}")
+            raise ValueError(f"text: unknown CUDA graph mode {given!r}; valid names: {valid}")
         return mode
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ._checks import check_bool, check_int
 from ._descriptor import BatchDescriptor
 from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
 from ._protocols import GraphDispatcher
-from ._validate import check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,9 +28,8 @@ class RankRequest:
 
     def __post_init__(self) -> None:
         check_int("num_tokens", self.num_tokens, minimum=0)
+        check_bool("uniform_decode", self.uniform_decode)
         check_int("num_active_loras", self.num_active_loras, minimum=0)
-        if not isinstance(self.uniform_decode, bool):
-            raise ValueError(f"uniform_decode: expected a bool, got {self.uniform_decode!r}")
 
 
 def agree_across_ranks(
@@ -46,8 +45,14 @@ def agree_across_ranks(
     carries the largest count). Otherwise all pad to the dispatch of the
     largest request, uniform only if every rank with tokens is uniform.
     """
+    given: object = requests  # checked at run time: callers may not be typed
+    if not isinstance(given, Sequence):
+        raise ValueError(f"requests: expected a sequence of RankRequest, one per rank, got {given!r}")
     if not requests:
-        raise ValueError("requests: expected one RankRequest per rank, got none")
+        raise ValueError(f"requests: expected one RankRequest per rank, got {given!r}")
+    for rank, request in enumerate(given):
+        if not isinstance(request, RankRequest):
+            raise ValueError(f"requests[{rank}]: expected a RankRequest, got {request!r}")
     active = [r for r in requests if r.num_tokens > 0]
     if not active:
         return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(0))

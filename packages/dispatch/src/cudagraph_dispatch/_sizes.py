@@ -2,37 +2,55 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-from ._validate import check_int
+from ._checks import check_int
 
 # Steps of the default size list: fine at small batches, coarser above 256.
 _SMALL_STEP: Final = 8
 _LARGE_START: Final = 256
 _LARGE_STEP: Final = 16
 
+#: Counts up to this bound find their slot in a table (one index); larger
+#: counts by bisection over the sizes. The bound keeps the table at
+#: DENSE_PAD_LIMIT + 1 entries, whatever the sizes, while the counts of most
+#: steps (decode batches, typical prefill chunks) stay one look-up.
+DENSE_PAD_LIMIT: Final = 4096
+
 
 class CaptureSizes:
     """A sorted, duplicate-free set of positive token counts to capture.
 
-    ``pad(n)`` is O(1): a table maps every count up to ``max`` to the
-    smallest captured size that holds it.
+    Padding works on *slots*. With ``bounds = (0, *sizes)``, slot 0 holds the
+    count 0, slot ``i`` the counts in ``(bounds[i-1], bounds[i]]`` (all padded
+    to ``bounds[i]``), and slot ``len(sizes) + 1`` every count above ``max``.
+    Everything about a count that depends only on its padded size (the
+    dispatcher's decisions) is stored once per slot, so memory grows with the
+    number of sizes, not with the largest one.
+
+    Finding a count's slot, and so ``pad(n)``, is one table look-up for
+    ``n <= DENSE_PAD_LIMIT`` and a bisection, O(log len(sizes)), above it.
+    The slot machinery (``_slot``, ``_bounds``, ``_dense_slots``,
+    ``_representatives``) is shared with the dispatcher in this package,
+    which inlines the look-up on its per-step path.
     """
 
-    __slots__ = ("_pad_table", "_sizes")
+    __slots__ = ("_bounds", "_dense_slots", "_padded", "_sizes")
 
     def __init__(self, sizes: Iterable[int]) -> None:
-        if isinstance(sizes, (str, bytes)):
-            raise ValueError(f"capture_sizes: expected integers, got {sizes!r}")
-        checked = [check_int(f"capture_sizes[{i}]", s, minimum=1) for i, s in enumerate(sizes)]
+        given: object = sizes  # checked at run time: callers may not be typed
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise ValueError(f"capture_sizes: expected an iterable of integers, got {given!r}")
+        checked = {check_int(f"capture_sizes[{i}]", s, minimum=1) for i, s in enumerate(given)}
         if not checked:
-            raise ValueError("capture_sizes: must hold at least one size, got none")
-        self._sizes: tuple[int, ...] = tuple(sorted(set(checked)))
-        table: list[int] = []
-        for size in self._sizes:
-            table.extend([size] * (size + 1 - len(table)))
-        self._pad_table: tuple[int, ...] = tuple(table)  # index n -> smallest size >= n
+            raise ValueError(f"capture_sizes: expected at least one size, got {given!r}")
+        self._sizes: Final[tuple[int, ...]] = tuple(sorted(checked))
+        # Slot s holds the counts n with bounds[s - 1] < n <= bounds[s]: bisect_left(bounds, n) is n's slot.
+        self._bounds: Final[tuple[int, ...]] = (0, *self._sizes)
+        self._padded: Final[tuple[int | None, ...]] = (self._sizes[0], *self._sizes, None)  # by slot
+        self._dense_slots: Final = _slot_table(self._bounds, DENSE_PAD_LIMIT)
 
     @classmethod
     def default(cls, max_size: int) -> CaptureSizes:
@@ -54,10 +72,21 @@ class CaptureSizes:
 
     def pad(self, n: int) -> int | None:
         """The smallest size >= ``n``, or ``None`` when ``n`` exceeds ``max``."""
-        if n < 0:
-            raise ValueError(f"n: must be >= 0, got {n!r}")
-        table = self._pad_table
-        return table[n] if n < len(table) else None
+        check_int("n", n, minimum=0)
+        return self._padded[self._slot(n)]
+
+    def _slot(self, n: int) -> int:
+        """The slot of a count ``n >= 0`` (see the class docstring); ``n`` is not checked.
+
+        Counts in one slot pad to one size: ``pad(n)`` depends on ``n`` only
+        through ``_slot(n)``.
+        """
+        dense = self._dense_slots
+        return dense[n] if n < len(dense) else bisect_left(self._bounds, n)
+
+    def _representatives(self) -> tuple[int, ...]:
+        """One count per slot, in slot order: 0, every size, and ``max + 1``."""
+        return (*self._bounds, self._sizes[-1] + 1)
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -76,3 +105,14 @@ class CaptureSizes:
 
     def __repr__(self) -> str:
         return f"CaptureSizes({list(self._sizes)})"
+
+
+def _slot_table(bounds: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """``bisect_left(bounds, n)`` for every count ``n`` in ``[0, limit]``, as one tuple."""
+    table = [0]
+    for slot, bound in enumerate(bounds[1:], start=1):
+        table.extend([slot] * (min(bound, limit) + 1 - len(table)))
+        if bound >= limit:
+            break
+    table.extend([len(bounds)] * (limit + 1 - len(table)))  # above the largest size
+    return tuple(table)

@@ -23,7 +23,7 @@ from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_capture import CaptureOptions, GraphEngine, collector_paused, resolve_device
+from cudagraph_capture import CaptureOptions, GraphEngine, OutputGuard, collector_paused, resolve_device
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     BatchDescriptor,
@@ -39,7 +39,7 @@ from cudagraph_dispatch import (
 from ._buffers import StaticBuffers, check_inputs_spec
 from ._engines import default_engine_factory
 from ._errors import NoGraphError
-from ._outputs import OutputGuard, OutputLayout, OutputRows, check_output_rows, uses_reqs
+from ._outputs import OutputLayout, OutputRows, check_output_rows, uses_reqs
 from ._progress import progress as progress_bar
 from ._protocols import GraphEngineFactory, OutputT
 from ._report import CapturedGraph, CaptureReport, EagerReason, ManagerStats
@@ -184,7 +184,6 @@ class CUDAGraphManager(Generic[OutputT]):
         self._layout: OutputLayout | None = None  # from the first outputs seen
         self._logged_reasons: set[EagerReason] = set()
         self._eager_reasons: dict[EagerReason, int] = {}
-        self._uncaptured_runs = 0
         self._padded_tokens = 0
         self._idle_steps = 0
 
@@ -222,7 +221,7 @@ class CUDAGraphManager(Generic[OutputT]):
         return ManagerStats(
             replays=MappingProxyType(replays),
             eager_runs=sum(self._eager_reasons.values()),
-            uncaptured_runs=self._uncaptured_runs,
+            uncaptured_runs=self._eager_reasons.get(EagerReason.NOT_CAPTURED, 0),
             padded_tokens=self._padded_tokens,
             eager_reasons=MappingProxyType({r.value: n for r, n in self._eager_reasons.items()}),
             idle_steps=self._idle_steps,
@@ -239,7 +238,7 @@ class CUDAGraphManager(Generic[OutputT]):
         for planned in self._planned.values():
             planned.replays = 0
         self._eager_reasons.clear()
-        self._uncaptured_runs = self._padded_tokens = self._idle_steps = 0
+        self._padded_tokens = self._idle_steps = 0
 
     # -- capture --
 
@@ -440,7 +439,6 @@ class CUDAGraphManager(Generic[OutputT]):
             level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
             _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, why)
         self._eager_reasons[reason] = self._eager_reasons.get(reason, 0) + 1
-        self._uncaptured_runs += reason is EagerReason.NOT_CAPTURED
         with torch.no_grad():
             if reason is not EagerReason.NO_CUDA or planned is None:
                 with set_forward_context(_NONE, BatchDescriptor(num_tokens)):

@@ -16,8 +16,6 @@ from typing import TypeAlias
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraph_capture import weak_ref_tensors
-
 from ._static import Rows
 
 #: ``output_rows``: one ``Rows`` for every output; for a dict output, a mapping
@@ -171,42 +169,3 @@ def _resolve_rows(output: object, keys: tuple[str | int | None, ...], spec: Rows
             )
         return spec
     return (spec,) * len(keys)
-
-
-class OutputGuard:
-    """Makes the outputs of a replay unreadable once a later replay may have overwritten them.
-
-    The opt-in check of ``CUDAGraphManager(check_overwritten_outputs=True)``,
-    as PyTorch's CUDA Graph Trees do it: each step's outputs are handed out on
-    storages of their own (non-owning aliases of graph memory), and the next
-    replay sets an access error on those storages, so reading them raises
-    instead of returning the later step's numbers.
-    """
-
-    __slots__ = ("_live", "_steps")
-
-    def __init__(self) -> None:
-        if not hasattr(torch._C, "_set_storage_access_error_msg"):
-            raise ValueError(
-                "check_overwritten_outputs: this torch build cannot mark storages unreadable "
-                "(torch._C._set_storage_access_error_msg is missing; it comes with CUDA builds)"
-            )
-        self._live: list[torch.Tensor] = []
-        self._steps = 0
-
-    def retire(self, descriptor: object) -> None:
-        """Before a replay of ``descriptor``'s graph: the outputs handed out so far become unreadable."""
-        message = (
-            f"this output of CUDAGraphManager.run() (step {self._steps}) was overwritten by a later "
-            f"replay (of the graph {descriptor}); clone() the outputs you keep before the next run()"
-        )
-        for tensor in self._live:
-            torch._C._set_storage_access_error_msg(tensor, message)
-        self._live.clear()
-        self._steps += 1
-
-    def hand_out(self, output: object) -> object:
-        """``output`` with every tensor on a storage of its own, remembered for the next ``retire``."""
-        fresh = weak_ref_tensors(output)
-        self._live.extend(t for t in pytree.tree_leaves(fresh) if isinstance(t, torch.Tensor))
-        return fresh

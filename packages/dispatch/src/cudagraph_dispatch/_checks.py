@@ -1,0 +1,34 @@
+"""Run-time argument checks for public entry points, shared by every package.
+
+Callers are often untyped engine code, so a public function checks what its
+signature promises: an error names the argument and the value, before any
+state changes. ``bool`` is an ``int`` subclass in Python, but ``True`` is
+never a meaningful count, and a string is never a flag.
+
+Both checks raise ``ValueError``, for a wrong type as well as a wrong value:
+callers catch one exception type for "bad argument".
+"""
+
+from __future__ import annotations
+
+
+def check_int(field: str, value: object, *, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``; else a ``ValueError`` naming ``field`` and ``value``.
+
+    ``bool`` is rejected (``True`` is not a count); subclasses of ``int``
+    (an ``IntEnum``) are accepted.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{field}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(field: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``; else a ``ValueError`` naming ``field`` and ``value``.
+
+    Stand-ins (``1``, ``"no"``, ``None``) are rejected whatever their truth
+    value: ``"no"`` is truthy.
+    """
+    if value is not True and value is not False:
+        raise ValueError(f"{field}: expected True or False, got {value!r}")
+    return value
