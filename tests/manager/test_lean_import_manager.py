@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -66,3 +68,30 @@ def test_importing_the_examples_registers_the_reference_op() -> None:
     report = _probe("cudagraph_manager.examples")
     assert report["ops"] == ["cudagraph_manager::cached_attention"]
     assert report["cuda_initialized"] is False
+
+
+_EXAMPLE: Final = Path(__file__).resolve().parents[2] / (
+    "packages/manager/src/cudagraph_manager/examples/in_an_engine.py"
+)
+
+
+def test_the_readme_shows_the_engine_example_as_it_is() -> None:
+    """The README's "In an engine" block is the example file's code, so the two cannot drift."""
+    code = _EXAMPLE.read_text().split('"""', 2)[2].lstrip("\n")
+    readme = (_EXAMPLE.parents[5] / "README.md").read_text()
+    assert f"```python\n{code}```" in readme
+
+
+@pytest.mark.gpu
+def test_the_engine_example_runs_as_written() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cudagraph_manager.examples.in_an_engine"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Captured " in result.stdout
+    assert "ManagerStats(" in result.stdout
