@@ -149,6 +149,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("max_size", "steps", "iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.tolerance is not None and not args.tolerance > 0:
+        parser.error(f"--tolerance must be > 0, got {args.tolerance}")
+    args.cpu_path = args.cpu or not torch.cuda.is_available()
+    try:  # a model the other arguments cannot make is an argument error, not a traceback
+        args.model_config = _config(args, cpu=args.cpu_path)
+    except ValueError as error:
+        parser.error(f"these arguments make no valid decoder: {error}")
     return args
 
 
@@ -169,7 +178,7 @@ def _config(args: argparse.Namespace, *, cpu: bool) -> DecoderConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit status (1 when a step's error is above tolerance)."""
     args = parse_args(argv)
-    if args.cpu or not torch.cuda.is_available():
+    if args.cpu_path:
         why = "--cpu given" if args.cpu else "no CUDA device is available"
         print(
             f"CPU path ({why}): running a small reference decoder eagerly on the CPU; no graphs are "
@@ -184,7 +193,7 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     device = torch.device("cpu" if cpu else "cuda")
-    config = _config(args, cpu=cpu)
+    config: DecoderConfig = args.model_config
     tolerance = _TOLERANCE[config.dtype] if args.tolerance is None else args.tolerance
     dispatch_config = DispatchConfig(
         mode=CUDAGraphMode.FULL_AND_PIECEWISE,
