@@ -11,8 +11,9 @@ mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.SiLU(), torch.nn.
 
 
 def model(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    x = embed(input_ids) + torch.sin(positions[:, None].float())  # [num_tokens, 256]
-    return x + mlp(x)
+    x: torch.Tensor = embed(input_ids) + torch.sin(positions[:, None].float())  # [num_tokens, 256]
+    mixed: torch.Tensor = mlp(x)
+    return x + mixed
 
 
 config = DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(256), max_num_seqs=256)
