@@ -4,6 +4,13 @@
 # `make gpu` runs the tests and benchmarks with an existing python (default
 # python3) and no installs, for a GPU machine whose image already has torch,
 # pytest, hypothesis and pytest-benchmark.
+#
+# Torch: `make setup` (and so `make test`) installs the dev group's torch pin
+# first and alone, from TORCH_INDEX_URL when that is set, e.g.
+#   make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# for the CPU build on a machine whose package index would serve a CUDA build
+# (PyPI's Linux torch is one, several GB); the pin is then already satisfied
+# when the rest of the group installs. Unset, pip's own configuration decides.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -15,8 +22,12 @@ STAMP := $(VENV)/.installed
 SRC_PATH := packages/dispatch/src:packages/capture/src:packages/manager/src
 BENCH_DIR ?= .benchmarks
 PYTEST_FLAGS ?=
+TORCH_INDEX_URL ?=
+# The dev group's torch requirement, read from pyproject.toml: the pin lives there only.
+TORCH_PIN := $(shell sed -nE 's/^[[:space:]]*"(torch==[^"]+)".*/\1/p' pyproject.toml)
+PACKAGES := dispatch capture manager
 
-.PHONY: help setup test typecheck lint bench demo gpu gpu-test gpu-bench clean
+.PHONY: help setup test typecheck lint dist bench demo gpu gpu-test gpu-bench soak clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -24,12 +35,14 @@ help:  ## List the targets
 $(STAMP): pyproject.toml packages/*/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade 'pip>=25.1'
-	# Torch first, from the pinned CPU build, so nothing below pulls a CUDA build.
+	# Torch first and alone, from TORCH_INDEX_URL when set, so nothing below pulls a CUDA build.
+	$(VPY) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') \
+	    '$(or $(TORCH_PIN),$(error no "torch==..." line in the dev group of pyproject.toml))'
 	$(VPY) -m pip install -q --group dev
 	$(VPY) -m pip install -q -e packages/dispatch -e packages/capture -e packages/manager
 	touch $@
 
-setup: $(STAMP)  ## Create .venv: pinned dev tools, torch (CPU), the three packages editable
+setup: $(STAMP)  ## Create .venv: pinned dev tools, torch (see TORCH_INDEX_URL), the packages editable
 
 typecheck: $(STAMP)  ## mypy --strict over the three src folders and tests/, one run
 	$(VENV)/bin/mypy
@@ -39,6 +52,14 @@ lint: $(STAMP)  ## ruff check
 
 test: typecheck  ## Type check, then the tests (GPU tests skip without CUDA)
 	$(VPY) -m pytest $(PYTEST_FLAGS)
+
+# The venv's pinned build and hatchling, without build isolation: no network needed.
+# Each package gets an sdist, and a wheel built from that sdist.
+dist: $(STAMP)  ## Wheels and sdists of the three packages into dist/
+	rm -f dist/cudagraph_*
+	for pkg in $(PACKAGES); do \
+	    $(VPY) -m build --no-isolation --outdir dist packages/$$pkg || exit 1; \
+	done
 
 # One process per benchmark module: a device-side assert poisons a CUDA context
 # for good, so one broken module must not take the others' numbers with it.
@@ -68,6 +89,13 @@ gpu-test:  ## Tests only, with $(PYTHON) and no installs
 
 gpu-bench:  ## Benchmarks only, with $(PYTHON) and no installs
 	$(call run_benchmarks,$(PYTHON),$(SRC_PATH):.:$(PYTHONPATH))
+
+# 100,000 random reference-decoder steps in every mode, checked against eager
+# (tests/soak.py says how); not part of `make test`. SOAK_FLAGS: e.g. --steps 1000.
+SOAK_OUT ?= $(BENCH_DIR)/soak.json
+SOAK_FLAGS ?=
+soak:  ## Soak on the GPU: 100k replayed steps vs eager, memory flat; $(PYTHON), no installs
+	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m tests.soak --out $(SOAK_OUT) $(SOAK_FLAGS)
 
 clean:  ## Remove the venv and caches
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache $(BENCH_DIR)

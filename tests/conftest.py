@@ -9,6 +9,11 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+# One intra-op thread for torch's CPU kernels, set before anything imports
+# torch: the CPU tests run tiny models, where a second thread buys nothing and,
+# on a loaded 2-core machine, turns a 5 us matmul into tens of milliseconds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 from hypothesis import settings
 

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_manager.examples import demo
 from cudagraph_manager.examples.demo import main as demo_main
 from cudagraph_manager.examples.demo import run_graph, schedule
 from cudagraph_manager.examples.reference import (
@@ -471,8 +472,12 @@ def test_demo_cpu_path_prints_what_each_step_would_replay(capsys: pytest.Capture
     assert lines[-1].startswith("OK: all 6")
 
 
-def test_demo_fails_loudly_above_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
-    status = demo_main(["--cpu", "--steps", "3", "--max-size", "16", "--iters", "1", "--tolerance", "-1"])
+def test_demo_fails_loudly_above_tolerance(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every step measured 10x off: the demo must report each one and exit 1.
+    monkeypatch.setattr(demo, "_relative_error", lambda actual, expected: 1.0)
+    status = demo_main(["--cpu", "--steps", "3", "--max-size", "16", "--iters", "1", "--tolerance", "0.1"])
     out = capsys.readouterr().out
     assert status == 1
     assert out.count("FAILED: step") == 3

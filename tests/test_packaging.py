@@ -1,0 +1,130 @@
+"""The dispatch wheel as a user gets it: built fresh, installed alone into a new venv without torch.
+
+The wheel is built from this checkout with the dev venv's pinned `build` and
+`hatchling` (no build isolation, so no network), the way `make dist` builds it:
+an sdist first, then the wheel from that sdist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from zipfile import ZipFile
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DISPATCH = REPO / "packages" / "dispatch"
+
+# Runs in the new venv with `-I` (no PYTHONPATH, no script directory, no user
+# site), so the only cudagraph_dispatch it can find is the installed wheel's.
+_PROBE = """
+import importlib.metadata, json, pathlib, sys
+import cudagraph_dispatch
+from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
+
+try:
+    import torch  # noqa: F401
+    torch_importable = True
+except ModuleNotFoundError:
+    torch_importable = False
+
+config = DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(16), max_num_seqs=16)
+dispatcher = CUDAGraphDispatcher(config)
+decode = dispatcher.dispatch(3, uniform_decode=True)
+mixed = dispatcher.dispatch(3)
+package = pathlib.Path(cudagraph_dispatch.__file__).parent
+print(json.dumps({
+    "prefix": sys.prefix,
+    "package": str(package),
+    "py_typed": (package / "py.typed").is_file(),
+    "version": cudagraph_dispatch.__version__,
+    "dist_version": importlib.metadata.version("cudagraph-dispatch"),
+    "torch_importable": torch_importable,
+    "decode": [decode.mode.name, decode.descriptor.num_tokens, decode.descriptor.num_reqs,
+               decode.descriptor.uniform],
+    "mixed": [mixed.mode.name, mixed.descriptor.num_tokens, mixed.descriptor.num_reqs,
+              mixed.descriptor.uniform],
+}))
+"""
+
+
+def _hermetic_env() -> dict[str, str]:
+    """This environment without PYTHONPATH and without any pip configuration or index."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+def _run(args: list[str], cwd: Path, env: Mapping[str, str]) -> str:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def dispatch_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh sdist and wheel of packages/dispatch in a new temporary folder; the wheel's path."""
+    missing = [name for name in ("build", "hatchling") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed here (the dev dependency group has them)")
+    out = tmp_path_factory.mktemp("dist")
+    _run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(DISPATCH)],
+        cwd=out,
+        env=_hermetic_env(),
+    )
+    wheels = sorted(out.glob("*.whl"))
+    sdists = sorted(out.glob("*.tar.gz"))
+    assert [w.name for w in wheels] == [f"cudagraph_dispatch-{_source_version()}-py3-none-any.whl"]
+    assert len(sdists) == 1, sdists
+    return wheels[0]
+
+
+def _source_version() -> str:
+    for line in (DISPATCH / "src" / "cudagraph_dispatch" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__ = "):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    raise AssertionError("no __version__ in cudagraph_dispatch/__init__.py")
+
+
+def test_wheel_installs_and_dispatches_without_torch(dispatch_wheel: Path, tmp_path: Path) -> None:
+    """A venv holding only the wheel imports it, has no torch, and dispatches a batch."""
+    env = _hermetic_env()
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
+    python = venv / "bin" / "python"
+    # The dev venv's pip installs into the new venv's interpreter: the wheel and nothing else.
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", str(dispatch_wheel)],
+        cwd=tmp_path,
+        env=env,
+    )
+    result = json.loads(_run([str(python), "-I", "-c", _PROBE], cwd=tmp_path, env=env).splitlines()[-1])
+
+    assert Path(result["package"]).is_relative_to(Path(result["prefix"]))
+    assert Path(result["prefix"]).resolve() == venv.resolve()
+    assert result["py_typed"] is True
+    assert result["version"] == result["dist_version"] == _source_version()
+    assert result["torch_importable"] is False
+    # Sizes 1, 2, 4, 8, 16: three tokens pad to 4, a FULL uniform-decode graph or the PIECEWISE one.
+    assert result["decode"] == ["FULL", 4, 4, True]
+    assert result["mixed"] == ["PIECEWISE", 4, None, False]
+
+
+def test_wheel_description_is_the_readme(dispatch_wheel: Path) -> None:
+    """The wheel's long description is packages/dispatch/README.md, as Markdown; it requires nothing."""
+    with ZipFile(dispatch_wheel) as wheel:
+        (metadata_name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = wheel.read(metadata_name).decode()
+    headers, _, body = metadata.partition("\n\n")
+    header_lines = headers.splitlines()
+    assert "Name: cudagraph-dispatch" in header_lines
+    assert "Description-Content-Type: text/markdown" in header_lines
+    assert not [line for line in header_lines if line.startswith("Requires-Dist:")]
+    assert body.strip() == (DISPATCH / "README.md").read_text().strip()
