@@ -23,13 +23,13 @@ from typing import Final, ParamSpec, TypeVar
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch import BatchDescriptor, check_bool
 
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._gc import collect_before_capture
-from ._pool import GraphPool, capture_stream, shared_pool
+from ._pool import GraphPool, capture_stream, check_pool, check_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment
 from ._weakref import contains_cuda_tensor, weak_ref_tensors
 
@@ -80,9 +80,13 @@ class BreakableCUDAGraphCapture:
         gc_disable: bool = True,
         descriptor: BatchDescriptor | None = None,
     ) -> None:
+        check_pool("pool", pool)
+        check_stream("stream", stream)
+        if descriptor is not None and descriptor.__class__ is not BatchDescriptor:
+            raise ValueError(f"descriptor: expected None or a BatchDescriptor, got {descriptor!r}")
         self._pool = pool
         self._stream = stream
-        self._gc_disable: Final = gc_disable
+        self._gc_disable: Final = check_bool("gc_disable", gc_disable)
         self._descriptor: Final = descriptor
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._steps: tuple[_Step, ...] = ()
@@ -236,6 +240,8 @@ def eager_break_during_capture(fn: Callable[P, R]) -> Callable[P, R]:
     is then captured into the graph), it is an ordinary call. ``fn`` must
     write into caller-provided buffers and return no CUDA tensor.
     """
+    if not callable(fn):
+        raise ValueError(f"fn: expected a callable to make a break point, got {fn!r}")
 
     @functools.wraps(fn)
     def breakable(*args: P.args, **kwargs: P.kwargs) -> R:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from cudagraph_dispatch import check_bool
+
 
 def collect_before_capture(gc_disable: bool) -> None:
     """Free what dead objects hold before a capture, unless ``gc_disable``."""
@@ -34,7 +36,7 @@ def collector_paused(gc_disable: bool = True) -> Iterator[None]:
     unless the application froze some itself: unfreezing would thaw those too.
     The collector's state is restored on exit, also on an exception.
     """
-    if not gc_disable:
+    if not check_bool("gc_disable", gc_disable):
         yield
         return
     was_enabled = gc.isenabled()

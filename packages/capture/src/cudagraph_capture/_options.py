@@ -8,7 +8,7 @@ import torch
 
 from cudagraph_dispatch import check_bool, check_int
 
-from ._pool import GraphPool
+from ._pool import GraphPool, check_pool, check_stream
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -43,3 +43,5 @@ class CaptureOptions:
         check_bool("gc_disable", self.gc_disable)
         check_bool("check_input_addresses", self.check_input_addresses)
         check_int("warmup_runs", self.warmup_runs, minimum=0)
+        check_pool("pool", self.pool)
+        check_stream("stream", self.stream)

@@ -43,6 +43,22 @@ _lock: Final = threading.RLock()  # shared_pool creates the capture stream under
 _T = TypeVar("_T")
 
 
+def check_pool(field: str, pool: object) -> None:
+    """``pool`` is ``None`` or a pool handle (``torch.cuda.graph_pool_handle()``), else ``ValueError``."""
+    if pool is not None and not (
+        isinstance(pool, tuple) and len(pool) == 2 and all(type(x) is int for x in pool)
+    ):
+        raise ValueError(
+            f"{field}: expected None or a handle from torch.cuda.graph_pool_handle(), got {pool!r}"
+        )
+
+
+def check_stream(field: str, stream: object) -> None:
+    """``stream`` is ``None`` or a ``torch.cuda.Stream``, else ``ValueError``."""
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise ValueError(f"{field}: expected None or a torch.cuda.Stream, got {stream!r}")
+
+
 def _per_device(cache: dict[int, _T], index: int, make: Callable[[int], _T]) -> _T:
     """``cache[index]``, made once under the lock on first use (lock-free afterwards)."""
     value = cache.get(index)

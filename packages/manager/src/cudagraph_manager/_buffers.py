@@ -196,7 +196,9 @@ class StaticBuffers:
                 f"run: input {reqs_from!r}: {num_reqs} requests for {num_tokens} tokens; "
                 "every request has at least one token"
             )
-        if uniform_decode and num_tokens != num_reqs * self.query_len:
+        if (
+            uniform_decode is True and num_tokens != num_reqs * self.query_len
+        ):  # not-a-bool: dispatch names it
             raise ValueError(
                 f"uniform_decode: a uniform decode batch has num_reqs * {self.query_len} tokens, "
                 f"got {num_tokens} tokens for {num_reqs} requests"

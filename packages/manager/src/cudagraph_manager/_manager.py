@@ -132,7 +132,12 @@ class CUDAGraphManager(Generic[OutputT]):
         check_overwritten_outputs: bool = False,
     ) -> None:
         if not callable(model):
-            raise ValueError(f"model: expected a callable, got {type(model).__name__}")
+            raise ValueError(f"model: expected a callable, got {model!r:.80}")
+        if engine_factory is not None and not callable(engine_factory):
+            raise ValueError(
+                f"engine_factory: expected None or a GraphEngineFactory, got {engine_factory!r:.80}"
+            )
+        check_bool("check_overwritten_outputs", check_overwritten_outputs)
         self._dispatcher: Final = CUDAGraphDispatcher(config)  # validates config
         checked = check_inputs_spec(inputs)
         self._strict: Final = check_bool("strict", strict)
@@ -154,6 +159,7 @@ class CUDAGraphManager(Generic[OutputT]):
         )
         if strict and self._no_graphs is not None:
             raise ValueError(f"strict: {self._no_graphs}; pass strict=False to run every step eagerly")
+        self._guard: Final = OutputGuard() if check_overwritten_outputs else None
 
         self._model: Final = model
         self._buffers: Final = StaticBuffers(
@@ -177,9 +183,6 @@ class CUDAGraphManager(Generic[OutputT]):
             for mode, descriptors in plan
             for descriptor in descriptors
         }
-        self._guard: Final = (
-            OutputGuard() if check_bool("check_overwritten_outputs", check_overwritten_outputs) else None
-        )
         self._step_lock: Final = threading.Lock()
         self._layout: OutputLayout | None = None  # from the first outputs seen
         self._logged_reasons: set[EagerReason] = set()
@@ -258,6 +261,8 @@ class CUDAGraphManager(Generic[OutputT]):
         ``capture()`` can be called again for the rest. Without CUDA the
         report says why nothing was captured. Synchronizes the device once.
         """
+        if progress is not None:
+            check_bool("progress", progress)
         if self._no_graphs is not None:
             return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
         pending = [

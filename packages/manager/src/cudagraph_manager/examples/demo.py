@@ -148,9 +148,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for name in ("max_size", "steps", "iters"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.tolerance is not None and not args.tolerance > 0:
         parser.error(f"--tolerance must be > 0, got {args.tolerance}")
     args.cpu_path = args.cpu or not torch.cuda.is_available()

@@ -87,7 +87,10 @@ class DecoderConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: must divide hidden_size={self.hidden_size}, got {self.num_heads!r}")
         if self.head_dim % 2:
-            raise ValueError(f"num_heads: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(
+                f"num_heads: {self.num_heads} heads of hidden_size={self.hidden_size} give head_dim="
+                f"{self.head_dim}, which must be even for rotary embeddings"
+            )
         dtype: object = self.dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")

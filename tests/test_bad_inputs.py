@@ -1,0 +1,715 @@
+"""Every bad input of the public API, in one module (DESIGN.md, "Conventions").
+
+A public entry point checks its arguments at run time (callers are often
+untyped engine code) and rejects a bad one with a ``ValueError`` that names the
+argument and shows the value, before any state changes: "expected an
+integer" without saying which argument and what was passed sends the caller
+hunting. ``bool`` is not an ``int`` here, and a string is not a ``bool``
+(``"no"`` is truthy). Three tables, one per way a rejection is observed:
+
+- ``BAD_INPUTS``: a call and a pattern that must find the argument's name and
+  the bad value in the error; no forward context and no capture switch was
+  changed. By package: dispatch, capture, manager.
+- ``BAD_RUNS``: bad inputs to ``CUDAGraphManager.run`` (and ``run_batch``) on
+  each backend of ``tests.manager.helpers``: the message holds the listed
+  fragments, no static buffer was written and no run was counted.
+- ``BAD_DEMO_ARGS``: command lines of the demo that make no valid run: they end
+  as argparse errors (exit status 2, the message on stderr), never a traceback.
+
+Rows that only make sense with or without CUDA are marked so, and skip with a
+reason elsewhere. A new bad input is a new row here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Final, cast
+
+import pytest
+import torch
+
+from cudagraph_capture import (
+    BreakableCUDAGraphCapture,
+    BreakableCUDAGraphWrapper,
+    CaptureOptions,
+    CUDAGraphWrapper,
+    capture_enabled,
+    capture_stream,
+    collector_paused,
+    eager_break_during_capture,
+    resolve_device,
+    set_capture_enabled,
+    shared_pool,
+)
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphDispatcher,
+    CUDAGraphMode,
+    DispatchConfig,
+    RankRequest,
+    agree_across_ranks,
+    check_bool,
+    check_int,
+    get_forward_context,
+    set_forward_context,
+)
+from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager.examples.demo import main as demo_main
+from tests.manager.helpers import (
+    BACKENDS,
+    DIM,
+    INPUTS,
+    MAX_NUM_SEQS,
+    Backend,
+    FakeEngines,
+    ToyModel,
+    assert_unchanged,
+    config_for,
+    make_batch,
+    make_manager,
+    snapshot,
+)
+
+M: Final = CUDAGraphMode
+SIZES: Final = CaptureSizes([1, 8])
+DISPATCHER: Final = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, SIZES, 8))
+KEY: Final = BatchDescriptor(8)
+CPU: Final = torch.device("cpu")
+
+NO_CUDA: Final = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device"
+)
+#: 'cuda:7' on a GPU machine: a device that does not exist.
+NO_CUDA_7: Final = (
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() >= 8, reason="this machine has a cuda:7"),
+)
+
+
+# ---------------------------------------------------------------------------
+# BAD_INPUTS: a call, and a pattern naming the argument and the value
+# ---------------------------------------------------------------------------
+
+
+def call(fn: Callable[..., object], *args: object, **kwargs: object) -> Callable[[], object]:
+    """``fn(*args, **kwargs)``, deferred. Typed loosely on purpose: the arguments are the bad inputs."""
+    return lambda: fn(*args, **kwargs)
+
+
+def row(name: str, thunk: Callable[[], object], pattern: str, *marks: pytest.MarkDecorator) -> object:
+    """One row: ``thunk()`` raises ``ValueError`` (wrong types included, as DESIGN.md allows)."""
+    return pytest.param(thunk, pattern, id=name, marks=marks)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _collector_paused(gc_disable: object) -> None:
+    with collector_paused(cast(bool, gc_disable)):  # entered and left: the collector is restored
+        pass
+
+
+def construct(*, watch_factory: bool = True, **overrides: object) -> Callable[[], object]:
+    """A CPU ``CUDAGraphManager`` from valid arguments with ``overrides`` applied, deferred.
+
+    With ``watch_factory`` (and no ``engine_factory`` override), a rejection
+    must also come before any engine was built: the engine factory is the
+    caller's code, and calling it is a state change.
+    """
+
+    def build() -> object:
+        engines = FakeEngines()
+        arguments: dict[str, object] = {
+            "model": ToyModel(CPU),
+            "inputs": INPUTS,
+            "config": config_for(M.FULL),
+            "device": "cpu",
+            "engine_factory": engines,
+            **overrides,
+        }
+        make = cast(Callable[..., object], CUDAGraphManager)  # arguments deliberately of any type
+        try:
+            return make(**arguments)
+        except ValueError:
+            assert not (watch_factory and engines.engines), "rejected after the engine factory ran"
+            raise
+
+    return build
+
+
+def _capture_with_progress(progress: object) -> object:
+    manager = construct()()
+    assert isinstance(manager, CUDAGraphManager)
+    return manager.capture(progress=cast(bool, progress))
+
+
+BAD_INPUTS: Final = [
+    # == cudagraph_dispatch ==
+    # -- CUDAGraphMode --
+    row("parse-not-a-string", call(M.parse, 5), r"text.*5"),
+    row("parse-unknown-name", call(M.parse, "bogus"), r"text.*'bogus'"),
+    row("has_mode-string", call(M.FULL.has_mode, "FULL"), r"mode.*'FULL'"),
+    row("has_mode-config-mode", call(M.FULL.has_mode, M.FULL_DECODE_ONLY), r"mode.*FULL_DECODE_ONLY"),
+    # -- BatchDescriptor --
+    row("descriptor-negative-tokens", call(BatchDescriptor, -5, "x"), r"num_tokens.*-5"),
+    row("descriptor-bool-tokens", call(BatchDescriptor, True), r"num_tokens.*True"),
+    row("descriptor-float-tokens", call(BatchDescriptor, 2.0), r"num_tokens.*2\.0"),
+    row("descriptor-string-reqs", call(BatchDescriptor, 5, "x"), r"num_reqs.*'x'"),
+    row("descriptor-zero-reqs", call(BatchDescriptor, 5, 0), r"num_reqs.*0"),
+    row("descriptor-string-uniform", call(BatchDescriptor, 5, uniform="yes"), r"uniform.*'yes'"),
+    row("descriptor-int-has_lora", call(BatchDescriptor, 5, has_lora=1), r"has_lora.*1"),
+    row("descriptor-negative-loras", call(BatchDescriptor, 5, num_active_loras=-1), r"num_active_loras.*-1"),
+    # -- CaptureSizes --
+    row("sizes-int", call(CaptureSizes, 5), r"capture_sizes.*5"),
+    row("sizes-none", call(CaptureSizes, None), r"capture_sizes.*None"),
+    row("sizes-string", call(CaptureSizes, "48"), r"capture_sizes.*'48'"),
+    row("sizes-empty", call(CaptureSizes, []), r"capture_sizes.*\[\]"),
+    row("sizes-zero", call(CaptureSizes, [1, 0]), r"capture_sizes\[1\].*0"),
+    row("sizes-bool", call(CaptureSizes, [8, True]), r"capture_sizes\[1\].*True"),
+    row("sizes-float", call(CaptureSizes, [2.5]), r"capture_sizes\[0\].*2\.5"),
+    row("default-zero", call(CaptureSizes.default, 0), r"max_size.*0"),
+    row("default-bool", call(CaptureSizes.default, True), r"max_size.*True"),
+    row("default-string", call(CaptureSizes.default, "512"), r"max_size.*'512'"),
+    row("pad-bool", call(SIZES.pad, True), r"^n: .*True"),
+    row("pad-float", call(SIZES.pad, 2.5), r"^n: .*2\.5"),
+    row("pad-string", call(SIZES.pad, "3"), r"^n: .*'3'"),
+    row("pad-negative", call(SIZES.pad, -1), r"^n: .*-1"),
+    # -- DispatchConfig --
+    row("config-mode-string", call(DispatchConfig, "FULL", SIZES, 8), r"mode.*'FULL'"),
+    row("config-sizes-list", call(DispatchConfig, M.FULL, [1, 2], 8), r"capture_sizes.*\[1, 2\]"),
+    row("config-max_num_seqs-zero", call(DispatchConfig, M.FULL, SIZES, 0), r"max_num_seqs.*0"),
+    row("config-max_num_seqs-bool", call(DispatchConfig, M.FULL, SIZES, True), r"max_num_seqs.*True"),
+    row("config-max_num_seqs-string", call(DispatchConfig, M.FULL, SIZES, "4"), r"max_num_seqs.*'4'"),
+    row("config-query_len-zero", call(DispatchConfig, M.FULL, SIZES, 8, 0), r"uniform_decode_query_len.*0"),
+    row("config-lora_counts-int", call(DispatchConfig, M.FULL, SIZES, 8, 1, 3), r"lora_counts.*3"),
+    row("config-lora_counts-zero", call(DispatchConfig, M.FULL, SIZES, 8, 1, (0,)), r"lora_counts.*0"),
+    row("config-lora_counts-float", call(DispatchConfig, M.FULL, SIZES, 8, 1, (1.5,)), r"lora_counts.*1\.5"),
+    # -- CUDAGraphDispatcher --
+    row("dispatcher-no-config", call(CUDAGraphDispatcher, None), r"config.*None"),
+    row("keys-string", call(DISPATCHER.keys, "FULL"), r"mode.*'FULL'"),
+    row("keys-config-mode", call(DISPATCHER.keys, M.FULL_AND_PIECEWISE), r"mode.*FULL_AND_PIECEWISE"),
+    row("dispatch-negative", call(DISPATCHER.dispatch, -1), r"num_tokens.*-1"),
+    row("dispatch-bool-tokens", call(DISPATCHER.dispatch, True), r"num_tokens.*True"),
+    row("dispatch-float-tokens", call(DISPATCHER.dispatch, 2.5), r"num_tokens.*2\.5"),
+    row("dispatch-string-tokens", call(DISPATCHER.dispatch, "3"), r"num_tokens.*'3'"),
+    row(
+        "dispatch-string-uniform", call(DISPATCHER.dispatch, 3, uniform_decode="no"), r"uniform_decode.*'no'"
+    ),
+    row("dispatch-int-uniform", call(DISPATCHER.dispatch, 3, uniform_decode=1), r"uniform_decode.*1"),
+    row("dispatch-none-uniform", call(DISPATCHER.dispatch, 3, uniform_decode=None), r"uniform_decode.*None"),
+    row(
+        "dispatch-negative-loras", call(DISPATCHER.dispatch, 3, num_active_loras=-1), r"num_active_loras.*-1"
+    ),
+    row(
+        "dispatch-bool-loras", call(DISPATCHER.dispatch, 3, num_active_loras=True), r"num_active_loras.*True"
+    ),
+    row(
+        "dispatch-invalid_modes-set",
+        call(DISPATCHER.dispatch, 3, invalid_modes={M.FULL}),
+        r"invalid_modes.*\{<CUDAGraphMode\.FULL",
+    ),
+    row(
+        "dispatch-invalid_modes-none-mode",
+        call(DISPATCHER.dispatch, 3, invalid_modes=frozenset({M.NONE})),
+        r"invalid_modes.*NONE",
+    ),
+    row(
+        "dispatch-invalid_modes-string",
+        call(DISPATCHER.dispatch, 3, invalid_modes="FULL"),
+        r"invalid_modes.*'FULL'",
+    ),
+    row("explain-negative", call(DISPATCHER.explain, -1), r"num_tokens.*-1"),
+    row("explain-string-uniform", call(DISPATCHER.explain, 3, uniform_decode="no"), r"uniform_decode.*'no'"),
+    # -- set_forward_context --
+    row("context-mode-string", call(set_forward_context, "FULL", KEY), r"runtime_mode.*'FULL'"),
+    row(
+        "context-config-mode",
+        call(set_forward_context, M.FULL_AND_PIECEWISE, KEY),
+        r"runtime_mode.*FULL_AND_PIECEWISE",
+    ),
+    row("context-graph-without-key", call(set_forward_context, M.FULL, None), r"batch_descriptor.*None"),
+    row("context-key-tuple", call(set_forward_context, M.FULL, (8,)), r"batch_descriptor.*\(8,\)"),
+    # -- data parallelism --
+    row("rank-negative-tokens", call(RankRequest, -1), r"num_tokens.*-1"),
+    row("rank-bool-tokens", call(RankRequest, True), r"num_tokens.*True"),
+    row("rank-string-uniform", call(RankRequest, 4, uniform_decode="yes"), r"uniform_decode.*'yes'"),
+    row("rank-negative-loras", call(RankRequest, 4, num_active_loras=-2), r"num_active_loras.*-2"),
+    row("ranks-ints", call(agree_across_ranks, DISPATCHER, [5, 7]), r"requests\[0\].*5"),
+    row("ranks-not-a-sequence", call(agree_across_ranks, DISPATCHER, 5), r"requests.*5"),
+    row("ranks-none", call(agree_across_ranks, DISPATCHER, []), r"requests.*\[\]"),
+    row(
+        "ranks-invalid_modes-string",
+        call(agree_across_ranks, DISPATCHER, [RankRequest(3)], invalid_modes="FULL"),
+        r"invalid_modes.*'FULL'",
+    ),
+    # -- the shared checks --
+    row("check_int-bool", call(check_int, "size", True, minimum=0), r"size.*True"),
+    row("check_int-below", call(check_int, "size", -1, minimum=0), r"size.*>= 0.*-1"),
+    row("check_int-string", call(check_int, "size", "3", minimum=0), r"size.*'3'"),
+    row("check_bool-string", call(check_bool, "flag", "no"), r"flag.*'no'"),
+    row("check_bool-int", call(check_bool, "flag", 1), r"flag.*1"),
+    row("check_bool-none", call(check_bool, "flag", None), r"flag.*None"),
+    # == cudagraph_capture ==
+    # -- CaptureOptions --
+    row(
+        "options-weak_ref_output-string", call(CaptureOptions, weak_ref_output="no"), r"weak_ref_output.*'no'"
+    ),
+    row("options-gc_disable-int", call(CaptureOptions, gc_disable=1), r"gc_disable.*got 1$"),
+    row(
+        "options-check_input_addresses-string",
+        call(CaptureOptions, check_input_addresses="yes"),
+        r"check_input_addresses.*'yes'",
+    ),
+    row("options-warmup_runs-negative", call(CaptureOptions, warmup_runs=-1), r"warmup_runs.*-1"),
+    row("options-warmup_runs-bool", call(CaptureOptions, warmup_runs=True), r"warmup_runs.*True"),
+    row("options-pool-int", call(CaptureOptions, pool=3), r"pool.*3"),
+    row("options-stream-int", call(CaptureOptions, stream=5), r"stream.*5"),
+    # -- the wrappers --
+    row("wrapper-mode-none", call(CUDAGraphWrapper, _identity, M.NONE), r"runtime_mode.*NONE"),
+    row(
+        "wrapper-config-mode",
+        call(CUDAGraphWrapper, _identity, M.FULL_AND_PIECEWISE),
+        r"runtime_mode.*FULL_AND_PIECEWISE",
+    ),
+    row("wrapper-mode-string", call(CUDAGraphWrapper, _identity, "FULL"), r"runtime_mode.*'FULL'"),
+    row("wrapper-runnable-int", call(CUDAGraphWrapper, 5, M.FULL), r"runnable.*5"),
+    row("wrapper-options-dict", call(CUDAGraphWrapper, _identity, M.FULL, options={}), r"options.*\{\}"),
+    row("breakable-wrapper-runnable-int", call(BreakableCUDAGraphWrapper, 5), r"runnable.*5"),
+    row(
+        "breakable-wrapper-options-int", call(BreakableCUDAGraphWrapper, _identity, options=3), r"options.*3"
+    ),
+    row(
+        "wrapper-capture-int-descriptor",
+        call(CUDAGraphWrapper(_identity, M.FULL).capture, 8, torch.zeros(1)),
+        r"descriptor.*got 8$",
+    ),
+    row(
+        "breakable-wrapper-capture-int-descriptor",
+        call(BreakableCUDAGraphWrapper(_identity).capture, 8, torch.zeros(1)),
+        r"descriptor.*got 8$",
+    ),
+    # -- BreakableCUDAGraphCapture, eager breaks, the collector, the capture switch --
+    row(
+        "breakable-capture-gc_disable-string",
+        call(BreakableCUDAGraphCapture, gc_disable="no"),
+        r"gc_disable.*'no'",
+    ),
+    row("breakable-capture-pool-int", call(BreakableCUDAGraphCapture, pool=3), r"pool.*3"),
+    row("breakable-capture-stream-string", call(BreakableCUDAGraphCapture, stream="side"), r"stream.*'side'"),
+    row("breakable-capture-descriptor-int", call(BreakableCUDAGraphCapture, descriptor=8), r"descriptor.*8"),
+    row("eager_break-not-callable", call(eager_break_during_capture, 5), r"fn.*5"),
+    row("collector_paused-string", call(_collector_paused, "no"), r"gc_disable.*'no'"),
+    row("set_capture_enabled-string", call(set_capture_enabled, "no"), r"flag.*'no'"),
+    # -- devices --
+    row("resolve_device-bool", call(resolve_device, True), r"device.*True"),
+    row("resolve_device-unknown-string", call(resolve_device, "gpu"), r"device.*'gpu'"),
+    row("resolve_device-negative-index", call(resolve_device, -1), r"device.*-1"),
+    row(
+        "resolve_device-cuda-7-without-cuda",
+        call(resolve_device, "cuda:7"),
+        r"device: 'cuda:7' is a CUDA device, but CUDA is not available here",
+        NO_CUDA,
+    ),
+    row(
+        "resolve_device-cuda-7-missing",
+        call(resolve_device, "cuda:7"),
+        r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
+        *NO_CUDA_7,
+    ),
+    row("shared_pool-cpu", call(shared_pool, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
+    row("capture_stream-cpu", call(capture_stream, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
+    # == cudagraph_manager ==
+    # -- CUDAGraphManager (on the CPU, with fake engines) --
+    row("manager-model-int", construct(model=3), re.escape("model: expected a callable, got 3")),
+    row(
+        "manager-config-string",
+        construct(config="FULL"),
+        re.escape("config: expected a DispatchConfig, got 'FULL'"),
+    ),
+    row(
+        "manager-inputs-empty",
+        construct(inputs={}),
+        re.escape("inputs: expected a non-empty mapping of names to StaticInput, got {}"),
+    ),
+    row(
+        "manager-inputs-list",
+        construct(inputs=[StaticInput()]),
+        re.escape("inputs: expected a non-empty mapping of names to StaticInput, got [StaticInput("),
+    ),
+    row(
+        "manager-input-name-not-an-identifier",
+        construct(inputs={"input ids": StaticInput()}),
+        re.escape("inputs: names are passed as keywords, so must be identifiers, got 'input ids'"),
+    ),
+    row(
+        "manager-input-name-int",
+        construct(inputs={3: StaticInput()}),
+        re.escape("inputs: names are passed as keywords, so must be identifiers, got 3"),
+    ),
+    row(
+        "manager-input-name-reserved",
+        construct(inputs={"x": StaticInput(), "uniform_decode": StaticInput()}),
+        re.escape("inputs['uniform_decode']: the name is a keyword of run() itself"),
+    ),
+    row(
+        "manager-input-spec-tuple",
+        construct(inputs={"x": (DIM,)}),
+        re.escape(f"inputs['x']: expected a StaticInput, got ({DIM},)"),
+    ),
+    row(
+        "manager-inputs-without-tokens",
+        construct(inputs={"s": StaticInput(rows="reqs"), "b": StaticInput(rows=None)}),
+        re.escape("inputs: at least one input needs rows='tokens'"),
+    ),
+    row("manager-strict-int", construct(strict=1), re.escape("strict: expected True or False, got 1")),
+    row(
+        "manager-options-dict",
+        construct(options={"gc_disable": True}),
+        re.escape("options: expected CaptureOptions or None, got {'gc_disable': True}"),
+    ),
+    row(
+        "manager-device-unknown-string",
+        construct(device="gpu7"),
+        re.escape("device: expected a torch.device, a device string or a CUDA index, got 'gpu7'"),
+    ),
+    *(
+        row(
+            f"manager-device-{device}-without-cuda",
+            construct(device=device),
+            re.escape(f"device: {device!r} is a CUDA device, but CUDA is not available here"),
+            NO_CUDA,
+        )
+        for device in (0, "cuda", "cuda:0", torch.device("cuda", 1), "cuda:7")
+    ),
+    row(
+        "manager-device-cuda-7-missing",
+        construct(device="cuda:7"),
+        r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
+        *NO_CUDA_7,
+    ),
+    row(
+        "manager-output_rows-unknown",
+        construct(output_rows="rows"),
+        re.escape("output_rows: expected 'tokens', 'reqs' or None, got 'rows'"),
+    ),
+    row(
+        "manager-output_rows-list",
+        construct(output_rows=["reqs"]),
+        re.escape("output_rows: expected 'tokens', 'reqs', None, a mapping or a tuple of them, got ['reqs']"),
+    ),
+    row(
+        "manager-output_rows-bad-entry",
+        construct(output_rows={"a": "token"}),
+        re.escape("output_rows['a']: expected 'tokens', 'reqs' or None, got 'token'"),
+    ),
+    row(
+        "manager-output_rows-int-key",
+        construct(output_rows={0: "reqs"}),
+        re.escape("output_rows: a mapping is keyed by the output dict's keys (str), got 0"),
+    ),
+    row(
+        "manager-output_rows-reqs-without-reqs-input",
+        construct(inputs={"x": StaticInput((DIM,))}, output_rows="reqs"),
+        re.escape("output_rows: an output follows 'reqs', but no input has rows='reqs'"),
+    ),
+    row(
+        "manager-check_overwritten_outputs-string",
+        construct(check_overwritten_outputs="yes", watch_factory=False),
+        re.escape("check_overwritten_outputs: expected True or False, got 'yes'"),
+    ),
+    row(
+        "manager-check_overwritten_outputs-string-before-the-engines",
+        construct(check_overwritten_outputs="yes"),
+        re.escape("check_overwritten_outputs: expected True or False, got 'yes'"),
+    ),
+    row("manager-engine_factory-int", construct(engine_factory=3), r"engine_factory.*3"),
+    row("manager-capture-progress-string", call(_capture_with_progress, "yes"), r"progress.*'yes'"),
+    # -- StaticInput --
+    row(
+        "static-shape-int",
+        call(StaticInput, shape=4),
+        re.escape("shape: expected a tuple of integers >= 1 (the trailing dims), got 4"),
+    ),
+    row("static-shape-zero", call(StaticInput, shape=(4, 0)), r"shape: expected a tuple .*, got \(4, 0\)"),
+    row("static-shape-negative", call(StaticInput, shape=(-1,)), r"shape: expected a tuple .*, got \(-1,\)"),
+    row("static-shape-bool", call(StaticInput, shape=(True,)), r"shape: expected a tuple .*, got \(True,\)"),
+    row("static-shape-float", call(StaticInput, shape=(2.0,)), r"shape: expected a tuple .*, got \(2\.0,\)"),
+    row(
+        "static-dtype-string",
+        call(StaticInput, dtype="float32"),
+        re.escape("dtype: expected a torch.dtype, got 'float32'"),
+    ),
+    row(
+        "static-dtype-quantized",
+        call(StaticInput, dtype=torch.quint8),
+        re.escape("dtype: expected a floating, integer or bool torch.dtype, got torch.quint8"),
+    ),
+    row(
+        "static-dtype-complex",
+        call(StaticInput, dtype=torch.complex64),
+        re.escape("dtype: expected a floating, integer or bool torch.dtype, got torch.complex64"),
+    ),
+    row(
+        "static-rows-unknown",
+        call(StaticInput, rows="requests"),
+        re.escape("rows: expected 'tokens', 'reqs' or None, got 'requests'"),
+    ),
+    row(
+        "static-pad_value-string",
+        call(StaticInput, pad_value="0"),
+        re.escape("pad_value: expected an int or a float, got '0'"),
+    ),
+    row(
+        "static-pad_value-bool-for-bool",
+        call(StaticInput, dtype=torch.bool, pad_value=True),
+        re.escape("pad_value: expected an int or a float, got True"),
+    ),
+    row(
+        "static-pad_value-bool-for-float",
+        call(StaticInput, pad_value=True),
+        re.escape("pad_value: expected an int or a float, got True"),
+    ),
+    row(
+        "static-pad_value-fractional-for-int",
+        call(StaticInput, dtype=torch.int64, pad_value=0.5),
+        r"pad_value: 0\.5 is not an integer",
+    ),
+    row(
+        "static-pad_value-below-uint8",
+        call(StaticInput, dtype=torch.uint8, pad_value=-1),
+        re.escape("pad_value: -1 is out of range for torch.uint8"),
+    ),
+    row(
+        "static-pad_value-above-int8",
+        call(StaticInput, dtype=torch.int8, pad_value=128),
+        re.escape("pad_value: 128 is out of range for torch.int8"),
+    ),
+    row(
+        "static-pad_value-2-for-bool",
+        call(StaticInput, dtype=torch.bool, pad_value=2),
+        re.escape("pad_value: expected 0 or 1 for dtype torch.bool, got 2"),
+    ),
+    row(
+        "static-pad_value-nan-for-float",
+        call(StaticInput, pad_value=float("nan")),
+        r"pad_value: expected a finite number .*, got nan",
+    ),
+    row(
+        "static-pad_value-nan-for-int",
+        call(StaticInput, dtype=torch.int32, pad_value=float("nan")),
+        r"pad_value: expected a finite number .*, got nan",
+    ),
+    row(
+        "static-pad_value-inf",
+        call(StaticInput, pad_value=float("inf")),
+        r"pad_value: expected a finite number .*, got inf",
+    ),
+    row(
+        "static-pad_value-overflows-half",
+        call(StaticInput, dtype=torch.float16, pad_value=1e6),
+        r"pad_value: 1000000\.0 overflows",
+    ),
+]
+
+
+@pytest.mark.parametrize(("thunk", "pattern"), BAD_INPUTS)
+def test_bad_input_names_the_argument_and_the_value(thunk: Callable[[], object], pattern: str) -> None:
+    """The call raises ``ValueError`` naming the argument and showing the value, and changes nothing."""
+    enabled = capture_enabled()
+    with pytest.raises(ValueError, match=pattern):
+        thunk()
+    assert get_forward_context() is None  # a rejected context was never entered
+    assert capture_enabled() is enabled  # a rejected flag was never stored
+
+
+# ---------------------------------------------------------------------------
+# BAD_RUNS: run() on each backend; no buffer written, no run counted
+# ---------------------------------------------------------------------------
+
+#: One step of a manager: ``run`` or ``run_batch`` with bad inputs.
+Step = Callable[[CUDAGraphManager[torch.Tensor]], object]
+#: A bad step: from a valid 5-token, 3-request batch and the backend, the step
+#: and the fragments its error message must hold.
+BadRun = Callable[[dict[str, torch.Tensor], Backend], tuple[Step, tuple[str, ...]]]
+
+
+def run_with(kwargs: Mapping[str, object]) -> Step:
+    """``manager.run(**kwargs)``, with deliberately wrong types (what an untyped caller may pass)."""
+    return lambda manager: manager.run(**kwargs)  # type: ignore[arg-type]  # the wrong types are the point
+
+
+def run_batch_with(inputs: object) -> Step:
+    """``manager.run_batch(inputs)``, with an argument of any type."""
+    return lambda manager: manager.run_batch(cast(Mapping[str, torch.Tensor], inputs))
+
+
+def _replace(batch: dict[str, torch.Tensor], name: str, value: object) -> Step:
+    return run_with({**batch, name: value})
+
+
+def _fresh(num_tokens: int, num_reqs: int, backend: Backend, **kwargs: object) -> Step:
+    return run_with({**make_batch(num_tokens, num_reqs, backend.device, seed=1), **kwargs})
+
+
+def bad_run(name: str, make: BadRun, *marks: pytest.MarkDecorator) -> object:
+    return pytest.param(make, id=name, marks=marks)
+
+
+BAD_RUNS: Final = [
+    bad_run(
+        "run-unknown-name", lambda b, _: (run_with({**b, "idz": b["ids"]}), ("unknown input(s) ['idz']",))
+    ),
+    bad_run(
+        "run-missing-name",
+        lambda b, _: (
+            run_with({k: v for k, v in b.items() if k != "scale"}),
+            ("missing input(s) ['scale']",),
+        ),
+    ),
+    bad_run("run-not-a-tensor", lambda b, _: (_replace(b, "x", b["x"].tolist()), ("input 'x'", "got list"))),
+    bad_run(
+        "run-dtype",
+        lambda b, _: (_replace(b, "ids", b["ids"].to(torch.int32)), ("input 'ids'", "torch.int32")),
+    ),
+    bad_run(
+        "run-device",
+        lambda b, be: (
+            _replace(b, "x", b["x"].to(be.foreign_device)),
+            ("input 'x'", f"got one on {be.foreign_device.type}"),
+        ),
+    ),
+    bad_run(
+        "run-trailing-shape",
+        lambda b, be: (_replace(b, "x", torch.randn(5, DIM + 1, device=be.device)), ("input 'x'", "(5, 33)")),
+    ),
+    bad_run(
+        "run-no-row-dim",
+        lambda b, be: (_replace(b, "scale", torch.tensor(2.0, device=be.device)), ("input 'scale'", "()")),
+    ),
+    bad_run("run-extra-dim", lambda b, _: (_replace(b, "ids", b["ids"][:, None]), ("input 'ids'", "(5, 1)"))),
+    bad_run(
+        "run-unbatched-shape",
+        lambda b, be: (
+            _replace(b, "bias", torch.randn(1, DIM, device=be.device)),
+            ("input 'bias'", "(1, 32)"),
+        ),
+    ),
+    bad_run(
+        "run-token-rows-differ",
+        lambda b, be: (
+            _replace(b, "x", torch.randn(6, DIM, device=be.device)),
+            ("input 'x': 6 rows", "input 'ids' has 5"),
+        ),
+    ),
+    bad_run(
+        "run-reqs-above-max_num_seqs",
+        lambda _, be: (
+            _fresh(20, MAX_NUM_SEQS + 1, be),
+            ("input 'scale'", f"{MAX_NUM_SEQS + 1} rows", f"max_num_seqs={MAX_NUM_SEQS}"),
+        ),
+    ),
+    bad_run(
+        "run-more-reqs-than-tokens",
+        lambda _, be: (_fresh(3, 4, be), ("input 'scale'", "4 requests for 3 tokens")),
+    ),
+    bad_run(
+        "run-not-uniform",
+        lambda b, _: (run_with({**b, "uniform_decode": True}), ("uniform_decode", "5 tokens for 3 requests")),
+    ),
+    bad_run(
+        "run-uniform_decode-string",
+        lambda _, be: (_fresh(3, 3, be, uniform_decode="yes"), ("uniform_decode", "got 'yes'")),
+    ),
+    bad_run(
+        "run-uniform_decode-string-mixed-batch",
+        lambda b, _: (run_with({**b, "uniform_decode": "yes"}), ("uniform_decode", "got 'yes'")),
+    ),
+    bad_run(
+        "run-negative-loras",
+        lambda b, _: (run_with({**b, "num_active_loras": -1}), ("num_active_loras", "-1")),
+    ),
+    bad_run(
+        "run-bool-loras",
+        lambda b, _: (run_with({**b, "num_active_loras": True}), ("num_active_loras", "True")),
+    ),
+    bad_run(
+        "run-invalid_modes-none-mode",
+        lambda b, _: (run_with({**b, "invalid_modes": frozenset({M.NONE})}), ("invalid_modes", "NONE")),
+    ),
+    bad_run(
+        "run_batch-list",
+        lambda b, _: (
+            run_batch_with(list(b.values())),
+            ("inputs: expected a mapping of input names to tensors, got list",),
+        ),
+    ),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    torch.manual_seed(0)
+    return Backend.of(str(request.param))
+
+
+@pytest.mark.parametrize("make", BAD_RUNS)
+def test_bad_run_raises_before_touching_a_buffer(backend: Backend, make: BadRun) -> None:
+    manager = make_manager(backend, ToyModel(backend.device))
+    manager.capture()
+    manager.run_batch(make_batch(8, 8, backend.device, seed=0))  # real data in the buffers
+    before = snapshot(manager.static_buffers)
+    stats = manager.stats
+    step, fragments = make(make_batch(5, 3, backend.device, seed=2), backend)
+    with pytest.raises(ValueError, match=re.escape(fragments[0])) as info:
+        step(manager)
+    for fragment in fragments[1:]:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+    assert_unchanged(before, manager.static_buffers)
+    assert manager.stats == stats
+
+
+# ---------------------------------------------------------------------------
+# BAD_DEMO_ARGS: command lines of the demo; argparse errors, never a traceback
+# ---------------------------------------------------------------------------
+
+DEMO_PROG: Final = "python -m cudagraph_manager.demo"
+
+
+def demo_args(argv: str, pattern: str, *marks: pytest.MarkDecorator) -> object:
+    return pytest.param(argv.split(), pattern, id=argv, marks=marks)
+
+
+BAD_DEMO_ARGS: Final = [
+    demo_args("--hidden 100 --heads 3", re.escape("num_heads: must divide hidden_size=100, got 3")),
+    demo_args("--hidden 96 --heads 32", r"heads\b.*\b32\b"),
+    demo_args("--layers 0", re.escape("num_layers: expected an integer >= 1, got 0")),
+    demo_args("--heads 0", re.escape("num_heads: expected an integer >= 1, got 0")),
+    demo_args("--max-seq-len 0", re.escape("max_seq_len: expected an integer >= 1, got 0")),
+    demo_args("--max-size 0", r"--max-size\b.*\b0\b"),
+    demo_args("--steps 0", r"--steps\b.*\b0\b"),
+    demo_args("--iters 0", r"--iters\b.*\b0\b"),
+    demo_args("--warmup -1", r"--warmup\b.*-1\b"),
+    demo_args("--tolerance 0", re.escape("--tolerance must be > 0, got 0.0")),
+    demo_args("--tolerance nan", re.escape("--tolerance must be > 0, got nan")),
+    demo_args("--dtype int8", re.escape("argument --dtype: invalid choice: 'int8'")),
+    demo_args("--max-size x", re.escape("argument --max-size: invalid int value: 'x'")),
+]
+
+
+@pytest.mark.parametrize(("argv", "pattern"), BAD_DEMO_ARGS)
+def test_bad_demo_arguments_are_argparse_errors(
+    argv: list[str], pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 2 with ``prog: error: ...`` naming the argument and the value; the demo never starts."""
+    with pytest.raises(SystemExit) as info:
+        demo_main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2, err
+    assert out == "", "the demo started"
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"{DEMO_PROG}: error: "), err
+    assert re.search(pattern, last), f"{pattern!r} not in {last!r}"
