@@ -116,10 +116,6 @@ class StaticBuffers:
         self.max_num_seqs: Final = max_num_seqs
         self.query_len: Final = query_len  # uniform_decode_query_len
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The live buffers by name."""
-        return {b.name: b.tensor for b in self.buffers}
-
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """What a graph of ``num_tokens`` tokens and ``num_reqs`` requests reads, by input name."""
         return {b.name: b.view(num_reqs if b.rows == "reqs" else num_tokens) for b in self.buffers}

@@ -54,17 +54,7 @@ _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 class _PlannedGraph(Generic[OutputT]):
     """One key of the capture plan: its engine, the views its graph reads, its counters."""
 
-    __slots__ = (
-        "context",
-        "descriptor",
-        "engine",
-        "inputs",
-        "last_cut",
-        "mode",
-        "num_reqs",
-        "num_tokens",
-        "replays",
-    )
+    __slots__ = ("descriptor", "engine", "inputs", "last_cut", "mode", "num_reqs", "num_tokens", "replays")
 
     def __init__(
         self,
@@ -77,8 +67,6 @@ class _PlannedGraph(Generic[OutputT]):
         self.mode: Final = mode
         self.descriptor: Final = descriptor
         self.engine: Final = engine  # None on a device without CUDA graphs
-        # Eager breaks run for real during a PIECEWISE replay and may read the context.
-        self.context: Final = ForwardContext(mode, descriptor)
         self.num_tokens: Final = descriptor.num_tokens
         # PIECEWISE keys are relaxed (no request count): size their request rows as vLLM does.
         self.num_reqs: Final = (
@@ -204,7 +192,7 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def static_buffers(self) -> Mapping[str, torch.Tensor]:
         """The static input buffers by name (read-only mapping; the tensors are the live buffers)."""
-        return MappingProxyType(self._buffers.tensors())
+        return MappingProxyType({b.name: b.tensor for b in self._buffers.buffers})
 
     @property
     def num_captured(self) -> int:
@@ -246,20 +234,15 @@ class CUDAGraphManager(Generic[OutputT]):
     # -- capture --
 
     def capture(self, *, progress: bool | None = None) -> CaptureReport:
-        """Capture every key of the capture plan not captured yet; report what it cost.
+        """Capture every key of the plan not captured yet (PIECEWISE, then FULL, largest first, one pool).
 
-        Order: the PIECEWISE group, then FULL, each largest first, all into one
-        shared pool (smaller graphs reuse the memory of larger ones). Each key's
-        views are filled with the inputs' pad values, then its engine warms the
-        shape up on its capture stream (``options.warmup_runs``, default 1: it
-        allocates what the model caches lazily and compiles what
-        ``torch.compile`` compiles) and captures it; its outputs are checked
-        against ``output_rows``. The collector follows the capture package's
-        policy (``collector_paused``). ``progress``: show a tqdm bar (default:
-        when stderr is a terminal). A capture error (``CaptureError``, naming
-        the key) propagates; the keys captured before it stay usable, and
-        ``capture()`` can be called again for the rest. Without CUDA the
-        report says why nothing was captured. Synchronizes the device once.
+        Each key's views are filled with pad values; its engine warms the shape
+        up (``options.warmup_runs``) and captures it; its outputs are checked
+        against ``output_rows``. ``progress``: a tqdm bar (default: when stderr
+        is a terminal). A ``CaptureError`` names the key and propagates; keys
+        captured before it stay usable and ``capture()`` again captures the
+        rest. Without CUDA the report says why nothing was captured.
+        Synchronizes the device once, at the end.
         """
         if progress is not None:
             check_bool("progress", progress)
@@ -272,7 +255,8 @@ class CUDAGraphManager(Generic[OutputT]):
         ]
         device = self._device
         records: list[CapturedGraph] = []
-        with collector_paused(self._options.gc_disable), torch.no_grad(), _current(device):
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
             reserved_before = _reserved_bytes(device)
             start = time.perf_counter()
             for planned in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
@@ -315,21 +299,15 @@ class CUDAGraphManager(Generic[OutputT]):
     ) -> OutputT:
         """Run one step: replay its graph on the padded batch, or run the model eagerly.
 
-        The inputs are checked first (exact names, tensors of the declared
-        dtype, on ``device``, with the declared trailing shape, and consistent
-        row counts): any mismatch raises ``ValueError`` naming the input, before
-        a buffer is touched. The token rows decide the dispatch. With a graph,
-        the inputs are copied into the static buffers, padding rows are filled
-        with ``pad_value``, the graph is replayed, and the outputs come back cut
-        to the real rows (views of graph memory: they stay valid until the next
-        ``run`` of this manager, or any replay from the same pool; copy what
-        must live longer). Without one (above the largest size, a kind of batch
-        the mode has no graph for, not captured yet) the model runs eagerly on
-        the given tensors, or on the padded buffers where CUDA graphs are
-        unavailable, and the run is counted per reason in ``stats``; a
-        ``strict`` manager raises ``NoGraphError`` instead. A step of 0 tokens
-        is idle: empty outputs, no model call. Runs without autograd.
-        ``run_batch`` is the same call with the inputs in one mapping.
+        Bad inputs (names, dtypes, devices, trailing shapes, row counts) raise
+        ``ValueError`` naming the input before a buffer is touched. With a
+        graph: copy in, pad with ``pad_value``, replay, and return the outputs
+        cut to the real rows: views of graph memory, valid until the next
+        ``run`` (or any replay from the same pool); copy what must live longer.
+        Without one the model runs eagerly (on the padded buffers where CUDA
+        graphs are unavailable), counted per ``EagerReason``; ``strict`` raises
+        ``NoGraphError`` instead. 0 tokens is an idle step: empty outputs, no
+        model call. No autograd. ``run_batch``: the inputs in one mapping.
         """
         return self._run(inputs, uniform_decode, num_active_loras, invalid_modes)
 
@@ -399,8 +377,8 @@ class CUDAGraphManager(Generic[OutputT]):
             self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
         if self._guard is not None:
             self._guard.retire(planned.descriptor)
-        if planned.mode is _PIECEWISE:
-            token = FORWARD_CONTEXT_VAR.set(planned.context)
+        if planned.mode is _PIECEWISE:  # its eager breaks run for real, and may read the context
+            token = FORWARD_CONTEXT_VAR.set(ForwardContext(_PIECEWISE, planned.descriptor))
             try:
                 raw = engine.replay(planned.descriptor)
             finally:
@@ -519,8 +497,3 @@ class CUDAGraphManager(Generic[OutputT]):
 def _reserved_bytes(device: torch.device) -> int:
     """The device's reserved memory (0 off CUDA): its growth is what a capture cost."""
     return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-
-
-def _current(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """``device`` made the current CUDA device for a block (a no-op context off CUDA)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

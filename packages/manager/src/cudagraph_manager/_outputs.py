@@ -57,11 +57,9 @@ def _check_rows(field: str, rows: object) -> Rows:
 
 def uses_reqs(spec: RowsSpec) -> bool:
     """True when some output is declared to follow the request count."""
-    if isinstance(spec, dict):
-        return "reqs" in spec.values()
-    if isinstance(spec, tuple):
-        return "reqs" in spec
-    return spec == "reqs"
+    return "reqs" in (
+        spec.values() if isinstance(spec, dict) else spec if isinstance(spec, tuple) else (spec,)
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
