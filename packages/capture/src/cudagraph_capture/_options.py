@@ -23,7 +23,12 @@ class CaptureOptions:
     - ``check_input_addresses``: debug check that every replay through a call
       (the forward-context path) gets its tensor arguments at the addresses
       seen at capture (a graph reads fixed addresses).
-    - ``pool``: the graph memory pool; ``None`` is the device's shared pool.
+    - ``pool``: the graph memory pool; ``None`` is the device's shared pool,
+      which stays usable for the life of the process. A pool of your own is
+      usable only while some graph captured into it is alive (torch frees an
+      empty pool, and the next capture into its handle fails), and not at all
+      after a capture into it was invalidated: keep one graph in it (an
+      anchor, as ``shared_pool`` does) if a failed first capture must be retried.
     - ``stream``: the capture stream; ``None`` is one side stream per device.
     - ``warmup_runs``: eager runs on the capture stream before each capture,
       under a NONE forward context, so that lazy initialization (cuBLAS

@@ -16,6 +16,7 @@ addresses and copies new data into them before each replay.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Final, Generic, ParamSpec, TypeVar
 
@@ -208,6 +209,12 @@ class _GraphWrapper(Generic[P, R]):
             raise CaptureError(
                 f"{type(self).__name__}: capture failed with {type(error).__name__}: {error}", descriptor
             ) from error
+        except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
+            if sys.version_info >= (3, 11):
+                error.add_note(
+                    f"{type(self).__name__}: interrupted while capturing the graph of {descriptor}"
+                )
+            raise
         if not ran:
             # The capture only recorded the work: run it once so that this
             # call's outputs hold the result for this call's inputs.

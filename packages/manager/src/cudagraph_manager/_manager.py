@@ -241,7 +241,8 @@ class CUDAGraphManager(Generic[OutputT]):
         against ``output_rows``. ``progress``: a tqdm bar (default: when stderr
         is a terminal). A ``CaptureError`` names the key and propagates; keys
         captured before it stay usable and ``capture()`` again captures the
-        rest. Without CUDA the report says why nothing was captured.
+        rest (into the shared pool; ``CaptureOptions.pool`` says when a pool of
+        your own allows that). Without CUDA the report says why nothing was captured.
         Synchronizes the device once, at the end.
         """
         if progress is not None:
