@@ -77,7 +77,7 @@ def _construct(**overrides: object) -> object:
 
 
 class _StandInStream(torch.cuda.Stream):
-    """A ``torch.cuda.Stream`` by type that needs no CUDA to exist (never used as a stream)."""
+    """A ``torch.cuda.Stream`` by type that a CPU-only torch can build (never used as a stream)."""
 
     def __new__(cls) -> _StandInStream:
         return object.__new__(cls)
@@ -90,7 +90,7 @@ def test_valid_construction_keeps_options_and_device() -> None:
     """The options given reach the engine factory: the manager may change warmup_runs, and nothing else."""
     # Stand-ins for a pool and a stream, checked by identity (the fake engines never use them).
     pool = cast(GraphPool, (1234, 5678))
-    stream = _StandInStream()
+    stream = torch.cuda.Stream() if torch.cuda.is_available() else _StandInStream()
     given = CaptureOptions(
         weak_ref_output=False,
         gc_disable=False,
