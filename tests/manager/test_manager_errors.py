@@ -16,7 +16,7 @@ from typing import Final, TypeVar, cast
 import pytest
 import torch
 
-from cudagraph_capture import CaptureOptions, GraphPool
+from cudagraph_capture import CaptureOptions, GraphPool, capture_stream
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
@@ -90,7 +90,7 @@ def test_valid_construction_keeps_options_and_device() -> None:
     """The options given reach the engine factory: the manager may change warmup_runs, and nothing else."""
     # Stand-ins for a pool and a stream, checked by identity (the fake engines never use them).
     pool = cast(GraphPool, (1234, 5678))
-    stream = torch.cuda.Stream() if torch.cuda.is_available() else _StandInStream()
+    stream = capture_stream() if torch.cuda.is_available() else _StandInStream()
     given = CaptureOptions(
         weak_ref_output=False,
         gc_disable=False,
