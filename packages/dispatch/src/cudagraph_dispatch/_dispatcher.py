@@ -123,8 +123,9 @@ class CUDAGraphDispatcher:
         self._bounds: Final = capture_sizes._bounds
         self._dense_slots: Final = capture_sizes._dense_slots
         self._num_dense_slots: Final = len(capture_sizes._dense_slots)
+        mixed_rows: dict[tuple[int, bool, bool], _Row] = {}  # shared by the sets of invalid modes
         self._tables: Final[dict[frozenset[CUDAGraphMode], _Tables]] = {
-            invalid: self._build_tables(invalid) for invalid in _INVALID_MODE_SETS
+            invalid: self._build_tables(invalid, mixed_rows) for invalid in _INVALID_MODE_SETS
         }
 
     @property
@@ -246,7 +247,9 @@ class CUDAGraphDispatcher:
             return graphs.mixed_piecewise[size_index], _WHY_GRAPH
         return None, _WHY_NO_GRAPH
 
-    def _build_tables(self, invalid_modes: frozenset[CUDAGraphMode]) -> _Tables:
+    def _build_tables(
+        self, invalid_modes: frozenset[CUDAGraphMode], mixed_rows: dict[tuple[int, bool, bool], _Row]
+    ) -> _Tables:
         """The rule's decision for every (LoRA case, uniformity, padding slot) under ``invalid_modes``.
 
         Each slot is decided at one count of it (``_representatives``): the
@@ -256,14 +259,26 @@ class CUDAGraphDispatcher:
         decided as a mixed one (the rule's fallback), so past the slot of the
         largest decode size the uniform row repeats the mixed row rather than
         asking the rule again: that keeps the build to about one rule call per
-        size and LoRA case.
+        size and LoRA case. A mixed row is built once for all the sets of
+        invalid modes that leave the same mixed graphs (``mixed_rows``): a set
+        turns a row's graphs off only where the LoRA case has graphs of that mode.
         """
         counts = self._config.capture_sizes._representatives()
         decode_slots = bisect_left(counts, self._decode_sizes[-1]) + 1 if self._decode_sizes else 0
         decide = self._decide
         tables: list[tuple[_Row, _Row]] = []
-        for lora_count in (*self._lora_cases, self._lora_cases[-1] + 1):
-            mixed = tuple([decide(count, False, lora_count, invalid_modes)[0] for count in counts])
+        for case, lora_count in enumerate((*self._lora_cases, self._lora_cases[-1] + 1)):
+            graphs = self._graphs[case] if case < len(self._graphs) else None
+            key = (
+                case,
+                graphs is not None and bool(graphs.mixed_full) and _FULL in invalid_modes,
+                graphs is not None and bool(graphs.mixed_piecewise) and _PIECEWISE in invalid_modes,
+            )
+            mixed = mixed_rows.get(key)
+            if mixed is None:
+                mixed = mixed_rows[key] = tuple(
+                    [decide(count, False, lora_count, invalid_modes)[0] for count in counts]
+                )
             uniform = [decide(count, True, lora_count, invalid_modes)[0] for count in counts[:decode_slots]]
             tables.append((mixed, (*uniform, *mixed[decode_slots:])))
         return tuple(tables)
