@@ -340,56 +340,50 @@ class CUDAGraphManager(Generic[OutputT]):
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
-        """One step at a time: a call from a second thread meanwhile raises instead of mixing steps."""
+        """The step: check, dispatch, copy in, replay, cut; or a step without a graph.
+
+        One step at a time: a call from a second thread meanwhile raises
+        instead of mixing two steps in the static buffers.
+        """
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(
                 "CUDAGraphManager.run: another thread is inside run() of this manager; its static "
                 "buffers serve one step at a time (serialize the calls, or use a manager per thread)"
             )
         try:
-            return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
+            num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
+            decision = self._dispatcher.dispatch(
+                num_tokens,
+                uniform_decode=uniform_decode,
+                num_active_loras=num_active_loras,
+                invalid_modes=invalid_modes,
+            )
+            planned = self._planned.get(decision.descriptor) if decision.mode is not _NONE else None
+            engine = planned.engine if planned is not None else None
+            if planned is None or engine is None or not engine.is_captured(planned.descriptor):
+                step = (uniform_decode, num_active_loras, invalid_modes)
+                return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step)
+            if requires_grad and torch.is_grad_enabled():
+                with torch.no_grad():  # a copy from a tensor that requires grad would record history
+                    self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+            else:
+                self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+            if self._guard is not None:
+                self._guard.retire(planned.descriptor)
+            if planned.mode is _PIECEWISE:  # its eager breaks run for real, and may read the context
+                token = FORWARD_CONTEXT_VAR.set(ForwardContext(_PIECEWISE, planned.descriptor))
+                try:
+                    raw = engine.replay(planned.descriptor)
+                finally:
+                    FORWARD_CONTEXT_VAR.reset(token)
+            else:
+                raw = engine.replay(planned.descriptor)
+            planned.replays += 1
+            self._padded_tokens += planned.num_tokens - num_tokens
+            out = self._cut(planned, raw, num_tokens, num_reqs)
+            return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
         finally:
             self._step_lock.release()
-
-    def _step(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        uniform_decode: bool,
-        num_active_loras: int,
-        invalid_modes: frozenset[CUDAGraphMode],
-    ) -> OutputT:
-        """The step: check, dispatch, copy in, replay, cut; or a step without a graph."""
-        num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
-        decision = self._dispatcher.dispatch(
-            num_tokens,
-            uniform_decode=uniform_decode,
-            num_active_loras=num_active_loras,
-            invalid_modes=invalid_modes,
-        )
-        planned = self._planned.get(decision.descriptor) if decision.mode is not _NONE else None
-        engine = planned.engine if planned is not None else None
-        if planned is None or engine is None or not engine.is_captured(planned.descriptor):
-            step = (uniform_decode, num_active_loras, invalid_modes)
-            return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step)
-        if requires_grad and torch.is_grad_enabled():
-            with torch.no_grad():  # a copy from a tensor that requires grad would record history
-                self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
-        else:
-            self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
-        if self._guard is not None:
-            self._guard.retire(planned.descriptor)
-        if planned.mode is _PIECEWISE:  # its eager breaks run for real, and may read the context
-            token = FORWARD_CONTEXT_VAR.set(ForwardContext(_PIECEWISE, planned.descriptor))
-            try:
-                raw = engine.replay(planned.descriptor)
-            finally:
-                FORWARD_CONTEXT_VAR.reset(token)
-        else:
-            raw = engine.replay(planned.descriptor)
-        planned.replays += 1
-        self._padded_tokens += planned.num_tokens - num_tokens
-        out = self._cut(planned, raw, num_tokens, num_reqs)
-        return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
 
     def _cut(self, planned: _PlannedGraph[OutputT], raw: OutputT, num_tokens: int, num_reqs: int) -> OutputT:
         """The graph's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""

@@ -221,8 +221,7 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
             )
             decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform)
             num_reqs = len(set(inputs["slot_ids"].tolist()))
-            step = _cpu_step if cpu else _gpu_step
-            results.append(step(model, manager, inputs, decision, num_reqs, uniform, args))
+            results.append(_step(model, manager, inputs, decision, num_reqs, uniform, args))
     _print_table(results, cpu=cpu)
     stats = manager.stats
     print(
@@ -269,7 +268,7 @@ def run_graph(
     )
 
 
-def _gpu_step(
+def _step(
     model: ReferenceDecoder,
     manager: CUDAGraphManager[torch.Tensor],
     inputs: dict[str, torch.Tensor],
@@ -278,39 +277,27 @@ def _gpu_step(
     uniform: bool,
     args: argparse.Namespace,
 ) -> StepResult:
-    # The graph first, then eager on the same inputs: writing K/V is
-    # idempotent, so both see the same cache. The graph's output aliases
-    # graph memory until the next run: clone it before running anything else.
-    graph_out = run_graph(manager, uniform, inputs).clone()  # [T, hidden]
+    """One step through the manager, checked against the same step run eagerly, and timed.
+
+    The manager first, then eager on the same inputs: writing K/V is
+    idempotent, so both see the same cache. The manager's output aliases graph
+    memory until the next run: it is cloned before anything else runs.
+    Without CUDA the manager runs the step eagerly on its static buffers,
+    padded as a replay would be; only eager is timed then.
+    """
+    cuda = manager.device.type == "cuda"
+    managed_out = run_graph(manager, uniform, inputs).clone()  # [T, hidden]
     eager_out = model.step(inputs)  # [T, hidden]
-    rel_err = _relative_error(graph_out, eager_out)
-    eager_ms = _time_ms(lambda: model.step(inputs), iters=args.iters, warmup=args.warmup, cuda=True)
-    graph_ms = _time_ms(
-        lambda: run_graph(manager, uniform, inputs), iters=args.iters, warmup=args.warmup, cuda=True
+    rel_err = _relative_error(managed_out, eager_out)
+    iters, warmup = (args.iters, args.warmup) if cuda else (min(args.iters, _CPU_TIMED_ITERS), 1)
+    eager_ms = _time_ms(lambda: model.step(inputs), iters=iters, warmup=warmup, cuda=cuda)
+    graph_ms = (
+        _time_ms(lambda: run_graph(manager, uniform, inputs), iters=iters, warmup=warmup, cuda=True)
+        if cuda
+        else None
     )
     num_tokens = inputs["input_ids"].shape[0]
     return StepResult(num_tokens, num_reqs, uniform, decision, eager_ms, graph_ms, rel_err)
-
-
-def _cpu_step(
-    model: ReferenceDecoder,
-    manager: CUDAGraphManager[torch.Tensor],
-    inputs: dict[str, torch.Tensor],
-    decision: Dispatch,
-    num_reqs: int,
-    uniform: bool,
-    args: argparse.Namespace,
-) -> StepResult:
-    # Without CUDA the manager runs the step eagerly on its static buffers,
-    # padded to the graph's size as a replay would be: compare with the
-    # unpadded step.
-    padded_out = run_graph(manager, uniform, inputs).clone()  # [T, hidden]
-    eager_out = model.step(inputs)  # [T, hidden]
-    rel_err = _relative_error(padded_out, eager_out)
-    iters = min(args.iters, _CPU_TIMED_ITERS)
-    eager_ms = _time_ms(lambda: model.step(inputs), iters=iters, warmup=1, cuda=False)
-    num_tokens = inputs["input_ids"].shape[0]
-    return StepResult(num_tokens, num_reqs, uniform, decision, eager_ms, None, rel_err)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
