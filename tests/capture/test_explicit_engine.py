@@ -18,6 +18,8 @@ from cudagraph_capture import (
     CaptureError,
     CUDAGraphWrapper,
     GraphEngine,
+    capture_stream,
+    shared_pool,
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext, get_forward_context
 from tests.capture.helpers import (
@@ -173,3 +175,12 @@ def test_capture_without_cuda_raises_a_capture_error(engine: Engine) -> None:
     with pytest.raises(CaptureError, match=r"needs a CUDA device, and none is available.*num_tokens=4"):
         wrapper.capture(BatchDescriptor(4), torch.ones(4))
     assert not wrapper.is_captured(BatchDescriptor(4))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device")
+def test_the_shared_pool_without_cuda_says_a_device_is_needed() -> None:
+    """Not torch's "Torch not compiled with CUDA enabled" assert."""
+    with pytest.raises(RuntimeError, match="needs a CUDA device, and none is available here"):
+        shared_pool()
+    with pytest.raises(RuntimeError, match="needs a CUDA device, and none is available here"):
+        capture_stream()

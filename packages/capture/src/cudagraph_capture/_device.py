@@ -42,6 +42,7 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
 def cuda_index(device: torch.device | str | int | None) -> int:
     """The index of CUDA device ``device`` (``None``: the current one); ``ValueError`` for others."""
     if device is None:
+        require_cuda("a CUDA graph pool or capture stream")
         return torch.cuda.current_device()
     resolved = resolve_device(device)
     if resolved.type != "cuda":
