@@ -100,7 +100,8 @@ def _new_pinned_pool(index: int) -> _DevicePool:
         stream = capture_stream(index)
         stream.wait_stream(torch.cuda.current_stream(index))
         with torch.cuda.stream(stream):
-            anchor.capture_begin(pool=handle)
+            # Thread-local like every capture here: another thread's work must not break it.
+            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
             try:
                 scratch.add_(1)
             finally:

@@ -9,6 +9,7 @@ Importing this package does not initialize CUDA and loads no example code:
 the reference decoder and the demo live in ``cudagraph_manager.examples``.
 """
 
+from ._background import BackgroundCapture as BackgroundCapture
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._outputs import OutputRows as OutputRows
@@ -24,6 +25,7 @@ from ._static import StaticInput as StaticInput
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackgroundCapture",
     "CUDAGraphManager",
     "CaptureReport",
     "CapturedGraph",

@@ -36,6 +36,7 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
+from ._background import BackgroundCapture, Misses, capture_loop
 from ._buffers import StaticBuffers, check_inputs_spec
 from ._engines import default_engine_factory
 from ._errors import NoGraphError
@@ -172,6 +173,14 @@ class CUDAGraphManager(Generic[OutputT]):
             for descriptor in descriptors
         }
         self._step_lock: Final = threading.Lock()
+        # While a background capture runs (start_capture): the lock replays and
+        # the capture thread take turns under, the stream the capture runs on,
+        # the stream of the last replay, and the keys steps missed.
+        self._replay_lock: threading.Lock | None = None
+        self._turn_stream: torch.cuda.Stream | None = None
+        self._serving_stream: torch.cuda.Stream | None = None
+        self._background: BackgroundCapture | None = None
+        self._misses: Final = Misses()
         self._layout: OutputLayout | None = None  # from the first outputs seen
         self._logged_reasons: set[EagerReason] = set()
         self._eager_reasons: dict[EagerReason, int] = {}
@@ -220,6 +229,8 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
+        if self._background is not None and not self._background.done:
+            raise RuntimeError("clear: a background capture of this manager is running; wait() for it")
         for engine in self._engines.values():
             engine.clear()
         for planned in self._planned.values():
@@ -247,6 +258,8 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         if progress is not None:
             check_bool("progress", progress)
+        if self._background is not None and not self._background.done:
+            raise RuntimeError("capture: a background capture of this manager is running; wait() for it")
         if self._no_graphs is not None:
             return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
         pending = [
@@ -267,6 +280,69 @@ class CUDAGraphManager(Generic[OutputT]):
             seconds = time.perf_counter() - start
             reserved = _reserved_bytes(device) - reserved_before
         return CaptureReport(graphs=tuple(records), seconds=seconds, reserved_bytes=reserved)
+
+    def start_capture(self) -> BackgroundCapture:
+        """Capture the plan's pending keys in a thread while ``run()`` keeps serving; returns at once.
+
+        Until a key is captured, its steps run eagerly and are counted as
+        ``not_captured`` (allowed in ``strict`` mode until the capture is done);
+        a key replays from the first step after its capture finished. The
+        handle reports progress, errors and the report (``wait()``). Call it
+        from the serving thread; meanwhile that thread must not synchronize
+        the whole device nor use the legacy default stream (see
+        ``_background``'s notes). Keys recent steps needed are captured first.
+        """
+        if self._background is not None and not self._background.done:
+            raise RuntimeError("start_capture: a background capture of this manager is already running")
+        pending = [
+            p.descriptor
+            for p in self._planned.values()
+            if p.engine is not None and not p.engine.is_captured(p.descriptor)
+        ]
+        handle = self._background = BackgroundCapture(len(pending))
+        if self._no_graphs is not None or not pending:
+            handle._finish(0.0, 0)
+            return handle
+        if self._device.type == "cuda":
+            self._turn_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # untyped stubs
+        self._replay_lock = threading.Lock()
+        thread = threading.Thread(
+            target=capture_loop,
+            args=(
+                handle,
+                pending,
+                self._misses,
+                self._capture_turn,
+                self._device,
+                self._options.gc_disable,
+                self._end_background,
+            ),
+            name="cudagraph-background-capture",
+            daemon=True,
+        )
+        thread.start()
+        return handle
+
+    def _capture_turn(self, key: BatchDescriptor) -> CapturedGraph:
+        """One key's capture in the background thread, in turn with the replays (see ``_background``)."""
+        lock, stream = self._replay_lock, self._turn_stream
+        assert lock is not None
+        with lock:
+            if stream is None:  # no CUDA streams (an engine of another kind, on the CPU)
+                return self._capture_one(self._planned[key])
+            if self._serving_stream is not None:
+                stream.wait_stream(self._serving_stream)  # the replays queued so far come first
+            with torch.cuda.stream(stream):
+                return self._capture_one(self._planned[key])
+
+    def _end_background(self) -> None:
+        """The capture thread's last act: its work done on the device, replays lock-free again."""
+        lock, stream = self._replay_lock, self._turn_stream
+        assert lock is not None
+        with lock:
+            if stream is not None:
+                stream.synchronize()  # this stream only: a device-wide sync could break a capture elsewhere
+            self._replay_lock = None
 
     def _capture_one(self, planned: _PlannedGraph[OutputT]) -> CapturedGraph:
         engine = planned.engine
@@ -360,30 +436,56 @@ class CUDAGraphManager(Generic[OutputT]):
             )
             planned = self._planned.get(decision.descriptor) if decision.mode is not _NONE else None
             engine = planned.engine if planned is not None else None
-            if planned is None or engine is None or not engine.is_captured(planned.descriptor):
-                step = (uniform_decode, num_active_loras, invalid_modes)
-                return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step)
-            if requires_grad and torch.is_grad_enabled():
-                with torch.no_grad():  # a copy from a tensor that requires grad would record history
-                    self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
-            else:
-                self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
-            if self._guard is not None:
-                self._guard.retire(planned.descriptor)
-            if planned.mode is _PIECEWISE:  # its eager breaks run for real, and may read the context
-                token = FORWARD_CONTEXT_VAR.set(ForwardContext(_PIECEWISE, planned.descriptor))
-                try:
-                    raw = engine.replay(planned.descriptor)
-                finally:
-                    FORWARD_CONTEXT_VAR.reset(token)
-            else:
-                raw = engine.replay(planned.descriptor)
-            planned.replays += 1
-            self._padded_tokens += planned.num_tokens - num_tokens
-            out = self._cut(planned, raw, num_tokens, num_reqs)
-            return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
+            busy = False
+            if planned is not None and engine is not None and engine.is_captured(planned.descriptor):
+                turns = self._replay_lock  # a background capture runs: replays take turns with it
+                if turns is None:
+                    return self._replay(planned, engine, inputs, num_tokens, num_reqs, requires_grad)
+                # Never wait for a key's capture to end: while it holds the buffers, run eagerly.
+                if turns.acquire(blocking=False):
+                    try:  # a key is captured before its check ends: inside, check it again
+                        if engine.is_captured(planned.descriptor):
+                            if self._turn_stream is not None:
+                                stream = self._serving_stream = torch.cuda.current_stream()
+                                stream.wait_stream(self._turn_stream)  # what the capture did comes first
+                            return self._replay(planned, engine, inputs, num_tokens, num_reqs, requires_grad)
+                    finally:
+                        turns.release()
+                busy = True
+            step = (uniform_decode, num_active_loras, invalid_modes)
+            return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step, busy)
         finally:
             self._step_lock.release()
+
+    def _replay(
+        self,
+        planned: _PlannedGraph[OutputT],
+        engine: GraphEngine[..., OutputT],
+        inputs: Mapping[str, torch.Tensor],
+        num_tokens: int,
+        num_reqs: int,
+        requires_grad: bool,
+    ) -> OutputT:
+        """Copy the step in, padded; replay its graph; cut the outputs to the real rows."""
+        if requires_grad and torch.is_grad_enabled():
+            with torch.no_grad():  # a copy from a tensor that requires grad would record history
+                self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+        else:
+            self._buffers.copy_in(inputs, num_tokens, num_reqs, planned.num_tokens, planned.num_reqs)
+        if self._guard is not None:
+            self._guard.retire(planned.descriptor)
+        if planned.mode is _PIECEWISE:  # its eager breaks run for real, and may read the context
+            token = FORWARD_CONTEXT_VAR.set(ForwardContext(_PIECEWISE, planned.descriptor))
+            try:
+                raw = engine.replay(planned.descriptor)
+            finally:
+                FORWARD_CONTEXT_VAR.reset(token)
+        else:
+            raw = engine.replay(planned.descriptor)
+        planned.replays += 1
+        self._padded_tokens += planned.num_tokens - num_tokens
+        out = self._cut(planned, raw, num_tokens, num_reqs)
+        return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
 
     def _cut(self, planned: _PlannedGraph[OutputT], raw: OutputT, num_tokens: int, num_reqs: int) -> OutputT:
         """The graph's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""
@@ -405,12 +507,22 @@ class CUDAGraphManager(Generic[OutputT]):
         decision: Dispatch,
         planned: _PlannedGraph[OutputT] | None,
         step: tuple[bool, int, frozenset[CUDAGraphMode]],  # uniform_decode, num_active_loras, invalid_modes
+        busy: bool = False,  # its graph is captured, but a background capture holds the buffers
     ) -> OutputT:
         """An idle step, or the model run eagerly; counted per reason (strict: ``NoGraphError``)."""
         if num_tokens == 0:
             return self._idle(inputs)
-        reason, why = self._why_eager(decision, num_tokens, *step)
-        if self._strict:
+        reason, why = (
+            (EagerReason.CAPTURE_RUNNING, "the background capture holds the static buffers for another key")
+            if busy
+            else self._why_eager(decision, num_tokens, *step)
+        )
+        capturing = self._background is not None and not self._background.done
+        if reason is EagerReason.CAPTURE_RUNNING:
+            pass  # expected while capturing, in strict mode too
+        elif reason is EagerReason.NOT_CAPTURED and capturing:
+            self._misses.add(decision.descriptor)  # captured next
+        elif self._strict:
             raise NoGraphError(num_tokens, why)
         if reason not in self._logged_reasons:  # once per reason: visible, never a flood
             self._logged_reasons.add(reason)

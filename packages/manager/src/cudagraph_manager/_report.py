@@ -21,6 +21,7 @@ class EagerReason(enum.Enum):
     INVALID_MODES = "invalid_modes"  # the step's invalid_modes turned off the graph it had
     NO_GRAPH_FOR_BATCH = "no_graph_for_batch"  # the mode has no graph for this kind of batch
     NOT_CAPTURED = "not_captured"  # its graph is in the plan but was not captured (yet)
+    CAPTURE_RUNNING = "capture_running"  # captured, but a background capture holds the static buffers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

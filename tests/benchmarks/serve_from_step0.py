@@ -1,0 +1,103 @@
+"""One cold process of the serve-from-step-0 benchmark: ``python -m tests.benchmarks.serve_from_step0 RUN``.
+
+``RUN`` is ``foreground`` (``capture()``, then serve), ``background``
+(``start_capture()`` and serve from step 0) or ``eager`` (serve without a
+manager). Each run starts in a fresh process, because the first use of a
+shape is what a start-up pays for (cuBLAS and cuDNN handles and plans, which
+are kept per thread, and the allocator's blocks). Prints one JSON line: the
+steps served (seconds since the run's start at each step's completion, step
+milliseconds, whether it replayed), the capture's seconds, when every graph was
+ready, and the steady eager step time measured at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager.examples.reference import (
+    DecoderConfig,
+    ReferenceDecoder,
+    make_step_inputs,
+    static_inputs,
+)
+
+SIZES: Final = CaptureSizes.default(256)  # with FULL_AND_PIECEWISE: 70 graphs
+DECODE_BATCHES: Final = (1, 3, 8, 13, 16, 32, 50, 64, 100, 128, 200, 256)
+STEPS_AFTER: Final = 100  # steps served once every graph is ready
+
+
+def _step(
+    manager: CUDAGraphManager[torch.Tensor] | None, model: ReferenceDecoder, inputs: dict[str, torch.Tensor]
+) -> bool:
+    """One decode step, synchronized on the serving stream; whether it replayed a graph."""
+    if manager is None:
+        model(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+        replayed = False
+    else:
+        before = manager.stats.num_replays
+        manager.run_batch(inputs, uniform_decode=True)
+        replayed = manager.stats.num_replays > before
+    torch.cuda.current_stream().synchronize()  # this stream only: a device-wide sync breaks captures
+    return replayed
+
+
+def main(run: str) -> dict[str, object]:
+    config = DecoderConfig()
+    serving = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+    with torch.no_grad(), torch.cuda.stream(serving):
+        torch.manual_seed(0)
+        model = ReferenceDecoder(config, device="cuda")
+        generator = torch.Generator().manual_seed(0)
+        steps = [
+            make_step_inputs(config, n, uniform_decode=True, generator=generator, device="cuda")
+            for n in DECODE_BATCHES
+        ]
+        dispatch = DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, SIZES, max_num_seqs=config.max_num_seqs)
+        manager = None if run == "eager" else CUDAGraphManager(model.forward, static_inputs(config), dispatch)
+        serving.synchronize()
+        served: list[tuple[float, float, bool]] = []
+        start = time.perf_counter()
+        capture_s = ready_s = None
+        retries = 0
+        if manager is not None and run == "foreground":
+            capture_s = manager.capture(progress=False).seconds
+            ready_s = time.perf_counter() - start
+        handle = manager.start_capture() if manager is not None and run == "background" else None
+        after = 0
+        while after < STEPS_AFTER:
+            step_start = time.perf_counter()
+            replayed = _step(manager, model, steps[len(served) % len(steps)])
+            now = time.perf_counter()
+            served.append((now - start, (now - step_start) * 1e3, replayed))
+            if handle is not None and ready_s is None and handle.done:
+                ready_s = now - start
+                report = handle.wait(0)
+                capture_s, retries = report.seconds, handle.retries
+                assert handle.errors == (), handle.errors
+            after += run == "eager" or ready_s is not None
+        steady = []
+        for index in range(30):  # the eager step, warm, on the same steps
+            step_start = time.perf_counter()
+            _step(None, model, steps[index % len(steps)])
+            steady.append((time.perf_counter() - step_start) * 1e3)
+    return {
+        "run": run,
+        "served": served,
+        "capture_s": capture_s,
+        "ready_s": ready_s,
+        "retries": retries,
+        "steady_eager_step_ms": statistics.median(steady[5:]),
+        "graphs": 0 if manager is None else manager.num_captured,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))
