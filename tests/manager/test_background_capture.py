@@ -40,6 +40,7 @@ from tests.torch_support import rel_err
 from .helpers import (
     BACKENDS,
     INPUTS,
+    MAX_NUM_SEQS,
     SIZES,
     TOL,
     Backend,
@@ -124,12 +125,20 @@ def test_steps_are_served_during_the_capture_and_switch_to_graphs(
     waiting = stats.eager_reasons.get("not_captured", 0) + stats.eager_reasons.get("capture_running", 0)
     assert stats.eager_runs == waiting == eager
     assert stats.num_replays == replayed
-    # After the capture every key replays, on fresh inputs.
-    for tokens in SIZES:
-        batch = make_batch(tokens, min(tokens, 3), backend.device, seed=1000 + tokens)
+    # After the capture every key replays, on fresh inputs: mixed steps of every
+    # size, and uniform decode steps of every size that has a decode graph.
+    replayed_keys = set()
+    steps = [(tokens, min(tokens, 3), False) for tokens in SIZES]
+    steps += [(tokens, tokens, True) for tokens in SIZES if tokens <= MAX_NUM_SEQS]
+    for tokens, reqs, uniform in steps:
+        batch = make_batch(tokens, reqs, backend.device, seed=1000 + tokens)
         before = manager.stats.num_replays
-        assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+        out = manager.run_batch(batch, uniform_decode=uniform)
+        assert rel_err(out, model.eager(batch)) < TOL
         assert manager.stats.num_replays == before + 1
+        replayed_keys.add(manager.dispatcher.dispatch(tokens, uniform_decode=uniform).descriptor)
+    planned_keys = {key for _, keys in manager.dispatcher.capture_plan() for key in keys}
+    assert replayed_keys == planned_keys  # every captured key replayed at least once
 
 
 def test_a_failed_key_is_reported_on_the_handle_and_serving_goes_on(backend: Backend) -> None:
