@@ -220,10 +220,6 @@ class FakeGraphEngine(Generic[R]):
     def captured(self) -> frozenset[BatchDescriptor]:
         return frozenset(self._entries)
 
-    def kept_inputs(self, descriptor: BatchDescriptor) -> dict[str, torch.Tensor]:
-        """The tensors ``descriptor`` was captured with (what its "graph" reads)."""
-        return self._entries[descriptor][0]
-
     def clear(self) -> None:
         self._entries.clear()
 
