@@ -38,7 +38,6 @@ from cudagraph_manager.examples.reference import (
 from tests.torch_support import rel_err
 
 from .helpers import (
-    BACKENDS,
     INPUTS,
     MAX_NUM_SEQS,
     SIZES,
@@ -56,12 +55,6 @@ PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 CPU: Final = torch.device("cpu")
 #: How long a test waits for the capture thread before it fails (never hangs).
 WAIT_S: Final = 120.0
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    torch.manual_seed(0)
-    return Backend.of(str(request.param))
 
 
 def _wait(gate: threading.Event) -> None:

@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,7 +40,6 @@ from cudagraph_manager import (
 
 from .helpers import (
     ALL_MODES,
-    BACKENDS,
     DIM,
     INPUTS,
     MAX_NUM_SEQS,
@@ -62,17 +61,6 @@ from .helpers import (
 FULL = CUDAGraphMode.FULL
 PIECEWISE = CUDAGraphMode.PIECEWISE
 NONE = CUDAGraphMode.NONE
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    torch.manual_seed(0)
-    chosen = Backend.of(str(request.param))
-    if chosen.device.type == "cuda":
-        with highest_fp32_matmul_precision():
-            yield chosen
-    else:
-        yield chosen
 
 
 def batch_plan(seed: int, count: int) -> list[tuple[int, int, bool]]:

@@ -21,7 +21,6 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
 from .helpers import (
-    BACKENDS,
     INPUTS,
     Backend,
     FakeEngines,
@@ -35,12 +34,6 @@ from .helpers import (
 FULL: Final = CUDAGraphMode.FULL
 CPU: Final = torch.device("cpu")
 R = TypeVar("R")
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    torch.manual_seed(0)
-    return Backend.of(str(request.param))
 
 
 # ---------------------------------------------------------------------------

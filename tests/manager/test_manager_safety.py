@@ -19,7 +19,6 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager
 
 from .helpers import (
-    BACKENDS,
     INPUTS,
     TOL,
     Backend,
@@ -31,12 +30,6 @@ from .helpers import (
 )
 
 FULL: Final = CUDAGraphMode.FULL
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    torch.manual_seed(0)
-    return Backend.of(str(request.param))
 
 
 def _guarded(model: ToyModel, *, check: bool) -> CUDAGraphManager[torch.Tensor]:

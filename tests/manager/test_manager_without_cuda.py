@@ -20,7 +20,6 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, EagerReason, NoGraphError
 
 from .helpers import (
-    BACKENDS,
     INPUTS,
     SIZES,
     TOL,
@@ -35,12 +34,6 @@ from .helpers import (
 CPU: Final = torch.device("cpu")
 FULL: Final = CUDAGraphMode.FULL
 PIECEWISE: Final = CUDAGraphMode.PIECEWISE
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> Backend:
-    torch.manual_seed(0)
-    return Backend.of(str(request.param))
 
 
 def _cpu_manager(
