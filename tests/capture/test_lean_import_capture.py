@@ -36,11 +36,10 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-@pytest.mark.parametrize("module", ["cudagraph_capture", "cudagraph_manager"])
-def test_import_does_not_initialize_cuda(module: str) -> None:
-    """``import {module}`` in a fresh interpreter leaves ``torch.cuda.is_initialized()`` False."""
+def run_fresh(*args: str) -> str:
+    """``python *args`` in a fresh interpreter with the packages on its path; its stdout (it must succeed)."""
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(module=module)],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         env=subprocess_env(),
@@ -48,5 +47,16 @@ def test_import_does_not_initialize_cuda(module: str) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"cuda_initialized": False, "loaded": True}
+    return result.stdout
+
+
+def probe(code: str) -> dict[str, object]:
+    """The JSON object that ``code``, run in a fresh interpreter, prints last."""
+    report: dict[str, object] = json.loads(run_fresh("-c", code).strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.parametrize("module", ["cudagraph_capture", "cudagraph_manager"])
+def test_import_does_not_initialize_cuda(module: str) -> None:
+    """``import {module}`` in a fresh interpreter leaves ``torch.cuda.is_initialized()`` False."""
+    assert probe(_PROBE.format(module=module)) == {"cuda_initialized": False, "loaded": True}

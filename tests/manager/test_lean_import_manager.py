@@ -8,15 +8,12 @@ the examples does register the op), so the check can fail.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Final
 
 import pytest
 
-from tests.capture.test_lean_import_capture import subprocess_env
+from tests.capture.test_lean_import_capture import probe, run_fresh
 
 pytest.importorskip("torch")
 
@@ -38,17 +35,7 @@ print(json.dumps({{
 
 
 def _probe(module: str) -> dict[str, object]:
-    result = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(module=module)],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
-    return report
+    return probe(_PROBE.format(module=module))
 
 
 def test_import_loads_no_example_code_and_registers_no_op() -> None:
@@ -84,14 +71,6 @@ def test_the_readme_shows_the_engine_example_as_it_is() -> None:
 
 @pytest.mark.gpu
 def test_the_engine_example_runs_as_written() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "cudagraph_manager.examples.in_an_engine"],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Captured " in result.stdout
-    assert "ManagerStats(" in result.stdout
+    stdout = run_fresh("-m", "cudagraph_manager.examples.in_an_engine")
+    assert "Captured " in stdout
+    assert "ManagerStats(" in stdout
