@@ -289,8 +289,9 @@ class CUDAGraphManager(Generic[OutputT]):
         a key replays from the first step after its capture finished. The
         handle reports progress, errors and the report (``wait()``). Call it
         from the serving thread; meanwhile that thread must not synchronize
-        the whole device nor use the legacy default stream (see
-        ``_background``'s notes). Keys recent steps needed are captured first.
+        the whole device, use the legacy default stream, or draw from the
+        default CUDA generator (see ``_background``'s notes). Keys recent
+        steps needed are captured first.
         """
         if self._background is not None and not self._background.done:
             raise RuntimeError("start_capture: a background capture of this manager is already running")
