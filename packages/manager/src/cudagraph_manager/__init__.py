@@ -5,11 +5,17 @@
 (largest first, one shared pool) and runs each step through the right one:
 validate, dispatch, copy into static buffers, pad, replay (FULL through the
 monolithic engine, PIECEWISE through the breakable one), cut the outputs back.
-Importing this package does not initialize CUDA and loads no example code:
+``compile_for_capture`` compiles a model for it (inductor, one compile for
+every size, no inductor graphs). Importing this package does not initialize
+CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in ``cudagraph_manager.examples``.
 """
 
 from ._background import BackgroundCapture as BackgroundCapture
+from ._compiled import CompiledModel as CompiledModel
+from ._compiled import compile_for_capture as compile_for_capture
+from ._distributed import RankAgreement as RankAgreement
+from ._distributed import RanksDisagreeError as RanksDisagreeError
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._outputs import OutputRows as OutputRows
@@ -29,12 +35,16 @@ __all__ = [
     "CUDAGraphManager",
     "CaptureReport",
     "CapturedGraph",
+    "CompiledModel",
     "EagerReason",
     "GraphEngineFactory",
     "ManagerStats",
     "ModelOutput",
     "NoGraphError",
     "OutputRows",
+    "RankAgreement",
+    "RanksDisagreeError",
     "Rows",
     "StaticInput",
+    "compile_for_capture",
 ]

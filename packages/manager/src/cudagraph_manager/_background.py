@@ -17,7 +17,8 @@ wait for the capture stream. Eager steps take no lock: they read the caller's
 tensors, not the buffers. What the serving thread must not do during
 a background capture: synchronize the whole device (``torch.cuda.synchronize()``),
 use the legacy default stream, or draw from the default CUDA generator (the
-capture has registered it): each fails or invalidates the capture in flight. An invalidated capture is dropped and the key tried again (up to
+capture has registered it): each fails or invalidates the capture in
+flight. An invalidated capture is dropped and the key tried again (up to
 ``RETRIES`` more times); an error is kept on the handle and logged, and the
 other keys go on.
 

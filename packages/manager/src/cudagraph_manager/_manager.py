@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +24,15 @@ from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_capture import CaptureOptions, GraphEngine, OutputGuard, collector_paused, resolve_device
+from cudagraph_capture import (
+    CaptureError,
+    CaptureOptions,
+    GraphEngine,
+    OutputGuard,
+    capture_enabled,
+    collector_paused,
+    resolve_device,
+)
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     BatchDescriptor,
@@ -32,12 +41,14 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
     ForwardContext,
+    RankRequest,
     check_bool,
     set_forward_context,
 )
 
 from ._background import BackgroundCapture, Misses, capture_loop
 from ._buffers import StaticBuffers, check_inputs_spec
+from ._distributed import RankAgreement
 from ._engines import default_engine_factory
 from ._errors import NoGraphError
 from ._outputs import OutputLayout, OutputRows, check_output_rows, uses_reqs
@@ -105,6 +116,13 @@ class CUDAGraphManager(Generic[OutputT]):
 
     One step at a time: the static buffers serve one step, so a ``run`` while
     another thread is inside ``run`` of the same manager raises ``RuntimeError``.
+
+    ``ranks`` (a ``RankAgreement``) makes the ranks of a data-parallel group,
+    or of a tensor-parallel group whose graphs hold collectives, step
+    together: ``capture()`` checks that every rank captures the same plan and
+    fails on every rank when one fails; each ``run()`` is one exchange, after
+    which every rank replays the same graph (a rank with 0 tokens replays it
+    on pad values: the padded dummy step) or every rank runs eagerly.
     """
 
     def __init__(
@@ -119,6 +137,7 @@ class CUDAGraphManager(Generic[OutputT]):
         output_rows: OutputRows = "tokens",
         engine_factory: GraphEngineFactory | None = None,
         check_overwritten_outputs: bool = False,
+        ranks: RankAgreement | None = None,
     ) -> None:
         if not callable(model):
             raise ValueError(f"model: expected a callable, got {model!r:.80}")
@@ -127,6 +146,9 @@ class CUDAGraphManager(Generic[OutputT]):
                 f"engine_factory: expected None or a GraphEngineFactory, got {engine_factory!r:.80}"
             )
         check_bool("check_overwritten_outputs", check_overwritten_outputs)
+        given_ranks: object = ranks
+        if given_ranks is not None and not isinstance(given_ranks, RankAgreement):
+            raise ValueError(f"ranks: expected a RankAgreement or None, got {ranks!r:.80}")
         self._dispatcher: Final = CUDAGraphDispatcher(config)  # validates config
         checked = check_inputs_spec(inputs)
         self._strict: Final = check_bool("strict", strict)
@@ -149,6 +171,8 @@ class CUDAGraphManager(Generic[OutputT]):
         if strict and self._no_graphs is not None:
             raise ValueError(f"strict: {self._no_graphs}; pass strict=False to run every step eagerly")
         self._guard: Final = OutputGuard() if check_overwritten_outputs else None
+        self._ranks: Final = ranks
+        self._all_captured = False  # every key of the plan captured: what a rank tells the others
 
         self._model: Final = model
         self._buffers: Final = StaticBuffers(
@@ -186,6 +210,7 @@ class CUDAGraphManager(Generic[OutputT]):
         self._eager_reasons: dict[EagerReason, int] = {}
         self._padded_tokens = 0
         self._idle_steps = 0
+        self._dummy_steps = 0
 
     # -- accessors --
 
@@ -225,12 +250,14 @@ class CUDAGraphManager(Generic[OutputT]):
             padded_tokens=self._padded_tokens,
             eager_reasons=MappingProxyType({r.value: n for r, n in self._eager_reasons.items()}),
             idle_steps=self._idle_steps,
+            dummy_steps=self._dummy_steps,
         )
 
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         if self._background is not None and not self._background.done:
             raise RuntimeError("clear: a background capture of this manager is running; wait() for it")
+        self._all_captured = False
         for engine in self._engines.values():
             engine.clear()
         for planned in self._planned.values():
@@ -240,7 +267,7 @@ class CUDAGraphManager(Generic[OutputT]):
         for planned in self._planned.values():
             planned.replays = 0
         self._eager_reasons.clear()
-        self._padded_tokens = self._idle_steps = 0
+        self._padded_tokens = self._idle_steps = self._dummy_steps = 0
 
     # -- capture --
 
@@ -255,18 +282,31 @@ class CUDAGraphManager(Generic[OutputT]):
         rest (into the shared pool; ``CaptureOptions.pool`` says when a pool of
         your own allows that). Without CUDA the report says why nothing was captured.
         Synchronizes the device once, at the end.
+
+        With ``ranks``, a collective: every rank calls it. It first checks
+        that all ranks would capture the same keys in the same order
+        (``RanksDisagreeError`` on every rank, before any capture), then
+        after each key that every rank captured it: if one failed, every
+        rank drops that key and raises (the failed rank its own error, the
+        others a ``CaptureError`` naming the failed ranks).
         """
         if progress is not None:
             check_bool("progress", progress)
         if self._background is not None and not self._background.done:
             raise RuntimeError("capture: a background capture of this manager is running; wait() for it")
-        if self._no_graphs is not None:
-            return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
+        ranks = self._ranks
         pending = [
             p
             for p in self._planned.values()
             if p.engine is not None and not p.engine.is_captured(p.descriptor)
         ]
+        if ranks is not None:
+            unable = self._no_graphs if self._no_graphs is not None else (
+                None if capture_enabled() else "capture is disabled (set_capture_enabled(False))"
+            )
+            ranks.agree_plan([(p.mode, p.descriptor) for p in pending], can_capture=unable)
+        if self._no_graphs is not None:
+            return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
         device = self._device
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -274,12 +314,45 @@ class CUDAGraphManager(Generic[OutputT]):
             reserved_before = _reserved_bytes(device)
             start = time.perf_counter()
             for planned in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                records.append(self._capture_one(planned))
+                if ranks is None:
+                    records.append(self._capture_one(planned))
+                else:
+                    records.append(self._capture_one_with_ranks(planned, ranks))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # once, so the total includes the device's work
             seconds = time.perf_counter() - start
             reserved = _reserved_bytes(device) - reserved_before
+        self._all_captured = self.num_captured == len(self._planned)
         return CaptureReport(graphs=tuple(records), seconds=seconds, reserved_bytes=reserved)
+
+    def _capture_one_with_ranks(self, planned: _PlannedGraph[OutputT], ranks: RankAgreement) -> CapturedGraph:
+        """One key's capture on every rank, kept only if every rank captured it (one exchange).
+
+        An exception (not a ``KeyboardInterrupt``) is held until the ranks
+        have compared notes, so a failure on one rank never leaves the others
+        waiting for it in their next collective.
+        """
+        error: Exception | None = None
+        record: CapturedGraph | None = None
+        try:
+            record = self._capture_one(planned)
+        except Exception as exc:
+            error = exc
+        failed = ranks.failed_ranks(error is not None)
+        if error is not None:
+            if sys.version_info >= (3, 11):
+                error.add_note(f"rank {ranks.rank} of {ranks.world_size}: every rank dropped this key")
+            raise error
+        if failed:
+            assert planned.engine is not None  # only keys with an engine are captured
+            planned.engine.discard(planned.descriptor)  # the graphs of all ranks stay the same set
+            raise CaptureError(
+                f"rank(s) {failed} of {ranks.world_size} failed to capture this key, so rank "
+                f"{ranks.rank} dropped it too; their errors say why",
+                planned.descriptor,
+            )
+        assert record is not None
+        return record
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving; returns at once.
@@ -295,6 +368,12 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         if self._background is not None and not self._background.done:
             raise RuntimeError("start_capture: a background capture of this manager is already running")
+        if self._ranks is not None:
+            raise RuntimeError(
+                "start_capture: a manager with ranks= captures with capture(), on every rank at once; "
+                "a background capture would interleave its collectives with the serving steps' "
+                "differently on each rank"
+            )
         pending = [
             p.descriptor
             for p in self._planned.values()
@@ -429,6 +508,9 @@ class CUDAGraphManager(Generic[OutputT]):
             )
         try:
             num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
+            if self._ranks is not None:
+                step = (uniform_decode, num_active_loras, invalid_modes)
+                return self._run_with_ranks(self._ranks, inputs, num_tokens, num_reqs, requires_grad, step)
             decision = self._dispatcher.dispatch(
                 num_tokens,
                 uniform_decode=uniform_decode,
@@ -457,6 +539,51 @@ class CUDAGraphManager(Generic[OutputT]):
             return self._run_without_graph(inputs, num_tokens, num_reqs, decision, planned, step, busy)
         finally:
             self._step_lock.release()
+
+    def _run_with_ranks(
+        self,
+        ranks: RankAgreement,
+        inputs: Mapping[str, torch.Tensor],
+        num_tokens: int,
+        num_reqs: int,
+        requires_grad: bool,
+        step: tuple[bool, int, frozenset[CUDAGraphMode]],  # uniform_decode, num_active_loras, invalid_modes
+    ) -> OutputT:
+        """A step every rank runs alike: agree (one exchange), then replay the agreed key, or all eager.
+
+        A rank with 0 tokens replays the agreed graph on pad values (the
+        padded dummy step), so the collectives inside it meet their peers;
+        when all run eagerly it is idle, as without ranks.
+        """
+        uniform_decode, num_active_loras, invalid_modes = step
+        agreed = ranks.agree_step(
+            self._dispatcher,
+            RankRequest(num_tokens, uniform_decode, num_active_loras),
+            invalid_modes=invalid_modes,
+            can_replay=self._all_captured,
+        )
+        if agreed.mode is not _NONE:
+            planned = self._planned[agreed.descriptor]
+            engine = planned.engine
+            assert engine is not None  # every rank reported all its keys captured
+            if num_tokens == 0:
+                self._dummy_steps += 1
+            return self._replay(planned, engine, inputs, num_tokens, num_reqs, requires_grad)
+        own = self._dispatcher.dispatch(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            num_active_loras=num_active_loras,
+            invalid_modes=invalid_modes,
+        )
+        reason: tuple[EagerReason, str] | None = None
+        if own.mode is not _NONE and self._all_captured:  # this rank had a graph; another rank had none
+            reason = (
+                EagerReason.OTHER_RANK,
+                f"another rank of the {ranks.world_size} runs this step without a graph, so all do "
+                f"(the agreed step: {agreed.descriptor.num_tokens} tokens)",
+            )
+        own_graph = self._planned.get(own.descriptor) if own.mode is not _NONE else None
+        return self._run_without_graph(inputs, num_tokens, num_reqs, own, own_graph, step, known=reason)
 
     def _replay(
         self,
@@ -509,15 +636,18 @@ class CUDAGraphManager(Generic[OutputT]):
         planned: _PlannedGraph[OutputT] | None,
         step: tuple[bool, int, frozenset[CUDAGraphMode]],  # uniform_decode, num_active_loras, invalid_modes
         busy: bool = False,  # its graph is captured, but a background capture holds the buffers
+        known: tuple[EagerReason, str] | None = None,  # the reason, decided by the caller
     ) -> OutputT:
         """An idle step, or the model run eagerly; counted per reason (strict: ``NoGraphError``)."""
         if num_tokens == 0:
             return self._idle(inputs)
-        reason, why = (
-            (EagerReason.CAPTURE_RUNNING, "the background capture holds the static buffers for another key")
-            if busy
-            else self._why_eager(decision, num_tokens, *step)
-        )
+        if known is not None:
+            reason, why = known
+        elif busy:
+            reason = EagerReason.CAPTURE_RUNNING
+            why = "the background capture holds the static buffers for another key"
+        else:
+            reason, why = self._why_eager(decision, num_tokens, *step)
         capturing = self._background is not None and not self._background.done
         if reason is EagerReason.CAPTURE_RUNNING:
             pass  # expected while capturing, in strict mode too

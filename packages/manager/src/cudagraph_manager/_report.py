@@ -22,6 +22,7 @@ class EagerReason(enum.Enum):
     NO_GRAPH_FOR_BATCH = "no_graph_for_batch"  # the mode has no graph for this kind of batch
     NOT_CAPTURED = "not_captured"  # its graph is in the plan but was not captured (yet)
     CAPTURE_RUNNING = "capture_running"  # captured, but a background capture holds the static buffers
+    OTHER_RANK = "other_rank"  # this rank had a graph, another rank of its RankAgreement had none
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,8 +108,10 @@ class ManagerStats:
     ``eager_reasons`` splits them by ``EagerReason`` (its value as the key);
     ``uncaptured_runs`` is the part whose graph exists in the plan but was
     not captured yet. ``idle_steps`` counts steps of 0 tokens (no model
-    call). ``padded_tokens`` is the padding rows the replays computed on top
-    of the real tokens.
+    call). ``dummy_steps`` counts steps of 0 tokens that replayed a graph on
+    pad values because other ranks (``RankAgreement``) had tokens; they are
+    replays too. ``padded_tokens`` is the padding rows the replays computed
+    on top of the real tokens.
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
@@ -117,6 +120,7 @@ class ManagerStats:
     padded_tokens: int
     eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
     idle_steps: int = 0
+    dummy_steps: int = 0
 
     @property
     def num_replays(self) -> int:

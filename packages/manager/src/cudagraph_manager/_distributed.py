@@ -1,0 +1,216 @@
+"""Ranks that step together: one small all-reduce per step makes them agree.
+
+Ranks whose graphs hold collectives (tensor-parallel all-reduces) or whose
+models exchange tokens (data-parallel MoE all-to-alls) must launch the same
+kind of step at the same time: a graph with NCCL operations is itself a
+collective, so one rank replaying while another runs eagerly, or two ranks
+replaying graphs of different sizes, hangs or corrupts both. ``RankAgreement``
+is the group those ranks agree over. Each exchange is one all-reduce of a
+``[world_size, fields]`` int64 table in which every rank fills its own row
+(the layout of vLLM's ``coordinate_batch_across_dp``), so every rank reads
+every rank's values and computes the same answer locally.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from collections.abc import Sequence
+from typing import Final, Literal
+
+import torch
+import torch.distributed as dist
+
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CUDAGraphDispatcher,
+    CUDAGraphMode,
+    Dispatch,
+    RankRequest,
+    agree_across_ranks,
+)
+
+Backend = Literal["gloo", "nccl"]
+
+_NONE: Final = CUDAGraphMode.NONE
+_MODES: Final = tuple(CUDAGraphMode)
+_BACKENDS: Final[tuple[str, ...]] = ("gloo", "nccl")
+
+
+class RanksDisagreeError(RuntimeError):
+    """Ranks of one ``RankAgreement`` would do different things; raised on every rank alike.
+
+    ``what`` names the thing they disagree on; ``values`` holds each rank's
+    value, by rank.
+    """
+
+    def __init__(self, what: str, values: Sequence[object], detail: str = "") -> None:
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        super().__init__(f"ranks disagree on {what} ({per_rank}){detail}")
+        self.what = what
+        self.values = tuple(values)
+
+
+class RankAgreement:
+    """The ranks that run every step together, and the exchange that keeps them in step.
+
+    ``group`` is the process group of those ranks (default: the whole world).
+    ``backend`` is where the per-step all-reduce runs: ``"gloo"`` (default)
+    exchanges CPU tensors over a gloo group of the same ranks, created here
+    (a collective call: every rank of ``group`` must construct its
+    ``RankAgreement`` at the same point); ``"nccl"`` exchanges on ``device``
+    (default: the current CUDA device) and reads the result back, which
+    synchronizes with that device's current stream. ``backend=None`` uses
+    ``group`` itself, whatever its backend. ``timeout`` bounds every exchange
+    of a group created here: a rank that never arrives makes the others raise
+    instead of waiting for ever.
+
+    Give it to ``CUDAGraphManager(..., ranks=...)``; every rank of the group
+    then runs the same mode at the same padded size on each ``run()``.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: Backend | None = "gloo",
+        device: torch.device | str | int | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "RankAgreement: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first"
+            )
+        given_group: object = group
+        if given_group is not None and not isinstance(given_group, dist.ProcessGroup):
+            raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r}")
+        given_backend: object = backend
+        if given_backend is not None and given_backend not in _BACKENDS:
+            raise ValueError(f"backend: expected 'gloo', 'nccl' or None, got {backend!r}")
+        given_timeout: object = timeout
+        if given_timeout is not None and (
+            not isinstance(given_timeout, datetime.timedelta) or given_timeout.total_seconds() <= 0
+        ):
+            raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
+        if backend is None:
+            if group is None:
+                group = dist.group.WORLD
+            assert group is not None  # initialized above
+            chosen = str(dist.get_backend(group))
+        else:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            chosen = backend
+        self._group: Final = group
+        self._backend: Final = chosen
+        self._rank: Final = dist.get_rank(group)
+        self._world_size: Final = dist.get_world_size(group)
+        if self._backend == "nccl":
+            from cudagraph_capture import resolve_device
+
+            target = resolve_device(device)
+            if target.type != "cuda":
+                raise ValueError(f"device: the nccl backend exchanges on a CUDA device, got {device!r}")
+            self._device: torch.device = target
+        else:
+            self._device = torch.device("cpu")
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group the exchanges run over."""
+        return self._group
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group (its row in every exchange)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every rank's ``row`` (ints, the same length on every rank), by rank: one all-reduce.
+
+        A collective: every rank of the group calls it, in the same order as
+        its other exchanges. Synchronizes with the exchange (a CPU wait for
+        gloo, a device-to-host copy for nccl).
+        """
+        width = len(row)
+        table = [0] * (width * self._world_size)  # [world_size, width], row-major
+        start = self._rank * width
+        table[start : start + width] = row
+        tensor = torch.tensor(table, dtype=torch.int64)
+        if self._device.type == "cuda":
+            tensor = tensor.to(self._device, non_blocking=True)
+        dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
+        flat: list[int] = tensor.tolist()
+        return [tuple(flat[r * width : (r + 1) * width]) for r in range(self._world_size)]
+
+    def agree_step(
+        self,
+        dispatcher: CUDAGraphDispatcher,
+        request: RankRequest,
+        *,
+        invalid_modes: frozenset[CUDAGraphMode],
+        can_replay: bool,
+    ) -> Dispatch:
+        """The decision every rank runs this step (one exchange).
+
+        ``agree_across_ranks`` over every rank's request, with the union of
+        the ranks' ``invalid_modes`` (a mode off on one rank is off on all),
+        and eager on all (unpadded, the largest count) when any rank with
+        tokens cannot replay (``can_replay=False``: its graphs are not all
+        captured).
+        """
+        mask = 0
+        for mode in invalid_modes:
+            mask |= 1 << _MODES.index(mode)
+        rows = self.exchange(
+            (request.num_tokens, int(request.uniform_decode), request.num_active_loras, mask, int(can_replay))
+        )
+        requests = [RankRequest(n, bool(u), loras) for n, u, loras, _, _ in rows]
+        if any(n > 0 and not ok for n, _, _, _, ok in rows):
+            return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
+        union = 0
+        for *_, bits, _ in rows:
+            union |= bits
+        modes = frozenset(m for i, m in enumerate(_MODES) if union >> i & 1)
+        return agree_across_ranks(dispatcher, requests, invalid_modes=modes)
+
+    def agree_plan(
+        self, plan: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], *, can_capture: str | None
+    ) -> None:
+        """Raise ``RanksDisagreeError`` on every rank unless all would capture ``plan``, in order.
+
+        ``can_capture`` is ``None`` when this rank can capture, else why not.
+        One exchange of a digest of the plan, its length and that flag.
+        """
+        digest = zlib.crc32(repr([(m.name, d) for m, d in plan]).encode())
+        rows = self.exchange((digest, len(plan), int(can_capture is None)))
+        if not all(ok for *_, ok in rows):
+            unable = [r for r, (*_, ok) in enumerate(rows) if not ok]
+            mine = f"; here (rank {self._rank}): {can_capture}" if can_capture is not None else ""
+            raise RanksDisagreeError(
+                "whether to capture",
+                ["cannot capture" if not ok else "can capture" for *_, ok in rows],
+                f": rank(s) {unable} cannot capture CUDA graphs{mine}",
+            )
+        if len({(d, n) for d, n, _ in rows}) > 1:
+            raise RanksDisagreeError(
+                "the capture plan",
+                [f"{n} keys, digest {d:#010x}" for d, n, _ in rows],
+                "; every rank must build its manager with the same config and capture the same keys",
+            )
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks (one exchange) that report ``failed=True``: every rank learns the same list."""
+        return [r for r, (bad,) in enumerate(self.exchange((int(failed),))) if bad]
+
+    def __repr__(self) -> str:
+        return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"

@@ -1,0 +1,133 @@
+"""One rank of the two-GPU benchmarks (``python -m tests.benchmarks.multi_gpu tp WORKDIR``).
+
+Spawned by ``test_bench_multi_gpu.py`` through ``tests.ranks_support``. Both
+ranks build the tensor-parallel reference decoder (8 layers, d=1024, bf16,
+8 heads per rank) and run the same candidates in the same order, so their
+collectives meet; rank 0's timings are the result. Per batch (1, 16, 128),
+interleaved rounds of: eager, a hand-written ``torch.cuda.CUDAGraph``, the
+manager in FULL and in PIECEWISE, and the FULL manager agreeing every step
+over gloo and over NCCL (``RankAgreement``). Then the agreement alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig, RankRequest
+from cudagraph_manager import CUDAGraphManager, RankAgreement
+from cudagraph_manager.examples.reference import (
+    DecoderConfig,
+    ReferenceDecoder,
+    make_step_inputs,
+    static_inputs,
+)
+from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+from tests.benchmarks.support import interleave
+from tests.ranks_support import Result, rank_main
+
+BATCHES: Final = (1, 16, 128)
+_ROUNDS: Final = 15
+_CALLS: Final = 20
+_AGREE_CALLS: Final = 2000
+_TIMEOUT: Final = datetime.timedelta(seconds=120)
+
+
+def _hand_written(model: TensorParallelDecoder, inputs: dict[str, torch.Tensor]) -> Callable[[], object]:
+    """A ``torch.cuda.CUDAGraph`` of one step on ``inputs`` (static), warmed up on a side stream."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped stubs
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            model(**inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        model(**inputs)
+    return graph.replay
+
+
+def tensor_parallel(args: Sequence[str]) -> Result:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    torch.manual_seed(0)
+    config = DecoderConfig()
+    model = TensorParallelDecoder(ReferenceDecoder(config, device=device))
+    gloo = RankAgreement(backend="gloo", timeout=_TIMEOUT)
+    nccl = RankAgreement(backend="nccl", timeout=_TIMEOUT)
+    sizes = CaptureSizes(BATCHES)
+
+    def manager(mode: CUDAGraphMode, ranks: RankAgreement | None) -> CUDAGraphManager[torch.Tensor]:
+        built = CUDAGraphManager(
+            model,
+            static_inputs(config),
+            DispatchConfig(mode, sizes, config.max_num_seqs, 1),
+            device=device,
+            strict=True,
+            ranks=ranks,
+        )
+        built.capture()
+        return built
+
+    full, piecewise = manager(CUDAGraphMode.FULL, None), manager(CUDAGraphMode.PIECEWISE, None)
+    full_gloo, full_nccl = manager(CUDAGraphMode.FULL, gloo), manager(CUDAGraphMode.FULL, nccl)
+    result: Result = {"world_size": world_size, "device": torch.cuda.get_device_name(device)}
+    g = torch.Generator().manual_seed(1)  # the same steps on every rank
+    for batch in BATCHES:
+        inputs = make_step_inputs(config, batch, uniform_decode=True, generator=g, device=device)
+        graph = _hand_written(model, inputs)
+
+        def eager(inputs: dict[str, torch.Tensor] = inputs) -> object:
+            with torch.no_grad():
+                return model(**inputs)
+
+        candidates: dict[str, Callable[[], object]] = {
+            "eager": eager,
+            "cuda_graph": graph,
+            "manager_full": functools.partial(full.run_batch, inputs),
+            "manager_piecewise": functools.partial(piecewise.run_batch, inputs),
+            "manager_full_agreed_gloo": functools.partial(full_gloo.run_batch, inputs),
+            "manager_full_agreed_nccl": functools.partial(full_nccl.run_batch, inputs),
+        }
+        timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_CALLS)
+        full_us = timed.median("manager_full") * 1e6
+        result[f"batch{batch}"] = {
+            "median_us": {name: timed.median(name) * 1e6 for name in candidates},
+            "full_over_eager": timed.ratio("manager_full", "eager"),
+            "eager_over_full": 1.0 / timed.ratio("manager_full", "eager"),
+            "full_over_cuda_graph": timed.ratio("manager_full", "cuda_graph"),
+            "piecewise_over_full": timed.ratio("manager_piecewise", "manager_full"),
+            "agreed_gloo_minus_full_us": timed.median("manager_full_agreed_gloo") * 1e6 - full_us,
+            "agreed_nccl_minus_full_us": timed.median("manager_full_agreed_nccl") * 1e6 - full_us,
+        }
+        del graph
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(CUDAGraphMode.FULL, sizes, config.max_num_seqs, 1))
+    for name, ranks in (("gloo", gloo), ("nccl", nccl)):
+        request = RankRequest(1 + rank, True, 0)
+        for _ in range(100):  # warm-up
+            ranks.agree_step(dispatcher, request, invalid_modes=frozenset(), can_replay=True)
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(_AGREE_CALLS // 5):
+                ranks.agree_step(dispatcher, request, invalid_modes=frozenset(), can_replay=True)
+            samples.append((time.perf_counter() - start) / (_AGREE_CALLS // 5) * 1e6)
+        result[f"agree_step_{name}_us"] = sorted(samples)[len(samples) // 2]
+    for built in (full, piecewise, full_gloo, full_nccl):
+        built.clear()  # graphs with NCCL operations freed before the process ends
+    torch.cuda.synchronize()
+    return result
+
+
+if __name__ == "__main__":
+    rank_main({"tp": tensor_parallel})

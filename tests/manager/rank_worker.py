@@ -1,0 +1,263 @@
+"""One rank of the multi-rank manager tests (``python -m tests.manager.rank_worker SCENARIO ...``).
+
+Spawned by ``tests/manager/test_ranks.py`` through ``tests.ranks_support``.
+Each scenario runs on every rank, checks what one rank can check (outputs
+against eager), and reports facts as JSON for the parent test to compare
+across ranks. ``cpu`` runs over gloo with the fake engines (the manager's
+whole logic, no GPU); ``cuda`` runs rank ``r`` on GPU ``r`` with the real
+engines, NCCL for the model's collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+
+from cudagraph_capture import set_capture_enabled
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_manager import CUDAGraphManager, RankAgreement, RanksDisagreeError
+from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
+from tests.ranks_support import Result, rank_main
+
+_TIMEOUT: Final = datetime.timedelta(seconds=60)
+_FULL: Final = CUDAGraphMode.FULL
+_PIECEWISE: Final = CUDAGraphMode.PIECEWISE
+
+#: The data-parallel cases: per rank ``(num_tokens, num_reqs, uniform_decode, invalid_modes)``.
+DP_CASES: Final[dict[str, tuple[tuple[int, int, bool, frozenset[CUDAGraphMode]], ...]]] = {
+    "unequal": ((3, 3, True, frozenset()), (13, 5, False, frozenset())),
+    "one_idle": ((5, 2, False, frozenset()), (0, 0, False, frozenset())),
+    "above_largest": ((4, 4, True, frozenset()), (40, 8, False, frozenset())),
+    "invalid_on_one": ((4, 4, True, frozenset({_FULL})), (4, 4, True, frozenset())),
+    "all_idle": ((0, 0, False, frozenset()), (0, 0, False, frozenset())),
+    "equal_uniform": ((6, 6, True, frozenset()), (8, 8, True, frozenset())),
+}
+
+
+def _setup(device_kind: str) -> tuple[int, torch.device]:
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    torch.manual_seed(0)  # every rank builds the same model
+    return rank, device
+
+
+def _engines(device: torch.device) -> FakeEngines | None:
+    return FakeEngines() if device.type == "cpu" else None
+
+
+def _replayed(manager: CUDAGraphManager[torch.Tensor]) -> list[str]:
+    return sorted(f"{mode.name}:{n}" for (mode, n), count in manager.stats.replays.items() if count)
+
+
+def data_parallel(args: Sequence[str]) -> Result:
+    """Every ``DP_CASES`` step on a FULL_AND_PIECEWISE manager: what ran, and its error against eager."""
+    device_kind, backend = args
+    rank, device = _setup(device_kind)
+    ranks = RankAgreement(backend="gloo" if backend == "gloo" else "nccl", timeout=_TIMEOUT)
+    model = ToyModel(device)
+    manager = CUDAGraphManager(
+        model,
+        INPUTS,
+        config_for(CUDAGraphMode.FULL_AND_PIECEWISE),
+        device=device,
+        engine_factory=_engines(device),
+        ranks=ranks,
+    )
+    report = manager.capture()
+    result: Result = {"captured": report.num_graphs, "backend": ranks.backend}
+    for i, (name, per_rank) in enumerate(DP_CASES.items()):
+        num_tokens, num_reqs, uniform, invalid = per_rank[rank]
+        batch = make_batch(num_tokens, num_reqs, device, seed=100 * i + rank)
+        manager.reset_stats()
+        out = manager.run_batch(batch, uniform_decode=uniform, invalid_modes=invalid)
+        stats = manager.stats
+        err = rel_err(out, model.eager(batch)) if num_tokens else 0.0
+        result[name] = {
+            "replayed": _replayed(manager),
+            "eager_reasons": dict(stats.eager_reasons),
+            "dummy_steps": stats.dummy_steps,
+            "idle_steps": stats.idle_steps,
+            "padded_tokens": stats.padded_tokens,
+            "rows": out.shape[0],
+            "err": err,
+        }
+    manager.clear()  # graphs freed before the process ends
+    return result
+
+
+def capture_faults(args: Sequence[str]) -> Result:
+    """A plan mismatch, a rank that cannot capture, a capture that fails on rank 1: all ranks raise."""
+    (device_kind,) = args
+    rank, device = _setup(device_kind)
+    ranks = RankAgreement(timeout=_TIMEOUT)
+    model = ToyModel(device)
+    result: Result = {}
+
+    # 1. Different capture sizes on rank 1: both raise before capturing anything.
+    sizes = (1, 2, 4, 8) if rank == 0 else (1, 2, 4, 16)
+    mismatched = CUDAGraphManager(
+        model,
+        INPUTS,
+        DispatchConfig(_FULL, CaptureSizes(sizes), 16, 1),
+        device=device,
+        engine_factory=_engines(device),
+        ranks=ranks,
+    )
+    try:
+        mismatched.capture()
+        result["mismatch"] = "no error"
+    except RanksDisagreeError as error:
+        result["mismatch"] = f"RanksDisagreeError: {error}"
+    result["mismatch_captured"] = mismatched.num_captured
+
+    # 2. Capture disabled on rank 1: both raise, nothing captured.
+    manager = CUDAGraphManager(
+        model,
+        INPUTS,
+        config_for(_FULL),
+        device=device,
+        engine_factory=_engines(device),
+        ranks=ranks,
+    )
+    set_capture_enabled(rank != 1)
+    try:
+        manager.capture()
+        result["disabled"] = "no error"
+    except RanksDisagreeError as error:
+        result["disabled"] = f"RanksDisagreeError: {error}"
+    finally:
+        set_capture_enabled(True)
+    result["disabled_captured"] = manager.num_captured
+
+    # 3. Rank 1's model fails while its third key is captured: both raise, both drop that key.
+    failing = _FailingOnce(model, fail=rank == 1, at_capture=3)
+    manager = CUDAGraphManager(
+        failing,
+        INPUTS,
+        config_for(_FULL),
+        device=device,
+        engine_factory=_engines(device),
+        ranks=ranks,
+    )
+    try:
+        manager.capture()
+        result["failure"] = "no error"
+    except Exception as error:
+        result["failure"] = f"{type(error).__name__}: {error}"
+    result["failure_captured"] = manager.num_captured
+    # Capture again: the rest is captured on both ranks, and a step replays on both.
+    manager.capture()
+    result["recaptured"] = manager.num_captured
+    batch = make_batch(5, 3, device, seed=rank)
+    out = manager.run_batch(batch)
+    result["after_replayed"] = _replayed(manager)
+    result["after_err"] = rel_err(out, model.eager(batch))
+    manager.clear()
+    return result
+
+
+class _FailingOnce:
+    """``model``, raising once in the ``at_capture``-th capture where ``fail`` (the warm-up runs pass)."""
+
+    def __init__(self, model: ToyModel, *, fail: bool, at_capture: int) -> None:
+        self.model = model
+        self.fail = fail
+        self.at_capture = at_capture
+        self.captures = 0
+
+    def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
+        out = self.model.hidden(**inputs)
+        capturing = (
+            torch.cuda.is_current_stream_capturing()
+            if out.is_cuda
+            else get_forward_context_mode_is_graph()
+        )
+        if capturing and self.fail:
+            self.captures += 1
+            if self.captures == self.at_capture:
+                self.fail = False
+                raise RuntimeError("planted capture failure on this rank")
+        return out
+
+
+def get_forward_context_mode_is_graph() -> bool:
+    """On the CPU the fake engines set a graph mode in the forward context while they capture."""
+    from cudagraph_dispatch import get_forward_context
+
+    context = get_forward_context()
+    return context is not None and context.runtime_mode is not CUDAGraphMode.NONE
+
+
+def tensor_parallel(args: Sequence[str]) -> Result:
+    """TP over all ranks: the sharded reference decoder in FULL, PIECEWISE and FULL_AND_PIECEWISE.
+
+    Every step's output is compared with the unsharded decoder on this
+    device; every rank draws the same steps (a tensor-parallel group runs one
+    batch). On the CPU the all-reduces run over gloo, inside the fake engines' replays.
+    """
+    from cudagraph_manager.examples.reference import (
+        DecoderConfig,
+        ReferenceDecoder,
+        make_step_inputs,
+        static_inputs,
+    )
+    from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+
+    (device_kind,) = args
+    _, device = _setup(device_kind)
+    ranks = RankAgreement(timeout=_TIMEOUT)
+    config = DecoderConfig.small()
+    full = ReferenceDecoder(config, device=device)
+    sharded = TensorParallelDecoder(full)
+    result: Result = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for mode in (_FULL, _PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+        manager = CUDAGraphManager(
+            sharded,
+            static_inputs(config),
+            DispatchConfig(mode, CaptureSizes((1, 2, 4, 8, 16, 32)), config.max_num_seqs, 1),
+            device=device,
+            strict=True,
+            engine_factory=_engines(device),
+            ranks=ranks,
+        )
+        report = manager.capture()
+        g = torch.Generator().manual_seed(7)  # the same steps on every rank
+        errors = []
+        for num_tokens in (1, 3, 8, 13, 16, 29, 32):
+            for uniform in (True, False):
+                if uniform and num_tokens > config.max_num_seqs:
+                    continue
+                step = make_step_inputs(
+                    config, num_tokens, uniform_decode=uniform, generator=g, device=device
+                )
+                out = manager.run_batch(step, uniform_decode=uniform).clone()
+                with torch.no_grad():
+                    expected = full(**step)
+                errors.append(rel_err(out, expected))
+        result[mode.name] = {
+            "captured": report.num_graphs,
+            "max_err": max(errors),
+            "replays": manager.stats.num_replays,
+            "eager_runs": manager.stats.eager_runs,
+            "steps": len(errors),
+            "tol": TOL,
+        }
+        manager.clear()  # graphs with NCCL operations freed before the process ends
+    return result
+
+
+if __name__ == "__main__":
+    rank_main({"dp": data_parallel, "faults": capture_faults, "tp": tensor_parallel})

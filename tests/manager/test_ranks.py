@@ -1,0 +1,155 @@
+"""Managers on several ranks (``RankAgreement``): two rank processes per test, each under a hard timeout.
+
+On the CPU the ranks talk over gloo and capture with the fake engines, which
+runs every line of the agreement here. With two GPUs the same scenarios run
+with the real engines, over gloo and over NCCL, and a tensor-parallel
+reference decoder (NCCL all-reduces inside the graphs) is compared with the
+unsharded one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Final
+
+import pytest
+import torch
+
+from tests.manager.helpers import TOL
+from tests.ranks_support import RankRun, spawn_ranks
+
+_WORKER: Final = "tests.manager.rank_worker"
+_TIMEOUT_S: Final = 240.0  # per spawn: a hang fails the test instead of stalling the suite
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices (one per rank)",
+)
+
+
+def _spawn(tmp_path: Path, *args: str) -> RankRun:
+    return spawn_ranks(_WORKER, args, world_size=2, timeout_s=_TIMEOUT_S, workdir=tmp_path)
+
+
+def _case(run: RankRun, name: str, rank: int) -> dict[str, object]:
+    case = run.results[rank][name]
+    assert isinstance(case, dict)
+    return case
+
+
+@functools.cache
+def _expected() -> dict[str, tuple[dict[str, object], dict[str, object]]]:
+    """What each ``DP_CASES`` step must do on rank 0 and rank 1 (FULL_AND_PIECEWISE, sizes 1..32)."""
+    return {
+        # 3 uniform + 13 mixed: mixed, padded to the larger one's key.
+        "unequal": (
+            {"replayed": ["PIECEWISE:16"], "padded_tokens": 13, "rows": 3},
+            {"replayed": ["PIECEWISE:16"], "padded_tokens": 3, "rows": 13},
+        ),
+        # The idle rank replays the same graph on pad values: the dummy step.
+        "one_idle": (
+            {"replayed": ["PIECEWISE:8"], "dummy_steps": 0, "rows": 5},
+            {"replayed": ["PIECEWISE:8"], "dummy_steps": 1, "padded_tokens": 8, "rows": 0},
+        ),
+        # Above the largest size on one rank: both eager, each saying why.
+        "above_largest": (
+            {"replayed": [], "eager_reasons": {"other_rank": 1}, "rows": 4},
+            {"replayed": [], "eager_reasons": {"above_largest_size": 1}, "rows": 40},
+        ),
+        # FULL invalid on rank 0 is invalid on both: both fall back to PIECEWISE.
+        "invalid_on_one": (
+            {"replayed": ["PIECEWISE:4"], "rows": 4},
+            {"replayed": ["PIECEWISE:4"], "rows": 4},
+        ),
+        "all_idle": (
+            {"replayed": [], "idle_steps": 1, "dummy_steps": 0, "rows": 0},
+            {"replayed": [], "idle_steps": 1, "dummy_steps": 0, "rows": 0},
+        ),
+        "equal_uniform": (
+            {"replayed": ["FULL:8"], "padded_tokens": 2, "rows": 6},
+            {"replayed": ["FULL:8"], "padded_tokens": 0, "rows": 8},
+        ),
+    }
+
+
+def _check_data_parallel(run: RankRun) -> None:
+    assert run.results[0]["captured"] == run.results[1]["captured"]
+    for name, per_rank in _expected().items():
+        for rank, expected in enumerate(per_rank):
+            case = _case(run, name, rank)
+            for field, value in expected.items():
+                assert case[field] == value, f"{name}, rank {rank}: {field} = {case[field]!r}, not {value!r}"
+            err = case["err"]
+            assert isinstance(err, float), err
+            assert err < TOL, f"{name}, rank {rank}: error {err} against eager"
+
+
+def _check_faults(run: RankRun) -> None:
+    r0, r1 = run.results
+    for result in (r0, r1):
+        assert str(result["mismatch"]).startswith("RanksDisagreeError: ranks disagree on the capture plan")
+        assert result["mismatch_captured"] == 0
+        assert str(result["disabled"]).startswith("RanksDisagreeError: ranks disagree on whether to capture")
+        assert "rank(s) [1] cannot capture" in str(result["disabled"])
+        assert result["disabled_captured"] == 0
+    assert "planted capture failure" in str(r1["failure"])
+    assert str(r0["failure"]).startswith("CaptureError: rank(s) [1] of 2 failed to capture this key")
+    # Both ranks kept the two keys captured before the failure, and dropped the third.
+    assert r0["failure_captured"] == r1["failure_captured"] == 2
+    assert r0["recaptured"] == r1["recaptured"] == 7  # FULL over sizes 1, 2, 4, 8, 16, 24, 32
+    for result in (r0, r1):
+        assert result["after_replayed"] == ["FULL:8"]
+        err = result["after_err"]
+        assert isinstance(err, float), err
+        assert err < TOL
+
+
+def test_data_parallel_agreement_on_cpu(tmp_path: Path) -> None:
+    """Unequal, idle, above-largest and invalid-mode steps: every rank runs the same thing (gloo)."""
+    run = _spawn(tmp_path, "dp", "cpu", "gloo")
+    assert run.results[0]["backend"] == "gloo"
+    _check_data_parallel(run)
+
+
+def test_capture_faults_across_ranks_on_cpu(tmp_path: Path) -> None:
+    """A mismatched plan, a rank that cannot capture, a failed capture: every rank raises, none hangs."""
+    _check_faults(_spawn(tmp_path, "faults", "cpu"))
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_data_parallel_agreement_on_two_gpus(tmp_path: Path, backend: str) -> None:
+    run = _spawn(tmp_path, "dp", "cuda", backend)
+    assert run.results[0]["backend"] == backend
+    _check_data_parallel(run)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_capture_faults_across_ranks_on_two_gpus(tmp_path: Path) -> None:
+    _check_faults(_spawn(tmp_path, "faults", "cuda"))
+
+
+def _check_tensor_parallel(run: RankRun) -> None:
+    for rank, result in enumerate(run.results):
+        for mode in ("FULL", "PIECEWISE", "FULL_AND_PIECEWISE"):
+            facts = result[mode]
+            assert isinstance(facts, dict)
+            assert facts["captured"] > 0, (rank, mode)
+            assert facts["eager_runs"] == 0, (rank, mode, facts)  # strict: a step without a graph raises
+            assert facts["replays"] == facts["steps"], (rank, mode, facts)
+            assert facts["max_err"] < TOL, (rank, mode, facts)
+
+
+def test_tensor_parallel_decoder_matches_unsharded_on_cpu(tmp_path: Path) -> None:
+    """TP=2 over gloo, fake engines: the sharding and the all-reduces give the unsharded result."""
+    _check_tensor_parallel(_spawn(tmp_path, "tp", "cpu"))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_tensor_parallel_decoder_matches_unsharded(tmp_path: Path) -> None:
+    """TP=2 in FULL, PIECEWISE and FULL_AND_PIECEWISE: every step replays and equals one GPU's result."""
+    _check_tensor_parallel(_spawn(tmp_path, "tp", "cuda"))
