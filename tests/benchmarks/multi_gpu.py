@@ -60,6 +60,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    dist.all_reduce(torch.ones(1, device=device))  # NCCL's communicator set up now, not inside a capture
     torch.manual_seed(0)
     config = DecoderConfig()
     model = TensorParallelDecoder(ReferenceDecoder(config, device=device))

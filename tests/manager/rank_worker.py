@@ -46,6 +46,8 @@ def _setup(device_kind: str) -> tuple[int, torch.device]:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+        # NCCL sets a communicator up on its first collective: let that be now, not inside a capture.
+        dist.all_reduce(torch.ones(1, device=device))
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_TIMEOUT)

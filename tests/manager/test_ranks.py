@@ -20,7 +20,7 @@ from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks
 
 _WORKER: Final = "tests.manager.rank_worker"
-_TIMEOUT_S: Final = 240.0  # per spawn: a hang fails the test instead of stalling the suite
+_TIMEOUT_S: Final = 150.0  # per spawn: a hang fails the test instead of stalling the suite
 
 two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
