@@ -16,6 +16,7 @@ from typing import Final
 import pytest
 import torch
 
+from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks
 
@@ -153,3 +154,24 @@ def test_tensor_parallel_decoder_matches_unsharded_on_cpu(tmp_path: Path) -> Non
 def test_tensor_parallel_decoder_matches_unsharded(tmp_path: Path) -> None:
     """TP=2 in FULL, PIECEWISE and FULL_AND_PIECEWISE: every step replays and equals one GPU's result."""
     _check_tensor_parallel(_spawn(tmp_path, "tp", "cuda"))
+
+
+def _check_example(stdout: str, steps: int) -> None:
+    assert f"{steps} steps on 2 ranks" in stdout, stdout
+    worst = float(stdout.rsplit("largest difference from the unsharded decoder: ", 1)[1].split()[0])
+    assert worst < 1e-4, stdout
+
+
+def test_the_several_gpus_example_runs_on_cpu() -> None:
+    """The README's example over gloo on the CPU: the sharded decoder agrees with the unsharded one."""
+    stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "6")
+    assert "6 steps on 2 ranks: 0 replayed, 6 eager" in stdout
+    _check_example(stdout, 6)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_the_several_gpus_example_runs_on_two_gpus() -> None:
+    stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cuda", "--steps", "32")
+    assert "32 steps on 2 ranks: 32 replayed, 0 eager" in stdout
+    _check_example(stdout, 32)

@@ -188,12 +188,13 @@ class RankAgreement:
     ) -> None:
         """Raise ``RanksDisagreeError`` on every rank unless all would capture ``plan``, in order.
 
-        ``can_capture`` is ``None`` when this rank can capture, else why not.
-        One exchange of a digest of the plan, its length and that flag.
+        ``can_capture`` is ``None`` when this rank can capture, else why not;
+        ranks that all cannot (no CUDA anywhere) agree. One exchange of a
+        digest of the plan, its length and that flag.
         """
         digest = zlib.crc32(repr([(m.name, d) for m, d in plan]).encode())
         rows = self.exchange((digest, len(plan), int(can_capture is None)))
-        if not all(ok for *_, ok in rows):
+        if len({ok for *_, ok in rows}) > 1:
             unable = [r for r, (*_, ok) in enumerate(rows) if not ok]
             mine = f"; here (rank {self._rank}): {can_capture}" if can_capture is not None else ""
             raise RanksDisagreeError(
