@@ -22,6 +22,7 @@ reason elsewhere. A new bad input is a new row here.
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Callable, Mapping
 from typing import Final, cast
@@ -55,7 +56,7 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput
 from cudagraph_manager.examples.demo import main as demo_main
 from tests.manager.helpers import (
     BACKENDS,
@@ -426,6 +427,16 @@ BAD_INPUTS: Final = [
         re.escape("check_overwritten_outputs: expected True or False, got 'yes'"),
     ),
     row("manager-engine_factory-int", construct(engine_factory=3), r"engine_factory.*3"),
+    row("manager-ranks-int", construct(ranks=2), re.escape("ranks: expected a RankAgreement or None, got 2")),
+    # -- RankAgreement (checked before it looks for a process group) --
+    row("ranks-group-string", call(RankAgreement, "world"), re.escape("group: expected a torch.distributed")),
+    row("ranks-backend-mpi", call(RankAgreement, backend="mpi"), r"backend: expected 'gloo', 'nccl'.*'mpi'"),
+    row("ranks-timeout-seconds", call(RankAgreement, timeout=30), r"timeout: expected a positive.*got 30"),
+    row(
+        "ranks-timeout-zero",
+        call(RankAgreement, timeout=datetime.timedelta(0)),
+        r"timeout: expected a positive.*timedelta\(0\)",
+    ),
     row("manager-capture-progress-string", call(_capture_with_progress, "yes"), r"progress.*'yes'"),
     # -- StaticInput --
     row(

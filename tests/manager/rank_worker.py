@@ -167,6 +167,11 @@ def capture_faults(args: Sequence[str]) -> Result:
     result["after_replayed"] = _replayed(manager)
     result["after_err"] = rel_err(out, model.eager(batch))
     manager.clear()
+    try:
+        manager.start_capture()
+        result["background"] = "no error"
+    except RuntimeError as error:
+        result["background"] = str(error)
     return result
 
 

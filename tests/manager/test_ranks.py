@@ -16,6 +16,7 @@ from typing import Final
 import pytest
 import torch
 
+from cudagraph_manager import RankAgreement
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks
@@ -100,10 +101,16 @@ def _check_faults(run: RankRun) -> None:
     assert r0["failure_captured"] == r1["failure_captured"] == 2
     assert r0["recaptured"] == r1["recaptured"] == 7  # FULL over sizes 1, 2, 4, 8, 16, 24, 32
     for result in (r0, r1):
+        assert str(result["background"]).startswith("start_capture: a manager with ranks= captures with")
         assert result["after_replayed"] == ["FULL:8"]
         err = result["after_err"]
         assert isinstance(err, float), err
         assert err < TOL
+
+
+def test_an_agreement_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+        RankAgreement()
 
 
 def test_data_parallel_agreement_on_cpu(tmp_path: Path) -> None:

@@ -77,11 +77,6 @@ class RankAgreement:
         device: torch.device | str | int | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "RankAgreement: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group first"
-            )
         given_group: object = group
         if given_group is not None and not isinstance(given_group, dist.ProcessGroup):
             raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r}")
@@ -93,6 +88,11 @@ class RankAgreement:
             not isinstance(given_timeout, datetime.timedelta) or given_timeout.total_seconds() <= 0
         ):
             raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "RankAgreement: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group on every rank first"
+            )
         if backend is None:
             if group is None:
                 group = dist.group.WORLD
