@@ -54,6 +54,24 @@ def _hand_written(model: TensorParallelDecoder, inputs: dict[str, torch.Tensor])
     return graph.replay
 
 
+def _synced(manager: CUDAGraphManager[torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    manager.run_batch(inputs)
+    torch.cuda.synchronize()
+
+
+def _median_us(call: Callable[[], object], calls: int) -> float:
+    """Median over 5 rounds of ``call``'s host time, after 100 warm-up calls."""
+    for _ in range(100):
+        call()
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls // 5):
+            call()
+        samples.append((time.perf_counter() - start) / (calls // 5) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
 def tensor_parallel(args: Sequence[str]) -> Result:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -99,9 +117,14 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             "manager_piecewise": functools.partial(piecewise.run_batch, inputs),
             "manager_full_agreed_gloo": functools.partial(full_gloo.run_batch, inputs),
             "manager_full_agreed_nccl": functools.partial(full_nccl.run_batch, inputs),
+            # As an engine that reads each step's results before the next: nothing hides the agreement.
+            "manager_full_synced": functools.partial(_synced, full, inputs),
+            "manager_full_agreed_gloo_synced": functools.partial(_synced, full_gloo, inputs),
+            "manager_full_agreed_nccl_synced": functools.partial(_synced, full_nccl, inputs),
         }
         timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_CALLS)
         full_us = timed.median("manager_full") * 1e6
+        synced_us = timed.median("manager_full_synced") * 1e6
         result[f"batch{batch}"] = {
             "median_us": {name: timed.median(name) * 1e6 for name in candidates},
             "full_over_eager": timed.ratio("manager_full", "eager"),
@@ -110,20 +133,26 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             "piecewise_over_full": timed.ratio("manager_piecewise", "manager_full"),
             "agreed_gloo_minus_full_us": timed.median("manager_full_agreed_gloo") * 1e6 - full_us,
             "agreed_nccl_minus_full_us": timed.median("manager_full_agreed_nccl") * 1e6 - full_us,
+            "synced_agreed_gloo_minus_full_us": timed.median("manager_full_agreed_gloo_synced") * 1e6
+            - synced_us,
+            "synced_agreed_nccl_minus_full_us": timed.median("manager_full_agreed_nccl_synced") * 1e6
+            - synced_us,
         }
         del graph
     dispatcher = CUDAGraphDispatcher(DispatchConfig(CUDAGraphMode.FULL, sizes, config.max_num_seqs, 1))
+    request = RankRequest(1 + rank, True, 0)
     for name, ranks in (("gloo", gloo), ("nccl", nccl)):
-        request = RankRequest(1 + rank, True, 0)
-        for _ in range(100):  # warm-up
+        table = torch.zeros(10, dtype=torch.int64, device="cpu" if name == "gloo" else device)
+
+        def agree(ranks: RankAgreement = ranks) -> None:
             ranks.agree_step(dispatcher, request, invalid_modes=frozenset(), can_replay=True)
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(_AGREE_CALLS // 5):
-                ranks.agree_step(dispatcher, request, invalid_modes=frozenset(), can_replay=True)
-            samples.append((time.perf_counter() - start) / (_AGREE_CALLS // 5) * 1e6)
-        result[f"agree_step_{name}_us"] = sorted(samples)[len(samples) // 2]
+
+        def floor(ranks: RankAgreement = ranks, table: torch.Tensor = table) -> None:
+            dist.all_reduce(table, group=ranks.group)  # the same table's all-reduce alone, waited for
+            torch.cuda.synchronize()
+
+        result[f"agree_step_{name}_us"] = _median_us(agree, _AGREE_CALLS)
+        result[f"all_reduce_{name}_us"] = _median_us(floor, _AGREE_CALLS)
     for built in (full, piecewise, full_gloo, full_nccl):
         built.clear()  # graphs with NCCL operations freed before the process ends
     torch.cuda.synchronize()

@@ -115,6 +115,8 @@ class RankAgreement:
             self._device: torch.device = target
         else:
             self._device = torch.device("cpu")
+        # nccl: per row width, a pinned host table and its device twin, reused by every exchange.
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -146,11 +148,27 @@ class RankAgreement:
         start = self._rank * width
         table[start : start + width] = row
         tensor = torch.tensor(table, dtype=torch.int64)
-        if self._device.type == "cuda":
-            tensor = tensor.to(self._device, non_blocking=True)
-        dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
-        flat: list[int] = tensor.tolist()
+        if self._device.type != "cuda":
+            dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
+            flat: list[int] = tensor.tolist()
+        else:
+            host, device = self._staged(width)
+            host.copy_(tensor)
+            device.copy_(host, non_blocking=True)  # pinned: a DMA on the current stream, no staging
+            dist.all_reduce(device, group=self._group)
+            host.copy_(device, non_blocking=True)
+            # The host reads the table now: wait for this stream (it also frees host for the next exchange).
+            torch.cuda.current_stream(self._device).synchronize()
+            flat = host.tolist()
         return [tuple(flat[r * width : (r + 1) * width]) for r in range(self._world_size)]
+
+    def _staged(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pinned host table and its device twin for rows of ``width`` ints (made once)."""
+        staged = self._staging.get(width)
+        if staged is None:
+            host = torch.zeros(width * self._world_size, dtype=torch.int64).pin_memory()
+            staged = self._staging[width] = (host, torch.empty_like(host, device=self._device))
+        return staged
 
     def agree_step(
         self,
