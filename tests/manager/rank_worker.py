@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from typing import Final
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from cudagraph_capture import set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, RankAgreement, RanksDisagreeError
+from cudagraph_manager._distributed import Backend
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
 
@@ -67,7 +69,8 @@ def data_parallel(args: Sequence[str]) -> Result:
     """Every ``DP_CASES`` step on a FULL_AND_PIECEWISE manager: what ran, and its error against eager."""
     device_kind, backend = args
     rank, device = _setup(device_kind)
-    ranks = RankAgreement(backend="gloo" if backend == "gloo" else "nccl", timeout=_TIMEOUT)
+    chosen: Backend = "gloo" if backend == "gloo" else "nccl" if backend == "nccl" else "shm"
+    ranks = RankAgreement(backend=chosen, timeout=_TIMEOUT)
     model = ToyModel(device)
     manager = CUDAGraphManager(
         model,
@@ -266,5 +269,23 @@ def tensor_parallel(args: Sequence[str]) -> Result:
     return result
 
 
+def late_rank(args: Sequence[str]) -> Result:
+    """Rank 1 never joins an exchange: rank 0's raises once the agreement's timeout has passed."""
+    (backend,) = args
+    rank, _ = _setup("cpu")
+    chosen: Backend = "shm" if backend == "shm" else "gloo"
+    ranks = RankAgreement(backend=chosen, timeout=datetime.timedelta(seconds=2))
+    ranks.exchange((rank,))  # both arrive once
+    if rank == 1:
+        time.sleep(5)  # then rank 1 stays away longer than the timeout
+        return {}
+    start = time.monotonic()
+    try:
+        ranks.exchange((rank,))
+        return {"late": "no error"}
+    except Exception as error:
+        return {"late": type(error).__name__, "message": str(error), "waited_s": time.monotonic() - start}
+
+
 if __name__ == "__main__":
-    rank_main({"dp": data_parallel, "faults": capture_faults, "tp": tensor_parallel})
+    rank_main({"dp": data_parallel, "faults": capture_faults, "tp": tensor_parallel, "late": late_rank})

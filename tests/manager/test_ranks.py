@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cudagraph_manager import RankAgreement
+from cudagraph_manager._shared_table import shared_memory_supported
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks
@@ -113,11 +114,28 @@ def test_an_agreement_needs_a_process_group() -> None:
         RankAgreement()
 
 
-def test_data_parallel_agreement_on_cpu(tmp_path: Path) -> None:
-    """Unequal, idle, above-largest and invalid-mode steps: every rank runs the same thing (gloo)."""
-    run = _spawn(tmp_path, "dp", "cpu", "gloo")
-    assert run.results[0]["backend"] == "gloo"
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_data_parallel_agreement_on_cpu(tmp_path: Path, backend: str) -> None:
+    """Unequal, idle, above-largest and invalid-mode steps: every rank runs the same thing."""
+    if backend == "shm" and (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    run = _spawn(tmp_path, "dp", "cpu", backend)
+    assert run.results[0]["backend"] == backend
     _check_data_parallel(run)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_rank_that_never_arrives_fails_the_others_after_the_timeout(tmp_path: Path, backend: str) -> None:
+    if backend == "shm" and (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    result = _spawn(tmp_path, "late", backend).results[0]
+    assert result["late"] != "no error", result
+    waited = result["waited_s"]
+    assert isinstance(waited, float), result
+    assert 1.5 < waited < 4.5, result  # the 2 s timeout, not rank 1's return after 5 s
+    if backend == "shm":
+        assert result["late"] == "TimeoutError"
+        assert "rank 1 did not reach exchange 2" in str(result["message"])
 
 
 def test_capture_faults_across_ranks_on_cpu(tmp_path: Path) -> None:
@@ -127,7 +145,7 @@ def test_capture_faults_across_ranks_on_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @two_gpus
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "shm"])
 def test_data_parallel_agreement_on_two_gpus(tmp_path: Path, backend: str) -> None:
     run = _spawn(tmp_path, "dp", "cuda", backend)
     assert run.results[0]["backend"] == backend

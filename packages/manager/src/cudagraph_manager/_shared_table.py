@@ -1,0 +1,111 @@
+"""A table that the ranks of one host exchange through shared memory: no socket, no GPU.
+
+Each exchange is one round: every rank writes its row and then the round's
+sequence number into its own slot, then waits until every other slot shows
+that number, and reads the rows. Two copies of the table alternate by the
+round's parity, so a rank that finished reading round ``k`` and writes round
+``k + 1`` never overwrites a slot another rank is still reading (no rank can
+start round ``k + 2`` before every rank wrote ``k + 1``, which each does only
+after reading ``k``).
+
+The protocol relies on stores becoming visible in program order (the row
+before its sequence number), which x86-64 guarantees and weaker memory
+models (Arm) do not; so it is offered on x86-64 only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import struct
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Final
+
+import torch.distributed as dist
+
+#: Ints one row may hold, and the slot: a sequence number, then the row.
+MAX_WIDTH: Final = 8
+_SLOT: Final = struct.Struct(f"<q{MAX_WIDTH}q")
+_SEQ: Final = struct.Struct("<q")
+_X86: Final = frozenset({"x86_64", "amd64", "x64"})
+_SPINS_BEFORE_YIELD: Final = 2000
+
+
+def shared_memory_supported() -> str | None:
+    """``None`` where the shared table is safe here, else why not."""
+    machine = platform.machine().lower()
+    if machine not in _X86:
+        return f"the shared-memory exchange needs x86-64's store order; this is {machine or 'unknown'}"
+    return None
+
+
+class SharedTable:
+    """One ``[world_size, MAX_WIDTH]`` int64 table per round, in a file mapped by every rank of one host."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float) -> None:
+        """Collective over ``group`` (gloo): rank 0 makes the file, every rank maps it, rank 0 unlinks it.
+
+        Raises ``ValueError`` on every rank unless all ranks share this host.
+        """
+        here = platform.node()
+        hosts: list[object] = [None] * world_size
+        dist.all_gather_object(hosts, here, group=group)
+        if any(h != here for h in hosts):
+            raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        name = f"cudagraph-ranks-{uuid.uuid4().hex}"
+        path: list[object] = [os.path.join(folder, name) if rank == 0 else None]
+        size = 2 * world_size * _SLOT.size
+        if rank == 0:
+            with open(str(path[0]), "wb") as f:
+                f.truncate(size)
+        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
+        with open(str(path[0]), "r+b") as f:
+            self._map: Final = mmap.mmap(f.fileno(), size)
+        dist.barrier(group=group)  # every rank has mapped it: the name can go, the mapping stays
+        if rank == 0:
+            os.unlink(str(path[0]))
+        self._rank: Final = rank
+        self._world_size: Final = world_size
+        self._timeout_s: Final = timeout_s
+        self._round = 0
+
+    def _offset(self, parity: int, rank: int) -> int:
+        return (parity * self._world_size + rank) * _SLOT.size
+
+    def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every rank's ``row`` (at most ``MAX_WIDTH`` ints), by rank; waits for the slowest rank.
+
+        ``TimeoutError`` naming the missing ranks after ``timeout_s``.
+        """
+        width = len(row)
+        self._round += 1
+        parity = self._round & 1
+        mine = self._offset(parity, self._rank)
+        buffer = self._map
+        # The row first, its sequence number last: a reader that sees the number sees the row.
+        struct.pack_into(f"<{width}q", buffer, mine + _SEQ.size, *row)
+        _SEQ.pack_into(buffer, mine, self._round)
+        rows: list[tuple[int, ...]] = []
+        deadline = 0.0
+        for rank in range(self._world_size):
+            offset = self._offset(parity, rank)
+            spins = 0
+            while _SEQ.unpack_from(buffer, offset)[0] != self._round:
+                spins += 1
+                if spins % _SPINS_BEFORE_YIELD == 0:
+                    now = time.monotonic()
+                    if not deadline:
+                        deadline = now + self._timeout_s
+                    elif now > deadline:
+                        raise TimeoutError(
+                            f"rank {rank} did not reach exchange {self._round} within "
+                            f"{self._timeout_s:.0f} s (rank {self._rank} waited for it)"
+                        )
+                    time.sleep(0)  # let other threads of this process run
+            rows.append(struct.unpack_from(f"<{width}q", buffer, offset + _SEQ.size))
+        return rows
