@@ -6,7 +6,9 @@ ranks build the tensor-parallel reference decoder (8 layers, d=1024, bf16,
 collectives meet; rank 0's timings are the result. Per batch (1, 16, 128),
 interleaved rounds of: eager, a hand-written ``torch.cuda.CUDAGraph``, the
 manager in FULL and in PIECEWISE, and the FULL manager agreeing every step
-over gloo and over NCCL (``RankAgreement``). Then the agreement alone.
+over gloo, NCCL and shared memory (``RankAgreement``), each also with a
+synchronize after every step. Then the agreement alone, and the bare
+all-reduce of each group.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
     model = TensorParallelDecoder(ReferenceDecoder(config, device=device))
     gloo = RankAgreement(backend="gloo", timeout=_TIMEOUT)
     nccl = RankAgreement(backend="nccl", timeout=_TIMEOUT)
+    shm = RankAgreement(backend="shm", timeout=_TIMEOUT)
     sizes = CaptureSizes(BATCHES)
 
     def manager(mode: CUDAGraphMode, ranks: RankAgreement | None) -> CUDAGraphManager[torch.Tensor]:
@@ -100,6 +103,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
 
     full, piecewise = manager(CUDAGraphMode.FULL, None), manager(CUDAGraphMode.PIECEWISE, None)
     full_gloo, full_nccl = manager(CUDAGraphMode.FULL, gloo), manager(CUDAGraphMode.FULL, nccl)
+    full_shm = manager(CUDAGraphMode.FULL, shm)
     result: Result = {"world_size": world_size, "device": torch.cuda.get_device_name(device)}
     g = torch.Generator().manual_seed(1)  # the same steps on every rank
     for batch in BATCHES:
@@ -117,10 +121,12 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             "manager_piecewise": functools.partial(piecewise.run_batch, inputs),
             "manager_full_agreed_gloo": functools.partial(full_gloo.run_batch, inputs),
             "manager_full_agreed_nccl": functools.partial(full_nccl.run_batch, inputs),
+            "manager_full_agreed_shm": functools.partial(full_shm.run_batch, inputs),
             # As an engine that reads each step's results before the next: nothing hides the agreement.
             "manager_full_synced": functools.partial(_synced, full, inputs),
             "manager_full_agreed_gloo_synced": functools.partial(_synced, full_gloo, inputs),
             "manager_full_agreed_nccl_synced": functools.partial(_synced, full_nccl, inputs),
+            "manager_full_agreed_shm_synced": functools.partial(_synced, full_shm, inputs),
         }
         timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_CALLS)
         full_us = timed.median("manager_full") * 1e6
@@ -137,11 +143,14 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             - synced_us,
             "synced_agreed_nccl_minus_full_us": timed.median("manager_full_agreed_nccl_synced") * 1e6
             - synced_us,
+            "agreed_shm_minus_full_us": timed.median("manager_full_agreed_shm") * 1e6 - full_us,
+            "synced_agreed_shm_minus_full_us": timed.median("manager_full_agreed_shm_synced") * 1e6
+            - synced_us,
         }
         del graph
     dispatcher = CUDAGraphDispatcher(DispatchConfig(CUDAGraphMode.FULL, sizes, config.max_num_seqs, 1))
     request = RankRequest(1 + rank, True, 0)
-    for name, ranks in (("gloo", gloo), ("nccl", nccl)):
+    for name, ranks in (("gloo", gloo), ("nccl", nccl), ("shm", shm)):
         table = torch.zeros(10, dtype=torch.int64, device="cpu" if name == "gloo" else device)
 
         def agree(ranks: RankAgreement = ranks) -> None:
@@ -152,8 +161,9 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             torch.cuda.synchronize()
 
         result[f"agree_step_{name}_us"] = _median_us(agree, _AGREE_CALLS)
-        result[f"all_reduce_{name}_us"] = _median_us(floor, _AGREE_CALLS)
-    for built in (full, piecewise, full_gloo, full_nccl):
+        if name != "shm":  # shm has no all-reduce
+            result[f"all_reduce_{name}_us"] = _median_us(floor, _AGREE_CALLS)
+    for built in (full, piecewise, full_gloo, full_nccl, full_shm):
         built.clear()  # graphs with NCCL operations freed before the process ends
     torch.cuda.synchronize()
     return result
