@@ -56,7 +56,7 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput
+from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput, compile_for_capture
 from cudagraph_manager.examples.demo import main as demo_main
 from tests.manager.helpers import (
     BACKENDS,
@@ -438,6 +438,44 @@ BAD_INPUTS: Final = [
         r"timeout: expected a positive.*timedelta\(0\)",
     ),
     row("manager-capture-progress-string", call(_capture_with_progress, "yes"), r"progress.*'yes'"),
+    # -- compile_for_capture --
+    row(
+        "compile-model-int",
+        call(compile_for_capture, 3, INPUTS),
+        re.escape("model: expected a callable, got 3"),
+    ),
+    row("compile-inputs-empty", call(compile_for_capture, _identity, {}), r"inputs: .*, got \{\}"),
+    row(
+        "compile-mode-reduce-overhead",
+        call(compile_for_capture, _identity, INPUTS, mode="reduce-overhead"),
+        r"mode: 'reduce-overhead' records CUDA graphs of inductor's own",
+    ),
+    row(
+        "compile-mode-max-autotune",
+        call(compile_for_capture, _identity, INPUTS, mode="max-autotune"),
+        r"mode: 'max-autotune' records CUDA graphs .*'max-autotune-no-cudagraphs'",
+    ),
+    row(
+        "compile-mode-unknown",
+        call(compile_for_capture, _identity, INPUTS, mode="fastest"),
+        r"mode: expected one of .*, got 'fastest'",
+    ),
+    row("compile-mode-none", call(compile_for_capture, _identity, INPUTS, mode=None), r"mode: .*got None"),
+    row(
+        "compile-fullgraph-string",
+        call(compile_for_capture, _identity, INPUTS, fullgraph="yes"),
+        re.escape("fullgraph: expected True or False, got 'yes'"),
+    ),
+    row(
+        "compile-backend-int",
+        call(compile_for_capture, _identity, INPUTS, backend=3),
+        r"backend: expected the name of a torch.compile backend, got 3",
+    ),
+    row(
+        "compile-backend-mode-mismatch",
+        call(compile_for_capture, _identity, INPUTS, mode="max-autotune-no-cudagraphs", backend="eager"),
+        r"mode: 'max-autotune-no-cudagraphs' is an inductor mode, but backend is 'eager'",
+    ),
     # -- StaticInput --
     row(
         "static-shape-int",

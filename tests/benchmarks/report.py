@@ -41,6 +41,8 @@ PLOTTED_LABELS: Final[Mapping[str, str]] = {
     "cuda_graph": "hand-written torch.cuda.CUDAGraph",
     "manager_full": "manager FULL",
     "manager_piecewise": "manager PIECEWISE",
+    "manager_full_compiled": "manager FULL over torch.compile (inductor, one dynamic compile)",
+    "manager_piecewise_compiled": "manager PIECEWISE over compiled segments",
     "torch_compile": 'torch.compile "reduce-overhead"',
 }
 # extra_info keys the report reads itself: not repeated as columns.

@@ -4,11 +4,18 @@
   batches of 1, 13 (graphs padded to 16), 16 and 128 requests): eager under
   ``torch.inference_mode()``, a hand-written ``torch.cuda.CUDAGraph`` with its
   own input copies, the capture engine's breakable replay driven directly,
-  the manager in FULL and in PIECEWISE mode, and
+  the manager in FULL and in PIECEWISE mode, the manager FULL and PIECEWISE
+  over the decoder compiled for capture (``compile_decoder``: inductor, no
+  inductor graphs, one compile for every size), and
   ``torch.compile(mode="reduce-overhead")``.
 - Host overhead: ``run()`` on a one-kernel model against copy + replay.
 - Capture: time and pool memory of the 51 default sizes up to 512 (FULL)
   against the pool memory of the largest size alone.
+- Time to ready for the 51 default sizes: compile plus capture of the
+  compiled decoder, FULL, against ``"reduce-overhead"``'s cost for one more
+  size (compile, record, replay) times 51, an estimate: compiling all 51
+  sizes with ``dynamic=False`` would take about ten minutes. Both with
+  inductor's caches off, as on a fresh machine.
 
 Every benchmarked callable runs many steps and then synchronizes the device
 once, so the time is the device's throughput with the host's launch overhead
@@ -19,6 +26,7 @@ plots them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -35,7 +43,9 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import CaptureReport, CUDAGraphManager, StaticInput
+from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, StaticInput
+from cudagraph_manager._compiled import dynamo_compiles
+from cudagraph_manager.examples.compiled import compile_decoder
 from cudagraph_manager.examples.demo import run_graph
 from cudagraph_manager.examples.reference import (
     INPUT_NAMES,
@@ -59,10 +69,11 @@ _ROUNDS: Final = 15
 _INTERLEAVED_ROUNDS: Final = 41
 _WARMUP_ROUNDS: Final = 2
 _TOLERANCE: Final = 3e-2  # bf16 graph vs eager: rounding only (a bug is of order 1)
-# torch.compile: batch 1 and 128 always, first; the others only while the budget lasts
-# (each batch size is a compile of its own, tens of seconds).
+# torch.compile: batch 1, 16 and 128 always, first (the compiled managers' targets are
+# ratios against them); 13 only while the budget lasts (each batch size is a compile of
+# its own, tens of seconds).
 _COMPILE_BATCHES: Final = (1, 128, 16, 13)
-_COMPILE_ALWAYS: Final = frozenset({1, 128})
+_COMPILE_ALWAYS: Final = frozenset({1, 16, 128})
 _COMPILE_BUDGET_S: Final = 60.0
 _COMPILE_WARMUPS: Final = 3
 # Host overhead: a model of one tiny kernel, many calls between two syncs.
@@ -72,6 +83,11 @@ _HOST_ROUNDS: Final = 10
 # Capture: the default sizes up to 512 (51 of them), FULL mode.
 _CAPTURE_MAX: Final = 512
 _DEFAULT_NUM_SIZES: Final = 51
+# Time to ready: "reduce-overhead"'s per-size cost is measured on this size, one none of
+# the step benchmarks compiled (a compile of its own, not a cache hit).
+_READY_PROBE_BATCH: Final = 64
+_READY_KEY: Final = -2  # the "batch" of the time-to-ready entries in _MEDIANS
+_READY_GROUP: Final = f"time to ready: the {_DEFAULT_NUM_SIZES} default sizes up to {_CAPTURE_MAX}, per size"
 
 # (label, batch) -> median milliseconds per step, for ratios within this run.
 _MEDIANS: Final[dict[tuple[str, int], float]] = {}
@@ -117,12 +133,14 @@ def managers(decoder: ReferenceDecoder) -> dict[CUDAGraphMode, CUDAGraphManager[
 class _Compiled:
     """A ``torch.compile(mode="reduce-overhead")`` decoder and the compile time spent on it."""
 
-    __slots__ = ("fn", "model", "spent_s")
+    __slots__ = ("compile_s", "fn", "model", "spent_s")
 
     def __init__(self, model: ReferenceDecoder) -> None:
         self.model: Final = model
         self.fn: Final = torch.compile(model, mode="reduce-overhead", dynamic=False)
         self.spent_s = 0.0
+        #: Seconds to the first replay of each batch compiled so far (compile, record, replay).
+        self.compile_s: Final[dict[int, float]] = {}
 
     def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         # Inference: each call is a new step (untyped in torch's stubs).
@@ -389,12 +407,8 @@ def test_step_torch_compile(
     inputs = step_inputs[batch]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # inductor's advice (TF32 and the like) is not a failure here
-        start = time.perf_counter()
-        for _ in range(_COMPILE_WARMUPS):  # compile, record the cudagraph tree, replay once
-            out = compiled.step(inputs)
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - start
-        compiled.spent_s += compile_s
+        compile_s = _ready_reduce_overhead(compiled, batch, inputs)
+        out = compiled.step(inputs)
         _check(out.clone(), compiled.model.step(inputs), "torch.compile")
         _bench_step(
             benchmark,
@@ -408,6 +422,196 @@ def test_step_torch_compile(
 def _cudagraph_skips() -> int:
     """How often inductor fell back from CUDA graphs (0: the timing is of graphs)."""
     return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
+def _cold_inductor() -> contextlib.AbstractContextManager[None]:
+    """Inductor with its caches off (in memory and on disk): compile times as a fresh machine sees them."""
+    import torch._inductor.config as inductor_config
+
+    patch: contextlib.AbstractContextManager[None] = inductor_config.patch(force_disable_caches=True)
+    return patch
+
+
+def _ready_reduce_overhead(compiled: _Compiled, batch: int, inputs: dict[str, torch.Tensor]) -> float:
+    """Seconds until ``"reduce-overhead"`` serves ``batch``: compile, record the tree, replay once."""
+    with _cold_inductor():
+        start = time.perf_counter()
+        for _ in range(_COMPILE_WARMUPS):
+            compiled.step(inputs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    compiled.spent_s += seconds
+    compiled.compile_s[batch] = seconds
+    return seconds
+
+
+# -- the decoder compiled for capture: time to ready, steps --
+
+
+class _CompiledManagers:
+    """The decoder compiled for capture, a FULL manager of the 51 default sizes over it, and its cost.
+
+    Built with inductor's caches off; ``ready_s`` is the compile plus the
+    capture of all 51 sizes (the compile happens in the capture's first
+    warm-up). ``piecewise()`` adds a PIECEWISE manager of the step sizes
+    over the same compile.
+    """
+
+    def __init__(self, decoder: ReferenceDecoder) -> None:
+        self.decoder: Final = decoder
+        before = dynamo_compiles() or 0  # None: dynamo not loaded yet, nothing compiled
+        skips_before = _cudagraph_skips()
+        sizes = CaptureSizes.default(_CAPTURE_MAX)
+        assert len(sizes) == _DEFAULT_NUM_SIZES
+        config = DispatchConfig(CUDAGraphMode.FULL, sizes, max_num_seqs=decoder.config.max_num_seqs)
+        with warnings.catch_warnings(), _cold_inductor():
+            warnings.simplefilter("ignore")  # inductor's advice is not a failure here
+            start = time.perf_counter()
+            self.compiled: Final[CompiledModel[torch.Tensor]] = compile_decoder(decoder)
+            self.full: Final = CUDAGraphManager(self.compiled, static_inputs(decoder.config), config)
+            self.report: Final = self.full.capture(progress=False)
+            self.ready_s: Final = time.perf_counter() - start
+        self.compiles: Final = (dynamo_compiles() or 0) - before
+        self.cudagraph_skips: Final = _cudagraph_skips() - skips_before
+        self._piecewise: CUDAGraphManager[torch.Tensor] | None = None
+
+    def piecewise(self) -> CUDAGraphManager[torch.Tensor]:
+        if self._piecewise is None:
+            config = DispatchConfig(
+                CUDAGraphMode.PIECEWISE, _CAPTURE_SIZES, max_num_seqs=self.decoder.config.max_num_seqs
+            )
+            manager = CUDAGraphManager(self.compiled, static_inputs(self.decoder.config), config)
+            manager.capture(progress=False)  # the FULL manager's compile serves it
+            self._piecewise = manager
+        return self._piecewise
+
+
+#: The compiled managers of this run: built by the time-to-ready benchmark, or by the fixture.
+_COMPILED_MANAGERS: Final[list[_CompiledManagers]] = []
+
+
+@pytest.fixture(scope="module")
+def compiled_managers(decoder: ReferenceDecoder) -> _CompiledManagers:
+    if not _COMPILED_MANAGERS:
+        _COMPILED_MANAGERS.append(_CompiledManagers(decoder))
+    return _COMPILED_MANAGERS[-1]
+
+
+def test_ready_reduce_overhead_per_size(
+    benchmark: BenchmarkFixture, compiled: _Compiled, decoder: ReferenceDecoder
+) -> None:
+    """``"reduce-overhead"`` for one more size, caches off: its per-size cost, times 51 an estimate."""
+    batch = _READY_PROBE_BATCH
+    inputs = make_step_inputs(decoder.config, batch, uniform_decode=True, device="cuda")
+    assert batch not in compiled.compile_s
+    seconds: list[float] = []
+    benchmark.group = _READY_GROUP
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        benchmark.pedantic(
+            lambda: seconds.append(_ready_reduce_overhead(compiled, batch, inputs)),
+            rounds=1,
+            iterations=1,
+        )
+    _check(compiled.step(inputs).clone(), compiled.model.step(inputs), "torch.compile")
+    (per_size,) = seconds
+    _MEDIANS[("reduce_overhead_per_size", _READY_KEY)] = per_size
+    benchmark.extra_info.update(
+        label="reduce_overhead_per_size",
+        steps_per_call=1,
+        measured=f"one size ({batch} tokens), caches off: compile, record, replay",
+        estimate_51_sizes_s=per_size * _DEFAULT_NUM_SIZES,
+        other_sizes_s=", ".join(f"{b}: {s:.1f}" for b, s in compiled.compile_s.items() if b != batch),
+        cudagraph_skips=_cudagraph_skips(),
+    )
+
+
+def test_ready_compiled_default_sizes(benchmark: BenchmarkFixture, decoder: ReferenceDecoder) -> None:
+    """Ours: one compile of the decoder for capture, then the 51 FULL graphs, caches off."""
+    _COMPILED_MANAGERS.clear()  # a fresh compile, timed
+    benchmark.group = _READY_GROUP
+    benchmark.pedantic(lambda: _COMPILED_MANAGERS.append(_CompiledManagers(decoder)), rounds=1, iterations=1)
+    (built,) = _COMPILED_MANAGERS
+    assert built.report.num_graphs == _DEFAULT_NUM_SIZES
+    # One graph for 2+ tokens (the token count symbolic), one for 1 token (dynamo specializes it).
+    assert built.compiles == 2
+    assert built.cudagraph_skips == 0
+    for num_tokens in (_CAPTURE_MAX, 1):
+        inputs = make_step_inputs(decoder.config, num_tokens, uniform_decode=False, device="cuda")
+        _check(run_graph(built.full, False, inputs).clone(), decoder.step(inputs), f"compiled {num_tokens}")
+    info = benchmark.extra_info
+    info.update(
+        label="manager_full_compiled_51",
+        baseline="reduce_overhead_per_size",
+        steps_per_call=_DEFAULT_NUM_SIZES,  # per size, like the baseline
+        ready_s=built.ready_s,
+        # The two compiles happen in the warm-ups of the first key (512) and of the key of 1 token.
+        compile_keys_s=sum(
+            g.seconds for g in built.report.graphs if g.descriptor.num_tokens in (1, _CAPTURE_MAX)
+        ),
+        other_keys_s=sum(
+            g.seconds for g in built.report.graphs if g.descriptor.num_tokens not in (1, _CAPTURE_MAX)
+        ),
+        compiles=built.compiles,
+        cudagraph_skips=built.cudagraph_skips,
+    )
+    per_size = _MEDIANS.get(("reduce_overhead_per_size", _READY_KEY))
+    if per_size is not None:  # the target: at most a fifth of the estimate
+        info["ready_vs_reduce_overhead_estimate"] = built.ready_s / (per_size * _DEFAULT_NUM_SIZES)
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE], ids=["full", "piecewise"])
+@pytest.mark.parametrize("batch", _STEP_BATCHES)
+def test_step_manager_compiled(
+    benchmark: BenchmarkFixture,
+    decoder: ReferenceDecoder,
+    step_inputs: dict[int, dict[str, torch.Tensor]],
+    managers: dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]],
+    compiled_managers: _CompiledManagers,
+    compiled: _Compiled,
+    batch: int,
+    mode: CUDAGraphMode,
+) -> None:
+    """The manager over the decoder compiled for capture: FULL, and PIECEWISE over compiled segments.
+
+    Interleaved with its baselines: FULL against ``"reduce-overhead"`` (where
+    this run compiled that batch), the plain manager and the hand-written
+    graph; PIECEWISE against FULL over the same compile and the plain
+    PIECEWISE manager.
+    """
+    inputs = step_inputs[batch]
+    full = compiled_managers.full
+    manager = full if mode is CUDAGraphMode.FULL else compiled_managers.piecewise()
+    label = f"manager_{mode.name.lower()}_compiled"
+    _check(run_graph(manager, False, inputs).clone(), decoder.step(inputs), label)
+    replays_before = manager.stats.replays_of(mode)
+    _bench_step(
+        benchmark,
+        _repeat(lambda: run_graph(manager, False, inputs), _STEPS_PER_CALL),
+        label=label,
+        batch=batch,
+        extra={"compiles": compiled_managers.compiles, "cudagraph_skips": compiled_managers.cudagraph_skips},
+    )
+    stats = manager.stats
+    assert stats.eager_runs == 0
+    assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
+    plain = managers[mode]
+    candidates: dict[str, Callable[[], object]] = {
+        label: lambda: run_graph(manager, False, inputs),
+        f"manager_{mode.name.lower()}": lambda: run_graph(plain, False, inputs),
+    }
+    if mode is CUDAGraphMode.FULL:
+        if batch in compiled.compile_s:  # the targets: against "reduce-overhead" at batch 1, 16, 128
+            candidates["torch_compile"] = lambda: compiled.step(inputs)
+        candidates["cuda_graph"] = _hand_written_step(decoder, inputs, batch)
+    else:  # the target: PIECEWISE over FULL, both over the same compile, at batch 128
+        candidates["manager_full_compiled"] = lambda: run_graph(full, False, inputs)
+    timed = interleave(candidates, rounds=_INTERLEAVED_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    info = benchmark.extra_info
+    for other in candidates:
+        if other != label:
+            info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
+    info["interleaved_step_us"] = timed.median(label) * 1e6
 
 
 # -- host overhead of run() --

@@ -54,6 +54,8 @@ def _document() -> dict[str, object]:
             _step("manager_full", batch, 0.6),
             _step("manager_piecewise", batch, 1.5),
             _step("torch_compile", batch, 0.55),
+            _step("manager_piecewise_compiled", batch, 1.2),
+            _step("manager_full_compiled", batch, 0.5),
             _step("breakable_engine", batch, 1.4),  # in the table, not in the plot
         ]
     benchmarks += [
@@ -115,7 +117,15 @@ def test_markdown_has_one_table_per_group_with_ratios_against_the_baseline(
 
 def test_step_series_holds_the_plotted_labels_sorted_by_batch() -> None:
     series = step_series(load_entries(_document()))
-    assert list(series) == ["eager", "cuda_graph", "manager_full", "manager_piecewise", "torch_compile"]
+    assert list(series) == [  # legend order, whatever the order in the file
+        "eager",
+        "cuda_graph",
+        "manager_full",
+        "manager_piecewise",
+        "manager_full_compiled",
+        "manager_piecewise_compiled",
+        "torch_compile",
+    ]
     assert series["eager"] == [(1, 3.0), (128, 5.0)]
 
 

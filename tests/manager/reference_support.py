@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
 from cudagraph_manager.examples.reference import (
@@ -10,6 +12,19 @@ from cudagraph_manager.examples.reference import (
     DecoderConfig,
     ReferenceDecoder,
     static_inputs,
+)
+
+#: Steps of the GPU decoder tests, (num_tokens, uniform): exact capture sizes
+#: (of 1, 2, 4, 8, 16), padded sizes, one token, and one above the largest size.
+GPU_STEPS: Final[tuple[tuple[int, bool], ...]] = (
+    (1, True),
+    (3, True),
+    (8, True),
+    (5, False),
+    (13, False),
+    (16, False),
+    (12, True),
+    (20, False),
 )
 
 

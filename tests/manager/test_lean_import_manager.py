@@ -26,10 +26,13 @@ def ours():
     return sorted(n for n in names if n.startswith("cudagraph_manager::"))
 
 import {module}
+from cudagraph_manager._compiled import dynamo_compiles
 print(json.dumps({{
     "modules": sorted(m for m in sys.modules if m.startswith("cudagraph_manager")),
     "ops": ours(),
     "cuda_initialized": torch.cuda.is_initialized(),
+    "compiles": dynamo_compiles(),
+    "compilers_loaded": sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules),
 }}))
 """
 
@@ -48,6 +51,10 @@ def test_import_loads_no_example_code_and_registers_no_op() -> None:
     ] == []
     assert report["ops"] == []
     assert report["cuda_initialized"] is False
+    # compile_for_capture is there, but dynamo and inductor load when it is called, not before;
+    # and counting compiles does not load them either.
+    assert report["compilers_loaded"] == []
+    assert report["compiles"] is None
 
 
 def test_importing_the_examples_registers_the_reference_op() -> None:
@@ -55,6 +62,23 @@ def test_importing_the_examples_registers_the_reference_op() -> None:
     report = _probe("cudagraph_manager.examples")
     assert report["ops"] == ["cudagraph_manager::cached_attention"]
     assert report["cuda_initialized"] is False
+
+
+def test_the_compiled_example_registers_its_op_and_a_compile_is_counted() -> None:
+    """The compiled decoder's op is registered on its own import; ``dynamo_compiles`` sees a compile."""
+    report = probe(
+        _PROBE.format(module="cudagraph_manager.examples.compiled")
+        + "\nbefore = dynamo_compiles()"
+        + "\ntorch.compile(lambda x: x + 1, backend='eager')(torch.zeros(2))"
+        + "\nprint(json.dumps({'ops': ours(), 'before': before, 'after': dynamo_compiles()}))"
+    )
+    assert report["ops"] == [
+        "cudagraph_manager::breakable_cached_attention",
+        "cudagraph_manager::cached_attention",
+    ]
+    before = report["before"]
+    assert before is None or before == 0  # nothing compiled yet
+    assert report["after"] == 1
 
 
 _EXAMPLE: Final = Path(__file__).resolve().parents[2] / (

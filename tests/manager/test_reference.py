@@ -37,7 +37,7 @@ from cudagraph_manager.examples.reference import (
     static_inputs,
     traced_cached_attention,
 )
-from tests.manager.reference_support import StaticStep, pad_step_inputs
+from tests.manager.reference_support import GPU_STEPS, StaticStep, pad_step_inputs
 from tests.torch_support import rel_err
 
 SMALL: Final = DecoderConfig.small()
@@ -500,17 +500,6 @@ def test_importing_the_examples_does_not_initialize_cuda() -> None:
 # -- GPU tests: capture the decoder, compare with eager --
 
 _GPU_CONFIG: Final = dataclasses.replace(SMALL, max_num_seqs=16)
-# (num_tokens, uniform): exact sizes, padded sizes, and one above the largest size.
-_GPU_STEPS: Final = [
-    (1, True),
-    (3, True),
-    (8, True),
-    (5, False),
-    (13, False),
-    (16, False),
-    (12, True),
-    (20, False),
-]
 
 
 @pytest.mark.gpu
@@ -563,7 +552,7 @@ def test_manager_replay_of_the_decoder_matches_eager(mode: CUDAGraphMode) -> Non
     config = DispatchConfig(mode, CaptureSizes([1, 2, 4, 8, 16]), max_num_seqs=_GPU_CONFIG.max_num_seqs)
     manager = CUDAGraphManager(model.forward, static_inputs(_GPU_CONFIG), config, device=torch.device("cuda"))
     manager.capture()
-    for i, (num_tokens, uniform) in enumerate(_GPU_STEPS):
+    for i, (num_tokens, uniform) in enumerate(GPU_STEPS):
         inputs = _inputs(num_tokens, uniform=uniform, seed=30 + i, config=_GPU_CONFIG, device="cuda")
         graph_out = run_graph(manager, uniform, inputs)
         assert graph_out.shape == (num_tokens, _GPU_CONFIG.hidden_size)

@@ -42,6 +42,7 @@ import torch
 from cudagraph_capture import collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
+from ._compiled import compiles_since, dynamo_compiles
 from ._report import CapturedGraph, CaptureReport
 
 _logger: Final = logging.getLogger("cudagraph_manager")
@@ -110,9 +111,9 @@ class BackgroundCapture:
             self._errors.append(error)
             self._finished += 1
 
-    def _finish(self, seconds: float, reserved_bytes: int) -> None:
+    def _finish(self, seconds: float, reserved_bytes: int, compiles: int | None = None) -> None:
         with self._lock:
-            self._report = CaptureReport(tuple(self._records), seconds, reserved_bytes)
+            self._report = CaptureReport(tuple(self._records), seconds, reserved_bytes, compiles=compiles)
         self._done.set()
 
 
@@ -153,6 +154,7 @@ def capture_loop(
     lock-free path back. Never raises: errors go to the handle and the log.
     """
     start = time.perf_counter()
+    compiled_before = dynamo_compiles()
     cuda = device.type == "cuda"
     reserved_before = torch.cuda.memory_reserved(device) if cuda else 0
     try:
@@ -168,7 +170,7 @@ def capture_loop(
     finally:
         finished()
         reserved = torch.cuda.memory_reserved(device) - reserved_before if cuda else 0
-        handle._finish(time.perf_counter() - start, reserved)
+        handle._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before))
 
 
 def _capture_with_retries(

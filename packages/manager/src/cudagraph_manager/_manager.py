@@ -48,6 +48,7 @@ from cudagraph_dispatch import (
 
 from ._background import BackgroundCapture, Misses, capture_loop
 from ._buffers import StaticBuffers, check_inputs_spec
+from ._compiled import compiles_since, dynamo_compiles
 from ._distributed import RankAgreement
 from ._engines import default_engine_factory
 from ._errors import NoGraphError
@@ -308,6 +309,7 @@ class CUDAGraphManager(Generic[OutputT]):
         if self._no_graphs is not None:
             return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
         device = self._device
+        compiled_before = dynamo_compiles()
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
@@ -323,7 +325,12 @@ class CUDAGraphManager(Generic[OutputT]):
             seconds = time.perf_counter() - start
             reserved = _reserved_bytes(device) - reserved_before
         self._all_captured = self.num_captured == len(self._planned)
-        return CaptureReport(graphs=tuple(records), seconds=seconds, reserved_bytes=reserved)
+        return CaptureReport(
+            graphs=tuple(records),
+            seconds=seconds,
+            reserved_bytes=reserved,
+            compiles=compiles_since(compiled_before),
+        )
 
     def _capture_one_with_ranks(self, planned: _PlannedGraph[OutputT], ranks: RankAgreement) -> CapturedGraph:
         """One key's capture on every rank, kept only if every rank captured it (one exchange).

@@ -51,12 +51,16 @@ class CaptureReport:
     it (the graphs' pool plus the allocator blocks of the eager warm-ups).
     ``not_captured`` says why nothing was captured where graphs cannot be
     (a manager on a device without CUDA graphs); ``None`` otherwise.
+    ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
+    during the capture, recompiles included: a compiled model compiles in
+    its first warm-up; ``None`` when dynamo was never loaded.
     """
 
     graphs: tuple[CapturedGraph, ...]
     seconds: float
     reserved_bytes: int
     not_captured: str | None = None
+    compiles: int | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -74,6 +78,8 @@ class CaptureReport:
             f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}"
         )
+        if self.compiles:
+            header += f"; {self.compiles} torch.compile graph(s) compiled"
         rows = [
             (
                 g.mode.name,

@@ -2,7 +2,9 @@
 
 Imported only on purpose (``import cudagraph_manager`` does not load this
 package): the reference decoder registers a ``torch.library`` custom op, and
-neither it nor the demo belongs to the library's import path.
+neither it nor the demo belongs to the library's import path. ``compiled``
+(the decoder compiled for capture; it registers a second op) is not imported
+here either: import it on its own.
 """
 
 from .reference import DecoderConfig as DecoderConfig
