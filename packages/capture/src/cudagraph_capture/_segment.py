@@ -5,6 +5,21 @@ capture stream first waits for the caller's stream, so the capture sees
 every write queued before it, and the caller's stream waits for the capture
 stream afterwards, so eager work run during a breakable capture is ordered
 before whatever the caller does next. No host synchronization is needed.
+
+cuBLAS workspaces: torch caches one per (handle, stream), allocated at the
+first GEMM on a stream, and a captured GEMM bakes its address in. The
+engines' warm-ups run on the capture stream, so that first GEMM is eager and
+its workspace comes from the ordinary allocator; and destroying any graph
+captured on that stream (``clear()``, ``discard()``, a caller's graph whose
+pooled stream is the same) drops the cached workspace (torch 2.11's
+``CUDAGraph.reset``, pytorch/pytorch#193402). The freed block then goes to
+other tensors, or back to the driver, while every live graph still writes
+to it: silent corruption, or an illegal address. So the cache is dropped
+right before each capture, and the capture allocates its workspace from the
+graph pool, which outlives it (the shared pool is pinned); and again right
+after, so eager work never runs on a pool block. A freed pool block is only
+ever handed to later captures into the same pool, whose graphs replay one at
+a time, as the pool's other memory is.
 """
 
 from __future__ import annotations
@@ -51,8 +66,23 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
         caller.wait_stream(stream)  # what the caller does next sees the body's work
 
 
+def drop_cublas_workspaces() -> None:
+    """Drop torch's cached cuBLAS workspaces; the next GEMM on each stream allocates its own.
+
+    Around every capture (see the module docstring). A private torch call,
+    present since torch 2.0; where it is missing there is nothing to drop.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
-    """Start capturing ``graph`` on the current stream, allocating from ``pool``."""
+    """Start capturing ``graph`` on the current stream, allocating from ``pool``.
+
+    The capture's GEMMs get a workspace allocated from ``pool`` (see above).
+    """
+    drop_cublas_workspaces()
     graph.capture_begin(pool=pool, capture_error_mode=_ERROR_MODE)
 
 
@@ -67,6 +97,7 @@ def end_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool, descriptor: BatchD
         try:
             graph.capture_end()
         except RuntimeError as error:
+            drop_cublas_workspaces()
             repair_failed_capture(pool)
             text = str(error).lower()
             if any(word in text for word in _UNJOINED):
@@ -77,6 +108,7 @@ def end_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool, descriptor: BatchD
                     descriptor,
                 ) from error
             raise CaptureError(f"ending the CUDA graph capture failed: {error}", descriptor) from error
+    drop_cublas_workspaces()  # eager GEMMs from now on get a workspace outside the pool
     empty = False
     for warning in caught:
         if _EMPTY_GRAPH_WARNING in str(warning.message).lower():
@@ -95,6 +127,8 @@ def abort_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
         except RuntimeError:
             # The capture was invalidated (the original error says why).
             repair_failed_capture(pool)
+        finally:
+            drop_cublas_workspaces()
 
 
 def repair_failed_capture(pool: GraphPool) -> None:
