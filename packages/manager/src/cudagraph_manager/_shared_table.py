@@ -83,6 +83,8 @@ class SharedTable:
         ``TimeoutError`` naming the missing ranks after ``timeout_s``.
         """
         width = len(row)
+        if width > MAX_WIDTH:
+            raise ValueError(f"row: the shared-memory exchange takes at most {MAX_WIDTH} ints, got {width}")
         self._round += 1
         parity = self._round & 1
         mine = self._offset(parity, self._rank)
