@@ -38,7 +38,30 @@ DP_CASES: Final[dict[str, tuple[tuple[int, int, bool, frozenset[CUDAGraphMode]],
     "invalid_on_one": ((4, 4, True, frozenset({_FULL})), (4, 4, True, frozenset())),
     "all_idle": ((0, 0, False, frozenset()), (0, 0, False, frozenset())),
     "equal_uniform": ((6, 6, True, frozenset()), (8, 8, True, frozenset())),
+    # An idle rank while the other runs eagerly: it still calls the model (its collective).
+    "idle_while_eager": ((40, 8, False, frozenset()), (0, 0, False, frozenset())),
 }
+
+
+class CollectiveToy:
+    """``ToyModel`` plus one collective of the whole group per call, as a data-parallel MoE layer has.
+
+    The all-reduce sums a count of 1 per rank; the output depends on it
+    (times 0), so a graph records it. A rank that skipped a model call while
+    another made one would leave the other waiting: the test fails by timeout.
+    """
+
+    def __init__(self, inner: ToyModel) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __call__(
+        self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        self.calls += 1
+        count = torch.ones(1, device=x.device)
+        dist.all_reduce(count)  # [1]: the number of ranks
+        return self.inner.hidden(ids, x, scale, bias) + 0.0 * count  # [T, DIM]
 
 
 def _setup(device_kind: str) -> tuple[int, torch.device]:
@@ -72,8 +95,9 @@ def data_parallel(args: Sequence[str]) -> Result:
     chosen: Backend = "gloo" if backend == "gloo" else "nccl" if backend == "nccl" else "shm"
     ranks = RankAgreement(backend=chosen, timeout=_TIMEOUT)
     model = ToyModel(device)
+    collective = CollectiveToy(model)
     manager = CUDAGraphManager(
-        model,
+        collective,
         INPUTS,
         config_for(CUDAGraphMode.FULL_AND_PIECEWISE),
         device=device,
@@ -98,6 +122,20 @@ def data_parallel(args: Sequence[str]) -> Result:
             "rows": out.shape[0],
             "err": err,
         }
+    # Rank 1 frees its graphs: no rank may replay now, an idle one included.
+    if rank == 1:
+        manager.clear()
+    for name, num_tokens in (("after_clear_idle", 5 if rank == 0 else 0), ("after_clear", 3)):
+        manager.reset_stats()
+        out = manager.run_batch(make_batch(num_tokens, min(num_tokens, 2), device, seed=rank))
+        stats = manager.stats
+        result[name] = {
+            "replayed": _replayed(manager),
+            "eager_reasons": dict(stats.eager_reasons),
+            "dummy_steps": stats.dummy_steps,
+            "rows": out.shape[0],
+        }
+    result["model_calls"] = collective.calls
     manager.clear()  # graphs freed before the process ends
     return result
 

@@ -73,11 +73,26 @@ def _expected() -> dict[str, tuple[dict[str, object], dict[str, object]]]:
             {"replayed": ["FULL:8"], "padded_tokens": 2, "rows": 6},
             {"replayed": ["FULL:8"], "padded_tokens": 0, "rows": 8},
         ),
+        # The idle rank runs the model on one padding row: the others' collectives meet it.
+        "idle_while_eager": (
+            {"replayed": [], "eager_reasons": {"above_largest_size": 1}, "dummy_steps": 0, "rows": 40},
+            {"replayed": [], "eager_reasons": {}, "dummy_steps": 1, "idle_steps": 0, "rows": 0},
+        ),
     }
 
 
 def _check_data_parallel(run: RankRun) -> None:
-    assert run.results[0]["captured"] == run.results[1]["captured"]
+    r0, r1 = run.results
+    assert r0["captured"] == r1["captured"]
+    # Every model call holds a collective of both ranks: equal counts, or a rank would have waited.
+    assert r0["model_calls"] == r1["model_calls"]
+    # Rank 1 cleared its graphs: rank 0 must not replay, even with rank 1 idle.
+    assert r0["after_clear_idle"] == {
+        "replayed": [], "eager_reasons": {"other_rank": 1}, "dummy_steps": 0, "rows": 5
+    }
+    assert r1["after_clear_idle"] == {"replayed": [], "eager_reasons": {}, "dummy_steps": 1, "rows": 0}
+    assert r0["after_clear"]["eager_reasons"] == {"other_rank": 1}  # type: ignore[index]
+    assert r1["after_clear"]["eager_reasons"] == {"not_captured": 1}  # type: ignore[index]
     for name, per_rank in _expected().items():
         for rank, expected in enumerate(per_rank):
             case = _case(run, name, rank)

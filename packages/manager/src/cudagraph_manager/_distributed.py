@@ -60,15 +60,17 @@ class RankAgreement:
     ``group`` is the process group of those ranks (default: the whole world).
     ``backend`` is where the per-step all-reduce runs: ``"gloo"`` (default)
     exchanges CPU tensors over a gloo group of the same ranks, created here
-    (a collective call: every rank of ``group`` must construct its
-    ``RankAgreement`` at the same point); ``"nccl"`` exchanges on ``device``
-    (default: the current CUDA device) and reads the result back, which
-    synchronizes with that device's current stream; ``"shm"`` exchanges
-    through shared memory, for ranks that all run on this host (x86-64
-    only), with no socket and no GPU involved: the fastest of the three.
-    ``backend=None`` uses ``group`` itself, whatever its backend. ``timeout``
-    bounds every exchange of a group created here (and of ``"shm"``): a rank
-    that never arrives makes the others raise instead of waiting for ever.
+    (a collective call over ``group`` alone: every rank of ``group``
+    constructs its ``RankAgreement`` at the same point); ``"nccl"`` exchanges
+    on ``device`` (default: the current CUDA device) and reads the result
+    back, which synchronizes with that device's current stream; ``"shm"``
+    exchanges through shared memory, for ranks that all run on this host
+    (x86-64 only), with no socket and no GPU involved: the fastest of the
+    three. ``backend=None`` uses ``group`` itself, whatever its backend and
+    its timeout. ``timeout`` bounds every exchange of a group created here:
+    over gloo and shm a rank that never arrives makes the others raise
+    (after which this agreement is out of step: build a new one, or end the
+    process); over nccl, NCCL's watchdog aborts the process instead.
 
     Give it to ``CUDAGraphManager(..., ranks=...)``; every rank of the group
     then runs the same mode at the same padded size on each ``run()``.
@@ -96,6 +98,10 @@ class RankAgreement:
             not isinstance(given_timeout, datetime.timedelta) or given_timeout.total_seconds() <= 0
         ):
             raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
+        if backend is None and timeout is not None:
+            raise ValueError(
+                f"timeout: backend=None uses the group as it is, with its own timeout; got {timeout!r}"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "RankAgreement: torch.distributed is not initialized; call "
@@ -108,8 +114,15 @@ class RankAgreement:
             chosen = str(dist.get_backend(group))
         else:
             ranks = None if group is None else dist.get_process_group_ranks(group)
-            # shm: a gloo group of the same ranks sets the shared table up.
-            group = dist.new_group(ranks, backend="gloo" if backend == "shm" else backend, timeout=timeout)
+            # shm: a gloo group of the same ranks sets the shared table up. A
+            # subgroup synchronizes among its members only: data-parallel
+            # groups of a DP x TP world each build theirs independently.
+            group = dist.new_group(
+                ranks,
+                backend="gloo" if backend == "shm" else backend,
+                timeout=timeout,
+                use_local_synchronization=ranks is not None,
+            )
             chosen = backend
         self._group: Final = group
         self._backend: Final = chosen
@@ -198,9 +211,9 @@ class RankAgreement:
 
         ``agree_across_ranks`` over every rank's request, with the union of
         the ranks' ``invalid_modes`` (a mode off on one rank is off on all),
-        and eager on all (unpadded, the largest count) when any rank with
-        tokens cannot replay (``can_replay=False``: its graphs are not all
-        captured).
+        and eager on all (unpadded, the largest count) when any rank cannot
+        replay (``can_replay=False``: its graphs are not all captured), idle
+        ranks included: they would replay the agreed graph too.
         """
         mask = 0
         for mode in invalid_modes:
@@ -209,7 +222,7 @@ class RankAgreement:
             (request.num_tokens, int(request.uniform_decode), request.num_active_loras, mask, int(can_replay))
         )
         requests = [RankRequest(n, bool(u), loras) for n, u, loras, _, _ in rows]
-        if any(n > 0 and not ok for n, _, _, _, ok in rows):
+        if not all(ok for *_, ok in rows):
             return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
         union = 0
         for *_, bits, _ in rows:

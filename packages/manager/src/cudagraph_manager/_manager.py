@@ -123,7 +123,8 @@ class CUDAGraphManager(Generic[OutputT]):
     together: ``capture()`` checks that every rank captures the same plan and
     fails on every rank when one fails; each ``run()`` is one exchange, after
     which every rank replays the same graph (a rank with 0 tokens replays it
-    on pad values: the padded dummy step) or every rank runs eagerly.
+    on pad values: the padded dummy step) or every rank runs eagerly (a rank
+    with 0 tokens then runs the model on one padding row).
     """
 
     def __init__(
@@ -558,11 +559,20 @@ class CUDAGraphManager(Generic[OutputT]):
     ) -> OutputT:
         """A step every rank runs alike: agree (one exchange), then replay the agreed key, or all eager.
 
-        A rank with 0 tokens replays the agreed graph on pad values (the
-        padded dummy step), so the collectives inside it meet their peers;
-        when all run eagerly it is idle, as without ranks.
+        A rank with 0 tokens takes part all the same, so the collectives of
+        the others meet it: it replays the agreed graph on pad values (the
+        padded dummy step), or, when the others run eagerly, runs the model
+        once on one padding row (as vLLM's dummy batch). Only when every
+        rank is idle does none call the model.
         """
         uniform_decode, num_active_loras, invalid_modes = step
+        # This rank's own dispatch first: it checks the step's arguments before the exchange.
+        own = self._dispatcher.dispatch(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            num_active_loras=num_active_loras,
+            invalid_modes=invalid_modes,
+        )
         agreed = ranks.agree_step(
             self._dispatcher,
             RankRequest(num_tokens, uniform_decode, num_active_loras),
@@ -572,16 +582,17 @@ class CUDAGraphManager(Generic[OutputT]):
         if agreed.mode is not _NONE:
             planned = self._planned[agreed.descriptor]
             engine = planned.engine
-            assert engine is not None  # every rank reported all its keys captured
+            if engine is None or not engine.is_captured(planned.descriptor):
+                raise RuntimeError(  # every rank reported all its keys captured: a bug if reached
+                    f"CUDAGraphManager.run: the ranks agreed on {agreed.descriptor}, not captured here"
+                )
             if num_tokens == 0:
                 self._dummy_steps += 1
             return self._replay(planned, engine, inputs, num_tokens, num_reqs, requires_grad)
-        own = self._dispatcher.dispatch(
-            num_tokens,
-            uniform_decode=uniform_decode,
-            num_active_loras=num_active_loras,
-            invalid_modes=invalid_modes,
-        )
+        if num_tokens == 0 and agreed.descriptor.num_tokens > 0:
+            if self._strict:
+                raise NoGraphError(0, f"the other ranks of the {ranks.world_size} run this step eagerly")
+            return self._dummy_eager()
         reason: tuple[EagerReason, str] | None = None
         if own.mode is not _NONE and self._all_captured:  # this rank had a graph; another rank had none
             reason = (
@@ -680,6 +691,17 @@ class CUDAGraphManager(Generic[OutputT]):
                 padded = self._model(**planned.inputs)
         self._padded_tokens += planned.num_tokens - num_tokens
         return cast(OutputT, self._layout_of(padded).cut(padded, num_tokens, num_reqs))
+
+    def _dummy_eager(self) -> OutputT:
+        """An idle rank's part in an eager step of the others: the model once on one padding row.
+
+        Outputs with 0 rows; counted in ``stats.dummy_steps``.
+        """
+        self._dummy_steps += 1
+        self._buffers.fill_padding(1, 1)
+        with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(1)):
+            out = self._model(**self._buffers.views(1, 1))
+        return cast(OutputT, self._layout_of(out).cut(out, 0, 0))
 
     def _idle(self, inputs: Mapping[str, torch.Tensor]) -> OutputT:
         """A step of 0 tokens: the outputs' structure with no rows, without calling the model.

@@ -114,10 +114,11 @@ class ManagerStats:
     ``eager_reasons`` splits them by ``EagerReason`` (its value as the key);
     ``uncaptured_runs`` is the part whose graph exists in the plan but was
     not captured yet. ``idle_steps`` counts steps of 0 tokens (no model
-    call). ``dummy_steps`` counts steps of 0 tokens that replayed a graph on
-    pad values because other ranks (``RankAgreement``) had tokens; they are
-    replays too. ``padded_tokens`` is the padding rows the replays computed
-    on top of the real tokens.
+    call). ``dummy_steps`` counts steps of 0 tokens run because other ranks
+    (``RankAgreement``) had tokens: a graph replayed on pad values (counted
+    as a replay too), or the model run eagerly on one padding row.
+    ``padded_tokens`` is the padding rows the replays computed on top of the
+    real tokens.
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
