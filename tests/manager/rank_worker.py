@@ -10,11 +10,12 @@ engines, NCCL for the model's collectives.
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import os
 import time
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -325,5 +326,45 @@ def late_rank(args: Sequence[str]) -> Result:
         return {"late": type(error).__name__, "message": str(error), "waited_s": time.monotonic() - start}
 
 
+def shm_refused(args: Sequence[str]) -> Result:
+    """Rank 1 cannot open the shared table (as another user, or another /dev/shm): both ranks raise."""
+    rank, _ = _setup("cpu")
+    if rank == 1:
+        real_open = builtins.open
+
+        def refusing_open(file: str, *a: Any, **kw: Any) -> Any:
+            if "cudagraph-ranks-" in file:
+                raise PermissionError(13, "Permission denied", file)
+            return real_open(file, *a, **kw)
+
+        builtins.open = refusing_open  # type: ignore[assignment]  # a stand-in with open's behaviour
+    try:
+        RankAgreement(backend="shm", timeout=_TIMEOUT)
+        return {"refused": "no error"}
+    except ValueError as error:
+        return {"refused": str(error)}
+
+
+def subgroups(args: Sequence[str]) -> Result:
+    """World of 4, data-parallel groups {0, 1} and {2, 3}: each group's members alone build its agreement."""
+    (backend,) = args
+    rank, _ = _setup("cpu")
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
+    mine = groups[rank // 2]
+    chosen: Backend = "shm" if backend == "shm" else "gloo"
+    ranks = RankAgreement(mine, backend=chosen, timeout=_TIMEOUT)  # only this group's members
+    rows = ranks.exchange((rank, 10 * rank))
+    return {"group_rank": ranks.rank, "world_size": ranks.world_size, "rows": [list(r) for r in rows]}
+
+
 if __name__ == "__main__":
-    rank_main({"dp": data_parallel, "faults": capture_faults, "tp": tensor_parallel, "late": late_rank})
+    rank_main(
+        {
+            "dp": data_parallel,
+            "faults": capture_faults,
+            "tp": tensor_parallel,
+            "late": late_rank,
+            "subgroups": subgroups,
+            "shm_refused": shm_refused,
+        }
+    )

@@ -153,6 +153,28 @@ def test_a_rank_that_never_arrives_fails_the_others_after_the_timeout(tmp_path: 
         assert "rank 1 did not reach exchange 2" in str(result["message"])
 
 
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_agreements_of_subgroups_are_built_by_their_members_alone(tmp_path: Path, backend: str) -> None:
+    """Data-parallel groups of a bigger world: each group's ranks build theirs, the others do not wait."""
+    if backend == "shm" and (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    run = spawn_ranks(_WORKER, ("subgroups", backend), world_size=4, timeout_s=_TIMEOUT_S, workdir=tmp_path)
+    for rank, result in enumerate(run.results):
+        low = 2 * (rank // 2)  # the group's first global rank
+        assert result["group_rank"] == rank % 2
+        assert result["world_size"] == 2
+        assert result["rows"] == [[low, 10 * low], [low + 1, 10 * (low + 1)]]
+
+
+def test_a_shared_table_one_rank_cannot_open_fails_every_rank(tmp_path: Path) -> None:
+    if (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    for result in _spawn(tmp_path, "shm_refused").results:
+        refused = str(result["refused"])
+        assert refused.startswith("backend: the shared-memory table could not be set up: rank 1 could not")
+        assert "Permission denied" in refused
+
+
 def test_capture_faults_across_ranks_on_cpu(tmp_path: Path) -> None:
     """A mismatched plan, a rank that cannot capture, a failed capture: every rank raises, none hangs."""
     _check_faults(_spawn(tmp_path, "faults", "cpu"))

@@ -49,26 +49,45 @@ class SharedTable:
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float) -> None:
         """Collective over ``group`` (gloo): rank 0 makes the file, every rank maps it, rank 0 unlinks it.
 
-        Raises ``ValueError`` on every rank unless all ranks share this host.
+        Raises the same ``ValueError`` on every rank unless every rank shares
+        this host and could map the file (another user's file, a /dev/shm of
+        its own in a container: the ranks learn of each other's failure
+        before any of them waits for the others).
         """
-        here = platform.node()
         hosts: list[object] = [None] * world_size
-        dist.all_gather_object(hosts, here, group=group)
-        if any(h != here for h in hosts):
+        dist.all_gather_object(hosts, platform.node(), group=group)
+        if len(set(hosts)) > 1:
             raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        name = f"cudagraph-ranks-{uuid.uuid4().hex}"
-        path: list[object] = [os.path.join(folder, name) if rank == 0 else None]
         size = 2 * world_size * _SLOT.size
+        path = os.path.join(folder, f"cudagraph-ranks-{uuid.uuid4().hex}")
+        problem = ""
         if rank == 0:
-            with open(str(path[0]), "wb") as f:
-                f.truncate(size)
-        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
-        with open(str(path[0]), "r+b") as f:
-            self._map: Final = mmap.mmap(f.fileno(), size)
-        dist.barrier(group=group)  # every rank has mapped it: the name can go, the mapping stays
-        if rank == 0:
-            os.unlink(str(path[0]))
+            try:
+                with open(path, "wb") as f:
+                    f.truncate(size)
+            except OSError as error:
+                problem = f"rank 0 could not make {path}: {error}"
+        made: list[object] = [path, problem]
+        dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
+        path, problem = str(made[0]), str(made[1])
+        mapped: mmap.mmap | None = None
+        if not problem:
+            try:
+                with open(path, "r+b") as f:
+                    mapped = mmap.mmap(f.fileno(), size)
+            except OSError as error:
+                problem = f"rank {rank} could not map {path}: {error}"
+        problems: list[object] = [None] * world_size
+        dist.all_gather_object(problems, problem, group=group)  # also: every rank has mapped it
+        if rank == 0 and os.path.exists(path):
+            os.unlink(path)  # the name can go, the mappings stay
+        failed = [str(p) for p in problems if p]
+        if failed or mapped is None:
+            if mapped is not None:
+                mapped.close()
+            raise ValueError(f"backend: the shared-memory table could not be set up: {'; '.join(failed)}")
+        self._map: Final = mapped
         self._rank: Final = rank
         self._world_size: Final = world_size
         self._timeout_s: Final = timeout_s
