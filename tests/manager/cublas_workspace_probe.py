@@ -48,13 +48,12 @@ def main() -> None:
         torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        fillers: list[torch.Tensor] = []
+        fillers: list[tuple[torch.Tensor, float]] = []  # (tensor, the value written into it)
         for stream in (capture_stream(), torch.cuda.current_stream()):
             with torch.cuda.stream(stream):  # a freed block goes to new tensors of its stream first
-                fillers += [
-                    torch.full((n << 18,), float(len(fillers) + i), device="cuda")
-                    for i, n in enumerate(m for m in (32, 16, 8, 4, 2, 1) for _ in range(4))
-                ]  # 4 tensors each of 32, 16, 8, 4, 2 and 1 MiB
+                for n in (m for m in (32, 16, 8, 4, 2, 1) for _ in range(4)):  # 4 each of 32 .. 1 MiB
+                    value = float(len(fillers) + 1)
+                    fillers.append((torch.full((n << 18,), value, device="cuda"), value))
         torch.cuda.synchronize()
         errors = []
         for seed in range(20):
@@ -63,7 +62,7 @@ def main() -> None:
             )
             errors.append(rel_err(manager.run_batch(step), decoder(**step)))
         torch.cuda.synchronize()
-        intact = all(bool((f == f[0]).all()) for f in fillers)
+        intact = all(bool((f == value).all()) for f, value in fillers)
     print(json.dumps({"max_error": max(errors), "fillers_intact": intact}), flush=True)
 
 

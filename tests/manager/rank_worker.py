@@ -298,6 +298,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
                 errors.append(rel_err(out, expected))
         result[mode.name] = {
             "captured": report.num_graphs,
+            "planned": sum(len(keys) for _, keys in manager.dispatcher.capture_plan()),
             "max_err": max(errors),
             "replays": manager.stats.num_replays,
             "eager_runs": manager.stats.eager_runs,

@@ -53,7 +53,8 @@ class CaptureReport:
     (a manager on a device without CUDA graphs); ``None`` otherwise.
     ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
     during the capture, recompiles included: a compiled model compiles in
-    its first warm-up; ``None`` when dynamo was never loaded.
+    its first warm-up; ``None`` when dynamo was never loaded. Dynamo's count
+    is process-wide: a compile by another thread meanwhile counts too.
     """
 
     graphs: tuple[CapturedGraph, ...]
