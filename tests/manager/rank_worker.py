@@ -355,6 +355,8 @@ def subgroups(args: Sequence[str]) -> Result:
     chosen: Backend = "shm" if backend == "shm" else "gloo"
     ranks = RankAgreement(mine, backend=chosen, timeout=_TIMEOUT)  # only this group's members
     rows = ranks.exchange((rank, 10 * rank))
+    # Rank 0 hosts the rendezvous store: it must not leave while the other group still sets up.
+    dist.barrier()
     return {"group_rank": ranks.rank, "world_size": ranks.world_size, "rows": [list(r) for r in rows]}
 
 
