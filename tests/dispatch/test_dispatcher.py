@@ -7,7 +7,6 @@ per size, not per token count, so the property tests need no special deadline.
 from __future__ import annotations
 
 import re
-import tracemalloc
 from typing import Final
 
 import pytest
@@ -23,6 +22,7 @@ from cudagraph_dispatch import (
     DispatchConfig,
     GraphDispatcher,
 )
+from tests.dispatch.peak_memory import built_with_peak
 from tests.strategies import (
     active_lora_counts,
     dispatch_configs,
@@ -286,12 +286,7 @@ def test_lora_pads_to_the_smallest_captured_count(
 def test_huge_lora_counts_cost_nothing_extra() -> None:
     """Capturing 10**6 adapters is one LoRA case: counts up to it pad to it, those above run eagerly."""
     config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 8, lora_counts=(10**6,))
-    tracemalloc.start()
-    try:
-        dispatcher = CUDAGraphDispatcher(config)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    dispatcher, peak = built_with_peak(lambda: CUDAGraphDispatcher(config))
     assert peak < 1024 * 1024, peak  # a slot per adapter count would be 8 MB of pointers alone
     padded = BatchDescriptor(8, has_lora=True, num_active_loras=10**6)
     assert dispatcher.dispatch(5, num_active_loras=1) == Dispatch(M.PIECEWISE, padded)
@@ -312,12 +307,7 @@ def test_tables_grow_with_the_number_of_sizes(
 ) -> None:
     """Building takes memory per capture size, not per token count (that would be 1 GB for [1, 10**6])."""
     config = DispatchConfig(M.FULL_AND_PIECEWISE, sizes, max_num_seqs=1024, lora_counts=lora_counts)
-    tracemalloc.start()
-    try:
-        dispatcher = CUDAGraphDispatcher(config)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    dispatcher, peak = built_with_peak(lambda: CUDAGraphDispatcher(config))
     assert peak < 10 * 1024 * 1024, peak
     # Still right at the far end, and for the largest LoRA case.
     loras = max(lora_counts, default=0)

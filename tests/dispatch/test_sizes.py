@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import tracemalloc
 
 import pytest
 from hypothesis import given
@@ -11,6 +10,7 @@ from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT
+from tests.dispatch.peak_memory import built_with_peak
 from tests.strategies import MAX_CAPTURE_SIZE, capture_sizes, default_max_sizes, size_lists
 
 
@@ -69,12 +69,7 @@ def test_pad_on_both_sides_of_the_table_bound(raw: list[int]) -> None:
 
 def test_memory_does_not_grow_with_the_largest_size() -> None:
     """Sizes [1, 2**20]: the padding table stops at DENSE_PAD_LIMIT instead of holding 2**20 entries."""
-    tracemalloc.start()
-    try:
-        sizes = CaptureSizes([1, 2**20])
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    sizes, peak = built_with_peak(lambda: CaptureSizes([1, 2**20]))
     assert peak < 256 * 1024, peak  # a table per count would be 8 MiB of pointers
     assert (sizes.pad(2), sizes.pad(2**20), sizes.pad(2**20 + 1)) == (2**20, 2**20, None)
 
