@@ -1,7 +1,7 @@
 """The engines called directly: ``capture(descriptor, ...)``, ``is_captured``, ``replay``, ``discard``.
 
-This is the road ``cudagraph_manager`` takes (no forward context set and read
-back per step). Every numeric check copies fresh ``randn`` data into the
+No forward context set and read back per step (``cudagraph_manager`` takes the
+``GraphEngine`` road instead: ``test_record.py``). Every numeric check copies fresh ``randn`` data into the
 static input, replays, and compares with eager on the same data. The last
 tests need no GPU: the argument checks, and the error where there is no CUDA.
 """
@@ -17,7 +17,6 @@ from cudagraph_capture import (
     BreakableCUDAGraphWrapper,
     CaptureError,
     CUDAGraphWrapper,
-    GraphEngine,
     capture_stream,
     shared_pool,
 )
@@ -42,8 +41,10 @@ CAPTURE_MODE: Final[dict[Engine, CUDAGraphMode]] = {
 }
 
 
-def _engine(engine: Engine, runnable: CallCounter) -> GraphEngine[[torch.Tensor], torch.Tensor]:
-    """The engine as the manager sees it: through the ``GraphEngine`` protocol."""
+def _engine(
+    engine: Engine, runnable: CallCounter
+) -> CUDAGraphWrapper[[torch.Tensor], torch.Tensor] | BreakableCUDAGraphWrapper[[torch.Tensor], torch.Tensor]:
+    """The engine called directly, without a forward context."""
     if engine == "monolithic":
         return CUDAGraphWrapper(runnable, CUDAGraphMode.FULL)
     return BreakableCUDAGraphWrapper(runnable)

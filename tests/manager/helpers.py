@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Final, Generic, TypeVar, cast
 
@@ -172,13 +173,39 @@ class DictModel(nn.Module):
 # ---------------------------------------------------------------------------
 
 
+class FakeEntry(Generic[R]):
+    """A ``GraphEntry`` without a GPU: a replay re-runs the model on the kept inputs into the kept outputs."""
+
+    def __init__(
+        self, engine: FakeGraphEngine[R], descriptor: BatchDescriptor, inputs: dict[str, torch.Tensor], output: R
+    ) -> None:
+        self._engine = engine
+        self.descriptor = descriptor
+        self._inputs = inputs  # a graph reads fixed addresses: the manager copies the step into them
+        self._output = output
+
+    @property
+    def output(self) -> R:
+        return self._output
+
+    @property
+    def replay(self) -> Callable[[], object]:
+        return self._replay
+
+    def _replay(self) -> None:
+        fresh = self._engine.model(**self._inputs)
+        for dst, src in zip(_leaves(self._output), _leaves(fresh), strict=True):
+            dst.copy_(src)
+        self._engine.replays += 1
+
+
 class FakeGraphEngine(Generic[R]):
     """Keeps the contract of a graph engine on any device, by re-running the model.
 
-    ``capture`` runs the model and keeps the argument tensors and the
-    outputs. ``replay`` re-runs the model on the kept tensors (a graph reads
-    fixed addresses: the manager must have copied the step into them) and
-    copies the results into the kept outputs, which it returns.
+    ``record`` runs the model under the key's forward context and keeps the
+    argument tensors and the outputs in the entry it returns; the entry's
+    ``replay`` re-runs the model on the kept tensors and copies the results
+    into the kept outputs. ``warm_up`` runs the model under NONE.
     """
 
     def __init__(self, model: Callable[..., R], mode: CUDAGraphMode, on_capture: Callable[[], None]) -> None:
@@ -186,42 +213,28 @@ class FakeGraphEngine(Generic[R]):
         self.mode = mode
         self.on_capture = on_capture
         self.replays = 0
-        self._entries: dict[BatchDescriptor, tuple[dict[str, torch.Tensor], R]] = {}
+        self.warm_ups = 0
+        self._alive: weakref.WeakSet[FakeEntry[R]] = weakref.WeakSet()
 
-    def capture(self, descriptor: BatchDescriptor, /, *args: object, **kwargs: object) -> R:
-        assert not args, "the manager passes inputs as keywords"
-        assert descriptor not in self._entries, "the manager captures a key once"
+    def warm_up(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
+        assert get_forward_context() is None, "the manager calls the engine directly, without a context"
+        with set_forward_context(CUDAGraphMode.NONE, descriptor):
+            self.model(**inputs)
+        self.warm_ups += 1
+
+    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> FakeEntry[R]:
         assert get_forward_context() is None, "the manager calls the engine directly, without a context"
         self.on_capture()
-        inputs = {name: as_tensor(value) for name, value in kwargs.items()}
+        kept = {name: as_tensor(value) for name, value in inputs.items()}
         with set_forward_context(self.mode, descriptor):  # as the real engines run the capture
-            output = self.model(**inputs)
-        self._entries[descriptor] = (inputs, output)
-        return output
-
-    def discard(self, descriptor: BatchDescriptor, /) -> None:
-        self._entries.pop(descriptor, None)
-
-    def is_captured(self, descriptor: BatchDescriptor, /) -> bool:
-        return descriptor in self._entries
-
-    def replay(self, descriptor: BatchDescriptor, /) -> R:
-        kept_inputs, kept_output = self._entries[descriptor]
-        fresh = self.model(**kept_inputs)
-        for dst, src in zip(_leaves(kept_output), _leaves(fresh), strict=True):
-            dst.copy_(src)
-        self.replays += 1
-        return kept_output
-
-    @property
-    def num_captured(self) -> int:
-        return len(self._entries)
+            output = self.model(**kept)
+        entry = FakeEntry(self, descriptor, kept, output)
+        self._alive.add(entry)
+        return entry
 
     def captured(self) -> frozenset[BatchDescriptor]:
-        return frozenset(self._entries)
-
-    def clear(self) -> None:
-        self._entries.clear()
+        """The keys of the entries still alive: the manager freed the others."""
+        return frozenset(entry.descriptor for entry in self._alive)
 
 
 def _leaves(output: object) -> list[torch.Tensor]:
@@ -236,7 +249,7 @@ def _leaves(output: object) -> list[torch.Tensor]:
 class FakeEngines:
     """A ``GraphEngineFactory`` of ``FakeGraphEngine``s that keeps what it built.
 
-    ``on_capture`` runs at each capture (tests use it to observe the capture
+    ``on_capture`` runs at each recording (tests use it to observe the capture
     phase, or to make a capture fail).
     """
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from cudagraph_capture import set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, RankAgreement, RanksDisagreeError
-from cudagraph_manager._distributed import Backend
+from cudagraph_manager.ranks import Backend
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
 

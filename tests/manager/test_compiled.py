@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Final, TypeVar
 
 import pytest
 import torch
 
-from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions, CUDAGraphWrapper, GraphEngine
+from cudagraph_capture import (
+    BreakableCUDAGraphCapture,
+    BreakableCUDAGraphWrapper,
+    CaptureOptions,
+    CUDAGraphWrapper,
+    GraphEngine,
+)
+from cudagraph_capture._wrapper import _Entry
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
 from cudagraph_manager._compiled import dynamo_compiles
@@ -197,18 +204,30 @@ def compiled() -> Iterator[_Compiled]:
         yield _Compiled()
 
 
+class _KeepingBreakable(BreakableCUDAGraphWrapper[..., R]):
+    """The breakable engine, keeping what it recorded so the test can count the segments."""
+
+    def __init__(self, model: Callable[..., R], options: CaptureOptions) -> None:
+        super().__init__(model, options)
+        self.recorded: dict[BatchDescriptor, BreakableCUDAGraphCapture] = {}
+
+    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> _Entry[R]:
+        entry = super().record(descriptor, inputs)
+        assert isinstance(entry.engine, BreakableCUDAGraphCapture)
+        self.recorded[descriptor] = entry.engine
+        return entry
+
+
 class _Engines:
     """The default engines, kept so the test can read what the breakable engine captured."""
 
     def __init__(self) -> None:
         self.breakable: object = None
 
-    def __call__(
-        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
-    ) -> GraphEngine[..., R]:
+    def __call__(self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions) -> GraphEngine[R]:
         if mode is CUDAGraphMode.FULL:
             return CUDAGraphWrapper(model, CUDAGraphMode.FULL, options)
-        breakable = BreakableCUDAGraphWrapper(model, options)
+        breakable = _KeepingBreakable(model, options)
         self.breakable = breakable
         return breakable
 
@@ -235,11 +254,10 @@ def test_manager_over_the_compiled_decoder_replays_like_eager(
     # Whichever mode's test runs first compiled the two graphs; every other capture reuses them.
     assert _compiles() - compiled.compiles_before == EXPECTED_COMPILES
     assert report.compiles == (EXPECTED_COMPILES if first else 0)
-    assert isinstance(engines.breakable, BreakableCUDAGraphWrapper) is (mode is not CUDAGraphMode.FULL)
-    if isinstance(engines.breakable, BreakableCUDAGraphWrapper):
+    assert isinstance(engines.breakable, _KeepingBreakable) is (mode is not CUDAGraphMode.FULL)
+    if isinstance(engines.breakable, _KeepingBreakable):
         # The breaks happen inside the compiled code: one per layer, a graph segment around each.
-        segments = engines.breakable.capture_for(BatchDescriptor(8))
-        assert segments is not None
+        segments = engines.breakable.recorded[BatchDescriptor(8)]
         assert segments.num_eager_breaks == CONFIG.num_layers
         assert segments.num_graphs == CONFIG.num_layers + 1
     with torch.no_grad():

@@ -120,7 +120,7 @@ def test_a_second_thread_inside_run_gets_a_clear_error(backend: Backend, capture
     worker.start()
     try:
         assert entered.wait(timeout=30)
-        with pytest.raises(RuntimeError, match="another thread is inside run\\(\\) of this manager"):
+        with pytest.raises(RuntimeError, match="another thread is inside run\\(\\)"):
             manager.run_batch(make_batch(6, 3, backend.device, seed=1))
     finally:
         release.set()

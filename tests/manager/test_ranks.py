@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cudagraph_manager import RankAgreement
-from cudagraph_manager._shared_table import shared_memory_supported
+from cudagraph_manager.ranks._shared_table import shared_memory_supported
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks

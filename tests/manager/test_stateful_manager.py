@@ -167,12 +167,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert report.not_captured is None
         finally:
             self.fail_at = None
-        # Each key captured in order, one model run each; the failing key never ran the model.
+        # Each key captured in order, two model runs each (its warm-up, its recording); a key whose
+        # recording failed (the machine's switch or a planted failure) ran its warm-up only.
         seen = [
             (None if context is None else context.batch_descriptor, rows)
             for context, rows in self.model.calls
         ]
-        assert seen == [(key, key.num_tokens) for key in expected]
+        runs = [(key, key.num_tokens) for key in expected for _ in range(2)]
+        if failing:
+            assert fail_at is not None
+            runs.append((pending[fail_at], pending[fail_at].num_tokens))
+        assert seen == runs
         self.captured.update(expected)
         self.layout_known = self.layout_known or bool(expected)
 

@@ -21,6 +21,7 @@ from ._pool import GraphPool as GraphPool
 from ._pool import capture_stream as capture_stream
 from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
+from ._protocols import GraphEntry as GraphEntry
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 from ._wrapper import BreakableCUDAGraphWrapper as BreakableCUDAGraphWrapper
 from ._wrapper import CUDAGraphWrapper as CUDAGraphWrapper
@@ -35,6 +36,7 @@ __all__ = [
     "CaptureError",
     "CaptureOptions",
     "GraphEngine",
+    "GraphEntry",
     "GraphPool",
     "OutputGuard",
     "capture_enabled",

@@ -12,6 +12,12 @@ without this the eager op would read whatever the pool memory held (indices
 included: an out-of-range gather is a device-side assert that kills the
 process). With it, a capture computes the same values as an eager forward,
 and its outputs are valid when the capture ends.
+
+``execute=False`` records only: no segment runs and no eager op is called
+during the capture (each returns ``None`` there), so the capture writes no
+memory at all; the outputs hold their values from the first ``replay()``.
+A model runner that captures while another thread serves steps from the
+same pool and buffers needs exactly that.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class BreakableCUDAGraphCapture:
     __slots__ = (
         "_caller",
         "_descriptor",
+        "_execute",
         "_gc_disable",
         "_graph",
         "_graphs",
@@ -79,6 +86,7 @@ class BreakableCUDAGraphCapture:
         stream: torch.cuda.Stream | None = None,
         gc_disable: bool = True,
         descriptor: BatchDescriptor | None = None,
+        execute: bool = True,
     ) -> None:
         check_pool("pool", pool)
         check_stream("stream", stream)
@@ -87,6 +95,7 @@ class BreakableCUDAGraphCapture:
         self._pool = pool
         self._stream = stream
         self._gc_disable: Final = check_bool("gc_disable", gc_disable)
+        self._execute: Final = check_bool("execute", execute)
         self._descriptor: Final = descriptor
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._steps: tuple[_Step, ...] = ()
@@ -169,11 +178,19 @@ class BreakableCUDAGraphCapture:
 
         ``fn`` must write its results into buffers it was given: its tensor
         arguments are recorded as non-owning aliases (they must not pin pool
-        memory), and a CUDA tensor it returns raises ``CaptureError``.
+        memory), and a CUDA tensor it returns raises ``CaptureError``. A
+        record-only capture (``execute=False``) does not call ``fn`` now and
+        returns ``None``.
         """
         if THREAD.breakable is not self or self._graph is None:
             raise RuntimeError("add_eager: this capture is not active in this thread")
         self._end()
+        recorded = functools.partial(fn, *weak_ref_tensors(args), **weak_ref_tensors(kwargs))
+        if not self._execute:
+            self._tail.append(recorded)
+            self._num_breaks += 1
+            self._begin()
+            return None  # type: ignore[return-value]  # record-only: fn is not called (documented)
         self._in_eager = True
         try:
             result = fn(*args, **kwargs)
@@ -186,7 +203,7 @@ class BreakableCUDAGraphCapture:
                 "write its results into caller-provided buffers (its return value is not replayed)",
                 self._descriptor,
             )
-        self._tail.append(functools.partial(fn, *weak_ref_tensors(args), **weak_ref_tensors(kwargs)))
+        self._tail.append(recorded)
         self._num_breaks += 1
         self._begin()
         return result
@@ -210,7 +227,8 @@ class BreakableCUDAGraphCapture:
             self._graphs.append(graph)
             step = graph.replay
             self._tail.append(step)
-            step()  # run what was just recorded: the next eager op reads its results
+            if self._execute:
+                step()  # run what was just recorded: the next eager op reads its results
 
     def _finish(self, *, failed: bool) -> None:
         """Leave the capture stream, order the caller after it, clear the thread state."""

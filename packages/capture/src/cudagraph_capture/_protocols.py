@@ -2,36 +2,60 @@
 
 from __future__ import annotations
 
-from typing import ParamSpec, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar
+
+import torch
 
 from cudagraph_dispatch import BatchDescriptor
 
-P = ParamSpec("P")
 R_co = TypeVar("R_co", covariant=True)
 
 
-class GraphEngine(Protocol[P, R_co]):
-    """Capture and replay keyed by batch descriptor, called directly (no forward context).
+class GraphEntry(Protocol[R_co]):
+    """One captured graph that replays itself; whoever holds it owns the graph.
 
-    ``CUDAGraphWrapper`` and ``BreakableCUDAGraphWrapper`` satisfy it; the
-    manager depends on this protocol, not on the classes. The engine is the
-    one owner of "is this key captured".
+    ``replay()`` launches the graph (or a breakable capture's segments and
+    eager ops) on the current stream and rewrites ``output`` in place; no
+    host synchronization. Dropping the last reference frees the graph.
     """
 
-    def capture(self, descriptor: BatchDescriptor, /, *args: P.args, **kwargs: P.kwargs) -> R_co:
-        """Capture ``descriptor``'s graph from a call with these arguments; return its outputs."""
+    @property
+    def replay(self) -> Callable[[], object]: ...
+
+    @property
+    def output(self) -> R_co:
+        """The outputs the capture returned: aliases of graph memory, rewritten by every replay."""
         ...
 
-    def is_captured(self, descriptor: BatchDescriptor, /) -> bool: ...
 
-    def discard(self, descriptor: BatchDescriptor, /) -> None:
-        """Free ``descriptor``'s graph, if captured."""
+class GraphEngine(Protocol[R_co]):
+    """Capture keyed by batch descriptor, for a model runner that keeps the entries itself.
+
+    ``CUDAGraphWrapper`` and ``BreakableCUDAGraphWrapper`` satisfy it; the
+    manager depends on this protocol, not on the classes. The runner is the
+    one owner of "is this key captured": it keeps each ``GraphEntry`` that
+    ``record`` returns, and ``record`` keeps nothing.
+    """
+
+    def warm_up(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
+        """Run the model eagerly (``options.warmup_runs`` times) on the capture stream.
+
+        Ordered after the caller's stream and before its next work, under the
+        forward context ``(NONE, descriptor)``: what lazy initialization a
+        capture must not meet (library handles, compilation) happens here.
+        """
         ...
 
-    def replay(self, descriptor: BatchDescriptor, /) -> R_co:
-        """Replay ``descriptor``'s graph; return the outputs its capture returned, rewritten."""
-        ...
+    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> GraphEntry[R_co]:
+        """Capture ``descriptor``'s graph from a call with ``inputs``, running nothing on the device.
 
-    def clear(self) -> None:
-        """Free every captured graph."""
+        The work is recorded, not executed: no warm-up, no run of the
+        recorded graph, and a breakable capture's eager breaks are recorded
+        without being called (they return ``None`` during it). So the capture
+        writes no memory: not the pool (which may hold outputs a caller still
+        reads), not the model's buffers. The outputs' values are undefined
+        until the first ``replay``. A failure raises ``CaptureError`` naming
+        ``descriptor``.
+        """
         ...

@@ -6,9 +6,14 @@ Two ways in, one table of captured graphs:
   (``cudagraph_dispatch``). With no context, NONE, or a mode the wrapper does
   not serve, it calls its runnable; otherwise it captures on the first call
   for the context's descriptor and replays that graph on every later call.
-- Directly (what ``cudagraph_manager`` uses): ``capture(descriptor, ...)``,
-  ``is_captured(descriptor)`` and ``replay(descriptor)``, with no forward
-  context to set and read back on every step.
+- Directly: ``capture(descriptor, ...)``, ``is_captured(descriptor)`` and
+  ``replay(descriptor)``, with no forward context to set and read back on
+  every step.
+
+A model runner that keeps its graphs itself (``cudagraph_manager``) uses the
+``GraphEngine`` seam instead: ``warm_up`` runs the model eagerly, ``record``
+captures without running anything and hands back the entry, which the
+runner owns and replays; the wrapper's table is not involved.
 
 A wrapper keeps no input buffers: the caller keeps its inputs at fixed
 addresses and copies new data into them before each replay.
@@ -17,7 +22,7 @@ addresses and copies new data into them before each replay.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final, Generic, ParamSpec, TypeVar
 
 import torch
@@ -49,7 +54,7 @@ _OWN: Final = frozenset({"_runnable", "_options", "_entries", "_capture_mode", "
 
 
 class _Entry(Generic[R]):
-    """One captured graph: how to replay it, what it returns, what it expects."""
+    """One captured graph: how to replay it, what it returns, what it expects (a ``GraphEntry``)."""
 
     __slots__ = ("addresses", "engine", "output", "replay")
 
@@ -102,7 +107,7 @@ class _GraphWrapper(Generic[P, R]):
         assert descriptor is not None  # set_forward_context requires one for graph modes
         entry = self._entries.get(descriptor)
         if entry is None:
-            return self._capture(context, descriptor, args, kwargs)
+            return self._capture_and_keep(context, descriptor, args, kwargs)
         if entry.addresses is not None:
             _check_addresses(descriptor, entry.addresses, args, kwargs)
         entry.replay()
@@ -117,16 +122,45 @@ class _GraphWrapper(Generic[P, R]):
         already captured raises ``ValueError`` (``clear()`` first); a failed
         capture raises ``CaptureError`` and leaves the wrapper usable.
         """
-        if descriptor.__class__ is not BatchDescriptor:
-            raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
+        _check_descriptor(descriptor)
         if descriptor in self._entries:
             raise ValueError(f"descriptor: {descriptor} is already captured; clear() to capture it again")
         context = ForwardContext(self._capture_mode, descriptor)
         token = FORWARD_CONTEXT_VAR.set(context)
         try:
-            return self._capture(context, descriptor, args, kwargs)
+            return self._capture_and_keep(context, descriptor, args, kwargs)
         finally:
             FORWARD_CONTEXT_VAR.reset(token)
+
+    def warm_up(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
+        """``options.warmup_runs`` eager runs of the runnable on the capture stream (``GraphEngine``).
+
+        Under the forward context ``(NONE, descriptor)``, ordered after the
+        caller's stream and before its next work.
+        """
+        _check_descriptor(descriptor)
+        require_cuda(type(self).__name__)
+        if self._options.warmup_runs:
+            device = torch.cuda.current_device()
+            stream = capture_stream(device) if self._options.stream is None else self._options.stream
+            self._warm_up(ForwardContext(self._capture_mode, descriptor), stream, (), dict(inputs))
+
+    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> _Entry[R]:
+        """Capture ``descriptor``'s graph without running anything on the device (``GraphEngine``).
+
+        The runnable is called once with ``inputs`` as keywords under the
+        forward context ``(mode, descriptor)``; its work is recorded, not
+        executed, and the entry is returned, not kept: the caller owns it.
+        ``CaptureError`` names the descriptor on failure.
+        """
+        _check_descriptor(descriptor)
+        context = ForwardContext(self._capture_mode, descriptor)
+        token = FORWARD_CONTEXT_VAR.set(context)
+        try:
+            entry, _ = self._capture(context, descriptor, (), dict(inputs), execute=False)
+        finally:
+            FORWARD_CONTEXT_VAR.reset(token)
+        return entry
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
         """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured)."""
@@ -179,13 +213,34 @@ class _GraphWrapper(Generic[P, R]):
                 f"{type(self).__name__} has no attribute {name!r}, and neither has its runnable {runnable!r}"
             ) from None
 
-    def _capture(
+    def _capture_and_keep(
         self,
         context: ForwardContext,
         descriptor: BatchDescriptor,
         args: tuple[object, ...],
         kwargs: dict[str, object],
     ) -> R:
+        """Warm up, capture and run: keep the entry, return the outputs computed for these arguments."""
+        entry, output = self._capture(context, descriptor, args, kwargs, execute=True)
+        self._entries[descriptor] = entry
+        # The strong output goes back to the caller: while it holds it, later
+        # captures into the pool cannot reuse its memory (it may feed them).
+        return output
+
+    def _capture(
+        self,
+        context: ForwardContext,
+        descriptor: BatchDescriptor,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        *,
+        execute: bool,
+    ) -> tuple[_Entry[R], R]:
+        """The entry of a new capture and its strong outputs.
+
+        ``execute``: warm up first and run the captured work, so the outputs
+        hold this call's results; else only record (see ``record``).
+        """
         check_capture_enabled(descriptor)
         try:
             require_cuda(type(self).__name__)
@@ -200,9 +255,9 @@ class _GraphWrapper(Generic[P, R]):
         pool = shared_pool(device) if options.pool is None else options.pool
         stream = capture_stream(device) if options.stream is None else options.stream
         try:
-            if options.warmup_runs:
+            if execute and options.warmup_runs:
                 self._warm_up(context, stream, args, kwargs)
-            engine, replay, output, ran = self._capture_engine(descriptor, pool, stream, args, kwargs)
+            engine, replay, output, ran = self._capture_engine(descriptor, pool, stream, args, kwargs, execute)
         except CaptureError:
             raise
         except Exception as error:
@@ -215,16 +270,13 @@ class _GraphWrapper(Generic[P, R]):
                     f"{type(self).__name__}: interrupted while capturing the graph of {descriptor}"
                 )
             raise
-        if not ran:
+        if execute and not ran:
             # The capture only recorded the work: run it once so that this
             # call's outputs hold the result for this call's inputs.
             replay()
         addresses = _addresses(args, kwargs) if options.check_input_addresses else None
         kept = weak_ref_tensors(output) if options.weak_ref_output else output
-        self._entries[descriptor] = _Entry(engine, replay, kept, addresses)
-        # The strong output goes back to the caller: while it holds it, later
-        # captures into the pool cannot reuse its memory (it may feed them).
-        return output
+        return _Entry(engine, replay, kept, addresses), output
 
     def _warm_up(
         self,
@@ -248,8 +300,12 @@ class _GraphWrapper(Generic[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
+        execute: bool,
     ) -> tuple[object, Callable[[], object], R, bool]:
-        """Capture; returns (owner, replay, output, whether the capture already ran the work)."""
+        """Capture; returns (owner, replay, output, whether the capture already ran the work).
+
+        ``execute=False``: record only (a breakable capture runs no segment and no eager break).
+        """
         raise NotImplementedError
 
 
@@ -288,6 +344,7 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
+        execute: bool,
     ) -> tuple[object, Callable[[], object], R, bool]:
         graph = torch.cuda.CUDAGraph()
         collect_before_capture(self._options.gc_disable)
@@ -336,9 +393,10 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
         stream: torch.cuda.Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
+        execute: bool,
     ) -> tuple[object, Callable[[], object], R, bool]:
         capture = BreakableCUDAGraphCapture(
-            pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor
+            pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor, execute=execute
         )
         with capture:
             output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
@@ -347,7 +405,12 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
                 "the capture recorded no CUDA work and no eager break (does the runnable run on the CPU?)",
                 descriptor,
             )
-        return capture, capture.replay, output, True  # segments run as they are captured
+        return capture, capture.replay, output, execute  # executed: segments ran as they were captured
+
+
+def _check_descriptor(descriptor: object) -> None:
+    if descriptor.__class__ is not BatchDescriptor:
+        raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
 
 
 def _addresses(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:

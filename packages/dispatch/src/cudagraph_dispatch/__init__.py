@@ -15,8 +15,10 @@ from ._context import set_forward_context as set_forward_context
 from ._descriptor import BatchDescriptor as BatchDescriptor
 from ._dispatcher import CUDAGraphDispatcher as CUDAGraphDispatcher
 from ._dispatcher import Dispatch as Dispatch
+from ._dispatcher import Route as Route
 from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._protocols import GraphDispatcher as GraphDispatcher
+from ._reasons import EagerReason as EagerReason
 from ._ranks import RankRequest as RankRequest
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._sizes import CaptureSizes as CaptureSizes
@@ -31,9 +33,11 @@ __all__ = [
     "CaptureSizes",
     "Dispatch",
     "DispatchConfig",
+    "EagerReason",
     "ForwardContext",
     "GraphDispatcher",
     "RankRequest",
+    "Route",
     "agree_across_ranks",
     "check_bool",
     "check_int",

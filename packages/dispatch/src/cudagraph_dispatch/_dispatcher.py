@@ -19,6 +19,7 @@ from ._checks import check_bool, check_int
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
+from ._reasons import EagerReason
 
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
@@ -54,11 +55,14 @@ _WHY_NO_GRAPH: Final = "mode {config_mode} has no graph for a {batch_kind} batch
 _WHY_GRAPH: Final = "{num_tokens} tokens replay the {decision.mode.name} graph {decision.descriptor}"
 
 
-# What the rule decides for one batch, and why: the decision, or None for
-# "run eagerly with the count as given" (that Dispatch is built per call, as it
-# carries the count), and one of the _WHY_ templates. A plain tuple: building
-# the tables takes thousands.
-_Verdict = tuple[Dispatch | None, str]
+# What the rule decides for one batch, and why: the decision, or the reason
+# to run eagerly with the count as given (that Dispatch is built per call, as
+# it carries the count), and one of the _WHY_ templates. A plain tuple:
+# building the tables takes thousands.
+_Verdict = tuple[Dispatch | EagerReason, str]
+
+#: What ``route`` returns: the graph to replay, or why there is none.
+Route = Dispatch | EagerReason
 
 #: The decision for an empty batch (an idle data-parallel rank): one count, so
 #: one value, kept in the tables rather than built per step.
@@ -77,8 +81,8 @@ class _LoraCaseGraphs:
 
 
 # Decisions of one (invalid modes, LoRA case, uniformity), indexed by padding
-# slot; None where the batch runs eagerly with its own count.
-_Row = tuple[Dispatch | None, ...]
+# slot; the reason where the batch runs eagerly with its own count.
+_Row = tuple[Route, ...]
 # Indexed [LoRA case][uniform]; one more LoRA case than captured, for counts above them all.
 _Tables = tuple[tuple[_Row, _Row], ...]
 
@@ -156,6 +160,28 @@ class CUDAGraphDispatcher:
         back to ``(NONE, BatchDescriptor(num_tokens))``. A bad argument raises
         ``ValueError`` naming it.
         """
+        decision = self.route(
+            num_tokens,
+            uniform_decode=uniform_decode,
+            num_active_loras=num_active_loras,
+            invalid_modes=invalid_modes,
+        )
+        return decision if isinstance(decision, Dispatch) else Dispatch(_NONE, BatchDescriptor(int(num_tokens)))
+
+    def route(
+        self,
+        num_tokens: int,
+        *,
+        uniform_decode: bool = False,
+        num_active_loras: int = 0,
+        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+    ) -> Route:
+        """``dispatch`` for a runner's step path: the graph's decision, or why the batch has none.
+
+        Returns the ``Dispatch`` of a graph (or the ``NONE`` decision of an
+        empty batch), else the ``EagerReason`` stored beside the decisions:
+        nothing is built per call. The same checks as ``dispatch``.
+        """
         # Runs every step: one test accepts the usual arguments (plain ints,
         # a real bool, one of the four frozensets); anything else goes the
         # slow way, which names what is wrong or normalizes it.
@@ -169,15 +195,13 @@ class CUDAGraphDispatcher:
             or num_active_loras < 0
             or (flag is not True and flag is not False)
         ):
-            return self.dispatch(**_checked_request(num_tokens, flag, num_active_loras, invalid_modes))
+            return self.route(**_checked_request(num_tokens, flag, num_active_loras, invalid_modes))
         lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
-        row = tables[lora_case][uniform_decode]
-        decision = row[
+        return tables[lora_case][uniform_decode][
             self._dense_slots[num_tokens]
             if num_tokens < self._num_dense_slots
             else bisect_left(self._bounds, num_tokens)
         ]
-        return Dispatch(_NONE, BatchDescriptor(num_tokens)) if decision is None else decision
 
     def explain(
         self,
@@ -224,15 +248,15 @@ class CUDAGraphDispatcher:
         """
         sizes = self._sizes
         if self._mode is _NONE:
-            return None, _WHY_CONFIG_NONE
+            return EagerReason.NO_GRAPH_FOR_BATCH, _WHY_CONFIG_NONE
         if num_tokens == 0:
             return _EMPTY_BATCH, _WHY_EMPTY
         if num_tokens > sizes[-1]:
-            return None, _WHY_ABOVE_SIZES
+            return EagerReason.ABOVE_LARGEST_SIZE, _WHY_ABOVE_SIZES
         # LoRA: the smallest captured count that holds the active adapters.
         lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
         if lora_case == len(self._lora_cases):
-            return None, _WHY_ABOVE_LORAS
+            return EagerReason.LORA_COUNT, _WHY_ABOVE_LORAS
         graphs = self._graphs[lora_case]
         if uniform_decode and _FULL not in invalid_modes:
             decode_index = bisect_left(
@@ -245,7 +269,10 @@ class CUDAGraphDispatcher:
             return graphs.mixed_full[size_index], _WHY_GRAPH
         if graphs.mixed_piecewise and _PIECEWISE not in invalid_modes:
             return graphs.mixed_piecewise[size_index], _WHY_GRAPH
-        return None, _WHY_NO_GRAPH
+        allowed = self._decide(num_tokens, uniform_decode, num_active_loras, _NO_MODES) if invalid_modes else None
+        if allowed is not None and isinstance(allowed[0], Dispatch):
+            return EagerReason.INVALID_MODES, _WHY_NO_GRAPH  # a graph the step's invalid_modes turned off
+        return EagerReason.NO_GRAPH_FOR_BATCH, _WHY_NO_GRAPH
 
     def _build_tables(
         self, invalid_modes: frozenset[CUDAGraphMode], mixed_rows: dict[tuple[int, bool, bool], _Row]

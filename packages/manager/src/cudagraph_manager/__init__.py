@@ -11,11 +11,11 @@ CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in ``cudagraph_manager.examples``.
 """
 
+from cudagraph_dispatch import EagerReason as EagerReason
+
 from ._background import BackgroundCapture as BackgroundCapture
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
-from ._distributed import RankAgreement as RankAgreement
-from ._distributed import RanksDisagreeError as RanksDisagreeError
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._outputs import OutputRows as OutputRows
@@ -23,10 +23,11 @@ from ._protocols import GraphEngineFactory as GraphEngineFactory
 from ._protocols import ModelOutput as ModelOutput
 from ._report import CapturedGraph as CapturedGraph
 from ._report import CaptureReport as CaptureReport
-from ._report import EagerReason as EagerReason
 from ._report import ManagerStats as ManagerStats
 from ._static import Rows as Rows
 from ._static import StaticInput as StaticInput
+from .ranks import RankAgreement as RankAgreement
+from .ranks import RanksDisagreeError as RanksDisagreeError
 
 __version__ = "0.1.0"
 

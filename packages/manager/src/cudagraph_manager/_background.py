@@ -1,30 +1,43 @@
 """Capture in a thread beside the serving steps: graphs switch in as they become ready.
 
-``CUDAGraphManager.start_capture()`` returns at once with a ``BackgroundCapture``
-handle. A daemon thread captures the plan's keys one at a time while ``run()``
-keeps serving: a step whose key is not captured yet runs eagerly (counted as
-``not_captured``), and a key replays from the first step after its capture was
-finished and checked.
+``CUDAGraphManager.start_capture()`` returns a ``BackgroundCapture``: one
+object that owns everything the capture needs (its thread, its stream, the
+event that orders its warm-ups with the serving stream, the keys steps
+missed, its retries, its garbage-collection policy) and reports on it.
 
-Two threads share one pool and one set of static buffers, so they take turns
-where they touch them. A key's capture (filling the buffers with pad values,
-the warm-up, the recording, and the runs of a breakable capture's segments)
-holds the manager's replay lock and runs on a stream of its own that first
-waits for the serving stream; a replay takes the same lock if it is free
-(never waiting for it: a step whose graph is ready while a capture holds the
-buffers runs eagerly, counted as ``capture_running``) and makes its stream
-wait for the capture stream. Eager steps take no lock: they read the caller's
-tensors, not the buffers. What the serving thread must not do during
-a background capture: synchronize the whole device (``torch.cuda.synchronize()``),
-use the legacy default stream, or draw from the default CUDA generator (the
-capture has registered it): each fails or invalidates the capture in
-flight. An invalidated capture is dropped and the key tried again (up to
-``RETRIES`` more times); an error is kept on the handle and logged, and the
-other keys go on.
+How it stays out of the serving steps' way, on the device and on the host:
 
-Order: keys that recent steps needed first (most recent miss first), then
-the rest largest first, so the pool's smaller graphs reuse the memory of the
-larger ones.
+- **Warm-ups first, ordered both ways.** Before recording anything the
+  thread warms the model up (the largest and the smallest pending key of
+  each mode: lazy initialization, compilation and library handles of the
+  capture thread happen here, never inside a capture). They run on the
+  thread's stream after everything the serving stream had queued when
+  ``start_capture()`` was called, and the serving stream waits for them on
+  the device: ``start_capture()`` returns once they are queued (host time
+  of a few eager steps; it never waits for the device).
+- **Recordings run nothing.** Each key is then captured record-only
+  (``GraphEngine.record``): nothing executes on the device, so nothing the
+  capture does can overlap a serving step that touches the same memory (the
+  model's own buffers, the static buffers, the pool blocks of the last
+  replay's outputs, which a caller may still read until its next ``run()``).
+  Each turn is still ordered after the work queued on the serving stream
+  when it starts.
+- **No lock on the step path.** A key replays from the first step after its
+  entry was stored (one assignment, after its outputs were checked); a step
+  never waits for the capture. Steps whose key is not captured yet run
+  eagerly, counted as ``not_captured`` (allowed in strict mode while the
+  capture runs) and remembered: the most recent miss is captured next, the
+  rest largest first, so the pool's smaller graphs reuse the larger ones'
+  memory.
+- **The collector** is paused for one key's recording at a time (with
+  ``CaptureOptions.gc_disable``), never for the whole run.
+
+What the serving thread must not do meanwhile: synchronize the whole device
+(``torch.cuda.synchronize()``), use the legacy default stream, or draw random
+numbers inside graphs it replays (the capture registers the default CUDA
+generator): each invalidates the recording in flight or races with it. An
+invalidated recording is dropped and tried again (up to ``RETRIES`` more
+times); an error is kept on the handle and logged, and the other keys go on.
 """
 
 from __future__ import annotations
@@ -59,22 +72,57 @@ class BackgroundCapture:
 
     ``done`` says whether the thread finished; ``progress`` is ``(keys
     finished, keys planned)`` (captured or given up on); ``errors`` holds the
-    error of each key given up on; ``retries`` counts failed tries that were
-    tried again; ``wait(timeout)`` blocks until done and returns the report
-    (``TimeoutError`` if the timeout passes first).
+    error of each key given up on (and of a failed warm-up); ``retries``
+    counts failed tries that were tried again; ``wait(timeout)`` blocks until
+    done and returns the report (``TimeoutError`` if the timeout passes first).
     """
 
-    __slots__ = ("_done", "_errors", "_finished", "_lock", "_records", "_report", "_retries", "_total")
+    __slots__ = (
+        "_capture_one",
+        "_device",
+        "_done",
+        "_errors",
+        "_finished",
+        "_gc_disable",
+        "_lock",
+        "_misses",
+        "_pending",
+        "_records",
+        "_report",
+        "_retries",
+        "_total",
+        "_warm_keys",
+        "_warm_one",
+        "_warmed",
+    )
 
-    def __init__(self, total: int) -> None:
-        self._total: Final = total
-        self._lock: Final = threading.Lock()
+    def __init__(
+        self,
+        pending: Sequence[BatchDescriptor],
+        warm_keys: Sequence[BatchDescriptor],
+        warm_one: Callable[[BatchDescriptor], None],
+        capture_one: Callable[[BatchDescriptor], CapturedGraph],
+        device: torch.device,
+        gc_disable: bool,
+    ) -> None:
+        self._pending: Final = list(pending)  # largest first; the capture thread's alone
+        self._warm_keys: Final = tuple(warm_keys)
+        self._warm_one: Final = warm_one
+        self._capture_one: Final = capture_one
+        self._device: Final = device
+        self._gc_disable: Final = gc_disable
+        self._total: Final = len(pending)
+        self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
         self._done: Final = threading.Event()
+        self._warmed: Final = threading.Event()  # the warm-ups are queued (not necessarily run)
+        self._misses: Final[collections.deque[BatchDescriptor]] = collections.deque(maxlen=MISSES_KEPT)
         self._records: list[CapturedGraph] = []
         self._errors: list[BaseException] = []
         self._finished = 0
         self._retries = 0
         self._report: CaptureReport | None = None
+
+    # -- the handle --
 
     @property
     def done(self) -> bool:
@@ -92,7 +140,8 @@ class BackgroundCapture:
 
     @property
     def retries(self) -> int:
-        return self._retries
+        with self._lock:
+            return self._retries
 
     def wait(self, timeout: float | None = None) -> CaptureReport:
         """The report, once the capture finished; ``TimeoutError`` if ``timeout`` seconds pass first."""
@@ -101,89 +150,125 @@ class BackgroundCapture:
         assert self._report is not None
         return self._report
 
-    def _captured(self, record: CapturedGraph) -> None:
+    # -- the serving thread's side --
+
+    def missed(self, key: BatchDescriptor) -> None:
+        """A step ran eagerly because ``key`` is not captured yet: capture it next."""
         with self._lock:
-            self._records.append(record)
-            self._finished += 1
+            self._misses.append(key)
+
+    def start(self) -> None:
+        """Start the thread; return once its warm-ups are queued, the calling stream ordered after them.
+
+        Call from the serving thread, on the stream steps run on: the
+        warm-ups wait on the device for what it queued so far, and it waits
+        on the device for them. Never waits for the device itself.
+        """
+        if not self._pending:
+            self._finish(0.0, 0, None)
+            return
+        cuda = self._device.type == "cuda"
+        serving = torch.cuda.current_stream(self._device) if cuda else None
+        own = torch.cuda.Stream(self._device) if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
+        warmed = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
+        thread = threading.Thread(
+            target=self._run,
+            args=(serving, own, warmed),
+            name="cudagraph-background-capture",
+            daemon=True,
+        )
+        thread.start()
+        self._warmed.wait()
+        if serving is not None and warmed is not None:
+            serving.wait_event(warmed)  # the next step runs after the warm-ups, on the device
+
+    # -- the capture thread --
+
+    def _run(
+        self,
+        serving: torch.cuda.Stream | None,
+        own: torch.cuda.Stream | None,
+        warmed: torch.cuda.Event | None,
+    ) -> None:
+        """The thread's body: warm up, then record every pending key. Never raises."""
+        start = time.perf_counter()
+        compiled_before = dynamo_compiles()
+        cuda = serving is not None and own is not None
+        reserved_before = torch.cuda.memory_reserved(self._device) if cuda else 0
+        on_device = torch.cuda.device(self._device) if cuda else contextlib.nullcontext()
+        on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
+        try:
+            with on_device, on_stream, torch.no_grad():
+                self._warm_up(serving, own, warmed)
+                while self._pending:
+                    key = self._next_key()
+                    if serving is not None and own is not None:
+                        own.wait_stream(serving)  # this turn after what the serving stream queued so far
+                    with collector_paused(self._gc_disable):  # one key at a time
+                        self._capture_with_retries(key)
+        except BaseException as error:  # the step loop must never stop: report, never raise
+            _logger.exception("background capture stopped")
+            self._gave_up(error)
+        finally:
+            self._warmed.set()  # never leave start() waiting
+            reserved = torch.cuda.memory_reserved(self._device) - reserved_before if cuda else 0
+            self._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before))
+
+    def _warm_up(
+        self,
+        serving: torch.cuda.Stream | None,
+        own: torch.cuda.Stream | None,
+        warmed: torch.cuda.Event | None,
+    ) -> None:
+        try:
+            if serving is not None and own is not None:
+                own.wait_stream(serving)  # everything the serving stream queued before start_capture()
+            for key in self._warm_keys:
+                self._warm_one(key)
+        except Exception as error:  # the captures will say which keys fail; keep going
+            _logger.exception("background capture: a warm-up failed")
+            with self._lock:
+                self._errors.append(error)
+        finally:
+            if own is not None and warmed is not None:
+                warmed.record(own)
+            self._warmed.set()
+
+    def _next_key(self) -> BatchDescriptor:
+        """The most recently missed pending key, else the largest pending one."""
+        with self._lock:
+            missed = list(self._misses)
+        waiting = set(self._pending)
+        chosen = next((key for key in reversed(missed) if key in waiting), self._pending[0])
+        self._pending.remove(chosen)
+        return chosen
+
+    def _capture_with_retries(self, key: BatchDescriptor) -> None:
+        for attempt in range(RETRIES + 1):
+            try:
+                record = self._capture_one(key)
+            except Exception as error:  # a model's error, an invalidated capture: never the whole loop
+                if attempt < RETRIES:
+                    with self._lock:
+                        self._retries += 1
+                    _logger.warning("background capture of %s failed, trying again: %s", key, error)
+                    continue
+                _logger.error("background capture gave up on %s: %s", key, error)
+                self._gave_up(error)
+                return
+            with self._lock:
+                self._records.append(record)
+                self._finished += 1
+            return
 
     def _gave_up(self, error: BaseException) -> None:
         with self._lock:
             self._errors.append(error)
             self._finished += 1
 
-    def _finish(self, seconds: float, reserved_bytes: int, compiles: int | None = None) -> None:
+    def _finish(self, seconds: float, reserved_bytes: int, compiles: int | None) -> None:
         with self._lock:
             self._report = CaptureReport(tuple(self._records), seconds, reserved_bytes, compiles=compiles)
         self._done.set()
 
 
-class Misses:
-    """The keys recent steps ran eagerly for because they were not captured yet (thread-safe)."""
-
-    __slots__ = ("_keys", "_lock")
-
-    def __init__(self) -> None:
-        self._lock: Final = threading.Lock()
-        self._keys: collections.deque[BatchDescriptor] = collections.deque(maxlen=MISSES_KEPT)
-
-    def add(self, key: BatchDescriptor) -> None:
-        with self._lock:
-            self._keys.append(key)
-
-    def most_recent(self, pending: Sequence[BatchDescriptor]) -> BatchDescriptor | None:
-        """The most recently missed key still in ``pending``, or ``None``."""
-        with self._lock:
-            missed = list(self._keys)
-        waiting = set(pending)
-        return next((key for key in reversed(missed) if key in waiting), None)
-
-
-def capture_loop(
-    handle: BackgroundCapture,
-    pending: list[BatchDescriptor],
-    misses: Misses,
-    capture_one: Callable[[BatchDescriptor], CapturedGraph],
-    device: torch.device,
-    gc_disable: bool,
-    finished: Callable[[], None],
-) -> None:
-    """The thread's body: capture ``pending`` (largest first) with recent misses moved ahead.
-
-    ``capture_one`` captures one key in turn with the serving thread (the
-    manager's replay lock and streams); ``finished`` hands the replays their
-    lock-free path back. Never raises: errors go to the handle and the log.
-    """
-    start = time.perf_counter()
-    compiled_before = dynamo_compiles()
-    cuda = device.type == "cuda"
-    reserved_before = torch.cuda.memory_reserved(device) if cuda else 0
-    try:
-        on_device = torch.cuda.device(device) if cuda else contextlib.nullcontext()
-        with collector_paused(gc_disable), torch.no_grad(), on_device:
-            while pending:
-                key = misses.most_recent(pending) or pending[0]
-                pending.remove(key)
-                _capture_with_retries(handle, key, capture_one)
-    except BaseException as error:  # the step loop must never stop: report, never raise
-        _logger.exception("background capture stopped")
-        handle._gave_up(error)
-    finally:
-        finished()
-        reserved = torch.cuda.memory_reserved(device) - reserved_before if cuda else 0
-        handle._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before))
-
-
-def _capture_with_retries(
-    handle: BackgroundCapture, key: BatchDescriptor, capture_one: Callable[[BatchDescriptor], CapturedGraph]
-) -> None:
-    for attempt in range(RETRIES + 1):
-        try:
-            handle._captured(capture_one(key))
-            return
-        except Exception as error:  # a model's error, an invalidated capture: never the whole loop
-            if attempt < RETRIES:
-                handle._retries += 1
-                _logger.warning("background capture of %s failed, trying again: %s", key, error)
-                continue
-            _logger.error("background capture gave up on %s: %s", key, error)
-            handle._gave_up(error)

@@ -173,8 +173,17 @@ class StaticBuffers:
         num_reqs: int,
         graph_tokens: int,
         graph_reqs: int,
+        requires_grad: bool = False,
     ) -> None:
-        """Copy a checked step into the buffers, padded to a graph's row counts."""
+        """Copy a checked step into the buffers, padded to a graph's row counts (on the current stream).
+
+        ``requires_grad``: some input requires grad, so the copies run under
+        ``no_grad`` (they would record autograd history otherwise).
+        """
+        if requires_grad and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.copy_in(inputs, num_tokens, num_reqs, graph_tokens, graph_reqs)
+            return
         for b in self.buffers:
             if b.rows == "reqs":
                 b.copy_in(inputs[b.name], num_reqs, graph_reqs)

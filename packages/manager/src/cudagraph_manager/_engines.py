@@ -13,7 +13,7 @@ R = TypeVar("R")
 
 def default_engine_factory(
     model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
-) -> GraphEngine[..., R]:
+) -> GraphEngine[R]:
     """FULL -> ``CUDAGraphWrapper`` (one graph per key), PIECEWISE -> ``BreakableCUDAGraphWrapper``."""
     if mode is CUDAGraphMode.FULL:
         return CUDAGraphWrapper(model, CUDAGraphMode.FULL, options)

@@ -3,18 +3,17 @@
 A graph computes the padded batch; the caller wants the rows of its real
 batch. Which count each output tensor's leading dimension follows (tokens,
 requests, or none) is declared once (``output_rows``), checked against the
-first outputs seen, and used to slice every step's outputs: a map over the
-output's pytree.
+first outputs seen, and used to slice every step's outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Final, TypeAlias, cast
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ._static import Rows
 
@@ -64,49 +63,55 @@ def uses_reqs(spec: RowsSpec) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputLayout:
-    """The structure of the model's output (its pytree spec) and the rows each tensor follows."""
+    """The structure of the model's output and the rows each tensor follows.
 
-    treespec: pytree.TreeSpec
+    Outputs are a tensor or a flat tuple, list or dict of tensors, so the
+    structure is a kind and the keys: no pytree walk on the step path.
+    """
+
+    kind: type  # torch.Tensor, tuple, list or dict
+    keys: tuple[str | int | None, ...]  # one per tensor: None for a lone tensor, else index or key
     structure: str  # for errors: "a tensor []", "a tuple [0, 1]", "a dict ['a']"
     labels: tuple[str, ...]  # one per tensor, for errors: "model output" or "model output['key']"
-    rows: tuple[Rows, ...]  # one per tensor, in flattening order
+    rows: tuple[Rows, ...]  # one per tensor, in order
     empty_leaves: tuple[torch.Tensor, ...]  # an idle step's: 0 rows, or zeros when unbatched
 
     @classmethod
     def of(cls, output: object, spec: RowsSpec) -> OutputLayout:
         """The layout of ``output`` (the first outputs seen), with rows resolved from ``spec``."""
         keys = _keys(output)
-        leaves, treespec = pytree.tree_flatten(output)
         labels = tuple("model output" if k is None else f"model output[{k!r}]" for k in keys)
-        if len(leaves) != len(keys):
-            raise ValueError(
-                "model output: expected a tensor or a flat tuple, list or dict of tensors, "
-                f"got a nested {type(output).__name__}"
-            )
         tensors: list[torch.Tensor] = []
-        for label, leaf in zip(labels, leaves, strict=True):
+        for label, leaf in zip(labels, _leaves(output, keys), strict=True):
             if not isinstance(leaf, torch.Tensor):
-                raise ValueError(f"{label}: expected a tensor, got {type(leaf).__name__}")
+                nested = isinstance(leaf, (*_CONTAINERS, Mapping))
+                raise ValueError(
+                    "model output: expected a tensor or a flat tuple, list or dict of tensors, "
+                    f"got a nested {type(output).__name__}"
+                    if nested
+                    else f"{label}: expected a tensor, got {type(leaf).__name__}"
+                )
             tensors.append(leaf)
         rows = _resolve_rows(output, keys, spec)
         empty = tuple(
             t.new_zeros(t.shape) if r is None or t.dim() == 0 else t.new_empty((0, *t.shape[1:]))
             for t, r in zip(tensors, rows, strict=True)
         )
-        kind = type(output).__name__ if type(output) in _CONTAINERS else "tensor"
-        structure = f"a {kind} {[k for k in keys if k is not None]!r}"
-        return cls(treespec, structure, labels, rows, empty)
+        kind = type(output) if type(output) in _CONTAINERS else torch.Tensor
+        name = kind.__name__ if kind is not torch.Tensor else "tensor"
+        structure = f"a {name} {[k for k in keys if k is not None]!r}"
+        return cls(kind, keys, structure, labels, rows, empty)
 
     def check(self, output: object, num_tokens: int, num_reqs: int) -> None:
         """``output`` has this layout and a graph's row counts, else ``ValueError`` naming the output."""
-        leaves, treespec = pytree.tree_flatten(output)
-        if treespec != self.treespec:
+        same = (type(output) is self.kind or (self.kind is torch.Tensor and isinstance(output, torch.Tensor)))
+        if not same or _keys(output) != self.keys:
             now = OutputLayout.of(output, None)  # raises on an invalid structure
             raise ValueError(
                 "model output: its structure changed between batch sizes "
                 f"(first {self.structure}, now {now.structure})"
             )
-        for label, rows, leaf in zip(self.labels, self.rows, leaves, strict=True):
+        for label, rows, leaf in zip(self.labels, self.rows, _leaves(output, self.keys), strict=True):
             if not isinstance(leaf, torch.Tensor):
                 raise ValueError(f"{label}: expected a tensor, got {type(leaf).__name__}")
             if rows is None:
@@ -120,16 +125,55 @@ class OutputLayout:
 
     def cut(self, output: object, num_tokens: int, num_reqs: int) -> object:
         """``output`` with each batched tensor sliced to the real rows (views, no copies)."""
-        leaves = pytree.tree_leaves(output)
+        leaves = cast("list[torch.Tensor]", _leaves(output, self.keys))  # checked when captured
         cut = [
             leaf if rows is None else leaf[: num_tokens if rows == "tokens" else num_reqs]
             for leaf, rows in zip(leaves, self.rows, strict=True)
         ]
-        return pytree.tree_unflatten(cut, self.treespec)
+        return self._build(cut)
 
     def empty(self) -> object:
         """The outputs of an idle step (0 tokens): batched tensors with 0 rows, unbatched ones zero."""
-        return pytree.tree_unflatten([t.clone() for t in self.empty_leaves], self.treespec)
+        return self._build([t.clone() for t in self.empty_leaves])
+
+    def _build(self, leaves: list[torch.Tensor]) -> object:
+        kind = self.kind
+        if kind is torch.Tensor:
+            return leaves[0]
+        if kind is dict:
+            return dict(zip(self.keys, leaves, strict=True))
+        return leaves if kind is list else tuple(leaves)
+
+
+class LayoutCell:
+    """The output layout, set once from the first outputs seen, by whichever thread sees them first."""
+
+    __slots__ = ("_lock", "_spec", "layout")
+
+    def __init__(self, spec: RowsSpec) -> None:
+        self._spec: Final = spec
+        self._lock: Final = threading.Lock()
+        self.layout: OutputLayout | None = None
+
+    def of(self, output: object) -> OutputLayout:
+        """The layout; from ``output`` if none was set yet (a capture's or an eager step's outputs)."""
+        layout = self.layout
+        if layout is None:
+            with self._lock:  # a capture thread and the serving thread may both see first outputs
+                layout = self.layout
+                if layout is None:
+                    layout = self.layout = OutputLayout.of(output, self._spec)
+        return layout
+
+
+def _leaves(output: object, keys: tuple[str | int | None, ...]) -> list[object]:
+    """The tensors of ``output`` in ``keys`` order (checked by the caller)."""
+    if keys == (None,):
+        return [output]
+    if isinstance(output, dict):
+        return [output[k] for k in keys]
+    assert isinstance(output, (tuple, list))
+    return list(output)
 
 
 def _keys(output: object) -> tuple[str | int | None, ...]:

@@ -1,9 +1,9 @@
 """The seams of this package, as types: the model's outputs and the engine factory.
 
 The manager reaches the capture layer only through ``GraphEngineFactory`` and
-the capture package's ``GraphEngine`` protocol (``capture``, ``is_captured``,
-``replay``, ``clear``): the default factory builds ``cudagraph_capture``'s
-wrappers, and a test (or another engine) can pass its own.
+the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
+hands back a ``GraphEntry`` the manager keeps): the default factory builds
+``cudagraph_capture``'s wrappers, and a test (or another engine) can pass its own.
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ R = TypeVar("R")
 class GraphEngineFactory(Protocol):
     """Builds the engine that captures and replays ``model`` for one runtime mode (FULL or PIECEWISE).
 
-    The manager calls ``engine.capture(descriptor, **static_views)`` once per
-    key of its plan, then ``engine.replay(descriptor)`` on every step that
-    dispatches to that key; ``engine.is_captured(descriptor)`` decides
-    between replay and an eager run.
+    The manager calls ``engine.warm_up(descriptor, static_views)`` and
+    ``engine.record(descriptor, static_views)`` once per key of its plan,
+    keeps the returned entry on the key, and calls ``entry.replay()`` on
+    every step that dispatches to that key.
     """
 
-    def __call__(
-        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
-    ) -> GraphEngine[..., R]: ...
+    def __call__(self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions) -> GraphEngine[R]: ...

@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Final
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-class EagerReason(enum.Enum):
-    """Why a step ran without a graph: the keys (values) of ``ManagerStats.eager_reasons``."""
-
-    NO_CUDA = "no_cuda"  # the manager's device has no CUDA graphs: every step runs eagerly, padded
-    ABOVE_LARGEST_SIZE = "above_largest_size"  # more tokens than the largest capture size
-    LORA_COUNT = "lora_count"  # more active adapters than the largest captured LoRA count
-    INVALID_MODES = "invalid_modes"  # the step's invalid_modes turned off the graph it had
-    NO_GRAPH_FOR_BATCH = "no_graph_for_batch"  # the mode has no graph for this kind of batch
-    NOT_CAPTURED = "not_captured"  # its graph is in the plan but was not captured (yet)
-    CAPTURE_RUNNING = "capture_running"  # captured, but a background capture holds the static buffers
-    OTHER_RANK = "other_rank"  # this rank had a graph, another rank of its RankAgreement had none
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +124,34 @@ class ManagerStats:
     def replays_of(self, mode: CUDAGraphMode) -> int:
         """Replays in runtime mode ``mode``, over all sizes."""
         return sum(n for (m, _), n in self.replays.items() if m is mode)
+
+
+class StepCounts:
+    """The running counts behind ``ManagerStats`` that are not per key (the serving thread's alone)."""
+
+    __slots__ = ("dummy_steps", "eager", "idle_steps", "padded_tokens")
+
+    def __init__(self) -> None:
+        self.eager: dict[EagerReason, int] = {}
+        self.padded_tokens = 0
+        self.idle_steps = 0
+        self.dummy_steps = 0
+
+    def snapshot(self, replays: Mapping[tuple[CUDAGraphMode, int], int]) -> ManagerStats:
+        eager = self.eager
+        return ManagerStats(
+            replays=MappingProxyType(dict(replays)),
+            eager_runs=sum(eager.values()),
+            uncaptured_runs=eager.get(EagerReason.NOT_CAPTURED, 0),
+            padded_tokens=self.padded_tokens,
+            eager_reasons=MappingProxyType({r.value: n for r, n in eager.items()}),
+            idle_steps=self.idle_steps,
+            dummy_steps=self.dummy_steps,
+        )
+
+    def reset(self) -> None:
+        self.eager.clear()
+        self.padded_tokens = self.idle_steps = self.dummy_steps = 0
 
 
 def format_bytes(n: int) -> str:

@@ -14,25 +14,30 @@ every rank's values and computes the same answer locally.
 from __future__ import annotations
 
 import datetime
+import sys
 import zlib
-from collections.abc import Sequence
-from typing import Final, Literal
+from collections.abc import Callable, Sequence
+from typing import Final, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from cudagraph_capture import CaptureError
 from cudagraph_dispatch import (
     BatchDescriptor,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     Dispatch,
+    EagerReason,
     RankRequest,
+    Route,
     agree_across_ranks,
 )
 
 from ._shared_table import SharedTable, shared_memory_supported
 
 Backend = Literal["gloo", "nccl", "shm"]
+T = TypeVar("T")
 
 _NONE: Final = CUDAGraphMode.NONE
 _MODES: Final = tuple(CUDAGraphMode)
@@ -229,6 +234,70 @@ class RankAgreement:
             union |= bits
         modes = frozenset(m for i, m in enumerate(_MODES) if union >> i & 1)
         return agree_across_ranks(dispatcher, requests, invalid_modes=modes)
+
+    def route_step(
+        self,
+        dispatcher: CUDAGraphDispatcher,
+        request: RankRequest,
+        *,
+        invalid_modes: frozenset[CUDAGraphMode],
+        can_replay: bool,
+    ) -> tuple[Route, bool]:
+        """This rank's route for a step every rank runs alike (one exchange), and whether it pads along.
+
+        The route is the agreed graph, or why this rank runs eagerly (another
+        rank had no graph: ``OTHER_RANK``; this rank's own reason otherwise).
+        "Pads along" is true for a rank with 0 tokens that must still run:
+        it replays the agreed graph on pad values, or, when the others run
+        eagerly, runs the model on one padding row so their collectives
+        meet it. Only when every rank is idle does none call the model.
+        """
+        # This rank's own route first: it checks the step's arguments before the exchange.
+        own = dispatcher.route(
+            request.num_tokens,
+            uniform_decode=request.uniform_decode,
+            num_active_loras=request.num_active_loras,
+            invalid_modes=invalid_modes,
+        )
+        agreed = self.agree_step(dispatcher, request, invalid_modes=invalid_modes, can_replay=can_replay)
+        idle = request.num_tokens == 0
+        if agreed.mode is not _NONE:
+            return agreed, idle
+        if idle:
+            return EagerReason.NO_GRAPH_FOR_BATCH, agreed.descriptor.num_tokens > 0
+        if isinstance(own, Dispatch):  # this rank had a graph
+            return (EagerReason.OTHER_RANK if can_replay else EagerReason.NOT_CAPTURED), False
+        return own, False
+
+    def all_or_none(self, key: BatchDescriptor, attempt: Callable[[], T], undo: Callable[[], None]) -> T:
+        """``attempt()`` (the capture of ``key``) on every rank, kept only if every rank succeeded.
+
+        One exchange.
+
+        An exception (not a ``KeyboardInterrupt``) is held until the ranks
+        have compared notes, so a failure on one rank never leaves the others
+        waiting in their next collective; then the failed rank raises its own
+        error and the others ``undo()`` and raise a ``CaptureError`` naming it.
+        """
+        error: Exception | None = None
+        result: T | None = None
+        try:
+            result = attempt()
+        except Exception as exc:
+            error = exc
+        failed = self.failed_ranks(error is not None)
+        if error is not None:
+            if sys.version_info >= (3, 11):
+                error.add_note(f"rank {self._rank} of {self._world_size}: every rank dropped this key")
+            raise error
+        if failed:
+            undo()  # the graphs of all ranks stay the same set
+            raise CaptureError(
+                f"rank(s) {failed} of {self._world_size} failed to capture this key, so rank "
+                f"{self._rank} dropped it too; their errors say why",
+                key,
+            )
+        return result  # type: ignore[return-value]  # set: attempt() returned without raising
 
     def agree_plan(
         self, plan: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], *, can_capture: str | None

@@ -1,0 +1,65 @@
+"""One key of the capture plan: the views its graph reads, and its graph once captured.
+
+A ``PlannedKey`` is built once per key of the dispatcher's plan. Its ``entry``
+(the engine's ``GraphEntry``: graph, outputs, replay) is the one place that
+says whether the key is captured: a capture sets it, in one assignment,
+after the outputs were checked, so the serving thread replays it from its
+next step; ``clear()`` drops it, which frees the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Generic, cast
+
+from cudagraph_capture import GraphEntry
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
+
+from ._buffers import StaticBuffers
+from ._outputs import OutputLayout
+from ._protocols import OutputT
+
+
+class PlannedKey(Generic[OutputT]):
+    """A planned graph: its mode and key, its row counts, its input views, its entry and counters."""
+
+    __slots__ = (
+        "context",
+        "descriptor",
+        "entry",
+        "inputs",
+        "last_cut",
+        "mode",
+        "num_reqs",
+        "num_tokens",
+        "replays",
+    )
+
+    def __init__(
+        self, mode: CUDAGraphMode, descriptor: BatchDescriptor, buffers: StaticBuffers, max_num_seqs: int
+    ) -> None:
+        self.mode: Final = mode
+        self.descriptor: Final = descriptor
+        self.num_tokens: Final = descriptor.num_tokens
+        # PIECEWISE keys are relaxed (no request count): size their request rows as vLLM does.
+        self.num_reqs: Final = (
+            descriptor.num_reqs if descriptor.num_reqs is not None else min(self.num_tokens, max_num_seqs)
+        )
+        self.inputs: Final = buffers.views(self.num_tokens, self.num_reqs)  # the graph's keyword arguments
+        # A PIECEWISE replay runs its eager breaks for real, and they may read the forward context.
+        self.context: Final = (
+            ForwardContext(mode, descriptor) if mode is CUDAGraphMode.PIECEWISE else None
+        )
+        self.entry: GraphEntry[OutputT] | None = None
+        self.replays = 0
+        # The last (entry, num_tokens, num_reqs, cut): steps of one row count reuse the cut.
+        self.last_cut: tuple[GraphEntry[OutputT], int, int, object] | None = None
+
+    def cut(self, entry: GraphEntry[OutputT], layout: OutputLayout, num_tokens: int, num_reqs: int) -> OutputT:
+        """The entry's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""
+        last = self.last_cut
+        if last is not None and last[0] is entry and last[1] == num_tokens and last[2] == num_reqs:
+            cut = last[3]
+        else:
+            cut = layout.cut(entry.output, num_tokens, num_reqs)
+            self.last_cut = (entry, num_tokens, num_reqs, cut)
+        return cast(OutputT, cut.copy() if isinstance(cut, (list, dict)) else cut)
