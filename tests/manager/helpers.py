@@ -177,7 +177,11 @@ class FakeEntry(Generic[R]):
     """A ``GraphEntry`` without a GPU: a replay re-runs the model on the kept inputs into the kept outputs."""
 
     def __init__(
-        self, engine: FakeGraphEngine[R], descriptor: BatchDescriptor, inputs: dict[str, torch.Tensor], output: R
+        self,
+        engine: FakeGraphEngine[R],
+        descriptor: BatchDescriptor,
+        inputs: dict[str, torch.Tensor],
+        output: R,
     ) -> None:
         self._engine = engine
         self.descriptor = descriptor

@@ -229,9 +229,7 @@ class _FailingOnce:
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
         out = self.model.hidden(**inputs)
         capturing = (
-            torch.cuda.is_current_stream_capturing()
-            if out.is_cuda
-            else get_forward_context_mode_is_graph()
+            torch.cuda.is_current_stream_capturing() if out.is_cuda else get_forward_context_mode_is_graph()
         )
         if capturing and self.fail:
             self.captures += 1

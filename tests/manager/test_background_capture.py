@@ -260,7 +260,9 @@ def test_calls_that_would_race_the_capture_are_refused() -> None:
     )
     handle = manager.start_capture()
     try:
-        with pytest.raises(RuntimeError, match="start_capture: a background capture of this manager is running"):
+        with pytest.raises(
+            RuntimeError, match="start_capture: a background capture of this manager is running"
+        ):
             manager.start_capture()
         with pytest.raises(RuntimeError, match="capture: a background capture of this manager is running"):
             manager.capture()

@@ -224,7 +224,9 @@ class _Engines:
     def __init__(self) -> None:
         self.breakable: object = None
 
-    def __call__(self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions) -> GraphEngine[R]:
+    def __call__(
+        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
+    ) -> GraphEngine[R]:
         if mode is CUDAGraphMode.FULL:
             return CUDAGraphWrapper(model, CUDAGraphMode.FULL, options)
         breakable = _KeepingBreakable(model, options)

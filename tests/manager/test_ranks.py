@@ -88,7 +88,10 @@ def _check_data_parallel(run: RankRun) -> None:
     assert r0["model_calls"] == r1["model_calls"]
     # Rank 1 cleared its graphs: rank 0 must not replay, even with rank 1 idle.
     assert r0["after_clear_idle"] == {
-        "replayed": [], "eager_reasons": {"other_rank": 1}, "dummy_steps": 0, "rows": 5
+        "replayed": [],
+        "eager_reasons": {"other_rank": 1},
+        "dummy_steps": 0,
+        "rows": 5,
     }
     assert r1["after_clear_idle"] == {"replayed": [], "eager_reasons": {}, "dummy_steps": 1, "rows": 0}
     assert r0["after_clear"]["eager_reasons"] == {"other_rank": 1}  # type: ignore[index]

@@ -257,7 +257,9 @@ class _GraphWrapper(Generic[P, R]):
         try:
             if execute and options.warmup_runs:
                 self._warm_up(context, stream, args, kwargs)
-            engine, replay, output, ran = self._capture_engine(descriptor, pool, stream, args, kwargs, execute)
+            engine, replay, output, ran = self._capture_engine(
+                descriptor, pool, stream, args, kwargs, execute
+            )
         except CaptureError:
             raise
         except Exception as error:

@@ -18,9 +18,9 @@ from ._dispatcher import Dispatch as Dispatch
 from ._dispatcher import Route as Route
 from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._protocols import GraphDispatcher as GraphDispatcher
-from ._reasons import EagerReason as EagerReason
 from ._ranks import RankRequest as RankRequest
 from ._ranks import agree_across_ranks as agree_across_ranks
+from ._reasons import EagerReason as EagerReason
 from ._sizes import CaptureSizes as CaptureSizes
 
 __version__ = "0.1.0"

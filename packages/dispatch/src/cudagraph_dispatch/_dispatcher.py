@@ -166,7 +166,9 @@ class CUDAGraphDispatcher:
             num_active_loras=num_active_loras,
             invalid_modes=invalid_modes,
         )
-        return decision if isinstance(decision, Dispatch) else Dispatch(_NONE, BatchDescriptor(int(num_tokens)))
+        return (
+            decision if isinstance(decision, Dispatch) else Dispatch(_NONE, BatchDescriptor(int(num_tokens)))
+        )
 
     def route(
         self,
@@ -269,7 +271,9 @@ class CUDAGraphDispatcher:
             return graphs.mixed_full[size_index], _WHY_GRAPH
         if graphs.mixed_piecewise and _PIECEWISE not in invalid_modes:
             return graphs.mixed_piecewise[size_index], _WHY_GRAPH
-        allowed = self._decide(num_tokens, uniform_decode, num_active_loras, _NO_MODES) if invalid_modes else None
+        allowed = (
+            self._decide(num_tokens, uniform_decode, num_active_loras, _NO_MODES) if invalid_modes else None
+        )
         if allowed is not None and isinstance(allowed[0], Dispatch):
             return EagerReason.INVALID_MODES, _WHY_NO_GRAPH  # a graph the step's invalid_modes turned off
         return EagerReason.NO_GRAPH_FOR_BATCH, _WHY_NO_GRAPH

@@ -270,5 +270,3 @@ class BackgroundCapture:
         with self._lock:
             self._report = CaptureReport(tuple(self._records), seconds, reserved_bytes, compiles=compiles)
         self._done.set()
-
-

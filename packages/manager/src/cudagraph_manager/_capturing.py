@@ -12,17 +12,107 @@ outputs must be cuttable), then stored on the key: the key is captured.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+from collections.abc import Mapping, Sequence
+from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import CaptureDisabledError, GraphEngine, capture_enabled
+from cudagraph_capture import (
+    CaptureDisabledError,
+    CaptureOptions,
+    GraphEngine,
+    capture_enabled,
+    collector_paused,
+)
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
+from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
+from ._compiled import compiles_since, dynamo_compiles
 from ._outputs import LayoutCell
 from ._planned import PlannedKey
+from ._progress import progress as progress_bar
 from ._protocols import OutputT
-from ._report import CapturedGraph
+from ._report import CapturedGraph, CaptureReport
+from .ranks import RankAgreement
+
+
+class Capturer(Generic[OutputT]):
+    """A manager's captures: every pending key in the foreground, or in a background thread."""
+
+    __slots__ = ("_buffers", "_device", "_engines", "_keys", "_layout", "_options")
+
+    def __init__(
+        self,
+        keys: Mapping[BatchDescriptor, PlannedKey[OutputT]],
+        engines: Mapping[CUDAGraphMode, GraphEngine[OutputT]],
+        buffers: StaticBuffers,
+        layout: LayoutCell,
+        device: torch.device,
+        options: CaptureOptions,
+    ) -> None:
+        self._keys: Final = keys
+        self._engines: Final = engines
+        self._buffers: Final = buffers
+        self._layout: Final = layout
+        self._device: Final = device
+        self._options: Final = options
+
+    def foreground(
+        self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
+    ) -> CaptureReport:
+        """Capture ``pending`` in order on this thread (each key kept by every rank, or by none)."""
+        device = self._device
+        compiled_before = dynamo_compiles()
+        records: list[CapturedGraph] = []
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+            reserved_before = reserved_bytes(device)
+            start = time.perf_counter()
+            for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
+                attempt = functools.partial(self._capture, key.descriptor, warm=True)
+                if ranks is None:
+                    records.append(attempt())
+                else:
+                    records.append(ranks.all_or_none(key.descriptor, attempt, functools.partial(drop, key)))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # once, so the total includes the device's work
+            seconds = time.perf_counter() - start
+            reserved = reserved_bytes(device) - reserved_before
+        return CaptureReport(tuple(records), seconds, reserved, compiles=compiles_since(compiled_before))
+
+    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
+        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
+        warm: dict[BatchDescriptor, None] = {}
+        for mode in dict.fromkeys(key.mode for key in pending):
+            of_mode = [key.descriptor for key in pending if key.mode is mode]
+            warm |= dict.fromkeys((of_mode[0], of_mode[-1]))  # the largest and the smallest
+        session = BackgroundCapture(
+            [key.descriptor for key in pending],
+            list(warm),
+            self._warm_up,
+            functools.partial(self._capture, warm=False),
+            self._device,
+            self._options.gc_disable,
+        )
+        session.start()
+        return session
+
+    def _warm_up(self, descriptor: BatchDescriptor) -> None:
+        key = self._keys[descriptor]
+        warm_up(key, self._engines[key.mode], self._buffers)
+
+    def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
+        key = self._keys[descriptor]
+        return capture_key(key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm)
+
+
+def drop(key: PlannedKey[OutputT]) -> None:
+    """Free the key's graph: it is not captured any more."""
+    key.entry = key.last_cut = None
 
 
 def warm_up(key: PlannedKey[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:

@@ -14,9 +14,7 @@ reason (``_eager``). Captures are in ``_capturing``, the background capture in
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Final, Generic, cast
@@ -28,7 +26,6 @@ from cudagraph_capture import (
     GraphEngine,
     OutputGuard,
     capture_enabled,
-    collector_paused,
     resolve_device,
 )
 from cudagraph_dispatch import (
@@ -44,15 +41,13 @@ from cudagraph_dispatch import (
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers, check_inputs_spec
-from ._capturing import capture_key, reserved_bytes, warm_up
-from ._compiled import compiles_since, dynamo_compiles
+from ._capturing import Capturer, drop
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
 from ._outputs import LayoutCell, OutputRows, check_output_rows, uses_reqs
 from ._planned import PlannedKey
-from ._progress import progress as progress_bar
 from ._protocols import GraphEngineFactory, OutputT
-from ._report import CapturedGraph, CaptureReport, ManagerStats, StepCounts
+from ._report import CaptureReport, ManagerStats, StepCounts
 from ._static import StaticInput
 from .ranks import RankAgreement
 
@@ -153,7 +148,9 @@ class CUDAGraphManager(Generic[OutputT]):
         plan = self._dispatcher.capture_plan()
         factory = default_engine_factory if engine_factory is None else engine_factory
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = (
-            {} if self._no_graphs is not None else {mode: factory(model, mode, self._options) for mode, _ in plan}
+            {}
+            if self._no_graphs is not None
+            else {mode: factory(model, mode, self._options) for mode, _ in plan}
         )
         #: Every key of the plan, in capture order; its entry says whether it is captured.
         self._keys: Final = {
@@ -165,6 +162,9 @@ class CUDAGraphManager(Generic[OutputT]):
         self._counts: Final = StepCounts()
         self._eager: Final = EagerSteps(
             model, self._buffers, self._layout, self._counts, strict, self._dispatcher, self._no_graphs, ranks
+        )
+        self._capturer: Final = Capturer(
+            self._keys, self._engines, self._buffers, self._layout, self._device, self._options
         )
         self._step_lock: Final = threading.Lock()
         self._session: BackgroundCapture | None = None  # the last background capture
@@ -209,7 +209,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         with self._exclusive("clear"):
             for key in self._keys.values():
-                key.entry = key.last_cut = None
+                drop(key)
 
     # -- capture --
 
@@ -245,25 +245,7 @@ class CUDAGraphManager(Generic[OutputT]):
                 ranks.agree_plan([(key.mode, key.descriptor) for key in pending], can_capture=unable)
             if self._no_graphs is not None:
                 return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
-            device = self._device
-            compiled_before = dynamo_compiles()
-            records: list[CapturedGraph] = []
-            on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-            with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
-                reserved_before = reserved_bytes(device)
-                start = time.perf_counter()
-                for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                    engine = self._engines[key.mode]
-                    attempt = functools.partial(capture_key, key, engine, self._buffers, self._layout, device, warm=True)
-                    if ranks is None:
-                        records.append(attempt())
-                    else:
-                        records.append(ranks.all_or_none(key.descriptor, attempt, functools.partial(self._drop, key)))
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # once, so the total includes the device's work
-                seconds = time.perf_counter() - start
-                reserved = reserved_bytes(device) - reserved_before
-        return CaptureReport(tuple(records), seconds, reserved, compiles=compiles_since(compiled_before))
+            return self._capturer.foreground(pending, ranks, progress)
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving.
@@ -286,25 +268,11 @@ class CUDAGraphManager(Generic[OutputT]):
                     "a background capture would interleave its collectives with the serving steps' "
                     "differently on each rank"
                 )
-            pending = [] if self._no_graphs is not None else [k for k in self._keys.values() if k.entry is None]
-            warm: list[PlannedKey[OutputT]] = []
-            for mode in dict.fromkeys(key.mode for key in pending):
-                of_mode = [key for key in pending if key.mode is mode]
-                warm += dict.fromkeys((of_mode[0], of_mode[-1]))  # the largest and the smallest
-            keys, engines, buffers, layout = self._keys, self._engines, self._buffers, self._layout
-            session = self._session = BackgroundCapture(
-                [key.descriptor for key in pending],
-                [key.descriptor for key in warm],
-                lambda d: warm_up(keys[d], engines[keys[d].mode], buffers),
-                lambda d: capture_key(keys[d], engines[keys[d].mode], buffers, layout, self._device, warm=False),
-                self._device,
-                self._options.gc_disable,
+            pending = (
+                [] if self._no_graphs is not None else [k for k in self._keys.values() if k.entry is None]
             )
-            session.start()
+            session = self._session = self._capturer.background(pending)
         return session
-
-    def _drop(self, key: PlannedKey[OutputT]) -> None:
-        key.entry = key.last_cut = None
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -399,7 +367,9 @@ class CUDAGraphManager(Generic[OutputT]):
             key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None  # the one look-up
             entry = key.entry if key is not None else None
             if key is not None and entry is not None:
-                self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad)
+                self._buffers.copy_in(
+                    inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad
+                )
                 if self._guard is not None:
                     self._guard.retire(key.descriptor)
                 if key.context is None:
@@ -421,7 +391,9 @@ class CUDAGraphManager(Generic[OutputT]):
                 if not pads_along:
                     return self._eager.idle(inputs)
                 assert ranks is not None
-                return self._eager.pad_along(f"the other ranks of the {ranks.world_size} run this step eagerly")
+                return self._eager.pad_along(
+                    f"the other ranks of the {ranks.world_size} run this step eagerly"
+                )
             request_args = (num_tokens, uniform_decode, num_active_loras, invalid_modes)
             return self._eager.run(inputs, num_reqs, route, key, request_args, self._session)
         finally:

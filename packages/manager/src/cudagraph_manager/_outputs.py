@@ -104,7 +104,7 @@ class OutputLayout:
 
     def check(self, output: object, num_tokens: int, num_reqs: int) -> None:
         """``output`` has this layout and a graph's row counts, else ``ValueError`` naming the output."""
-        same = (type(output) is self.kind or (self.kind is torch.Tensor and isinstance(output, torch.Tensor)))
+        same = type(output) is self.kind or (self.kind is torch.Tensor and isinstance(output, torch.Tensor))
         if not same or _keys(output) != self.keys:
             now = OutputLayout.of(output, None)  # raises on an invalid structure
             raise ValueError(

@@ -35,4 +35,6 @@ class GraphEngineFactory(Protocol):
     every step that dispatches to that key.
     """
 
-    def __call__(self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions) -> GraphEngine[R]: ...
+    def __call__(
+        self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
+    ) -> GraphEngine[R]: ...
