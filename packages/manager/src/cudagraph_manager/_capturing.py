@@ -22,6 +22,7 @@ import torch
 
 from cudagraph_capture import (
     CaptureDisabledError,
+    CaptureError,
     CaptureOptions,
     GraphEngine,
     capture_enabled,
@@ -141,7 +142,14 @@ def capture_key(
     if not capture_enabled():  # before the warm-up: a disabled capture runs nothing
         raise CaptureDisabledError("capture is disabled (set_capture_enabled(False))", key.descriptor)
     if warm:
-        warm_up(key, engine, buffers)
+        try:
+            warm_up(key, engine, buffers)
+        except CaptureError:
+            raise
+        except Exception as error:  # the model's own error at this size: name the key
+            raise CaptureError(
+                f"the warm-up failed with {type(error).__name__}: {error}", key.descriptor
+            ) from error
     before = reserved_bytes(device)
     entry = engine.record(key.descriptor, key.inputs)
     pool_bytes = reserved_bytes(device) - before
