@@ -24,26 +24,39 @@ RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invali
 
 
 class StaticBuffer:
-    """One input's static buffer: its rows, its view for a row count, its checks, its copy-in.
+    """One input's static buffer: its rows, its views for a row count, the checks of a step tensor.
 
     ``tensor`` is ``[max rows, *shape]`` (``shape`` for an unbatched input).
     Views are cut once per row count and kept: slicing a tensor costs about
     a microsecond, and a step needs two views per input.
     """
 
-    __slots__ = ("_splits", "_views", "device", "dtype", "name", "pad_value", "rows", "shape", "tensor")
+    __slots__ = (
+        "_views",
+        "device",
+        "dtype",
+        "name",
+        "ndim",
+        "pad_value",
+        "rows",
+        "shape",
+        "splits",
+        "tensor",
+    )
 
     def __init__(self, name: str, spec: StaticInput, max_rows: int, device: torch.device) -> None:
         self.name: Final = name
         self.rows: Final[Rows] = spec.rows
         self.dtype: Final = spec.dtype
         self.shape: Final = spec.shape  # trailing dims; the whole shape of an unbatched input
+        self.ndim: Final = len(spec.shape) + (spec.rows is not None)  # of a step's tensor
         self.pad_value: Final = spec.pad_value
         self.device: Final = device
         full_shape = spec.shape if spec.rows is None else (max_rows, *spec.shape)
         self.tensor: Final = torch.full(full_shape, spec.pad_value, dtype=spec.dtype, device=device)
         self._views: dict[int, torch.Tensor] = {}
-        self._splits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: ``(real rows, padding rows)`` by ``(rows, graph rows)``, cut once by ``split``.
+        self.splits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def view(self, rows: int) -> torch.Tensor:
         """The first ``rows`` rows (the whole buffer when unbatched): what a graph of that size reads."""
@@ -78,21 +91,12 @@ class StaticBuffer:
         rows: int = size[0]
         return rows
 
-    def copy_in(self, x: torch.Tensor, rows: int, graph_rows: int) -> None:
-        """Copy ``x`` (``rows`` rows) in; fill the rows up to ``graph_rows`` with the pad value.
-
-        Real rows first, then the padding, so an ``x`` that already is (a
-        prefix of) this buffer is read before anything overwrites it.
-        Asynchronous on the current stream.
-        """
-        if rows == graph_rows or self.rows is None:
-            self.view(graph_rows).copy_(x)
-            return
-        split = self._splits.get((rows, graph_rows))
+    def split(self, rows: int, graph_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(real rows, padding rows)`` of a step of ``rows`` padded to ``graph_rows`` (cut once, kept)."""
+        split = self.splits.get((rows, graph_rows))
         if split is None:
-            split = self._splits[(rows, graph_rows)] = (self.tensor[:rows], self.tensor[rows:graph_rows])
-        split[0].copy_(x)
-        split[1].fill_(self.pad_value)
+            split = self.splits[(rows, graph_rows)] = (self.tensor[:rows], self.tensor[rows:graph_rows])
+        return split
 
 
 class StaticBuffers:
@@ -141,10 +145,20 @@ class StaticBuffers:
         requires_grad = False
         for b in self.buffers:
             x = inputs.get(b.name)
-            if x is None and b.name not in inputs:
-                raise self._names_error(inputs)
-            rows = b.check(x)
-            if x.requires_grad:  # type: ignore[union-attr]  # b.check raised unless x is a tensor
+            # The usual step inline: a plain tensor of the right dtype, device and trailing shape.
+            size = x.shape if x.__class__ is _Tensor else None
+            if (
+                size is not None
+                and x.dtype is b.dtype  # type: ignore[union-attr]  # a Tensor
+                and x.device == b.device  # type: ignore[union-attr]  # a Tensor
+                and (size == b.shape if b.rows is None else len(size) == b.ndim and size[1:] == b.shape)
+            ):
+                rows: int = 0 if b.rows is None else size[0]
+            else:  # the slow path: names what is wrong (or accepts a tensor subclass)
+                if x is None and b.name not in inputs:
+                    raise self._names_error(inputs)
+                rows = b.check(x)
+            if x.requires_grad:  # type: ignore[union-attr]  # checked above: a tensor
                 requires_grad = True
             if b.rows == "tokens":
                 if not tokens_from:
@@ -162,8 +176,14 @@ class StaticBuffers:
                         f"run: input {b.name!r}: {rows} rows, but input {reqs_from!r} has {num_reqs}; "
                         "all 'reqs' inputs have num_reqs rows"
                     )
-        if reqs_from:
-            self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)
+        if reqs_from and (
+            num_reqs > self.max_num_seqs
+            or num_reqs > num_tokens
+            or (
+                uniform_decode is True and num_tokens != num_reqs * self.query_len
+            )  # not-a-bool: dispatch names it
+        ):
+            self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)  # raises, naming the input
         return num_tokens, num_reqs, requires_grad
 
     def copy_in(
@@ -185,10 +205,17 @@ class StaticBuffers:
                 self.copy_in(inputs, num_tokens, num_reqs, graph_tokens, graph_reqs)
             return
         for b in self.buffers:
-            if b.rows == "reqs":
-                b.copy_in(inputs[b.name], num_reqs, graph_reqs)
-            else:
-                b.copy_in(inputs[b.name], num_tokens, graph_tokens)
+            x = inputs[b.name]
+            if b.rows is None:
+                b.tensor.copy_(x)
+                continue
+            rows, graph_rows = (num_reqs, graph_reqs) if b.rows == "reqs" else (num_tokens, graph_tokens)
+            real, padding = b.splits.get((rows, graph_rows)) or b.split(rows, graph_rows)
+            # Real rows first, then the padding, so an input that already is (a prefix of)
+            # this buffer is read before anything overwrites it. Asynchronous, current stream.
+            real.copy_(x)
+            if rows != graph_rows:
+                padding.fill_(b.pad_value)
 
     def _check_requests(self, num_tokens: int, num_reqs: int, reqs_from: str, uniform_decode: bool) -> None:
         if num_reqs > self.max_num_seqs:
