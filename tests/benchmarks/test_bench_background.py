@@ -37,12 +37,16 @@ pytestmark = pytest.mark.gpu
 
 PLOT_NAME: Final = "serve_from_step0.png"
 _RUNS: Final = ("eager", "foreground", "background")
+_GROUPS: Final = {
+    "reference": "70 graphs of the reference decoder, FULL_AND_PIECEWISE",
+    "small": "51 graphs of a small decoder (4 layers, d=512), FULL, tight loop",
+}
 
 
-def _cold_run(run: str) -> dict[str, object]:
+def _cold_run(run: str, model: str) -> dict[str, object]:
     """One run in a fresh process; its JSON line."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.benchmarks.serve_from_step0", run],
+        [sys.executable, "-m", "tests.benchmarks.serve_from_step0", run, model],
         capture_output=True,
         text=True,
         timeout=300,
@@ -59,10 +63,15 @@ def _served(result: dict[str, object]) -> list[tuple[float, float, bool]]:
     return [(float(t), float(ms), bool(r)) for t, ms, r in rows]
 
 
-def test_bench_serve_from_step0(benchmark: BenchmarkFixture, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("model", ["reference", "small"])
+def test_bench_serve_from_step0(
+    benchmark: BenchmarkFixture, request: pytest.FixtureRequest, model: str
+) -> None:
     results: dict[str, dict[str, object]] = {}
-    benchmark.group = "serve from step 0: 70 graphs of the reference decoder, FULL_AND_PIECEWISE"
-    benchmark.pedantic(lambda: results.update({run: _cold_run(run) for run in _RUNS}), rounds=1, iterations=1)
+    benchmark.group = f"serve from step 0: {_GROUPS[model]}"
+    benchmark.pedantic(
+        lambda: results.update({run: _cold_run(run, model) for run in _RUNS}), rounds=1, iterations=1
+    )
     eager, foreground, background = (_served(results[run]) for run in _RUNS)
     ready_bg = float(cast(float, results["background"]["ready_s"]))
     capture_fg = float(cast(float, results["foreground"]["capture_s"]))
@@ -83,6 +92,10 @@ def test_bench_serve_from_step0(benchmark: BenchmarkFixture, request: pytest.Fix
         foreground_first_step_vs_cold_first_eager_step=foreground[0][0] * 1e3 / eager[0][1],
         steps_during_capture=len(during),
         eager_steps_during_capture=len(eager_during),
+        replayed_share_during_capture=(len(during) - len(eager_during)) / len(during) if during else None,
+        # Every eager step during the capture should be "not_captured" (its key was not ready):
+        # a step whose graph is ready always replays.
+        eager_reasons_during_capture=results["background"]["eager_reasons_during"],
         eager_step_during_vs_same_steps_eager=(
             statistics.median(eager_during) / statistics.median(eager_same) if eager_same else None
         ),
@@ -94,7 +107,7 @@ def test_bench_serve_from_step0(benchmark: BenchmarkFixture, request: pytest.Fix
         background_retries=results["background"]["retries"],
         longest_step_during_capture_ms=max(ms for _, ms, _ in during),
     )
-    _plot(request, foreground, background, capture_fg, ready_bg)
+    _plot(request, foreground, background, capture_fg, ready_bg, model)
 
 
 def _plot(
@@ -103,6 +116,7 @@ def _plot(
     background: list[tuple[float, float, bool]],
     capture_s: float,
     ready_s: float,
+    model: str,
 ) -> None:
     """Step time over wall time for both runs, next to the benchmark JSON (skipped without matplotlib)."""
     json_path = request.config.getoption("benchmark_json", None)
@@ -126,8 +140,9 @@ def _plot(
     axes.set_xlabel("wall time since the run's start, cold process (s)")
     axes.set_ylabel("step time (ms, synchronized)")
     axes.set_yscale("log")
-    axes.set_title("Reference decoder, 70 graphs: when the first steps are served")
+    axes.set_title(f"{_GROUPS[model]}: when the first steps are served")
     axes.legend(loc="upper right", fontsize=8)
     figure.tight_layout()
-    figure.savefig(Path(str(getattr(json_path, "name", json_path))).parent / PLOT_NAME, dpi=120)
+    name = PLOT_NAME if model == "reference" else PLOT_NAME.replace(".png", f"_{model}.png")
+    figure.savefig(Path(str(getattr(json_path, "name", json_path))).parent / name, dpi=120)
     plt.close(figure)
