@@ -54,6 +54,7 @@ LONG_CYCLES: Final = 50_000_000
 #: The model's own long kernel between its scratch write and read (about 0.1 ms).
 MODEL_CYCLES: Final = 200_000
 WAIT_S: Final = 120.0
+RECORD_DELAY_S: Final = 0.004
 #: Steps of the stress test per mode (the target is at least 5,000).
 STRESS_STEPS: Final = 5_000
 
@@ -71,13 +72,17 @@ class WorkspaceModel(nn.Module):
         self.scratch = torch.zeros(max(SIZES) + 8, DIM, device=device)  # [max rows, DIM]
         self.cycles = cycles
         self.fail_recording_at: set[int] = set()
+        #: Host time a recording takes on top (a larger model's): steps are served during the capture.
+        self.record_delay_s = RECORD_DELAY_S
 
     def forward(
         self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         rows = x.shape[0]
-        if rows in self.fail_recording_at and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"planted model error while recording {rows} tokens")
+        if torch.cuda.is_current_stream_capturing():
+            if rows in self.fail_recording_at:
+                raise RuntimeError(f"planted model error while recording {rows} tokens")
+            time.sleep(self.record_delay_s)
         scratch = self.scratch[:rows]
         scratch.copy_(x)  # the workspace write
         if self.cycles:
@@ -271,3 +276,31 @@ def test_random_interleavings_never_corrupt_a_step(mode: CUDAGraphMode) -> None:
     assert counts["wrong"] == 0
     for what in ("starts", "clears", "failed_captures", "late_reads", "replays", "eager"):
         assert counts[what] > 0, f"the stress test never did {what}: {counts}"
+
+
+def test_two_managers_capture_on_one_device_at_once() -> None:
+    """Two background captures and a foreground one on one device take turns on its capture stream."""
+    (model_a, twin_a, manager_a), (_, twin_b, manager_b) = (
+        _build(CUDAGraphMode.FULL),
+        _build(CUDAGraphMode.PIECEWISE),
+    )
+    _, twin_c, manager_c = _build(CUDAGraphMode.FULL_AND_PIECEWISE)
+    rng = random.Random(7)
+    served = 0
+    with _serving() as stream:
+        handles = [manager_a.start_capture(), manager_b.start_capture()]
+        report = manager_c.capture(progress=False)  # in the foreground, while both record
+        assert report.num_graphs == sum(len(keys) for _, keys in manager_c.dispatcher.capture_plan())
+        while not all(h.done for h in handles) or served < 60:
+            for manager, twin in ((manager_a, twin_a), (manager_b, twin_b), (manager_c, twin_c)):
+                tokens = rng.randint(1, max(SIZES))
+                batch = make_batch(tokens, min(tokens, 4), torch.device("cuda"), seed=served)
+                err = rel_err(manager.run_batch(batch), twin.eager(batch))
+                assert err < TOL, f"step {served} ({tokens} tokens) of a manager: {err:.2e}"
+                served += 1
+        for handle in handles:
+            _finish(handle)
+        stream.synchronize()
+    assert model_a.scratch.isfinite().all()
+    for manager in (manager_a, manager_b):
+        assert manager.num_captured == sum(len(keys) for _, keys in manager.dispatcher.capture_plan())

@@ -18,6 +18,7 @@ from ._gc import collector_paused as collector_paused
 from ._guard import OutputGuard as OutputGuard
 from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
+from ._pool import capture_lock as capture_lock
 from ._pool import capture_stream as capture_stream
 from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
@@ -40,6 +41,7 @@ __all__ = [
     "GraphPool",
     "OutputGuard",
     "capture_enabled",
+    "capture_lock",
     "capture_stream",
     "collector_paused",
     "eager_break_during_capture",

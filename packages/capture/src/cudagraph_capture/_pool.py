@@ -10,6 +10,7 @@ creation and never freed, which keeps the pool's use count above zero.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
@@ -39,6 +40,7 @@ class _DevicePool:
 _pools: Final[dict[int, _DevicePool]] = {}
 _retired: Final[list[_DevicePool]] = []  # replaced after a failed capture; their graphs still replay
 _streams: Final[dict[int, torch.cuda.Stream]] = {}
+_capture_locks: Final[dict[int, threading.RLock]] = {}
 _lock: Final = threading.RLock()  # shared_pool creates the capture stream under it
 _T = TypeVar("_T")
 
@@ -71,11 +73,51 @@ def _per_device(cache: dict[int, _T], index: int, make: Callable[[int], _T]) -> 
 
 
 def _new_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+    """A non-blocking stream of the engines' own, created outside torch's stream pool.
+
+    ``torch.cuda.Stream()`` hands out the streams of a pool, 32 per priority,
+    round robin: the 33rd stream a program takes is the first again. A serving
+    thread's stream could then be the very stream a capture records on in
+    another thread, and its steps would be recorded into the graph instead of
+    running. So the capture stream is made with the driver's ``cuStreamCreate``
+    (in the device's primary context, which torch's runtime uses) and wrapped
+    as an ``ExternalStream``; it lives as long as the process. Where the
+    driver library cannot be loaded, a pool stream of high priority (a pool
+    programs rarely draw from) stands in.
+    """
+    with torch.cuda.device(index):
+        torch.cuda.current_stream(index).query()  # a runtime call: the primary context is current here
+        handle = _driver_stream()
+    if handle is None:
+        return torch.cuda.Stream(device=index, priority=-1)  # type: ignore[no-untyped-call]  # untyped stubs
+    return torch.cuda.ExternalStream(handle, device=torch.device("cuda", index))  # type: ignore[no-untyped-call]  # untyped stubs
+
+
+def _driver_stream() -> int | None:
+    """A new non-blocking stream of the current context, from the CUDA driver; ``None`` if it fails."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    stream = ctypes.c_void_p()
+    non_blocking = 1  # CU_STREAM_NON_BLOCKING: no implicit sync with the legacy default stream
+    if driver.cuStreamCreate(ctypes.byref(stream), non_blocking) != 0 or not stream.value:
+        return None
+    return stream.value
+
+
+def capture_lock(device: torch.device | str | int | None = None) -> threading.RLock:
+    """The lock of the device's capture stream: one capture (or warm-up) records on it at a time.
+
+    Threads that capture on one device (two managers' background captures,
+    or one beside a foreground capture) take turns on the host; a thread may
+    take it again inside its own capture.
+    """
+    return _per_device(_capture_locks, cuda_index(device), lambda _: threading.RLock())
 
 
 def capture_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
-    """The side stream both engines capture on, one per device."""
+    """The side stream both engines capture on, one per device, outside torch's stream pool."""
     return _per_device(_streams, cuda_index(device), _new_stream)
 
 

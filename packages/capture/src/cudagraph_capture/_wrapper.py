@@ -42,7 +42,7 @@ from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
-from ._pool import GraphPool, capture_stream, shared_pool
+from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment, on_side_stream
 from ._weakref import weak_ref_tensors
 
@@ -143,7 +143,8 @@ class _GraphWrapper(Generic[P, R]):
         if self._options.warmup_runs:
             device = torch.cuda.current_device()
             stream = capture_stream(device) if self._options.stream is None else self._options.stream
-            self._warm_up(ForwardContext(self._capture_mode, descriptor), stream, (), dict(inputs))
+            with capture_lock(device):
+                self._warm_up(ForwardContext(self._capture_mode, descriptor), stream, (), dict(inputs))
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> _Entry[R]:
         """Capture ``descriptor``'s graph without running anything on the device (``GraphEngine``).

@@ -52,7 +52,7 @@ from typing import Final
 
 import torch
 
-from cudagraph_capture import collector_paused
+from cudagraph_capture import capture_lock, capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
 from ._compiled import compiles_since, dynamo_compiles
@@ -169,7 +169,11 @@ class BackgroundCapture:
             return
         cuda = self._device.type == "cuda"
         serving = torch.cuda.current_stream(self._device) if cuda else None
-        own = torch.cuda.Stream(self._device) if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
+        # The thread works on the capture stream: a stream of the engines' own, never one that
+        # torch's stream pool could also hand the serving thread.
+        own = capture_stream(self._device) if cuda else None
+        if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
+            raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
         warmed = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
         thread = threading.Thread(
             target=self._run,
@@ -202,9 +206,9 @@ class BackgroundCapture:
                 self._warm_up(serving, own, warmed)
                 while self._pending:
                     key = self._next_key()
-                    if serving is not None and own is not None:
-                        own.wait_stream(serving)  # this turn after what the serving stream queued so far
-                    with collector_paused(self._gc_disable):  # one key at a time
+                    with self._turn(), collector_paused(self._gc_disable):  # one key at a time
+                        if serving is not None and own is not None:
+                            own.wait_stream(serving)  # this turn after what the serving stream queued so far
                         self._capture_with_retries(key)
         except BaseException as error:  # the step loop must never stop: report, never raise
             _logger.exception("background capture stopped")
@@ -221,10 +225,11 @@ class BackgroundCapture:
         warmed: torch.cuda.Event | None,
     ) -> None:
         try:
-            if serving is not None and own is not None:
-                own.wait_stream(serving)  # everything the serving stream queued before start_capture()
-            for key in self._warm_keys:
-                self._warm_one(key)
+            with self._turn():
+                if serving is not None and own is not None:
+                    own.wait_stream(serving)  # everything the serving stream queued before start_capture()
+                for key in self._warm_keys:
+                    self._warm_one(key)
         except Exception as error:  # the captures will say which keys fail; keep going
             _logger.exception("background capture: a warm-up failed")
             with self._lock:
@@ -233,6 +238,10 @@ class BackgroundCapture:
             if own is not None and warmed is not None:
                 warmed.record(own)
             self._warmed.set()
+
+    def _turn(self) -> contextlib.AbstractContextManager[object]:
+        """The device's capture lock (another thread's capture on this device goes first or after)."""
+        return capture_lock(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
 
     def _next_key(self) -> BatchDescriptor:
         """The most recently missed pending key, else the largest pending one."""
