@@ -80,7 +80,9 @@ class Capturer(Generic[OutputT]):
                 else:
                     records.append(ranks.all_or_none(key.descriptor, attempt, functools.partial(drop, key)))
             if device.type == "cuda":
-                torch.cuda.synchronize(device)  # once, so the total includes the device's work
+                # Once, so the total includes the device's work: this stream only (it waited for
+                # the capture stream), never the device, which would break another thread's capture.
+                torch.cuda.current_stream(device).synchronize()
             seconds = time.perf_counter() - start
             reserved = reserved_bytes(device) - reserved_before
         return CaptureReport(tuple(records), seconds, reserved, compiles=compiles_since(compiled_before))

@@ -224,7 +224,7 @@ class CUDAGraphManager(Generic[OutputT]):
         (default: when stderr is a terminal). A ``CaptureError`` names the key
         and propagates; keys captured before it stay usable and ``capture()``
         again captures the rest. Without CUDA the report says why nothing was
-        captured. Synchronizes the device once, at the end.
+        captured. Synchronizes the calling stream once, at the end.
 
         With ``ranks``, a collective: every rank calls it. It first checks
         that all ranks would capture the same keys in the same order

@@ -33,7 +33,7 @@ class CapturedGraph:
 class CaptureReport:
     """Every graph one ``capture()`` call captured, in capture order, and the totals.
 
-    ``seconds`` is the wall time of the whole phase, device synchronized at
+    ``seconds`` is the wall time of the whole phase, its stream synchronized at
     the end; ``reserved_bytes`` is the growth of reserved device memory over
     it (the graphs' pool plus the allocator blocks of the eager warm-ups).
     ``not_captured`` says why nothing was captured where graphs cannot be
