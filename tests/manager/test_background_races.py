@@ -121,6 +121,16 @@ def _capture_until(manager: CUDAGraphManager[torch.Tensor], model: WorkspaceMode
     assert manager.num_captured > 0
 
 
+@contextlib.contextmanager
+def _waited(handles: list[BackgroundCapture]) -> Iterator[list[BackgroundCapture]]:
+    """The handles, each waited for on the way out, a failed test too: no capture thread outlives a test."""
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.wait(WAIT_S)
+
+
 def _finish(handle: BackgroundCapture) -> None:
     handle.wait(WAIT_S)
     assert handle.errors == (), handle.errors
@@ -154,18 +164,18 @@ def test_steps_of_a_model_with_a_workspace_stay_exact_during_the_capture(mode: C
     served = during = 0
     with _serving() as stream:
         torch._C._cuda_sleep(LONG_CYCLES)  # queued work the capture's warm-ups must wait for
-        handle = manager.start_capture()
-        while not handle.done or served < 101:
-            tokens = rng.randint(1, max(SIZES) + 8)  # some above the largest size: eager
-            batch = make_batch(
-                tokens, min(tokens, rng.randint(1, MAX_NUM_SEQS)), torch.device("cuda"), seed=served
-            )
-            expected = twin.eager(batch)
-            during += not handle.done
-            err = rel_err(manager.run_batch(batch), expected)
-            if err >= TOL:
-                wrong.append(f"step {served} ({tokens} tokens): {err:.2e}")
-            served += 1
+        with _waited([manager.start_capture()]) as (handle,):
+            while not handle.done or served < 101:
+                tokens = rng.randint(1, max(SIZES) + 8)  # some above the largest size: eager
+                batch = make_batch(
+                    tokens, min(tokens, rng.randint(1, MAX_NUM_SEQS)), torch.device("cuda"), seed=served
+                )
+                expected = twin.eager(batch)
+                during += not handle.done
+                err = rel_err(manager.run_batch(batch), expected)
+                if err >= TOL:
+                    wrong.append(f"step {served} ({tokens} tokens): {err:.2e}")
+                served += 1
         _finish(handle)
         stream.synchronize()
     assert during > 0, "no step was served while the capture ran"
@@ -218,7 +228,8 @@ def _stress(mode: CUDAGraphMode, steps: int, seed: int) -> dict[str, int]:
             counts["wrong"] += 1
             failures.append(f"{what}: {err:.2e}")
 
-    with _serving():
+    with _serving(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(lambda: handle is None or handle.wait(WAIT_S))  # a failed run leaves no thread
         while counts["steps"] < steps:
             idle = handle is None or handle.done
             action = rng.random()
@@ -287,8 +298,7 @@ def test_two_managers_capture_on_one_device_at_once() -> None:
     _, twin_c, manager_c = _build(CUDAGraphMode.FULL_AND_PIECEWISE)
     rng = random.Random(7)
     served = 0
-    with _serving() as stream:
-        handles = [manager_a.start_capture(), manager_b.start_capture()]
+    with _serving() as stream, _waited([manager_a.start_capture(), manager_b.start_capture()]) as handles:
         report = manager_c.capture(progress=False)  # in the foreground, while both record
         assert report.num_graphs == sum(len(keys) for _, keys in manager_c.dispatcher.capture_plan())
         while not all(h.done for h in handles) or served < 60:

@@ -256,11 +256,12 @@ class _GraphWrapper(Generic[P, R]):
         pool = shared_pool(device) if options.pool is None else options.pool
         stream = capture_stream(device) if options.stream is None else options.stream
         try:
-            if execute and options.warmup_runs:
-                self._warm_up(context, stream, args, kwargs)
-            engine, replay, output, ran = self._capture_engine(
-                descriptor, pool, stream, args, kwargs, execute
-            )
+            with capture_lock(device):  # another thread's capture on this device waits for this one
+                if execute and options.warmup_runs:
+                    self._warm_up(context, stream, args, kwargs)
+                engine, replay, output, ran = self._capture_engine(
+                    descriptor, pool, stream, args, kwargs, execute
+                )
         except CaptureError:
             raise
         except Exception as error:
@@ -349,21 +350,28 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
         kwargs: dict[str, object],
         execute: bool,
     ) -> tuple[object, Callable[[], object], R, bool]:
-        graph = torch.cuda.CUDAGraph()
+        graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        assert graph is not None
         collect_before_capture(self._options.gc_disable)
-        with on_side_stream(stream):
-            begin_segment(graph, pool)
-            try:
-                output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
-            except BaseException:
-                abort_segment(graph, pool)
-                raise
-            captured_work = end_segment(graph, pool, descriptor)
-        if not captured_work:
-            # Replaying nothing would hand back the capture's outputs forever: refuse.
-            raise CaptureError(
-                "the capture recorded no CUDA work (does the runnable run on the CPU?)", descriptor
-            )
+        try:
+            with on_side_stream(stream):
+                begin_segment(graph, pool)
+                try:
+                    output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
+                except BaseException:
+                    abort_segment(graph, pool)
+                    raise
+                captured_work = end_segment(graph, pool, descriptor)
+            if not captured_work:
+                # Replaying nothing would hand back the capture's outputs forever: refuse.
+                raise CaptureError(
+                    "the capture recorded no CUDA work (does the runnable run on the CPU?)", descriptor
+                )
+        except BaseException:
+            # Free the failed graph now, under the capture lock, not whenever the traceback goes:
+            # torch's generator keeps a registry of live graphs that another thread's capture writes.
+            graph = None
+            raise
         return graph, graph.replay, output, False
 
 

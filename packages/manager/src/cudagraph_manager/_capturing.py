@@ -26,6 +26,7 @@ from cudagraph_capture import (
     CaptureOptions,
     GraphEngine,
     capture_enabled,
+    capture_lock,
     collector_paused,
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
@@ -78,7 +79,9 @@ class Capturer(Generic[OutputT]):
                 if ranks is None:
                     records.append(attempt())
                 else:
-                    records.append(ranks.all_or_none(key.descriptor, attempt, functools.partial(drop, key)))
+                    records.append(
+                        ranks.all_or_none(key.descriptor, attempt, functools.partial(self.drop, key))
+                    )
             if device.type == "cuda":
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
@@ -104,6 +107,16 @@ class Capturer(Generic[OutputT]):
         session.start()
         return session
 
+    def drop(self, key: PlannedKey[OutputT]) -> None:
+        """Free the key's graph (it is not captured any more), under the device's capture lock.
+
+        Destroying a graph edits torch's registry of live graphs that a capture
+        in another thread edits too: never both at once.
+        """
+        cuda = self._device.type == "cuda"
+        with capture_lock(self._device) if cuda else contextlib.nullcontext():
+            key.entry = key.last_cut = None
+
     def _warm_up(self, descriptor: BatchDescriptor) -> None:
         key = self._keys[descriptor]
         warm_up(key, self._engines[key.mode], self._buffers)
@@ -111,11 +124,6 @@ class Capturer(Generic[OutputT]):
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         key = self._keys[descriptor]
         return capture_key(key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm)
-
-
-def drop(key: PlannedKey[OutputT]) -> None:
-    """Free the key's graph: it is not captured any more."""
-    key.entry = key.last_cut = None
 
 
 def warm_up(key: PlannedKey[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:

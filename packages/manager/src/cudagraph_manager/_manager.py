@@ -41,7 +41,7 @@ from cudagraph_dispatch import (
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers, check_inputs_spec
-from ._capturing import Capturer, drop
+from ._capturing import Capturer
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
 from ._outputs import LayoutCell, OutputRows, check_output_rows, uses_reqs
@@ -209,7 +209,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         with self._exclusive("clear"):
             for key in self._keys.values():
-                drop(key)
+                self._capturer.drop(key)
 
     # -- capture --
 
