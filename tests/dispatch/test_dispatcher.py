@@ -20,6 +20,7 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     Dispatch,
     DispatchConfig,
+    EagerReason,
     GraphDispatcher,
 )
 from tests.dispatch.peak_memory import built_with_peak
@@ -434,3 +435,30 @@ def test_dispatcher_satisfies_its_protocol() -> None:
     )
     assert fake.calls == [(3, True, 0, frozenset()), (3, False, 0, frozenset({M.PIECEWISE}))]
     assert stand_in != real  # the answers come from the dispatcher passed in
+
+
+@given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
+def test_route_is_dispatch_with_the_reason_beside_it(
+    case: tuple[CUDAGraphDispatcher, int],
+    uniform_decode: bool,
+    num_active_loras: int,
+    invalid_modes: frozenset[CUDAGraphMode],
+) -> None:
+    """``route`` gives dispatch's graph, or the reason the batch has none, derived here from the rules."""
+    dispatcher, n = case
+    request = {"uniform_decode": uniform_decode, "num_active_loras": num_active_loras}
+    decision = dispatcher.dispatch(n, invalid_modes=invalid_modes, **request)
+    route = dispatcher.route(n, invalid_modes=invalid_modes, **request)
+    if decision.mode is not M.NONE or n == 0:
+        assert route == decision
+        return
+    config = dispatcher.config
+    if config.mode is not M.NONE and n > config.capture_sizes.max:
+        expected = EagerReason.ABOVE_LARGEST_SIZE
+    elif config.mode is not M.NONE and num_active_loras > max(config.lora_counts, default=0):
+        expected = EagerReason.LORA_COUNT
+    elif invalid_modes and dispatcher.dispatch(n, **request).mode is not M.NONE:
+        expected = EagerReason.INVALID_MODES  # a graph that only the step's invalid_modes turned off
+    else:
+        expected = EagerReason.NO_GRAPH_FOR_BATCH
+    assert route is expected
