@@ -446,9 +446,12 @@ def test_route_is_dispatch_with_the_reason_beside_it(
 ) -> None:
     """``route`` gives dispatch's graph, or the reason the batch has none, derived here from the rules."""
     dispatcher, n = case
-    request = {"uniform_decode": uniform_decode, "num_active_loras": num_active_loras}
-    decision = dispatcher.dispatch(n, invalid_modes=invalid_modes, **request)
-    route = dispatcher.route(n, invalid_modes=invalid_modes, **request)
+    decision = dispatcher.dispatch(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
+    route = dispatcher.route(
+        n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
+    )
     if decision.mode is not M.NONE or n == 0:
         assert route == decision
         return
@@ -457,7 +460,11 @@ def test_route_is_dispatch_with_the_reason_beside_it(
         expected = EagerReason.ABOVE_LARGEST_SIZE
     elif config.mode is not M.NONE and num_active_loras > max(config.lora_counts, default=0):
         expected = EagerReason.LORA_COUNT
-    elif invalid_modes and dispatcher.dispatch(n, **request).mode is not M.NONE:
+    elif (
+        invalid_modes
+        and dispatcher.dispatch(n, uniform_decode=uniform_decode, num_active_loras=num_active_loras).mode
+        is not M.NONE
+    ):
         expected = EagerReason.INVALID_MODES  # a graph that only the step's invalid_modes turned off
     else:
         expected = EagerReason.NO_GRAPH_FOR_BATCH
