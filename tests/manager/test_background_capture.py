@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import threading
+from collections.abc import Iterator
 from typing import Final
 
 import pytest
 import torch
 
-from cudagraph_capture import CaptureError
+from cudagraph_capture import CaptureError, collector_paused
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -29,6 +31,7 @@ from cudagraph_dispatch import (
     get_forward_context,
 )
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, NoGraphError
+from cudagraph_manager import _background as _background_module
 from cudagraph_manager.examples.reference import (
     DecoderConfig,
     ReferenceDecoder,
@@ -381,3 +384,31 @@ def test_a_device_sync_during_a_capture_leads_to_a_retry_not_a_broken_graph() ->
         batch = make_batch(tokens, min(tokens, 3), manager.device, seed=tokens)
         assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
     assert manager.stats.num_replays == len(SIZES)
+
+
+def test_the_collector_is_paused_one_key_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The background capture pauses the collector around each key's recording, never the whole run."""
+    events: list[str] = []
+    real = collector_paused
+
+    @contextlib.contextmanager
+    def watched(gc_disable: bool = True) -> Iterator[None]:
+        events.append("pause")
+        with real(gc_disable):
+            yield
+        events.append("resume")
+
+    monkeypatch.setattr(_background_module, "collector_paused", watched)
+    recorded_paused: list[bool] = []
+    manager = CUDAGraphManager(
+        ToyModel(CPU),
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        engine_factory=FakeEngines(lambda: recorded_paused.append(not gc.isenabled())),
+    )
+    was_enabled = gc.isenabled()
+    manager.start_capture().wait(WAIT_S)
+    assert events == ["pause", "resume"] * len(SIZES)  # one pause per key, each ended before the next
+    assert recorded_paused == [was_enabled] * len(SIZES)  # paused while recording (if it was running)
+    assert gc.isenabled() is was_enabled

@@ -20,8 +20,10 @@ from cudagraph_manager import CUDAGraphManager
 
 from .helpers import (
     INPUTS,
+    SIZES,
     TOL,
     Backend,
+    FakeEngines,
     ToyModel,
     config_for,
     make_batch,
@@ -130,3 +132,70 @@ def test_a_second_thread_inside_run_gets_a_clear_error(backend: Backend, capture
     assert rel_err(results[0], model.eager(first_batch)) < TOL  # the first step was not disturbed
     after = make_batch(7, 3, backend.device, seed=2)
     assert rel_err(manager.run_batch(after), model.eager(after)) < TOL  # and the manager is free again
+
+
+def test_clear_and_capture_wait_for_a_run_in_progress_and_a_run_meanwhile_is_refused() -> None:
+    """capture()/clear() from another thread are serialized after a run(); a run() during them raises."""
+    cpu = torch.device("cpu")
+    model = ToyModel(cpu)
+    entered, release = threading.Event(), threading.Event()
+    block = {"run": False, "capture": False}
+
+    def blocking(**inputs: torch.Tensor) -> torch.Tensor:
+        if block["run"]:
+            entered.set()
+            assert release.wait(timeout=30), "the test never released the step"
+        return model.eager(inputs)
+
+    def hold_the_capture() -> None:
+        if block["capture"]:
+            entered.set()
+            assert release.wait(timeout=30), "the test never released the capture"
+
+    manager = CUDAGraphManager(
+        blocking,
+        INPUTS,
+        config_for(CUDAGraphMode.FULL),
+        device="cpu",
+        engine_factory=FakeEngines(hold_the_capture),
+    )
+    manager.capture()
+    cleared = threading.Event()
+
+    def clear_when_free() -> None:
+        manager.clear()
+        cleared.set()
+
+    block["run"] = True
+    stepping = threading.Thread(target=lambda: manager.run_batch(make_batch(3, 2, cpu, seed=0)))
+    stepping.start()
+    clearing: threading.Thread | None = None
+    try:
+        assert entered.wait(timeout=30)
+        clearing = threading.Thread(target=clear_when_free)
+        clearing.start()
+        assert not cleared.wait(timeout=0.2), "clear() ran while a step was inside run()"
+    finally:
+        release.set()
+        stepping.join(timeout=30)
+        if clearing is not None:
+            clearing.join(timeout=30)
+    assert cleared.is_set()
+    assert manager.num_captured == 0
+    # Now a capture() holds the manager: a run() meanwhile is refused, not mixed into its buffers.
+    block["run"], block["capture"] = False, True
+    entered.clear()
+    release.clear()
+    capturing = threading.Thread(target=manager.capture)
+    capturing.start()
+    try:
+        assert entered.wait(timeout=30)
+        with pytest.raises(RuntimeError, match="another thread is inside run\\(\\), capture\\(\\)"):
+            manager.run_batch(make_batch(4, 2, cpu, seed=1))
+    finally:
+        block["capture"] = False
+        release.set()
+        capturing.join(timeout=30)
+    assert manager.num_captured == len(SIZES)
+    batch = make_batch(5, 3, cpu, seed=2)
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
