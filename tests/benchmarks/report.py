@@ -274,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     entries: list[Entry] = []
     machines: list[str] = []
     for path in args.bench_json:
+        if path.is_file() and path.stat().st_size == 0:
+            # pytest-benchmark opens --benchmark-json up front and writes nothing when every
+            # benchmark of the module skipped (the two-GPU one on a one-GPU machine).
+            print(f"report: {path} is empty (its benchmarks skipped); left out", file=sys.stderr)
+            continue
         try:
             data: object = json.loads(path.read_text())
             entries.extend(load_entries(data))
@@ -285,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.outdir.mkdir(parents=True, exist_ok=True)
     md_path = args.outdir / MARKDOWN_NAME
     sources = ", ".join(str(path) for path in args.bench_json)
-    md_path.write_text(markdown(entries, source=sources, machine=machines[0]))
+    md_path.write_text(markdown(entries, source=sources, machine=machines[0] if machines else "unknown"))
     print(f"wrote {md_path} ({len(entries)} benchmarks)")
     png_path = args.outdir / PLOT_NAME
     if plot_step_times(entries, png_path):

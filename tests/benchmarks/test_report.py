@@ -161,3 +161,16 @@ def test_unreadable_input_exits_2(
     assert main([str(_write(tmp_path, document)), str(tmp_path / "out")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_json_of_a_skipped_module_is_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module whose benchmarks all skipped (two GPUs on a one-GPU machine) leaves an empty file."""
+    empty = tmp_path / "test_bench_multi_gpu.json"
+    empty.write_text("")
+    out = tmp_path / "out"
+    assert main([str(_write(tmp_path, _document())), str(empty), str(out)]) == 0
+    assert "is empty (its benchmarks skipped)" in capsys.readouterr().err
+    assert (out / MARKDOWN_NAME).exists()
+    assert main([str(empty), str(tmp_path / "only_empty")]) == 0  # nothing ran at all: still a report
