@@ -133,14 +133,22 @@ def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher,
 
 # -- descriptors and forward contexts --
 
-batch_descriptors: Final = st.builds(
-    BatchDescriptor,
-    num_tokens=st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE),
-    num_reqs=st.none() | st.integers(min_value=1, max_value=MAX_CAPTURE_SIZE),
-    uniform=st.booleans(),
-    has_lora=st.booleans(),
-    num_active_loras=st.integers(min_value=0, max_value=MAX_LORA_COUNT),
-)
+
+@st.composite
+def _batch_descriptors(draw: st.DrawFn) -> BatchDescriptor:
+    """A valid key: a request count, when given, at most the token count (a request has a token)."""
+    num_tokens = draw(st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE))
+    num_reqs = draw(st.none() | st.integers(min_value=1, max_value=max(num_tokens, 1)))
+    return BatchDescriptor(
+        num_tokens + (num_reqs is not None and num_tokens == 0),  # 1 request needs 1 token
+        num_reqs,
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.integers(min_value=0, max_value=MAX_LORA_COUNT)),
+    )
+
+
+batch_descriptors: Final = _batch_descriptors()
 
 #: Valid ``(runtime_mode, batch_descriptor)`` arguments of ``set_forward_context``:
 #: NONE may go without a descriptor, a graph mode needs one.

@@ -141,6 +141,13 @@ def construct(*, watch_factory: bool = True, **overrides: object) -> Callable[[]
     return build
 
 
+def _wait_for(timeout: object) -> object:
+    """``wait(timeout)`` of a finished background capture (a CPU manager's: done at once)."""
+    manager = construct()()
+    assert isinstance(manager, CUDAGraphManager)
+    return manager.start_capture().wait(cast(float, timeout))
+
+
 def _capture_with_progress(progress: object) -> object:
     manager = construct()()
     assert isinstance(manager, CUDAGraphManager)
@@ -160,6 +167,7 @@ BAD_INPUTS: Final = [
     row("descriptor-float-tokens", call(BatchDescriptor, 2.0), r"num_tokens.*2\.0"),
     row("descriptor-string-reqs", call(BatchDescriptor, 5, "x"), r"num_reqs.*'x'"),
     row("descriptor-zero-reqs", call(BatchDescriptor, 5, 0), r"num_reqs.*0"),
+    row("descriptor-reqs-above-tokens", call(BatchDescriptor, 4, 8), r"num_reqs: 8 requests for 4 tokens"),
     row("descriptor-string-uniform", call(BatchDescriptor, 5, uniform="yes"), r"uniform.*'yes'"),
     row("descriptor-int-has_lora", call(BatchDescriptor, 5, has_lora=1), r"has_lora.*1"),
     row("descriptor-negative-loras", call(BatchDescriptor, 5, num_active_loras=-1), r"num_active_loras.*-1"),
@@ -438,6 +446,10 @@ BAD_INPUTS: Final = [
         r"timeout: expected a positive.*timedelta\(0\)",
     ),
     row("manager-capture-progress-string", call(_capture_with_progress, "yes"), r"progress.*'yes'"),
+    row("background-wait-negative", call(_wait_for, -1), r"timeout: expected None or a number .* got -1"),
+    row("background-wait-string", call(_wait_for, "1"), r"timeout: .* got '1'"),
+    row("background-wait-bool", call(_wait_for, True), r"timeout: .* got True"),
+    row("background-wait-nan", call(_wait_for, float("nan")), r"timeout: .* got nan"),
     # -- compile_for_capture --
     row(
         "compile-model-int",

@@ -279,11 +279,14 @@ def test_calls_that_would_race_the_capture_are_refused() -> None:
     assert manager.start_capture().wait(WAIT_S).num_graphs == 0  # nothing left to capture
 
 
-def test_without_cuda_the_handle_is_done_at_once() -> None:
+def test_without_cuda_the_handle_is_done_at_once_and_says_why() -> None:
     manager = CUDAGraphManager(ToyModel(CPU), INPUTS, config_for(FULL), device="cpu")
     handle = manager.start_capture()
     assert handle.done
-    assert handle.wait(0).num_graphs == 0
+    report = handle.wait(0)
+    assert report.num_graphs == 0
+    assert report.not_captured == manager.capture().not_captured  # the same reason as capture()'s
+    assert str(report).startswith("Captured no CUDA graphs: CUDA graphs need a CUDA device")
 
 
 # ---------------------------------------------------------------------------

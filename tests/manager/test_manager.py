@@ -282,6 +282,10 @@ def test_stats_count_replays_eager_runs_and_padding(backend: Backend) -> None:
     assert dict(stats.replays) == {(FULL, 4): 1, (FULL, 8): 2}
     assert (stats.num_replays, stats.eager_runs, stats.uncaptured_runs, stats.padded_tokens) == (3, 1, 0, 1)
     assert stats.replays_of(PIECEWISE) == 0
+    assert str(stats) == (
+        "3 replays (FULL 4: 1, FULL 8: 2), 1 eager steps (above_largest_size: 1), "
+        "0 idle steps, 0 dummy steps, 1 padded tokens"
+    )
 
     manager.run_batch(make_batch(1, 1, backend.device, seed=0))
     assert stats.num_replays == 3  # a snapshot: later runs do not change it

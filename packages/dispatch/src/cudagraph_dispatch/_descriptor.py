@@ -37,7 +37,10 @@ class BatchDescriptor:
         if (
             self.num_tokens.__class__ is not int
             or self.num_tokens < 0
-            or (num_reqs is not None and (num_reqs.__class__ is not int or num_reqs < 1))
+            or (
+                num_reqs is not None
+                and (num_reqs.__class__ is not int or not 1 <= num_reqs <= self.num_tokens)
+            )
             or (uniform is not True and uniform is not False)
             or (has_lora is not True and has_lora is not False)
             or self.num_active_loras.__class__ is not int
@@ -50,6 +53,11 @@ class BatchDescriptor:
         check_int("num_tokens", self.num_tokens, minimum=0)
         if self.num_reqs is not None:
             check_int("num_reqs", self.num_reqs, minimum=1)
+            if self.num_reqs > self.num_tokens:
+                raise ValueError(
+                    f"num_reqs: {self.num_reqs} requests for {self.num_tokens} tokens; "
+                    "every request has at least one token"
+                )
         check_bool("uniform", self.uniform)
         check_bool("has_lora", self.has_lora)
         check_int("num_active_loras", self.num_active_loras, minimum=0)

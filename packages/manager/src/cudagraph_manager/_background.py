@@ -86,6 +86,7 @@ class BackgroundCapture:
         "_gc_disable",
         "_lock",
         "_misses",
+        "_not_captured",
         "_pending",
         "_records",
         "_report",
@@ -104,8 +105,10 @@ class BackgroundCapture:
         capture_one: Callable[[BatchDescriptor], CapturedGraph],
         device: torch.device,
         gc_disable: bool,
+        not_captured: str | None = None,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
+        self._not_captured: Final = not_captured  # why nothing can be captured, for the report
         self._warm_keys: Final = tuple(warm_keys)
         self._warm_one: Final = warm_one
         self._capture_one: Final = capture_one
@@ -145,6 +148,11 @@ class BackgroundCapture:
 
     def wait(self, timeout: float | None = None) -> CaptureReport:
         """The report, once the capture finished; ``TimeoutError`` if ``timeout`` seconds pass first."""
+        given: object = timeout
+        if given is not None and (
+            isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
+        ):
+            raise ValueError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
         assert self._report is not None
@@ -277,5 +285,7 @@ class BackgroundCapture:
 
     def _finish(self, seconds: float, reserved_bytes: int, compiles: int | None) -> None:
         with self._lock:
-            self._report = CaptureReport(tuple(self._records), seconds, reserved_bytes, compiles=compiles)
+            self._report = CaptureReport(
+                tuple(self._records), seconds, reserved_bytes, self._not_captured, compiles
+            )
         self._done.set()

@@ -90,8 +90,13 @@ class Capturer(Generic[OutputT]):
             reserved = reserved_bytes(device) - reserved_before
         return CaptureReport(tuple(records), seconds, reserved, compiles=compiles_since(compiled_before))
 
-    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
-        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
+    def background(
+        self, pending: Sequence[PlannedKey[OutputT]], not_captured: str | None
+    ) -> BackgroundCapture:
+        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
+
+        ``not_captured``: why this manager captures nothing (its report says so), or ``None``.
+        """
         warm: dict[BatchDescriptor, None] = {}
         for mode in dict.fromkeys(key.mode for key in pending):
             of_mode = [key.descriptor for key in pending if key.mode is mode]
@@ -103,6 +108,7 @@ class Capturer(Generic[OutputT]):
             functools.partial(self._capture, warm=False),
             self._device,
             self._options.gc_disable,
+            not_captured,
         )
         session.start()
         return session

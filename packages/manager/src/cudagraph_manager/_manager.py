@@ -257,9 +257,9 @@ class CUDAGraphManager(Generic[OutputT]):
         one, running nothing on the device, and each replays from the first
         step after its capture. Until then its steps run eagerly, counted as
         ``not_captured`` (allowed in ``strict`` mode while the capture runs),
-        and the key is captured next. ``_background`` says what the serving
-        thread must not do meanwhile. The handle reports progress, errors and
-        the report (``wait()``).
+        and the key is captured next. What the serving thread must not do
+        meanwhile: the package README, "Serving from step 0". The handle
+        reports progress, errors and the report (``wait()``).
         """
         with self._exclusive("start_capture"):
             if self._ranks is not None:
@@ -271,7 +271,7 @@ class CUDAGraphManager(Generic[OutputT]):
             pending = (
                 [] if self._no_graphs is not None else [k for k in self._keys.values() if k.entry is None]
             )
-            session = self._session = self._capturer.background(pending)
+            session = self._session = self._capturer.background(pending, self._no_graphs)
         return session
 
     @contextlib.contextmanager

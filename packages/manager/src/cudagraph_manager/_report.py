@@ -105,8 +105,9 @@ class ManagerStats:
     call). ``dummy_steps`` counts steps of 0 tokens run because other ranks
     (``RankAgreement``) had tokens: a graph replayed on pad values (counted
     as a replay too), or the model run eagerly on one padding row.
-    ``padded_tokens`` is the padding rows the replays computed on top of the
-    real tokens.
+    ``padded_tokens`` is the padding rows computed on top of the real tokens:
+    by replays, and by the padded eager steps of a manager without CUDA
+    graphs (which run what the graph would have).
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
@@ -124,6 +125,22 @@ class ManagerStats:
     def replays_of(self, mode: CUDAGraphMode) -> int:
         """Replays in runtime mode ``mode``, over all sizes."""
         return sum(n for (m, _), n in self.replays.items() if m is mode)
+
+    def __str__(self) -> str:
+        """One line: replays per (mode, size), eager steps per reason, then the other counts."""
+        replays = ", ".join(
+            f"{mode.name} {size}: {n}"
+            for (mode, size), n in sorted(self.replays.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))
+        )
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.eager_reasons.items()))
+        return (
+            f"{self.num_replays} replays"
+            + (f" ({replays})" if replays else "")
+            + f", {self.eager_runs} eager steps"
+            + (f" ({reasons})" if reasons else "")
+            + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
+            f" {self.padded_tokens} padded tokens"
+        )
 
 
 class StepCounts:
