@@ -652,6 +652,10 @@ BAD_RUNS: Final = [
     ),
     bad_run("run-extra-dim", lambda b, _: (_replace(b, "ids", b["ids"][:, None]), ("input 'ids'", "(5, 1)"))),
     bad_run(
+        "run-sparse-second-input",  # after 'ids' was checked: nothing may be copied before 'x' is
+        lambda b, _: (_replace(b, "x", b["x"].to_sparse()), ("input 'x'", "layout torch.sparse_coo")),
+    ),
+    bad_run(
         "run-unbatched-shape",
         lambda b, be: (
             _replace(b, "bias", torch.randn(1, DIM, device=be.device)),

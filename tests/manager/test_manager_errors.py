@@ -242,3 +242,61 @@ def test_bad_model_outputs_fail_the_capture(case: str) -> None:
     model, kwargs, message = BAD_OUTPUTS[case]
     with pytest.raises(ValueError, match=re.escape(message)):
         _capture_with(model, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Model outputs of eager steps: checked as a capture's are (never returned as is)
+# ---------------------------------------------------------------------------
+
+#: (model, manager keyword arguments, the error's pattern). The row counts in the
+#: patterns are those of the unpadded step (5 tokens, 3 requests) or, on the CPU's
+#: padded path, of the padded key (8 and 8).
+EAGER_BAD_OUTPUTS: Final[dict[str, tuple[Callable[..., torch.Tensor], dict[str, object], str]]] = {
+    "one row for 5 tokens": (
+        _returns(lambda i: i["x"][:1]),
+        {},
+        r"model output: shape \(1, 32\) does not have the (5|8) rows of the batch's 'tokens' count",
+    ),
+    "twice the rows": (
+        _returns(lambda i: torch.cat([i["x"], i["x"]])),
+        {},
+        r"model output: shape \((10|16), 32\) does not have the (5|8) rows",
+    ),
+    "token rows under reqs": (
+        _returns(lambda i: i["x"]),
+        {"output_rows": "reqs"},
+        r"model output: shape \(5, 32\) does not have the 3 rows of the batch's 'reqs' count",
+    ),
+    "a 0-dim output": (
+        _returns(lambda i: i["x"].sum()),
+        {},
+        r"model output: shape \(\) does not have the (5|8) rows",
+    ),
+    "structure changes with the size": (
+        _returns(lambda i: i["x"] if i["x"].shape[0] > 4 else (i["x"],)),
+        {},
+        re.escape(
+            "model output: its structure changed between batch sizes (first a tuple [0], now a tensor [])"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGER_BAD_OUTPUTS))
+@pytest.mark.parametrize("device", ["cpu", "fake-engines"])
+def test_bad_model_outputs_of_an_eager_step_raise(case: str, device: str) -> None:
+    """Without a graph (a CPU manager, or a step before capture) the outputs are checked all the same.
+
+    On the CPU's padded path a key whose request rows equal its token rows (8 and 8 here)
+    cannot tell token rows from request rows: that case is checked where the step is unpadded.
+    """
+    if device == "cpu" and case == "token rows under reqs":
+        pytest.skip("the padded key has as many request rows as token rows: indistinguishable")
+    model, kwargs, pattern = EAGER_BAD_OUTPUTS[case]
+    build = cast(Callable[..., CUDAGraphManager[torch.Tensor]], CUDAGraphManager)
+    factory = {"engine_factory": FakeEngines()} if device == "fake-engines" else {}
+    manager = build(model, INPUTS, config_for(FULL), device="cpu", **factory, **kwargs)
+    if case == "structure changes with the size":
+        manager.run_batch(make_batch(2, 2, CPU, seed=0))  # the first outputs seen: a tuple
+    with pytest.raises(ValueError, match=pattern):
+        manager.run_batch(make_batch(5, 3, CPU, seed=1))

@@ -18,6 +18,7 @@ import torch
 from ._static import Rows, StaticInput
 
 _Tensor: Final = torch.Tensor
+_STRIDED: Final = torch.strided
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
 RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
@@ -73,6 +74,10 @@ class StaticBuffer:
             raise ValueError(f"run: input {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype is not self.dtype:
             raise ValueError(f"run: input {self.name!r}: expected dtype {self.dtype}, got {x.dtype}")
+        if x.layout is not _STRIDED:
+            raise ValueError(
+                f"run: input {self.name!r}: expected a dense (strided) tensor, got layout {x.layout}"
+            )
         if x.device != self.device:
             raise ValueError(
                 f"run: input {self.name!r}: expected a tensor on {self.device}, got one on {x.device}"
@@ -150,6 +155,7 @@ class StaticBuffers:
             if (
                 size is not None
                 and x.dtype is b.dtype  # type: ignore[union-attr]  # a Tensor
+                and x.layout is _STRIDED  # type: ignore[union-attr]  # a Tensor
                 and x.device == b.device  # type: ignore[union-attr]  # a Tensor
                 and (size == b.shape if b.rows is None else len(size) == b.ndim and size[1:] == b.shape)
             ):

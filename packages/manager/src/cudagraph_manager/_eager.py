@@ -116,15 +116,19 @@ class EagerSteps(Generic[OutputT]):
             if reason is not EagerReason.NO_CUDA or key is None:
                 with set_forward_context(_NONE, BatchDescriptor(num_tokens)):
                     out = self._model(**inputs)
-                self._layout.of(out)
+                # The outputs of an eager step are checked as a capture's are (rows, structure):
+                # a wrong output never reaches the caller silently. Eager steps only.
+                self._layout.of(out).check(out, num_tokens, num_reqs)
                 return out
             # No CUDA graphs here: the step the graph would replay, run eagerly
             # on the padded static buffers, then cut like a replay's outputs.
             self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs)
             with set_forward_context(_NONE, key.descriptor):
                 padded = self._model(**key.inputs)
+        layout = self._layout.of(padded)
+        layout.check(padded, key.num_tokens, key.num_reqs)
         counts.padded_tokens += key.num_tokens - num_tokens
-        return cast(OutputT, self._layout.of(padded).cut(padded, num_tokens, num_reqs))
+        return cast(OutputT, layout.cut(padded, num_tokens, num_reqs))
 
     def idle(self, inputs: Mapping[str, torch.Tensor]) -> OutputT:
         """A step of 0 tokens: the outputs' structure with no rows, without calling the model.
@@ -137,7 +141,7 @@ class EagerSteps(Generic[OutputT]):
         if layout is None:
             with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(0)):
                 out = self._model(**inputs)
-            self._layout.of(out)
+            self._layout.of(out).check(out, 0, 0)
             return out
         return cast(OutputT, layout.empty())
 
@@ -152,7 +156,9 @@ class EagerSteps(Generic[OutputT]):
         self._buffers.fill_padding(1, 1)
         with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(1)):
             out = self._model(**self._buffers.views(1, 1))
-        return cast(OutputT, self._layout.of(out).cut(out, 0, 0))
+        layout = self._layout.of(out)
+        layout.check(out, 1, 1)
+        return cast(OutputT, layout.cut(out, 0, 0))
 
     def _why(self, reason: EagerReason, key: PlannedKey[OutputT] | None, request: Request) -> str:
         """A step's eager reason in words (for logs and errors)."""
