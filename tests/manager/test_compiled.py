@@ -303,7 +303,7 @@ def test_the_compiled_example_runs_as_written() -> None:
     pytest.importorskip("triton")
     stdout = run_fresh("-m", "cudagraph_manager.examples.compiled_engine")
     assert "Captured 70 " in stdout
-    assert "ManagerStats(" in stdout
+    assert " replays (" in stdout  # print(manager.stats)
 
 
 @pytest.mark.gpu

@@ -8,12 +8,15 @@ the examples does register the op), so the check can fail.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Final
 
 import pytest
+import torch
 
-from tests.capture.test_lean_import_capture import probe, run_fresh
+from tests.capture.test_lean_import_capture import probe, run_fresh, subprocess_env
 
 pytest.importorskip("torch")
 
@@ -97,4 +100,24 @@ def test_the_readme_shows_the_engine_example_as_it_is() -> None:
 def test_the_engine_example_runs_as_written() -> None:
     stdout = run_fresh("-m", "cudagraph_manager.examples.in_an_engine")
     assert "Captured " in stdout
-    assert "ManagerStats(" in stdout
+    assert " replays (" in stdout  # print(manager.stats)
+
+
+@pytest.mark.parametrize("example", ["in_an_engine", "compiled_engine"])
+def test_the_cuda_examples_say_they_need_cuda_on_a_cpu(example: str) -> None:
+    """Without CUDA the examples exit with a sentence, not torch's assertion from deep inside."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the message where there is no CUDA device")
+    done = subprocess.run(
+        [sys.executable, "-m", f"cudagraph_manager.examples.{example}"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert (
+        "This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU." in done.stderr
+    )
+    assert "Traceback" not in done.stderr

@@ -7,6 +7,8 @@ from cudagraph_manager import CUDAGraphManager, compile_for_capture
 from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs
 from cudagraph_manager.examples.compiled import compiled_cached_attention
 
+if not torch.cuda.is_available():  # this example captures CUDA graphs; `make demo` has a CPU path
+    raise SystemExit("This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU.")
 decoder = DecoderConfig(num_layers=2)  # bf16, d=1024, a static KV cache written in place
 # Attention: one opaque custom op for the compiler, an eager break at run time (examples/compiled.py).
 model = ReferenceDecoder(decoder, device="cuda", attention=compiled_cached_attention)

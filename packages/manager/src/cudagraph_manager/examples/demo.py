@@ -214,6 +214,9 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
     dispatcher = manager.dispatcher
     generator = torch.Generator().manual_seed(args.seed)
     results: list[StepResult] = []
+    # Row by row, flushed: a step's log line (an eager step's reason, on stderr) lands
+    # next to its row, piped or not.
+    _print_header(cpu=cpu)
     with torch.no_grad():
         for num_tokens, uniform in schedule(args.max_size, config.max_num_seqs, args.steps):
             inputs = make_step_inputs(
@@ -222,7 +225,8 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
             decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform)
             num_reqs = len(set(inputs["slot_ids"].tolist()))
             results.append(_step(model, manager, inputs, decision, num_reqs, uniform, args))
-    _print_table(results, cpu=cpu)
+            _print_row(len(results) - 1, results[-1])
+    _print_summary(results)
     stats = manager.stats
     print(
         f"manager stats: {stats.replays_of(CUDAGraphMode.FULL)} FULL and "
@@ -306,23 +310,28 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-30))
 
 
-def _print_table(results: Sequence[StepResult], *, cpu: bool) -> None:
+def _print_header(*, cpu: bool) -> None:
     graph_header = "would replay" if cpu else "replayed"
     header = f"{'step':>4} {'tokens':>6} {'reqs':>4} {'batch':<7} {graph_header:<32} {'eager ms':>9}"
     if not cpu:
         header += f" {'graph ms':>9} {'speedup':>8}"
     header += f" {'rel err':>9}"
     print(header)
-    print("-" * len(header))
-    for i, r in enumerate(results):
-        line = (
-            f"{i:>4} {r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.uniform else 'mixed':<7} "
-            f"{describe(r.dispatch):<32} {r.eager_ms:>9.3f}"
-        )
-        if r.graph_ms is not None:
-            line += f" {r.graph_ms:>9.3f} {r.eager_ms / r.graph_ms:>7.2f}x"
-        line += f" {r.rel_err:>9.2e}"
-        print(line)
+    print("-" * len(header), flush=True)
+
+
+def _print_row(index: int, r: StepResult) -> None:
+    line = (
+        f"{index:>4} {r.num_tokens:>6} {r.num_reqs:>4} {'decode' if r.uniform else 'mixed':<7} "
+        f"{describe(r.dispatch):<32} {r.eager_ms:>9.3f}"
+    )
+    if r.graph_ms is not None:
+        line += f" {r.graph_ms:>9.3f} {r.eager_ms / r.graph_ms:>7.2f}x"
+    line += f" {r.rel_err:>9.2e}"
+    print(line, flush=True)
+
+
+def _print_summary(results: Sequence[StepResult]) -> None:
     timed = [r for r in results if r.graph_ms is not None and r.dispatch.mode is not CUDAGraphMode.NONE]
     for kind, uniform in (("decode", True), ("mixed", False)):
         ratios = [r.eager_ms / r.graph_ms for r in timed if r.uniform is uniform and r.graph_ms is not None]

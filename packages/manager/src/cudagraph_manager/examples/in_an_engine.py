@@ -5,6 +5,8 @@ import torch
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
+if not torch.cuda.is_available():  # this example captures CUDA graphs; `make demo` has a CPU path
+    raise SystemExit("This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU.")
 # Any callable taking the inputs as keyword arguments: here a toy token mixer.
 embed = torch.nn.Embedding(1000, 256, device="cuda")
 mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 256)).to("cuda")
