@@ -179,7 +179,18 @@ BAD_INPUTS: Final = [
     row("sizes-zero", call(CaptureSizes, [1, 0]), r"capture_sizes\[1\].*0"),
     row("sizes-bool", call(CaptureSizes, [8, True]), r"capture_sizes\[1\].*True"),
     row("sizes-float", call(CaptureSizes, [2.5]), r"capture_sizes\[0\].*2\.5"),
+    row(
+        "sizes-2**40",
+        call(CaptureSizes, [8, 2**40]),
+        r"capture_sizes\[1\]: expected an integer <= 1048576, got 1099511627776",
+    ),
+    row("sizes-2**63", call(CaptureSizes, [2**63]), r"capture_sizes\[0\]: expected an integer <= 1048576"),
     row("default-zero", call(CaptureSizes.default, 0), r"max_size.*0"),
+    row(
+        "default-10**9",
+        call(CaptureSizes.default, 10**9),
+        r"max_size: expected an integer <= 1048576, got 1000000000",
+    ),
     row("default-bool", call(CaptureSizes.default, True), r"max_size.*True"),
     row("default-string", call(CaptureSizes.default, "512"), r"max_size.*'512'"),
     row("pad-bool", call(SIZES.pad, True), r"^n: .*True"),
@@ -362,6 +373,12 @@ BAD_INPUTS: Final = [
         "manager-input-name-reserved",
         construct(inputs={"x": StaticInput(), "uniform_decode": StaticInput()}),
         re.escape("inputs['uniform_decode']: the name is a keyword of run() itself"),
+    ),
+    row(
+        "manager-static-buffer-beyond-memory",
+        construct(inputs={"ids": StaticInput((), torch.int64), "x": StaticInput((10**12,))}),
+        r"inputs\['x'\]: its static buffer \[\d+, 1000000000000\] of torch.float32 needs \d+ bytes, "
+        r"more than",
     ),
     row(
         "manager-input-spec-tuple",

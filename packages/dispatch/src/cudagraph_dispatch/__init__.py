@@ -21,12 +21,14 @@ from ._protocols import GraphDispatcher as GraphDispatcher
 from ._ranks import RankRequest as RankRequest
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
+from ._sizes import MAX_CAPTURE_SIZE as MAX_CAPTURE_SIZE
 from ._sizes import CaptureSizes as CaptureSizes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORWARD_CONTEXT_VAR",
+    "MAX_CAPTURE_SIZE",
     "BatchDescriptor",
     "CUDAGraphDispatcher",
     "CUDAGraphMode",

@@ -12,14 +12,16 @@ callers catch one exception type for "bad argument".
 from __future__ import annotations
 
 
-def check_int(field: str, value: object, *, minimum: int) -> int:
-    """``value`` if it is an integer >= ``minimum``; else a ``ValueError`` naming ``field`` and ``value``.
+def check_int(field: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
+    """``value`` if it is an integer in ``[minimum, maximum]``, else a ``ValueError`` naming both.
 
     ``bool`` is rejected (``True`` is not a count); subclasses of ``int``
-    (an ``IntEnum``) are accepted.
+    (an ``IntEnum``) are accepted. ``maximum=None``: no upper bound.
     """
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{field}: expected an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{field}: expected an integer <= {maximum}, got {value!r}")
     return value
 
 

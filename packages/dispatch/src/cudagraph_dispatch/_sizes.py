@@ -19,6 +19,12 @@ _LARGE_STEP: Final = 16
 #: steps (decode batches, typical prefill chunks) stay one look-up.
 DENSE_PAD_LIMIT: Final = 4096
 
+#: The largest token count a capture size may have: 2**20 (1,048,576 tokens in
+#: one step), far above any engine's batch, and low enough that a typo (2**40,
+#: 10**9 for ``default``) is an error naming the value, not hours of table
+#: building or an allocation that fails deep inside torch.
+MAX_CAPTURE_SIZE: Final = 2**20
+
 
 class CaptureSizes:
     """A sorted, duplicate-free set of positive token counts to capture.
@@ -43,7 +49,10 @@ class CaptureSizes:
         given: object = sizes  # checked at run time: callers may not be typed
         if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
             raise ValueError(f"capture_sizes: expected an iterable of integers, got {given!r}")
-        checked = {check_int(f"capture_sizes[{i}]", s, minimum=1) for i, s in enumerate(given)}
+        checked = {
+            check_int(f"capture_sizes[{i}]", s, minimum=1, maximum=MAX_CAPTURE_SIZE)
+            for i, s in enumerate(given)
+        }
         if not checked:
             raise ValueError(f"capture_sizes: expected at least one size, got {given!r}")
         self._sizes: Final[tuple[int, ...]] = tuple(sorted(checked))
@@ -55,7 +64,7 @@ class CaptureSizes:
     @classmethod
     def default(cls, max_size: int) -> CaptureSizes:
         """vLLM's default list: 1, 2, 4, every 8 up to 256, every 16 above, and ``max_size``."""
-        check_int("max_size", max_size, minimum=1)
+        check_int("max_size", max_size, minimum=1, maximum=MAX_CAPTURE_SIZE)
         small = [1, 2, 4, *range(_SMALL_STEP, min(max_size + 1, _LARGE_START), _SMALL_STEP)]
         large = range(_LARGE_START, max_size + 1, _LARGE_STEP)
         return cls([s for s in (*small, *large) if s <= max_size] + [max_size])

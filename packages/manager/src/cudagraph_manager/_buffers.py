@@ -10,6 +10,8 @@ with the input's pad value.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import Final
 
@@ -118,7 +120,8 @@ class StaticBuffers:
         query_len: int,
         device: torch.device,
     ) -> None:
-        max_rows = {"tokens": max_tokens, "reqs": max_num_seqs, None: 0}
+        max_rows: dict[Rows, int] = {"tokens": max_tokens, "reqs": max_num_seqs, None: 0}
+        _check_sizes(inputs, max_rows, device)  # before any buffer is allocated
         self.buffers: Final = tuple(
             StaticBuffer(name, spec, max_rows[spec.rows], device) for name, spec in inputs.items()
         )
@@ -249,6 +252,40 @@ class StaticBuffers:
         parts = [f"missing input(s) {missing}"] if missing else []
         parts += [f"unknown input(s) {unknown}"] if unknown else []
         return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
+
+
+def _check_sizes(
+    inputs: Mapping[str, StaticInput], max_rows: Mapping[Rows, int], device: torch.device
+) -> None:
+    """``ValueError`` naming the input whose static buffer could never fit the device's memory.
+
+    The limit is the device's total memory (a CUDA device's, or the host's
+    physical memory for the CPU): a buffer above it is a wrong shape, and
+    would otherwise fail deep inside torch's allocator.
+    """
+    limit = _memory_bytes(device)
+    if limit is None:
+        return
+    for name, spec in inputs.items():
+        shape = spec.shape if spec.rows is None else (max_rows[spec.rows], *spec.shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=spec.dtype).element_size()
+        if nbytes > limit:
+            raise ValueError(
+                f"inputs[{name!r}]: its static buffer {list(shape)} of {spec.dtype} needs {nbytes} bytes, "
+                f"more than the {limit} bytes of {device}"
+            )
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory in bytes (``None`` where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
