@@ -53,12 +53,22 @@ lint: $(STAMP)  ## ruff check
 test: typecheck  ## Type check, then the tests (GPU tests skip without CUDA)
 	$(VPY) -m pytest $(PYTEST_FLAGS)
 
-# The venv's pinned build and hatchling, without build isolation: no network needed.
-# Each package gets an sdist, and a wheel built from that sdist.
-dist: $(STAMP)  ## Wheels and sdists of the three packages into dist/
+# Three pure-Python wheels need no torch: a venv of their own holds the dev
+# group's pinned build and hatchling alone, built once, used without build
+# isolation. Each package gets an sdist, and a wheel built from that sdist.
+BUILD_VENV := .venv-build
+BUILD_STAMP := $(BUILD_VENV)/.installed
+BUILD_PINS := $(shell sed -nE 's/^[[:space:]]*"((build|hatchling)==[^"]+)".*/\1/p' pyproject.toml)
+
+$(BUILD_STAMP): pyproject.toml
+	test -x $(BUILD_VENV)/bin/python || $(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/python -m pip install -q $(BUILD_PINS)
+	touch $@
+
+dist: $(BUILD_STAMP)  ## Wheels and sdists of the three packages into dist/ (a small build venv, no torch)
 	rm -f dist/cudagraph_*
 	for pkg in $(PACKAGES); do \
-	    $(VPY) -m build --no-isolation --outdir dist packages/$$pkg || exit 1; \
+	    $(BUILD_VENV)/bin/python -m build --no-isolation --outdir dist packages/$$pkg || exit 1; \
 	done
 
 # One process per benchmark module: a device-side assert poisons a CUDA context
@@ -94,8 +104,12 @@ gpu-bench:  ## Benchmarks only, with $(PYTHON) and no installs
 # (tests/soak.py says how); not part of `make test`. SOAK_FLAGS: e.g. --steps 1000.
 SOAK_OUT ?= $(BENCH_DIR)/soak.json
 SOAK_FLAGS ?=
-soak:  ## Soak on the GPU: 100k replayed steps vs eager, memory flat; $(PYTHON), no installs
-	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m tests.soak --out $(SOAK_OUT) $(SOAK_FLAGS)
+# The dev venv's python by default (it has torch); on a GPU machine whose
+# image has torch, `make soak PYTHON=python3` uses that one and installs nothing.
+SOAK_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(VPY))
+SOAK_NEEDS := $(if $(filter $(VPY),$(SOAK_PYTHON)),$(STAMP))
+soak: $(SOAK_NEEDS)  ## Soak on the GPU: 100k replayed steps vs eager, memory flat (PYTHON=python3: no installs)
+	PYTHONPATH=$(SRC_PATH):. $(SOAK_PYTHON) -m tests.soak --out $(SOAK_OUT) $(SOAK_FLAGS)
 
 clean:  ## Remove the venv and caches
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache $(BENCH_DIR)
+	rm -rf $(VENV) $(BUILD_VENV) .mypy_cache .pytest_cache .ruff_cache $(BENCH_DIR)
