@@ -13,9 +13,13 @@ from __future__ import annotations
 import builtins
 import datetime
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Final
+
+if os.environ.get("CUDAGRAPH_TEST_BLOCK_NUMPY"):  # as a clean install with a CPU torch: no numpy at all
+    sys.modules["numpy"] = None  # type: ignore[assignment]  # an import of numpy now raises ImportError
 
 import torch
 import torch.distributed as dist

@@ -31,8 +31,8 @@ two_gpus = pytest.mark.skipif(
 )
 
 
-def _spawn(tmp_path: Path, *args: str) -> RankRun:
-    return spawn_ranks(_WORKER, args, world_size=2, timeout_s=_TIMEOUT_S, workdir=tmp_path)
+def _spawn(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RankRun:
+    return spawn_ranks(_WORKER, args, world_size=2, timeout_s=_TIMEOUT_S, workdir=tmp_path, env=env)
 
 
 def _case(run: RankRun, name: str, rank: int) -> dict[str, object]:
@@ -143,6 +143,16 @@ def test_data_parallel_agreement_on_cpu(tmp_path: Path, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_data_parallel_agreement_without_numpy(tmp_path: Path, backend: str) -> None:
+    """A clean install (the wheels and a CPU torch) has no numpy: the agreements must not need it."""
+    if backend == "shm" and (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    run = _spawn(tmp_path, "dp", "cpu", backend, env={"CUDAGRAPH_TEST_BLOCK_NUMPY": "1"})
+    assert run.results[0]["backend"] == backend
+    _check_data_parallel(run)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_a_rank_that_never_arrives_fails_the_others_after_the_timeout(tmp_path: Path, backend: str) -> None:
     if backend == "shm" and (why := shared_memory_supported()) is not None:
         pytest.skip(why)
@@ -151,9 +161,11 @@ def test_a_rank_that_never_arrives_fails_the_others_after_the_timeout(tmp_path: 
     waited = result["waited_s"]
     assert isinstance(waited, float), result
     assert 1.5 < waited < 4.5, result  # the 2 s timeout, not rank 1's return after 5 s
+    assert result["late"] == "TimeoutError", result  # ours, naming the ranks, not torch's raw error
     if backend == "shm":
-        assert result["late"] == "TimeoutError"
         assert "rank 1 did not reach exchange 2" in str(result["message"])
+    else:
+        assert "rank 0 of 2: the exchange over gloo timed out after 2 s" in str(result["message"])
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])

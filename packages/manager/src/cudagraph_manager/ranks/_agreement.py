@@ -133,6 +133,7 @@ class RankAgreement:
         self._backend: Final = chosen
         self._rank: Final = dist.get_rank(group)
         self._world_size: Final = dist.get_world_size(group)
+        self._timeout: Final = timeout  # None: the group's own
         if self._backend == "nccl":
             from cudagraph_capture import resolve_device
 
@@ -183,7 +184,16 @@ class RankAgreement:
         table[start : start + width] = row
         tensor = torch.tensor(table, dtype=torch.int64)
         if self._device.type != "cuda":
-            dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
+            try:
+                dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower():
+                    raise
+                waited = "its timeout" if self._timeout is None else f"{self._timeout.total_seconds():g} s"
+                raise TimeoutError(
+                    f"rank {self._rank} of {self._world_size}: the exchange over {self._backend} timed out "
+                    f"after {waited}: a rank did not arrive (it stopped, hangs, or steps differently)"
+                ) from error
             flat: list[int] = tensor.tolist()
         else:
             host, device = self._staged(width)

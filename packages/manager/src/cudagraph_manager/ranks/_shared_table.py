@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Final
 
+import torch
 import torch.distributed as dist
 
 #: Ints one row may hold, and the slot: a sequence number, then the row.
@@ -33,6 +34,27 @@ _SLOT: Final = struct.Struct(f"<q{MAX_WIDTH}q")
 _SEQ: Final = struct.Struct("<q")
 _X86: Final = frozenset({"x86_64", "amd64", "x64"})
 _SPINS_BEFORE_YIELD: Final = 2000
+
+
+#: The longest text ``gather_texts`` carries, in UTF-8 bytes (longer ones are cut).
+TEXT_BYTES: Final = 1024
+
+
+def gather_texts(text: str, rank: int, world_size: int, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's ``text``, by rank: one all-reduce of a ``[world_size, TEXT_BYTES]`` int64 table.
+
+    torch's object collectives (``all_gather_object``, ``broadcast_object_list``)
+    need numpy, which neither this package nor a CPU torch wheel installs; a
+    table of byte values that each rank fills in its own row does not.
+    """
+    data = text.encode()[:TEXT_BYTES]
+    table = [0] * (world_size * TEXT_BYTES)  # [world_size, TEXT_BYTES], row-major
+    table[rank * TEXT_BYTES : rank * TEXT_BYTES + len(data)] = data
+    tensor = torch.tensor(table, dtype=torch.int64)
+    dist.all_reduce(tensor, group=group)  # each entry is one rank's: the sum is the table
+    flat: list[int] = tensor.tolist()
+    rows = (bytes(flat[r * TEXT_BYTES : (r + 1) * TEXT_BYTES]).rstrip(b"\0") for r in range(world_size))
+    return [row.decode(errors="replace") for row in rows]
 
 
 def shared_memory_supported() -> str | None:
@@ -54,8 +76,7 @@ class SharedTable:
         its own in a container: the ranks learn of each other's failure
         before any of them waits for the others).
         """
-        hosts: list[object] = [None] * world_size
-        dist.all_gather_object(hosts, platform.node(), group=group)
+        hosts = gather_texts(platform.node(), rank, world_size, group)
         if len(set(hosts)) > 1:
             raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -68,9 +89,7 @@ class SharedTable:
                     f.truncate(size)
             except OSError as error:
                 problem = f"rank 0 could not make {path}: {error}"
-        made: list[object] = [path, problem]
-        dist.broadcast_object_list(made, src=dist.get_global_rank(group, 0), group=group)
-        path, problem = str(made[0]), str(made[1])
+        path, problem = gather_texts(f"{path}\n{problem}", rank, world_size, group)[0].split("\n", 1)
         mapped: mmap.mmap | None = None
         if not problem:
             try:
@@ -78,8 +97,7 @@ class SharedTable:
                     mapped = mmap.mmap(f.fileno(), size)
             except OSError as error:
                 problem = f"rank {rank} could not map {path}: {error}"
-        problems: list[object] = [None] * world_size
-        dist.all_gather_object(problems, problem, group=group)  # also: every rank has mapped it
+        problems = gather_texts(problem, rank, world_size, group)  # also: every rank has mapped it
         if rank == 0 and os.path.exists(path):
             os.unlink(path)  # the name can go, the mappings stay
         failed = [str(p) for p in problems if p]
