@@ -381,8 +381,10 @@ class CUDAGraphManager(Generic[OutputT]):
                     finally:
                         FORWARD_CONTEXT_VAR.reset(token)
                 key.replays += 1
-                self._counts.padded_tokens += key.num_tokens - num_tokens
-                self._counts.dummy_steps += pads_along
+                counts = self._counts
+                counts.padded_tokens += key.num_tokens - num_tokens
+                if pads_along:
+                    counts.dummy_steps += 1
                 layout = self._layout.layout
                 assert layout is not None  # set by the capture of every captured key
                 out = key.cut(entry, layout, num_tokens, num_reqs)
