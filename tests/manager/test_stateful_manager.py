@@ -1,4 +1,4 @@
-"""A state machine over CUDAGraphManager: captures (some made to fail), clears, steps, capture off.
+"""A state machine over CUDAGraphManager: captures (some made to fail, some in the background), clears, steps.
 
 The manager runs on the CPU with ``FakeGraphEngine``s (see ``helpers``), which
 keep the graph contract by re-running the model on the tensors a key was
@@ -198,6 +198,40 @@ class ManagerMachine(RuleBasedStateMachine):
             self._capture(pending.index(key) if key in pending else None)
         else:
             self._capture(None)
+
+    @rule(fail_first=st.booleans())
+    def background_capture(self, fail_first: bool) -> None:
+        """start_capture(), waited for: the pending keys in plan order, a failed recording tried again.
+
+        With the machine's capture switch off every recording fails: each key
+        is tried three times and given up, and stays pending. Nothing is
+        served meanwhile, so no miss reorders the keys.
+        """
+        pending = self._pending()
+        self.fail_at, self.captures_in_call = (0 if fail_first else None), 0
+        try:
+            handle = self.manager.start_capture()
+            report = handle.wait(60)
+        finally:
+            self.fail_at = None
+        self.model.calls.clear()
+        if not pending:
+            event("background: nothing pending")
+            assert (report.num_graphs, handle.errors, handle.retries) == (0, (), 0)
+        elif self.capture_enabled:
+            event(f"background: complete{', one retry' if fail_first else ''}")
+            assert [g.descriptor for g in report.graphs] == pending
+            assert handle.errors == ()
+            assert handle.retries == int(fail_first)
+            self.captured.update(pending)
+            self.layout_known = True
+        else:
+            event("background: capture off, every key given up")
+            assert report.num_graphs == 0
+            assert len(handle.errors) == len(pending)
+            assert all(isinstance(error, CaptureDisabledError) for error in handle.errors)
+            assert handle.retries == 2 * len(pending)
+        assert handle.progress == (len(pending), len(pending))
 
     @rule()
     def clear(self) -> None:
