@@ -480,23 +480,30 @@ def test_tuple_and_list_outputs_are_cut_by_index() -> None:
 
 def test_report_prints_an_aligned_table() -> None:
     graphs = (
-        CapturedGraph(FULL, BatchDescriptor(512, 256), 0.0123, 3 * 2**20),
+        CapturedGraph(FULL, BatchDescriptor(512, 256), 0.0123, 3 * 2**20, 4 * 2**20),
         CapturedGraph(
-            FULL, BatchDescriptor(8, 8, uniform=True, has_lora=True, num_active_loras=2), 0.001, 1536
+            FULL,
+            BatchDescriptor(8, 8, uniform=True, has_lora=True, num_active_loras=2),
+            0.001,
+            1536,
+            2 * 2**20,
         ),
         CapturedGraph(PIECEWISE, BatchDescriptor(1), 0.0005, 0),
     )
-    report = CaptureReport(graphs, seconds=0.25, reserved_bytes=5 * 2**30)
+    report = CaptureReport(graphs, seconds=0.25, reserved_bytes=5 * 2**30, device_bytes=5 * 2**30 + 6 * 2**20)
     lines = str(report).splitlines()
-    assert lines[0] == "Captured 3 CUDA graph(s) in 0.250 s; pool 3.0 MiB, reserved 5.0 GiB"
+    assert lines[0] == (
+        "Captured 3 CUDA graph(s) in 0.250 s; pool 3.0 MiB, reserved 5.0 GiB, device 5.0 GiB (driver 6.0 MiB)"
+    )
     table = lines[1:]
-    assert table[0].split() == ["mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool"]
+    assert table[0].split() == ["mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool", "driver"]
     assert len({len(line) for line in table}) == 1  # every column aligned, the last right-aligned
-    assert table[2].split() == ["FULL", "512", "256", "no", "0", "0.0123", "3.0", "MiB"]
-    assert table[3].split() == ["FULL", "8", "8", "yes", "2", "0.0010", "1.5", "KiB"]
-    assert table[4].split() == ["PIECEWISE", "1", "-", "no", "0", "0.0005", "0", "B"]
-    assert table[5].split() == ["total", "0.0138", "3.0", "MiB"]
+    assert table[2].split() == ["FULL", "512", "256", "no", "0", "0.0123", "3.0", "MiB", "4.0", "MiB"]
+    assert table[3].split() == ["FULL", "8", "8", "yes", "2", "0.0010", "1.5", "KiB", "2.0", "MiB"]
+    assert table[4].split() == ["PIECEWISE", "1", "-", "no", "0", "0.0005", "0", "B", "0", "B"]
+    assert table[5].split() == ["total", "0.0138", "3.0", "MiB", "6.0", "MiB"]
     assert report.pool_bytes == 3 * 2**20 + 1536
+    assert report.driver_bytes == 6 * 2**20
     assert report.num_graphs == 3
 
 

@@ -207,6 +207,7 @@ class BackgroundCapture:
         compiled_before = dynamo_compiles()
         cuda = serving is not None and own is not None
         reserved_before = torch.cuda.memory_reserved(self._device) if cuda else 0
+        free_before = torch.cuda.mem_get_info(self._device)[0] if cuda else 0
         on_device = torch.cuda.device(self._device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
@@ -224,7 +225,8 @@ class BackgroundCapture:
         finally:
             self._warmed.set()  # never leave start() waiting
             reserved = torch.cuda.memory_reserved(self._device) - reserved_before if cuda else 0
-            self._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before))
+            lost = free_before - torch.cuda.mem_get_info(self._device)[0] if cuda else 0
+            self._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before), lost)
 
     def _warm_up(
         self,
@@ -283,9 +285,11 @@ class BackgroundCapture:
             self._errors.append(error)
             self._finished += 1
 
-    def _finish(self, seconds: float, reserved_bytes: int, compiles: int | None) -> None:
+    def _finish(
+        self, seconds: float, reserved_bytes: int, compiles: int | None, device_bytes: int = 0
+    ) -> None:
         with self._lock:
             self._report = CaptureReport(
-                tuple(self._records), seconds, reserved_bytes, self._not_captured, compiles
+                tuple(self._records), seconds, reserved_bytes, self._not_captured, compiles, device_bytes
             )
         self._done.set()

@@ -72,7 +72,7 @@ class Capturer(Generic[OutputT]):
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
-            reserved_before = reserved_bytes(device)
+            reserved_before, free_before = reserved_bytes(device), free_bytes(device)
             start = time.perf_counter()
             for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 attempt = functools.partial(self._capture, key.descriptor, warm=True)
@@ -88,7 +88,10 @@ class Capturer(Generic[OutputT]):
                 torch.cuda.current_stream(device).synchronize()
             seconds = time.perf_counter() - start
             reserved = reserved_bytes(device) - reserved_before
-        return CaptureReport(tuple(records), seconds, reserved, compiles=compiles_since(compiled_before))
+            lost = free_before - free_bytes(device)
+        return CaptureReport(
+            tuple(records), seconds, reserved, compiles=compiles_since(compiled_before), device_bytes=lost
+        )
 
     def background(
         self, pending: Sequence[PlannedKey[OutputT]], not_captured: str | None
@@ -166,13 +169,19 @@ def capture_key(
             raise CaptureError(
                 f"the warm-up failed with {type(error).__name__}: {error}", key.descriptor
             ) from error
-    before = reserved_bytes(device)
+    before, free_before = reserved_bytes(device), free_bytes(device)
     entry = engine.record(key.descriptor, key.inputs)
     pool_bytes = reserved_bytes(device) - before
+    driver_bytes = free_before - free_bytes(device) - pool_bytes
     layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
     key.last_cut = None
     key.entry = entry  # last: the serving thread replays the key from its next step
-    return CapturedGraph(key.mode, key.descriptor, time.perf_counter() - start, pool_bytes)
+    return CapturedGraph(key.mode, key.descriptor, time.perf_counter() - start, pool_bytes, driver_bytes)
+
+
+def free_bytes(device: torch.device) -> int:
+    """The device's free memory as the driver reports it (0 off CUDA): its drop is what a capture cost."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
 def reserved_bytes(device: torch.device) -> int:

@@ -14,19 +14,25 @@ _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CapturedGraph:
-    """One captured graph: its key, what it cost in host time and in pool memory.
+    """One captured graph: its key, what it cost in host time and in device memory.
 
     ``seconds`` is host time of the warm-up and the capture (the device is not
     synchronized per graph). ``pool_bytes`` is the growth of the device's
-    reserved memory during the capture: the new memory this graph needed from
-    the shared pool. Graphs captured later (smaller) mostly reuse the pool, so
-    their share is often 0.
+    reserved memory during the recording: the new memory this graph needed
+    from the shared pool (torch's allocator). Graphs captured later (smaller)
+    mostly reuse the pool, so their share is often 0. ``driver_bytes`` is
+    what the device's free memory lost during the recording on top of that:
+    memory the CUDA driver took outside torch's allocator, chiefly the
+    graph's executable (kernel nodes, their parameters). The driver reports
+    free memory in 2 MiB steps, so one graph's figure is coarse; totals are
+    what adds up.
     """
 
     mode: CUDAGraphMode
     descriptor: BatchDescriptor
     seconds: float
     pool_bytes: int
+    driver_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,6 +42,14 @@ class CaptureReport:
     ``seconds`` is the wall time of the whole phase, its stream synchronized at
     the end; ``reserved_bytes`` is the growth of reserved device memory over
     it (the graphs' pool plus the allocator blocks of the eager warm-ups).
+    ``device_bytes`` is what the device's free memory (``cudaMemGetInfo``)
+    lost over it: ``reserved_bytes`` plus ``driver_bytes``, the memory the
+    driver took outside torch's allocator (the graphs' executables, the
+    cuBLAS handles a capture thread creates). Counted: the pool, the
+    warm-ups' allocator blocks, the executables, and whatever another thread
+    or process allocated on the device meanwhile. Not counted: the static
+    buffers (allocated with the manager), and the shared pool's anchor graph
+    when the first capture of the process created it before the phase.
     ``not_captured`` says why nothing was captured where graphs cannot be
     (a manager on a device without CUDA graphs); ``None`` otherwise.
     ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
@@ -49,10 +63,16 @@ class CaptureReport:
     reserved_bytes: int
     not_captured: str | None = None
     compiles: int | None = None
+    device_bytes: int = 0
 
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)
+
+    @property
+    def driver_bytes(self) -> int:
+        """What the device lost outside torch's allocator: ``device_bytes - reserved_bytes``."""
+        return self.device_bytes - self.reserved_bytes
 
     @property
     def pool_bytes(self) -> int:
@@ -64,7 +84,8 @@ class CaptureReport:
             return f"Captured no CUDA graphs: {self.not_captured}"
         header = (
             f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
-            f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}"
+            f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}, "
+            f"device {format_bytes(self.device_bytes)} (driver {format_bytes(self.driver_bytes)})"
         )
         if self.compiles:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
@@ -77,6 +98,7 @@ class CaptureReport:
                 str(g.descriptor.num_active_loras),
                 f"{g.seconds:.4f}",
                 format_bytes(g.pool_bytes),
+                format_bytes(g.driver_bytes),
             )
             for g in self.graphs
         ]
@@ -88,9 +110,11 @@ class CaptureReport:
             "",
             f"{sum(g.seconds for g in self.graphs):.4f}",
             format_bytes(self.pool_bytes),
+            format_bytes(sum(g.driver_bytes for g in self.graphs)),
         )
-        headers = ("mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool")
-        return "\n".join([header, *format_table(headers, [*rows, total], right=frozenset({1, 2, 4, 5, 6}))])
+        headers = ("mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool", "driver")
+        right = frozenset({1, 2, 4, 5, 6, 7})
+        return "\n".join([header, *format_table(headers, [*rows, total], right=right)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
