@@ -42,4 +42,4 @@ def test_the_report_accounts_for_what_the_device_lost(mode: CUDAGraphMode) -> No
     # The per-graph shares add up to at most the total (the total also holds the warm-ups' blocks).
     recorded = sum(g.pool_bytes + g.driver_bytes for g in report.graphs)
     assert 0 < recorded <= report.device_bytes + GRANULE * report.num_graphs
-    print(f"{mode.name}: {report.num_graphs} graphs; {report}".splitlines()[0])  # noqa: T201  # for the log
+    print(f"{mode.name}: {report.num_graphs} graphs; {report}".splitlines()[0])  # for the log
