@@ -1,4 +1,4 @@
-"""What a capture cost the device, as its report says: allocator and driver, adding up to the device's loss (GPU).
+"""What a capture cost the device, as its report says: allocator plus driver, the device's loss (GPU).
 
 The report's ``device_bytes`` is the drop of the device's free memory
 (``cudaMemGetInfo``) over ``capture()``; it must match the drop the test
