@@ -35,7 +35,7 @@ def test_the_report_accounts_for_what_the_device_lost(mode: CUDAGraphMode) -> No
     report = manager.capture(progress=False)
     torch.cuda.synchronize()
     lost = free_before - torch.cuda.mem_get_info()[0]
-    assert report.num_graphs == manager.num_captured > 20
+    assert report.num_graphs == manager.num_captured >= 19  # default(128): 19 sizes
     assert abs(report.device_bytes - lost) <= GRANULE, (report.device_bytes, lost)
     assert report.device_bytes == report.reserved_bytes + report.driver_bytes
     assert report.driver_bytes > 0, "dozens of graph executables cost the driver nothing?"
