@@ -66,15 +66,16 @@ def test_a_full_step_is_the_step_function_the_buffers_and_the_route() -> None:
             ("_manager.py", "_step"),
             ("_buffers.py", "check"),  # StaticBuffers.check: the per-input checks are inline
             ("_dispatcher.py", "route"),
+            ("_weights.py", "moved"),  # WeightWatch.moved: a flag and one data_ptr(), before copy_in
             ("_buffers.py", "copy_in"),
         ]
     ), calls
-    assert len(calls) == 5, "each called once"
+    assert len(calls) == 6, "each called once"
     assert hashes == 1, "one look-up of the key per step"
 
 
 def test_a_piecewise_step_only_adds_its_forward_context() -> None:
     stack, calls, hashes = _trace_step(CUDAGraphMode.PIECEWISE)
     assert stack == ["_step", "run_batch"]
-    assert len(calls) == 5, calls
+    assert len(calls) == 6, calls
     assert hashes == 1

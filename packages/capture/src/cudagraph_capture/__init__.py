@@ -20,6 +20,7 @@ from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
 from ._pool import capture_lock as capture_lock
 from ._pool import capture_stream as capture_stream
+from ._pool import release_graph_memory as release_graph_memory
 from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
 from ._protocols import GraphEntry as GraphEntry
@@ -45,6 +46,7 @@ __all__ = [
     "capture_stream",
     "collector_paused",
     "eager_break_during_capture",
+    "release_graph_memory",
     "resolve_device",
     "set_capture_enabled",
     "shared_pool",

@@ -37,10 +37,19 @@ class OutputGuard:
 
     def retire(self, descriptor: object) -> None:
         """Before a replay of ``descriptor``'s graph: the outputs handed out so far become unreadable."""
-        message = (
+        self._retire(
             f"this graph output (step {self._steps}) was overwritten by a later "
             f"replay (of the graph {descriptor}); clone() the outputs you keep before the next step"
         )
+
+    def retire_all(self) -> None:
+        """The graphs were freed (a manager's ``release()``): the outputs handed out become unreadable."""
+        self._retire(
+            f"this graph output (step {self._steps}) is gone: its graph was released and its memory "
+            "given back; clone() the outputs you keep before release()"
+        )
+
+    def _retire(self, message: str) -> None:
         for tensor in self._live:
             torch._C._set_storage_access_error_msg(tensor, message)
         self._live.clear()

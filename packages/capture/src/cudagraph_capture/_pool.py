@@ -5,7 +5,12 @@ graph holds it: once every graph captured into it is freed, the caching
 allocators (device and, on torch 2.11, host) mark the pool freeable, and the
 next capture into that handle fails an internal assert. The shared pool is
 therefore pinned by an *anchor*: a one-kernel graph captured into it at
-creation and never freed, which keeps the pool's use count above zero.
+creation, which keeps the pool's use count above zero for as long as the pool
+is the device's shared pool.
+
+``release_graph_memory`` ends that: it retires the shared pool (the next
+capture creates a new one) and frees its anchor, so the pool's memory goes
+back to the device once the last graph captured into it is freed.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class _DevicePool:
 
     def __init__(self, handle: GraphPool, anchor: torch.cuda.CUDAGraph, scratch: torch.Tensor) -> None:
         self.handle: Final = handle
-        self.anchor: Final = anchor  # never freed: pins the pool (see module docstring)
+        self.anchor: Final = anchor  # pins the pool while it is the shared one (see module docstring)
         self.scratch: Final = scratch  # the anchor's only operand
 
 
@@ -132,6 +137,46 @@ def retire_shared_pool(device: int, handle: GraphPool) -> None:
         pool = _pools.get(device)
         if pool is not None and pool.handle == handle:
             _retired.append(_pools.pop(device))
+
+
+def release_graph_memory(device: torch.device | str | int | None = None) -> None:
+    """Give the memory of freed graphs back to the device (not just to torch's cache); synchronizes it.
+
+    Call after freeing graphs (``CUDAGraphManager.release()`` frees its own
+    and calls this). The device's shared pool is retired (the next capture
+    creates a new one) and its anchor freed, so the pool's memory returns to
+    the device once no graph captured into it is alive; then torch's cached
+    free blocks are returned (``torch.cuda.empty_cache()``, which frees the
+    whole process's cache, as a sleep mode wants), and with them the
+    executables of the freed graphs are long gone (the driver frees those
+    when a graph is destroyed). What stays: graphs still alive (another
+    manager's or wrapper's), a graph output a caller still holds (its block),
+    a caller's own pool (``CaptureOptions.pool``), and pools retired after a
+    failed capture (their anchors stay: see ``repair_failed_capture``).
+    Under the device's capture lock: never during a capture on the device.
+    """
+    index = cuda_index(device)
+    with capture_lock(index):
+        with _lock:
+            pool = _pools.pop(index, None)
+        del pool  # its anchor with it: the pool is freeable once its last graph is gone
+        with torch.cuda.device(index):
+            torch.cuda.empty_cache()
+        _trim_driver_graph_memory(index)
+
+
+def _trim_driver_graph_memory(index: int) -> None:
+    """Ask the driver to give back the memory it keeps cached for graphs (``cuDeviceGraphMemTrim``).
+
+    Best effort: where the driver library cannot be loaded, nothing is done.
+    """
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    device = ctypes.c_int()
+    if driver.cuDeviceGet(ctypes.byref(device), index) == 0:
+        driver.cuDeviceGraphMemTrim(device)
 
 
 def _new_pinned_pool(index: int) -> _DevicePool:

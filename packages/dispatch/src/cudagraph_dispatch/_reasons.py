@@ -23,3 +23,4 @@ class EagerReason(enum.Enum):
     NO_CUDA = "no_cuda"  # the runner's device has no CUDA graphs: every step runs eagerly, padded
     NOT_CAPTURED = "not_captured"  # its graph is in the plan but was not captured (yet)
     OTHER_RANK = "other_rank"  # this rank had a graph, another rank of its group had none
+    RELEASED = "released"  # the runner released its graphs (sleep) and captures nothing until woken

@@ -24,8 +24,10 @@ from ._protocols import ModelOutput as ModelOutput
 from ._report import CapturedGraph as CapturedGraph
 from ._report import CaptureReport as CaptureReport
 from ._report import ManagerStats as ManagerStats
+from ._report import MemoryEstimate as MemoryEstimate
 from ._static import Rows as Rows
 from ._static import StaticInput as StaticInput
+from ._weights import WeightsReplacedError as WeightsReplacedError
 from .ranks import RankAgreement as RankAgreement
 from .ranks import RanksDisagreeError as RanksDisagreeError
 
@@ -40,6 +42,7 @@ __all__ = [
     "EagerReason",
     "GraphEngineFactory",
     "ManagerStats",
+    "MemoryEstimate",
     "ModelOutput",
     "NoGraphError",
     "OutputRows",
@@ -47,5 +50,6 @@ __all__ = [
     "RanksDisagreeError",
     "Rows",
     "StaticInput",
+    "WeightsReplacedError",
     "compile_for_capture",
 ]

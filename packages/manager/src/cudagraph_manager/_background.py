@@ -91,6 +91,7 @@ class BackgroundCapture:
         "_records",
         "_report",
         "_retries",
+        "_stop",
         "_total",
         "_warm_keys",
         "_warm_one",
@@ -118,6 +119,7 @@ class BackgroundCapture:
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
         self._done: Final = threading.Event()
         self._warmed: Final = threading.Event()  # the warm-ups are queued (not necessarily run)
+        self._stop: Final = threading.Event()  # stop(): record no further key
         self._misses: Final[collections.deque[BatchDescriptor]] = collections.deque(maxlen=MISSES_KEPT)
         self._records: list[CapturedGraph] = []
         self._errors: list[BaseException] = []
@@ -157,6 +159,14 @@ class BackgroundCapture:
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
         assert self._report is not None
         return self._report
+
+    def stop(self) -> None:
+        """Record no further key (the one being recorded finishes); ``wait()`` then returns soon.
+
+        The keys left are not captured; the report says so. ``release()``
+        calls it. Any thread.
+        """
+        self._stop.set()
 
     # -- the serving thread's side --
 
@@ -213,7 +223,7 @@ class BackgroundCapture:
         try:
             with on_device, on_stream, torch.no_grad():
                 self._warm_up(serving, own, warmed)
-                while self._pending:
+                while self._pending and not self._stop.is_set():
                     key = self._next_key()
                     with self._turn(), collector_paused(self._gc_disable):  # one key at a time
                         if serving is not None and own is not None:
@@ -289,7 +299,10 @@ class BackgroundCapture:
         self, seconds: float, reserved_bytes: int, compiles: int | None, device_bytes: int = 0
     ) -> None:
         with self._lock:
+            why = self._not_captured
+            if why is None and self._pending:
+                why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
             self._report = CaptureReport(
-                tuple(self._records), seconds, reserved_bytes, self._not_captured, compiles, device_bytes
+                tuple(self._records), seconds, reserved_bytes, why, compiles, device_bytes
             )
         self._done.set()

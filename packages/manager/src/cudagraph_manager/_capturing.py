@@ -45,7 +45,7 @@ from .ranks import RankAgreement
 class Capturer(Generic[OutputT]):
     """A manager's captures: every pending key in the foreground, or in a background thread."""
 
-    __slots__ = ("_buffers", "_device", "_engines", "_keys", "_layout", "_options")
+    __slots__ = ("_buffers", "_device", "_engines", "_keys", "_layout", "_options", "_warmed")
 
     def __init__(
         self,
@@ -62,6 +62,8 @@ class Capturer(Generic[OutputT]):
         self._layout: Final = layout
         self._device: Final = device
         self._options: Final = options
+        #: Keys warmed up once: lazy initialization, compiles and autotuning are done for them.
+        self._warmed: Final[set[BatchDescriptor]] = set()
 
     def foreground(
         self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
@@ -98,12 +100,17 @@ class Capturer(Generic[OutputT]):
     ) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
 
+        The thread warms up the largest and the smallest pending key of each
+        mode; after a ``release()`` (a wake), only the smallest, which
+        initializes the new thread's library handles: the largest was warmed
+        up by the capture before, and its compiles and autotuning stay.
         ``not_captured``: why this manager captures nothing (its report says so), or ``None``.
         """
         warm: dict[BatchDescriptor, None] = {}
         for mode in dict.fromkeys(key.mode for key in pending):
             of_mode = [key.descriptor for key in pending if key.mode is mode]
-            warm |= dict.fromkeys((of_mode[0], of_mode[-1]))  # the largest and the smallest
+            largest = () if of_mode[0] in self._warmed else (of_mode[0],)
+            warm |= dict.fromkeys((*largest, of_mode[-1]))
         session = BackgroundCapture(
             [key.descriptor for key in pending],
             list(warm),
@@ -129,10 +136,16 @@ class Capturer(Generic[OutputT]):
     def _warm_up(self, descriptor: BatchDescriptor) -> None:
         key = self._keys[descriptor]
         warm_up(key, self._engines[key.mode], self._buffers)
+        self._warmed.add(descriptor)
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         key = self._keys[descriptor]
-        return capture_key(key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm)
+        record = capture_key(
+            key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm
+        )
+        if warm:
+            self._warmed.add(descriptor)
+        return record
 
 
 def warm_up(key: PlannedKey[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:

@@ -54,6 +54,7 @@ class EagerSteps(Generic[OutputT]):
         "_no_graphs",
         "_ranks",
         "_strict",
+        "released",
     )
 
     def __init__(
@@ -76,6 +77,8 @@ class EagerSteps(Generic[OutputT]):
         self._no_graphs: Final = no_graphs  # why the manager captures nothing, or None
         self._ranks: Final = ranks
         self._logged: set[EagerReason] = set()
+        #: The manager released its graphs (``release()``) and captured none since.
+        self.released = False
 
     def run(
         self,
@@ -97,12 +100,15 @@ class EagerSteps(Generic[OutputT]):
         allowed = False
         if key is not None:
             reason = EagerReason.NO_CUDA if self._no_graphs is not None else EagerReason.NOT_CAPTURED
-            if reason is EagerReason.NOT_CAPTURED and session is not None and not session.done:
-                session.missed(key.descriptor)
-                allowed = True
         else:
             assert isinstance(route, EagerReason)  # a Dispatch comes with its key
             reason = route
+        if reason is EagerReason.NOT_CAPTURED:
+            if self.released:
+                reason = EagerReason.RELEASED
+            elif key is not None and session is not None and not session.done:
+                session.missed(key.descriptor)
+                allowed = True
         if self._strict and not allowed:
             raise NoGraphError(num_tokens, self._why(reason, key, request))
         if reason not in self._logged:  # once per reason: visible, never a flood
@@ -166,6 +172,8 @@ class EagerSteps(Generic[OutputT]):
             return self._no_graphs or "no CUDA graphs on this device"
         if reason is EagerReason.NOT_CAPTURED and key is not None:
             return f"its {key.mode.name} graph {key.descriptor} was not captured yet; call capture() first"
+        if reason is EagerReason.RELEASED:
+            return "its graphs were released (release()); start_capture() or capture() brings them back"
         if reason is EagerReason.OTHER_RANK and self._ranks is not None:
             return f"another rank of the {self._ranks.world_size} runs this step without a graph, so all do"
         num_tokens, uniform_decode, num_active_loras, invalid_modes = request

@@ -14,6 +14,7 @@ reason (``_eager``). Captures are in ``_capturing``, the background capture in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -24,8 +25,10 @@ import torch
 from cudagraph_capture import (
     CaptureOptions,
     GraphEngine,
+    GraphPool,
     OutputGuard,
     capture_enabled,
+    release_graph_memory,
     resolve_device,
 )
 from cudagraph_dispatch import (
@@ -44,11 +47,13 @@ from ._buffers import StaticBuffers, check_inputs_spec
 from ._capturing import Capturer
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
+from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell, OutputRows, check_output_rows, uses_reqs
 from ._planned import PlannedKey
 from ._protocols import GraphEngineFactory, OutputT
-from ._report import CaptureReport, ManagerStats, StepCounts
+from ._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
 from ._static import StaticInput
+from ._weights import WeightWatch, watched_module
 from .ranks import RankAgreement
 
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
@@ -147,6 +152,8 @@ class CUDAGraphManager(Generic[OutputT]):
         )
         plan = self._dispatcher.capture_plan()
         factory = default_engine_factory if engine_factory is None else engine_factory
+        self._model: Final = model
+        self._factory: Final = factory
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = (
             {}
             if self._no_graphs is not None
@@ -168,6 +175,8 @@ class CUDAGraphManager(Generic[OutputT]):
         )
         self._step_lock: Final = threading.Lock()
         self._session: BackgroundCapture | None = None  # the last background capture
+        #: The addresses of the model's parameters and buffers that its graphs read.
+        self._weights: Final = WeightWatch(watched_module(model))
 
     # -- accessors --
 
@@ -210,6 +219,45 @@ class CUDAGraphManager(Generic[OutputT]):
         with self._exclusive("clear"):
             for key in self._keys.values():
                 self._capturer.drop(key)
+            self._weights.forget()
+
+    def release(self) -> None:
+        """Free every graph and give its memory back to the device; steps run eagerly until a capture.
+
+        For a sleep mode (a trainer takes the GPU): a running background
+        capture is stopped first (the key being recorded finishes), every
+        graph is freed, and ``release_graph_memory`` returns the pool's and
+        the executables' memory to the device (``torch.cuda.empty_cache()``
+        included). Steps meanwhile run eagerly, counted as
+        ``EagerReason.RELEASED`` (``strict`` raises). The static buffers stay
+        (they are small and keep their addresses). The outputs of the last
+        ``run()`` are invalid afterwards, as after a next ``run()``. Wake up
+        with ``start_capture()`` (serving meanwhile) or ``capture()``; new
+        weights may be loaded in between, in place or as new tensors.
+        Waits for a ``run()`` in progress on another thread.
+        """
+        with self._step_lock:
+            session = self._session
+            if session is not None and not session.done:
+                session.stop()
+                session.wait()
+            for key in self._keys.values():
+                self._capturer.drop(key)
+            self._weights.forget()
+            self._eager.released = True
+            if self._guard is not None:
+                self._guard.retire_all()
+            if self._device.type == "cuda":
+                release_graph_memory(self._device)
+
+    def check_weights(self) -> None:
+        """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced.
+
+        Each replay notices an assignment of a parameter or buffer and a move
+        of the whole model by itself; call this after a reload that did
+        neither (``param.data = t`` on one parameter, a submodule moved).
+        """
+        self._weights.check()
 
     # -- capture --
 
@@ -237,6 +285,7 @@ class CUDAGraphManager(Generic[OutputT]):
             check_bool("progress", progress)
         with self._exclusive("capture"):
             pending = [key for key in self._keys.values() if key.entry is None]
+            self._before_capture(len(pending))
             ranks = self._ranks
             if ranks is not None:
                 unable = self._no_graphs or (
@@ -246,6 +295,38 @@ class CUDAGraphManager(Generic[OutputT]):
             if self._no_graphs is not None:
                 return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
             return self._capturer.foreground(pending, ranks, progress)
+
+    def estimate_memory(self) -> MemoryEstimate:
+        """Predict what ``capture()`` of the pending keys will cost the device, before capturing.
+
+        For sizing a KV cache from the memory the graphs leave. Captures a few
+        probe keys per mode (the largest, then about 5% of the others) into a
+        pool of its own, measures them and extrapolates (``_estimate`` says
+        how); takes a small share of the capture's time (the first call
+        also pays for lazy initialization and compiles). Leaves nothing
+        behind: the probes are freed, and torch's cache is emptied
+        (``torch.cuda.empty_cache()``) at the start and at the end, so the
+        device has at least the free memory it had. ``total_bytes`` predicts
+        the drop of free memory over the ``capture()`` that follows, from
+        that emptied cache (``CaptureReport.device_bytes``); memory allocated
+        in between (a KV cache) does not change it. Synchronizes the calling
+        stream. With ``ranks``, a collective: every rank calls it. A failing
+        probe raises ``CaptureError`` naming its key, and nothing is kept.
+        """
+        with self._exclusive("estimate_memory"):
+            if self._no_graphs is not None:
+                return nothing_to_estimate(self._no_graphs)
+            pending = [key for key in self._keys.values() if key.entry is None]
+            if not pending or self._device.type != "cuda":
+                why = "every key is captured" if not pending else f"the device is {self._device}"
+                return nothing_to_estimate(why)
+
+            def make_engine(mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
+                return self._factory(self._model, mode, dataclasses.replace(self._options, pool=pool))
+
+            return estimate_memory(
+                pending, make_engine, self._buffers, self._device, self._options.gc_disable
+            )
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving.
@@ -271,8 +352,17 @@ class CUDAGraphManager(Generic[OutputT]):
             pending = (
                 [] if self._no_graphs is not None else [k for k in self._keys.values() if k.entry is None]
             )
+            self._before_capture(len(pending))
             session = self._session = self._capturer.background(pending, self._no_graphs)
         return session
+
+    def _before_capture(self, num_pending: int) -> None:
+        """New graphs read the weights as they are now; the graphs kept must still read theirs."""
+        if num_pending == len(self._keys):
+            self._weights.take()
+        else:
+            self._weights.check()
+        self._eager.released = False
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -367,6 +457,8 @@ class CUDAGraphManager(Generic[OutputT]):
             key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None  # the one look-up
             entry = key.entry if key is not None else None
             if key is not None and entry is not None:
+                if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
+                    self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
                 self._buffers.copy_in(
                     inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad
                 )

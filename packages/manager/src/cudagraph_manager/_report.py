@@ -118,6 +118,41 @@ class CaptureReport:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """What ``capture()`` of the pending keys will cost the device, predicted by ``estimate_memory()``.
+
+    ``total_bytes`` is the predicted drop of the device's free memory over the
+    capture, the figure a ``CaptureReport`` measures as ``device_bytes``:
+    ``warmup_bytes`` (the blocks the warm-ups' eager runs leave in torch's
+    cache) plus ``pool_bytes`` (the graph pool's growth) plus
+    ``driver_bytes`` (the graphs' executables, outside torch's allocator).
+    ``num_graphs`` keys were estimated from ``probes``, the captures measured
+    (and freed again); ``seconds`` is the estimate's wall time.
+    ``not_estimated`` says why the estimate is 0 where nothing will be
+    captured (no CUDA graphs on the device); ``None`` otherwise.
+    """
+
+    total_bytes: int
+    warmup_bytes: int
+    pool_bytes: int
+    driver_bytes: int
+    num_graphs: int
+    probes: tuple[CapturedGraph, ...]
+    seconds: float
+    not_estimated: str | None = None
+
+    def __str__(self) -> str:
+        if self.not_estimated is not None:
+            return f"No CUDA graphs to estimate: {self.not_estimated}"
+        return (
+            f"{self.num_graphs} CUDA graph(s) will cost the device about {format_bytes(self.total_bytes)}: "
+            f"warm-ups {format_bytes(self.warmup_bytes)}, pool {format_bytes(self.pool_bytes)}, "
+            f"driver {format_bytes(self.driver_bytes)} (from {len(self.probes)} probe captures "
+            f"in {self.seconds:.3f} s)"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ManagerStats:
     """What ``run`` did since the manager was built (or its stats were reset).
 

@@ -118,6 +118,24 @@ class DecoderConfig:
             dtype=torch.float32,
         )
 
+    @classmethod
+    def llama_8b_like(cls) -> DecoderConfig:
+        """The shape of an 8B Llama (32 layers, d=4096, 32 heads, intermediate 14336, vocab 32000), bf16.
+
+        Random weights (about 15 GiB) and a KV cache for 256 requests of 64
+        tokens (about 8.6 GiB): it fits an 80 GB GPU with room for its graphs.
+        For the memory and sleep benchmarks.
+        """
+        return cls(
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            intermediate_size=14336,
+            vocab_size=32000,
+            max_num_seqs=256,
+            max_seq_len=64,
+        )
+
 
 class AttentionMetadata(NamedTuple):
     """Per-step attention metadata, built once per step (``ReferenceDecoder.metadata``).
@@ -419,6 +437,39 @@ class ReferenceDecoder(nn.Module):
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(k_cache, v_cache)`` of every layer: the model's mutable state."""
         return [(layer.k_cache, layer.v_cache) for layer in self.decoder_layers]
+
+    def kv_slot_bytes(self) -> int:
+        """The bytes of one KV cache row (a request's keys and values) over all layers."""
+        config = self.config
+        per_layer = 2 * config.max_seq_len * config.num_heads * config.head_dim * config.dtype.itemsize
+        return config.num_layers * per_layer
+
+    def allocate_kv_cache(self, num_slots: int) -> None:
+        """Give every layer a KV cache of ``num_slots`` request rows, freeing the old caches first.
+
+        One uninitialized allocation for all layers (each layer's cache is a
+        view of it), so the allocator rounds once. At least ``max_num_seqs +
+        1`` rows: a batch's requests and the padding row at ``max_num_seqs``;
+        the rows beyond hold other sequences (an engine's cache capacity).
+        Call it before capturing: graphs read the caches at their addresses.
+        """
+        config = self.config
+        given: object = num_slots
+        if not isinstance(given, int) or isinstance(given, bool) or given < config.max_num_seqs + 1:
+            raise ValueError(
+                f"num_slots: expected an integer >= max_num_seqs + 1 = {config.max_num_seqs + 1}, "
+                f"got {num_slots!r}"
+            )
+        device = self.embed.device
+        for layer in self.decoder_layers:  # the old caches go first: the new one may need their memory
+            layer.kv_cache = torch.empty(0, device=device, dtype=config.dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # [layers, slots, 2, max_seq_len, heads, head_dim]
+        shape = (config.num_layers, num_slots, 2, config.max_seq_len, config.num_heads, config.head_dim)
+        caches = torch.empty(shape, device=device, dtype=config.dtype)
+        for layer, cache in zip(self.decoder_layers, caches.unbind(0), strict=True):
+            layer.kv_cache = cache
 
 
 def _normal(

@@ -1,0 +1,189 @@
+"""The model's weights under live graphs: a graph reads each parameter and buffer at its captured address.
+
+Updating weights in place (``param.copy_(new)``, ``load_state_dict(sd)``
+without ``assign``) keeps every graph valid: the next replay computes with
+the new values. Replacing a tensor does not: the graphs keep reading the old
+storage (old weights, or memory since freed and reused). ``WeightWatch``
+notices a replacement before the next replay, at no more than two attribute
+reads and one ``data_ptr()`` per replay:
+
+- a parameter or buffer *assigned* anywhere (``module.w = nn.Parameter(t)``,
+  ``load_state_dict(sd, assign=True)``, ``register_buffer``) goes through
+  torch's global registration hooks, which mark every watch dirty;
+- a *move* of the whole model (``model.cpu().cuda()``, ``model.to(...)``,
+  which rewrite ``param.data`` without any hook) changes the address of its
+  first parameter, which each replay compares.
+
+Either sends the step to ``check()``, which compares every watched tensor
+with the addresses taken when the graphs were captured and raises
+``WeightsReplacedError`` naming the replaced ones. A ``param.data = t`` on
+one parameter other than the first, or a move of one submodule, reaches no
+hook and no first address: call ``check_weights()`` after such a reload.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import torch
+from torch import nn
+
+from ._compiled import CompiledModel
+
+#: Where ``torch.compile`` keeps the module it compiled (its names are prefixed with it).
+_COMPILED_PREFIX: Final = "_orig_mod."
+
+#: (data_ptr, shape, dtype, device) of a watched tensor when the graphs were captured.
+_Address = tuple[int, tuple[int, ...], torch.dtype, torch.device]
+
+_watches: Final[weakref.WeakSet[WeightWatch]] = weakref.WeakSet()
+_hooks_lock: Final = threading.Lock()
+_hooks_installed = False
+
+
+class WeightsReplacedError(RuntimeError):
+    """A parameter or buffer the captured graphs read was replaced by another tensor.
+
+    Raised by ``run()`` before any static buffer is touched (and by
+    ``check_weights()``, ``capture()``): replaying would read the old
+    storage. ``names`` lists the replaced tensors. Update weights in place
+    instead, or ``release()`` the graphs and capture them anew.
+    """
+
+    def __init__(self, names: tuple[str, ...], detail: str) -> None:
+        shown = ", ".join(repr(name) for name in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        super().__init__(
+            f"the model's {shown}{more} replaced since its CUDA graphs were captured ({detail}); the "
+            "graphs would read the old memory. Update weights in place (param.copy_(new), "
+            "load_state_dict(sd) without assign=True), or call release() and then start_capture() "
+            "(or capture()) to capture them with the new tensors"
+        )
+        self.names: Final = names
+
+
+def watched_module(model: object) -> nn.Module | None:
+    """The ``nn.Module`` whose tensors ``model``'s graphs read: the model, its ``self``, what was compiled."""
+    if isinstance(model, CompiledModel):
+        return watched_module(model.model)
+    if isinstance(model, functools.partial):
+        return watched_module(model.func)
+    if isinstance(model, nn.Module):
+        original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        return original if isinstance(original, nn.Module) else model
+    owner = getattr(model, "__self__", None)  # a bound method (model.forward)
+    return watched_module(owner) if isinstance(owner, nn.Module) else None
+
+
+class WeightWatch:
+    """The addresses of a module's parameters and buffers when its graphs were captured.
+
+    ``dirty`` and the first tensor's address are what a replay checks (see
+    the module docstring); ``check()`` does the full comparison.
+    """
+
+    __slots__ = ("__weakref__", "_addresses", "_first", "_first_name", "_first_ptr", "_module", "dirty")
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self._module: Final = module
+        self._addresses: dict[str, _Address] = {}
+        # The first parameter, looked up in its owner's table on each check: a conversion
+        # that swaps the Parameter object in that table is seen too.
+        self._first: Mapping[str, torch.Tensor | None] = {}
+        self._first_name = ""
+        self._first_ptr = 0
+        self.dirty = False
+        if module is not None:
+            _install_hooks()
+            _watches.add(self)
+
+    def moved(self) -> bool:
+        """Whether a replay must run ``check()`` first: a tensor was assigned, or the first one moved."""
+        if self.dirty:
+            return True
+        first = self._first.get(self._first_name)
+        return first is not None and first.data_ptr() != self._first_ptr
+
+    def take(self) -> None:
+        """Remember the address of every watched tensor (the graphs about to be captured read them)."""
+        self._addresses = {name: _address(t) for name, t in _named_tensors(self._module).items()}
+        first = next(
+            (
+                (module._parameters, name, param.data_ptr())
+                for module in (self._module.modules() if self._module is not None else ())
+                for name, param in module._parameters.items()
+                if param is not None
+            ),
+            None,
+        )
+        self._first, self._first_name, self._first_ptr = first if first is not None else ({}, "", 0)
+        self.dirty = False
+
+    def forget(self) -> None:
+        """No graphs read the model any more (released or cleared): nothing to compare."""
+        self._addresses = {}
+        self._first, self._first_name, self._first_ptr = {}, "", 0
+        self.dirty = False
+
+    def check(self) -> None:
+        """``WeightsReplacedError`` naming every watched tensor replaced since ``take()``; else clean."""
+        if self._addresses:
+            now = _named_tensors(self._module)
+            replaced = tuple(
+                name for name, was in self._addresses.items() if _address_or_none(now.get(name)) != was
+            )
+            if replaced:
+                first = replaced[0]
+                raise WeightsReplacedError(replaced, _describe(first, self._addresses[first], now.get(first)))
+        self.dirty = False
+
+
+def _named_tensors(module: nn.Module | None) -> dict[str, torch.Tensor]:
+    if module is None:
+        return {}
+    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return {name.removeprefix(_COMPILED_PREFIX): t for name, t in named.items()}
+
+
+def _address(tensor: torch.Tensor) -> _Address:
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def _address_or_none(tensor: torch.Tensor | None) -> _Address | None:
+    return None if tensor is None else _address(tensor)
+
+
+def _describe(name: str, was: _Address, now: torch.Tensor | None) -> str:
+    """What happened to one replaced tensor, in words."""
+    if now is None:
+        return f"{name!r} was removed"
+    ptr, shape, dtype, device = was
+    if now.device != device:
+        return f"{name!r} moved from {device} to {now.device}"
+    if (tuple(now.shape), now.dtype) != (shape, dtype):
+        return f"{name!r} changed from {dtype} {list(shape)} to {now.dtype} {list(now.shape)}"
+    return f"{name!r} is another tensor (storage at {now.data_ptr():#x}, captured at {ptr:#x})"
+
+
+def _mark_dirty(module: nn.Module, name: str, tensor: object) -> None:
+    """torch's global registration hook: some module got a parameter or buffer assigned."""
+    del module, name, tensor  # any module: the next replay's check() compares its own tensors
+    for watch in list(_watches):
+        watch.dirty = True
+
+
+def _install_hooks() -> None:
+    """Register the global parameter and buffer registration hooks, once per process."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        hook: Callable[[nn.Module, str, object], None] = _mark_dirty
+        nn.modules.module.register_module_parameter_registration_hook(hook)
+        nn.modules.module.register_module_buffer_registration_hook(hook)
+        _hooks_installed = True

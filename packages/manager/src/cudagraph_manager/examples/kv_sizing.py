@@ -1,0 +1,119 @@
+"""Size the KV cache from the memory the CUDA graphs will leave: estimate, allocate, then capture.
+
+``python -m cudagraph_manager.examples.kv_sizing [reference|8b_like] [--margin-mib N] [--json]``
+
+An engine's start-up, in order: build the model (its KV cache at the
+minimum, one row per request of a batch), ask the manager what capturing
+every graph will cost (``estimate_memory()``: a few probe captures, freed
+again), give the KV cache every byte the graphs and a stated margin leave,
+then capture. What the device has left after the capture is the margin plus
+the estimate's error (plus less than one KV row of rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_manager import CaptureReport, CUDAGraphManager, MemoryEstimate
+from cudagraph_manager.examples.reference import (
+    DecoderConfig,
+    ReferenceDecoder,
+    make_step_inputs,
+    static_inputs,
+)
+
+#: What stays free after the capture: eager steps above the largest size, other allocations.
+DEFAULT_MARGIN_MIB: Final = 512
+MODELS: Final = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvSizing:
+    """What the start-up did: the estimate, the KV cache it allowed, the capture, what was left."""
+
+    estimate: MemoryEstimate
+    kv_slots: int
+    kv_bytes: int
+    report: CaptureReport
+    margin_bytes: int
+    left_bytes: int  # the device's free memory after the capture
+
+    def __str__(self) -> str:
+        mib = 2**20
+        error = self.estimate.total_bytes - self.report.device_bytes
+        return (
+            f"graphs estimated at {self.estimate.total_bytes / mib:.0f} MiB "
+            f"in {self.estimate.seconds:.2f} s, "
+            f"cost {self.report.device_bytes / mib:.0f} MiB (error {error / mib:+.0f} MiB); "
+            f"KV cache {self.kv_bytes / 2**30:.2f} GiB ({self.kv_slots} request rows); "
+            f"left after the capture {self.left_bytes / mib:.0f} MiB "
+            f"(margin {self.margin_bytes / mib:.0f} MiB)"
+        )
+
+
+def start_up(manager: CUDAGraphManager[torch.Tensor], model: ReferenceDecoder, margin_bytes: int) -> KvSizing:
+    """Profile an eager step, estimate the graphs, give the KV cache the rest minus ``margin_bytes``, capture.
+
+    The eager step of the largest size comes first, as an engine profiles
+    its peak activations: the kernels' first loads are then not the graphs'.
+    """
+    config = model.config
+    largest = max(key.num_tokens for _, keys in manager.dispatcher.capture_plan() for key in keys)
+    profile = make_step_inputs(config, largest, uniform_decode=False, device=model.embed.device)
+    model(profile["input_ids"], profile["positions"], profile["slot_ids"])
+    estimate = manager.estimate_memory()  # leaves nothing behind: no graph, an emptied cache
+    slot_bytes = model.kv_slot_bytes()
+    current = slot_bytes * (config.max_num_seqs + 1)  # the minimal cache, freed when replaced
+    budget = torch.cuda.mem_get_info()[0] + current - estimate.total_bytes - margin_bytes
+    slots = budget // slot_bytes
+    model.allocate_kv_cache(slots)
+    report = manager.capture(progress=False)
+    return KvSizing(estimate, slots, slots * slot_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
+
+
+def main(argv: list[str]) -> KvSizing:
+    name = next((a for a in argv if not a.startswith("--")), "reference")
+    margin_mib = DEFAULT_MARGIN_MIB
+    if "--margin-mib" in argv:
+        margin_mib = int(argv[argv.index("--margin-mib") + 1])
+    if not torch.cuda.is_available():
+        raise SystemExit("This example sizes a KV cache on a CUDA device; none is available here.")
+    torch.manual_seed(0)
+    decoder = MODELS[name]()
+    model = ReferenceDecoder(decoder, device="cuda")
+    config = DispatchConfig(
+        CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(512), max_num_seqs=decoder.max_num_seqs
+    )
+    manager = CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True)
+    with torch.no_grad():
+        sizing = start_up(manager, model, margin_mib * 2**20)
+        print(sizing)
+        inputs = make_step_inputs(decoder, 100, uniform_decode=True, device="cuda")  # a decode step: replayed
+        manager.run_batch(inputs, uniform_decode=True)
+        print(manager.stats)
+        if "--json" in argv:  # for the tests and benchmarks: the figures, one line
+            figures = {
+                "estimate_bytes": sizing.estimate.total_bytes,
+                "estimate_s": sizing.estimate.seconds,
+                "device_bytes": sizing.report.device_bytes,
+                "capture_s": sizing.report.seconds,
+                "kv_slots": sizing.kv_slots,
+                "kv_bytes": sizing.kv_bytes,
+                "slot_bytes": model.kv_slot_bytes(),
+                "num_layers": decoder.num_layers,
+                "margin_bytes": sizing.margin_bytes,
+                "left_bytes": sizing.left_bytes,
+                "eager_runs": manager.stats.eager_runs,
+            }
+            print(json.dumps(figures))
+    return sizing
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

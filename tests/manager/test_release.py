@@ -1,0 +1,226 @@
+"""Release, wake and weights: graphs freed, brought back by a capture; replaced weights caught.
+
+On both backends: after ``release()`` every step runs eagerly (counted as
+``released``; strict raises), ``start_capture()`` or ``capture()`` captures
+every key again, a running background capture is stopped by it; a parameter
+or buffer replaced under live graphs (assigned, ``load_state_dict(...,
+assign=True)``, moved) makes the next replayed step raise
+``WeightsReplacedError`` naming it, before any static buffer is written,
+while weights updated in place keep the graphs. Every served step is compared
+with the model run eagerly on the current weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Final
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_manager import CUDAGraphManager, NoGraphError, WeightsReplacedError
+from tests.torch_support import rel_err
+
+from .helpers import (
+    INPUTS,
+    SIZES,
+    TOL,
+    Backend,
+    FakeEngines,
+    ToyModel,
+    assert_unchanged,
+    config_for,
+    make_batch,
+    make_manager,
+    snapshot,
+)
+
+FULL: Final = CUDAGraphMode.FULL
+MODES: Final = (FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
+WAIT_S: Final = 120.0
+
+
+def _check_steps(
+    manager: CUDAGraphManager[torch.Tensor], model: ToyModel, device: torch.device, seed: int
+) -> None:
+    """Steps of several sizes (mixed and uniform decode), each equal to eager on the current weights."""
+    for i, tokens in enumerate((1, 3, 8, 17, 32)):
+        reqs = min(tokens, 5)
+        batch = make_batch(tokens, reqs, device, seed=seed + i)
+        assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL, (seed, tokens)
+        decode = make_batch(min(tokens, 16), min(tokens, 16), device, seed=seed + 100 + i)
+        out = manager.run_batch(decode, uniform_decode=True)
+        assert rel_err(out, model.eager(decode)) < TOL, (seed, tokens, "decode")
+
+
+def _new_weights(model: ToyModel, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(t.shape, generator=g).to(t) for name, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_release_serves_eagerly_and_a_capture_brings_every_graph_back(
+    backend: Backend, mode: CUDAGraphMode
+) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model, mode)
+    manager.capture(progress=False)
+    planned = manager.num_captured
+    assert planned > 0
+    _check_steps(manager, model, backend.device, seed=0)
+    manager.release()
+    assert manager.num_captured == 0
+    replays = manager.stats.num_replays
+    _check_steps(manager, model, backend.device, seed=10)
+    stats = manager.stats
+    assert stats.num_replays == replays  # nothing replays after a release
+    assert stats.eager_reasons.get("released", 0) == 10
+    handle = manager.start_capture()  # the wake: steps are served meanwhile
+    _check_steps(manager, model, backend.device, seed=20)
+    assert handle.wait(WAIT_S).num_graphs == planned
+    assert handle.errors == ()
+    assert manager.num_captured == planned
+    manager.reset_stats()
+    _check_steps(manager, model, backend.device, seed=30)
+    assert manager.stats.eager_runs == 0  # every step replays again
+    manager.release()
+    manager.capture(progress=False)  # a foreground wake works too
+    assert manager.num_captured == planned
+    _check_steps(manager, model, backend.device, seed=40)
+
+
+def test_a_strict_manager_refuses_steps_after_a_release(backend: Backend) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model, strict=True)
+    manager.capture(progress=False)
+    manager.release()
+    batch = make_batch(5, 2, backend.device, seed=0)
+    with pytest.raises(NoGraphError, match=r"released \(release\(\)\)"):
+        manager.run_batch(batch)
+    manager.capture(progress=False)
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+
+
+def test_release_stops_a_running_background_capture() -> None:
+    model = ToyModel(torch.device("cpu"))
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold_the_first() -> None:
+        if not entered.is_set():
+            entered.set()
+            assert gate.wait(WAIT_S)
+
+    manager = CUDAGraphManager(
+        model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(hold_the_first)
+    )
+    handle = manager.start_capture()
+    assert entered.wait(WAIT_S)  # the largest key is being recorded
+    releasing = threading.Thread(target=manager.release)
+    releasing.start()
+    gate.set()  # the key in progress finishes, no other starts
+    releasing.join(WAIT_S)
+    assert not releasing.is_alive()
+    report = handle.wait(0)
+    assert handle.done
+    assert report.num_graphs == 1
+    assert "stopped" in str(report.not_captured)
+    assert manager.num_captured == 0  # the one recorded was released too
+    batch = make_batch(4, 2, torch.device("cpu"), seed=0)
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+    assert manager.stats.eager_reasons == {"released": 1}
+
+
+def test_weights_updated_in_place_keep_the_graphs(backend: Backend) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model, CUDAGraphMode.FULL_AND_PIECEWISE)
+    manager.capture(progress=False)
+    model.load_state_dict(_new_weights(model, seed=1))  # copies into the same storages
+    with torch.no_grad():
+        model.w2.mul_(-0.5)
+    manager.check_weights()  # nothing replaced
+    _check_steps(manager, model, backend.device, seed=0)
+    assert manager.stats.eager_runs == 0  # the graphs computed with the new weights
+
+
+def _assign_new_tensor(model: ToyModel) -> None:
+    model.w1 = nn.Parameter(model.w1.detach().clone() * 2, requires_grad=False)
+
+
+def _load_with_assign(model: ToyModel) -> None:
+    model.load_state_dict(_new_weights(model, seed=2), assign=True)
+
+
+def _move_away_and_back(model: ToyModel) -> None:
+    """``to()`` another device and back (on CPU: every ``param.data`` re-homed): new addresses.
+
+    The old storages are held meanwhile, so the allocator cannot hand the
+    same addresses back (a tensor back at its old address would be valid).
+    """
+    held = [param.data for param in model.parameters()]
+    device = model.embed.device
+    if device.type == "cpu":  # no second device here: re-home each parameter, which to() does too
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.data.clone()
+    else:
+        model.to("cpu")
+        model.to(device)
+    del held
+
+
+REPLACEMENTS: Final = {
+    "new_tensor": (_assign_new_tensor, ("w1",)),
+    "assign_true": (_load_with_assign, ("embed", "w1", "w2")),
+    "moved": (_move_away_and_back, ("embed", "w1", "w2")),
+}
+
+
+@pytest.mark.parametrize("how", list(REPLACEMENTS))
+def test_a_replaced_weight_is_named_before_the_next_replay(backend: Backend, how: str) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model, CUDAGraphMode.FULL_AND_PIECEWISE)
+    manager.capture(progress=False)
+    _check_steps(manager, model, backend.device, seed=0)
+    replace, names = REPLACEMENTS[how]
+    replace(model)
+    before = snapshot(manager.static_buffers)
+    batch = make_batch(6, 2, backend.device, seed=1)
+    with pytest.raises(WeightsReplacedError, match=repr(names[0])) as caught:
+        manager.run_batch(batch)
+    assert caught.value.names == names
+    assert_unchanged(before, manager.static_buffers)  # refused before a buffer was written
+    with pytest.raises(WeightsReplacedError):  # and again: never a silent replay
+        manager.run_batch(batch)
+    with pytest.raises(WeightsReplacedError):
+        manager.capture(progress=False)  # graphs kept would read the old tensors
+    manager.release()
+    manager.capture(progress=False)  # recaptured on the new tensors
+    _check_steps(manager, model, backend.device, seed=2)
+    assert manager.stats.eager_reasons.get("not_captured", 0) == 0
+
+
+def test_eager_steps_need_no_check_and_data_swaps_are_caught_by_check_weights(backend: Backend) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model)
+    manager.capture(progress=False)
+    with torch.no_grad():
+        model.w2.data = model.w2.data.clone()  # no hook sees it, and w2 is not the first parameter
+    with pytest.raises(WeightsReplacedError, match="'w2' is another tensor"):
+        manager.check_weights()
+    batch = make_batch(40, 2, backend.device, seed=0)  # above the largest size: eager, no check needed
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+    manager.release()
+    manager.check_weights()  # no graphs, nothing to compare
+
+
+def test_an_unrelated_module_assignment_costs_one_check_and_no_error(backend: Backend) -> None:
+    model = ToyModel(backend.device)
+    manager = make_manager(backend, model)
+    manager.capture(progress=False)
+    other = nn.Linear(4, 4)
+    other.weight = nn.Parameter(torch.zeros(4, 4))  # marks every watch dirty
+    _check_steps(manager, model, backend.device, seed=0)
+    assert manager.stats.eager_runs == 0
+    assert max(SIZES) == 32  # _check_steps stays within the plan
