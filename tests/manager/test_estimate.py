@@ -61,13 +61,19 @@ def test_the_estimate_predicts_the_capture_and_leaves_nothing_behind(mode: CUDAG
     manager = CUDAGraphManager(model.forward, static_inputs(decoder), config)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved()
     free_before = torch.cuda.mem_get_info()[0]
     estimate = manager.estimate_memory()
-    assert torch.cuda.mem_get_info()[0] >= free_before - GRANULE  # nothing left behind
+    # Nothing left behind: no graph, nothing in torch's cache; the driver keeps the memory of the
+    # probes' executables for later graphs (cuDeviceGraphMemTrim does not return it): 2 MiB each at most.
     assert manager.num_captured == 0
+    assert torch.cuda.memory_reserved() <= reserved_before
+    assert torch.cuda.mem_get_info()[0] >= free_before - GRANULE * (len(estimate.probes) + 1)
     assert estimate.num_graphs == sum(len(keys) for _, keys in manager.dispatcher.capture_plan())
     assert estimate.total_bytes == estimate.warmup_bytes + estimate.pool_bytes + estimate.driver_bytes
     assert len(estimate.probes) < estimate.num_graphs
+    manager.estimate_memory()  # again: a warm process (the first estimate paid first loads)
+    estimate = manager.estimate_memory()
     report = manager.capture(progress=False)
     measured = report.device_bytes
     error = estimate.total_bytes - measured
