@@ -77,6 +77,14 @@ def main(model_name: str, mode_name: str, max_size: int, compiled: bool) -> dict
         "vllm_error_pct": 100 * (vllm - measured) / measured,
         "vllm_s": vllm_s,
         "capture_s": capture_s,
+        "ours_probe_mib": [
+            (p.mode.name, p.descriptor.num_tokens, p.pool_bytes / mib, p.driver_bytes / mib)
+            for p in ours.probes
+        ],
+        "pool_growth_mib": [
+            (g.descriptor.num_tokens, g.pool_bytes / mib) for g in report.graphs if g.pool_bytes
+        ],
+        "report_driver_mib": report.driver_bytes / mib,
         "ours_time_share": ours_s / capture_s,
         "vllm_time_share": vllm_s / capture_s,
     }

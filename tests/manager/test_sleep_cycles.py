@@ -86,6 +86,7 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
         served += 1
 
     took: list[int] = []  # per cycle: what the wake's capture cost the device
+    driver: list[int] = []  # its part outside torch's allocator (the executables)
     returned: list[int] = []  # what the release gave back
     level: list[int] = []  # free memory after each release, over that before the wake
     allocated: list[int] = []  # torch's live tensors after each release
@@ -100,7 +101,7 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
             replays_before = manager.stats.num_replays
             start = served
             if cycle % 5 == 4:
-                manager.capture(progress=False)
+                report = manager.capture(progress=False)
             else:
                 handle = manager.start_capture()  # the wake: steps are served meanwhile
                 while not handle.done:
@@ -113,6 +114,7 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
             )
             while served - start < STEPS_PER_CYCLE:
                 step()
+            driver.append(report.driver_bytes)
             replays_per_cycle.append(manager.stats.num_replays - replays_before)
             serving.synchronize()
             free_captured = torch.cuda.mem_get_info()[0]
@@ -147,7 +149,12 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
     assert manager.stats.eager_reasons.get("released", 0) == CYCLES
     for index in range(CYCLES):
         assert took[index] > 0, f"cycle {index}: the capture took no memory?"
-        assert returned[index] >= 0.99 * took[index] - GRANULE, (index, took[index], returned[index])
+        # The driver keeps its executables' memory for the next graphs (cuDeviceGraphMemTrim does
+        # not return it): the first capture pays it, the wakes after it reuse it.
+        kept = driver[index] if index == 0 else 0
+        assert returned[index] >= 0.99 * took[index] - kept - GRANULE, (index, took, returned, driver)
+        if index:
+            assert driver[index] <= GRANULE, (index, driver)
         # Back to the level before the wake, and no tensor left behind: no growth across cycles.
         assert level[index] >= -GRANULE, (index, level)
     # torch's live tensors move only by the cuBLAS workspaces that captures drop and eager steps

@@ -9,6 +9,7 @@ capture on a side stream. Importing this package does not initialize CUDA.
 
 from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
 from ._breakable import eager_break_during_capture as eager_break_during_capture
+from ._cublas import drop_cublas_workspaces as drop_cublas_workspaces
 from ._device import resolve_device as resolve_device
 from ._enabled import capture_enabled as capture_enabled
 from ._enabled import set_capture_enabled as set_capture_enabled
@@ -45,6 +46,7 @@ __all__ = [
     "capture_lock",
     "capture_stream",
     "collector_paused",
+    "drop_cublas_workspaces",
     "eager_break_during_capture",
     "release_graph_memory",
     "resolve_device",

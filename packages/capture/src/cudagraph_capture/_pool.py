@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Final, TypeAlias, TypeVar
 
 import torch
 
+from ._cublas import drop_cublas_workspaces
 from ._device import cuda_index
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ def release_graph_memory(device: torch.device | str | int | None = None) -> None
     free blocks are returned (``torch.cuda.empty_cache()``, which frees the
     whole process's cache, as a sleep mode wants), and with them the
     executables of the freed graphs are long gone (the driver frees those
-    when a graph is destroyed). What stays: graphs still alive (another
+    when a graph is destroyed), with the cached cuBLAS workspaces of eager
+    GEMMs (``drop_cublas_workspaces``). What stays: graphs still alive (another
     manager's or wrapper's), a graph output a caller still holds (its block),
     a caller's own pool (``CaptureOptions.pool``), and pools retired after a
     failed capture (their anchors stay: see ``repair_failed_capture``).
@@ -161,6 +163,9 @@ def release_graph_memory(device: torch.device | str | int | None = None) -> None
             pool = _pools.pop(index, None)
         del pool  # its anchor with it: the pool is freeable once its last graph is gone
         with torch.cuda.device(index):
+            # The eager GEMMs' cached workspaces go too (the next GEMM on a stream makes its own):
+            # our graphs took theirs from their pool (see _segment).
+            drop_cublas_workspaces()
             torch.cuda.empty_cache()
         _trim_driver_graph_memory(index)
 

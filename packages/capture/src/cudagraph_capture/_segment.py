@@ -34,6 +34,7 @@ import torch
 
 from cudagraph_dispatch import BatchDescriptor
 
+from ._cublas import drop_cublas_workspaces as drop_cublas_workspaces  # patched by a negative control
 from ._errors import CaptureError
 from ._pool import GraphPool, retire_shared_pool
 
@@ -64,17 +65,6 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         caller.wait_stream(stream)  # what the caller does next sees the body's work
-
-
-def drop_cublas_workspaces() -> None:
-    """Drop torch's cached cuBLAS workspaces; the next GEMM on each stream allocates its own.
-
-    Around every capture (see the module docstring). A private torch call,
-    present since torch 2.0; where it is missing there is nothing to drop.
-    """
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
 
 
 def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:

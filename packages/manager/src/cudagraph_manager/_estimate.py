@@ -20,9 +20,10 @@ extrapolates along how a capture's cost grows:
 So, per mode, in plan order: the largest key is probed, then ``k`` keys
 spread evenly over the others (about 5% of them, at least 2: the second
 largest and the smallest included). The mode costs its probes as measured,
-plus, for each key not probed, the mean of the probes past the second
-largest (the second graph into a pool often grows it once; later ones
-rarely do, and a mean over them all would charge that growth to every key).
+plus, for each key not probed, what the probes past the second largest
+cost: the median of their pool growth (the second graph into a pool often
+grows it once; later ones rarely, and in lumps that a mean would charge to
+every key) and the mean of their executables.
 Each probe is warmed up and recorded as a capture would
 (``GraphEngine.record``: nothing runs on the device). When the call
 returns, the probes are freed and their pool's memory is back on the
@@ -34,6 +35,7 @@ few MiB; the capture that follows reuses it).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -49,6 +51,7 @@ from cudagraph_capture import (
     capture_enabled,
     capture_lock,
     collector_paused,
+    drop_cublas_workspaces,
 )
 from cudagraph_dispatch import CUDAGraphMode
 
@@ -99,7 +102,10 @@ def estimate_memory(
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             for _ in range(2):  # the second time measured: one-time costs (kernels' first loads) are paid
-                _empty_cache(device, stream)  # measured from an empty cache, as the capture's warm-ups are
+                # From an empty cache and no cached cuBLAS workspace, as the capture's warm-ups start
+                # (the recordings before them dropped the workspaces).
+                drop_cublas_workspaces()
+                _empty_cache(device, stream)
                 free_before = free_bytes(device)
                 for mode, keys in by_mode.items():  # the largest of each mode: the capture's eager peak
                     _warm_up(keys[0], engines[mode], buffers)
@@ -113,12 +119,14 @@ def estimate_memory(
                 probes += measured
                 pool_total += sum(p.pool_bytes for p in measured)  # the probes count as measured
                 driver_total += sum(p.driver_bytes for p in measured)
-                # Each unprobed key costs what the probes past the two largest cost on average:
-                # the second graph into a pool often grows it once, later ones rarely.
+                # Each unprobed key costs what the probes past the two largest cost: the median of
+                # their pool growth (the second graph into a pool often grows it once, and later
+                # ones rarely and in lumps, which a mean would charge to every key), the mean of
+                # their executables (about the same for every graph of a mode).
                 tail = measured[2:] or measured[1:]
                 unprobed = len(keys) - len(measured)
                 if tail and unprobed:
-                    pool_total += unprobed * sum(p.pool_bytes for p in tail) // len(tail)
+                    pool_total += unprobed * int(statistics.median(p.pool_bytes for p in tail))
                     driver_total += unprobed * sum(p.driver_bytes for p in tail) // len(tail)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
