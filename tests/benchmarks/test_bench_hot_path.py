@@ -116,3 +116,20 @@ def test_bench_output_memo_against_cutting(benchmark: BenchmarkFixture) -> None:
         lambda: layout.cut(raw, 13, 0),
         hit,
     )
+
+
+def test_bench_weights_check_against_nothing(benchmark: BenchmarkFixture) -> None:
+    """``WeightWatch.moved()``, the replay's weights check (target: at most 0.5 us), on the reference decoder."""
+    from cudagraph_manager._weights import WeightWatch
+    from cudagraph_manager.examples.reference import DecoderConfig, ReferenceDecoder
+
+    watch = WeightWatch(ReferenceDecoder(DecoderConfig(), device="cuda"))
+    watch.take()
+    assert not watch.moved()
+    _record(
+        benchmark,
+        "hot path: the replay's weights check (8-layer decoder), host us",
+        ("weights_check", "nothing"),
+        watch.moved,
+        lambda: None,
+    )
