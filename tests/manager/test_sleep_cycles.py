@@ -158,5 +158,6 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
         # Back to the level before the wake, and no tensor left behind: no growth across cycles.
         assert level[index] >= -kept - GRANULE, (index, level, driver)
     # torch's live tensors move only by the cuBLAS workspaces that captures drop and eager steps
-    # allocate again (about 1.5 MiB here): a graph output or entry kept per cycle would add up.
-    assert max(allocated) - min(allocated) <= 2 * 2**20, allocated
+    # allocate again (up and down by about 2.5 MiB here): no trend. A graph output or entry kept
+    # per cycle would add up over the last cycles.
+    assert max(allocated[-5:]) <= max(allocated[:5]) + 2**20, allocated

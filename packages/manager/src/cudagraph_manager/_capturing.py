@@ -101,16 +101,17 @@ class Capturer(Generic[OutputT]):
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
 
         The thread warms up the largest and the smallest pending key of each
-        mode; after a ``release()`` (a wake), only the smallest, which
-        initializes the new thread's library handles: the largest was warmed
-        up by the capture before, and its compiles and autotuning stay.
+        mode, unless an earlier capture of this manager warmed them up (a
+        wake after ``release()``): their lazy initialization, compiles and
+        autotuning stay done, and the new thread takes the library handles
+        the last capture thread gave back, so a wake serves its first step
+        at once. (A recording that fails anyway is tried again.)
         ``not_captured``: why this manager captures nothing (its report says so), or ``None``.
         """
         warm: dict[BatchDescriptor, None] = {}
         for mode in dict.fromkeys(key.mode for key in pending):
             of_mode = [key.descriptor for key in pending if key.mode is mode]
-            largest = () if of_mode[0] in self._warmed else (of_mode[0],)
-            warm |= dict.fromkeys((*largest, of_mode[-1]))
+            warm |= dict.fromkeys(key for key in (of_mode[0], of_mode[-1]) if key not in self._warmed)
         session = BackgroundCapture(
             [key.descriptor for key in pending],
             list(warm),

@@ -23,7 +23,8 @@ largest and the smallest included). The mode costs its probes as measured,
 plus, for each key not probed, what the probes past the second largest
 cost: the median of their pool growth (the second graph into a pool often
 grows it once; later ones rarely, and in lumps that a mean would charge to
-every key) and the mean of their executables.
+every key), and the mean executable of all the mode's probes (the driver
+hands out memory in 2 MiB steps that several graphs share).
 Each probe is warmed up and recorded as a capture would
 (``GraphEngine.record``: nothing runs on the device). When the call
 returns, the probes are freed and their pool's memory is back on the
@@ -119,15 +120,16 @@ def estimate_memory(
                 probes += measured
                 pool_total += sum(p.pool_bytes for p in measured)  # the probes count as measured
                 driver_total += sum(p.driver_bytes for p in measured)
-                # Each unprobed key costs what the probes past the two largest cost: the median of
-                # their pool growth (the second graph into a pool often grows it once, and later
-                # ones rarely and in lumps, which a mean would charge to every key), the mean of
-                # their executables (about the same for every graph of a mode).
+                # Each unprobed key costs the median pool growth of the probes past the two
+                # largest (the second graph into a pool often grows it once, later ones rarely
+                # and in lumps, which a mean would charge to every key).
                 tail = measured[2:] or measured[1:]
                 unprobed = len(keys) - len(measured)
                 if tail and unprobed:
                     pool_total += unprobed * int(statistics.median(p.pool_bytes for p in tail))
-                    driver_total += unprobed * sum(p.driver_bytes for p in tail) // len(tail)
+                    # The driver hands out its memory in 2 MiB steps, shared by several graphs:
+                    # every probe of the mode is a sample of the per-graph mean.
+                    driver_total += unprobed * sum(p.driver_bytes for p in measured) // len(measured)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
                 entries.clear()
