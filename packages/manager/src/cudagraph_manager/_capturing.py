@@ -101,17 +101,18 @@ class Capturer(Generic[OutputT]):
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
 
         The thread warms up the largest and the smallest pending key of each
-        mode, unless an earlier capture of this manager warmed them up (a
-        wake after ``release()``): their lazy initialization, compiles and
-        autotuning stay done, and the new thread takes the library handles
-        the last capture thread gave back, so a wake serves its first step
-        at once. (A recording that fails anyway is tried again.)
+        mode; the largest only if no earlier capture of this manager warmed
+        it up (a wake after ``release()``: its compiles, autotuning and
+        allocator blocks stay). The smallest always: it creates the new
+        thread's cuBLAS handles, which a recording cannot (tried: a wake
+        without it fails with ``CUBLAS_STATUS_NOT_INITIALIZED``).
         ``not_captured``: why this manager captures nothing (its report says so), or ``None``.
         """
         warm: dict[BatchDescriptor, None] = {}
         for mode in dict.fromkeys(key.mode for key in pending):
             of_mode = [key.descriptor for key in pending if key.mode is mode]
-            warm |= dict.fromkeys(key for key in (of_mode[0], of_mode[-1]) if key not in self._warmed)
+            largest = () if of_mode[0] in self._warmed else (of_mode[0],)
+            warm |= dict.fromkeys((*largest, of_mode[-1]))
         session = BackgroundCapture(
             [key.descriptor for key in pending],
             list(warm),
