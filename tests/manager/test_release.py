@@ -13,6 +13,7 @@ with the model run eagerly on the current weights.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Final
 
 import pytest
@@ -119,6 +120,13 @@ def test_release_stops_a_running_background_capture() -> None:
     assert entered.wait(WAIT_S)  # the largest key is being recorded
     releasing = threading.Thread(target=manager.release)
     releasing.start()
+    batch = make_batch(4, 2, torch.device("cpu"), seed=0)
+    deadline = time.monotonic() + WAIT_S
+    while not manager._step_lock.locked():  # release() holds the step lock, waiting for the capture
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match=r"release\(\)"):
+        manager.run_batch(batch)  # refused while release() runs on another thread, never mixed in
     gate.set()  # the key in progress finishes, no other starts
     releasing.join(WAIT_S)
     assert not releasing.is_alive()
@@ -127,7 +135,6 @@ def test_release_stops_a_running_background_capture() -> None:
     assert report.num_graphs == 1
     assert "stopped" in str(report.not_captured)
     assert manager.num_captured == 0  # the one recorded was released too
-    batch = make_batch(4, 2, torch.device("cpu"), seed=0)
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
     assert manager.stats.eager_reasons == {"released": 1}
 

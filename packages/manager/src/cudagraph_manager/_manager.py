@@ -82,9 +82,10 @@ class CUDAGraphManager(Generic[OutputT]):
     ``strict=True`` then raises ``ValueError`` at construction.
 
     Threads: the static buffers serve one step at a time, so ``run`` while
-    another thread is inside ``run``, ``capture()``, ``clear()`` or
-    ``start_capture()`` of the same manager raises ``RuntimeError``; those
-    three wait for a ``run`` in progress to return, and refuse to start while
+    another thread is inside ``run``, ``capture()``, ``clear()``,
+    ``start_capture()``, ``release()`` or ``estimate_memory()`` of the same
+    manager raises ``RuntimeError``; those wait for a ``run`` in progress to
+    return, and all but ``release()`` (which stops it) refuse to start while
     a background capture runs.
 
     ``ranks`` (a ``RankAgreement``) makes the ranks of a data-parallel group,
@@ -431,9 +432,9 @@ class CUDAGraphManager(Generic[OutputT]):
         """The step: check -> route -> copy in -> replay -> cut; or a step without a graph."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(
-                "CUDAGraphManager.run: another thread is inside run(), capture(), clear() or start_capture() "
-                "of this manager; its static buffers serve one step at a time (serialize the calls, or use a "
-                "manager per thread)"
+                "CUDAGraphManager.run: another thread is inside run(), capture(), clear(), start_capture(), "
+                "release() or estimate_memory() of this manager; its static buffers serve one step at a time "
+                "(serialize the calls, or use a manager per thread)"
             )
         try:
             num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
