@@ -1,4 +1,4 @@
-"""The dispatch wheel as a user gets it: built fresh, installed alone into a new venv without torch.
+"""The wheels as a user gets them: the dispatch wheel alone without torch; the three with a CPU torch.
 
 The wheel is built from this checkout with the dev venv's pinned `build` and
 `hatchling` (no build isolation, so no network), the way `make dist` builds it:
@@ -128,3 +128,78 @@ def test_wheel_description_is_the_readme(dispatch_wheel: Path) -> None:
     assert "Description-Content-Type: text/markdown" in header_lines
     assert not [line for line in header_lines if line.startswith("Requires-Dist:")]
     assert body.strip() == (DISPATCH / "README.md").read_text().strip()
+
+
+# -- the manager's wheels, with a CPU torch: the rank examples on one machine --
+
+PACKAGES = ("dispatch", "capture", "manager")
+
+
+@pytest.fixture(scope="module")
+def all_wheels(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Fresh wheels of the three packages (sdist first, then the wheel), as ``make dist`` builds them."""
+    missing = [name for name in ("build", "hatchling") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed here (the dev dependency group has them)")
+    out = tmp_path_factory.mktemp("dist-all")
+    for package in PACKAGES:
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "build",
+                "--no-isolation",
+                "--outdir",
+                str(out),
+                str(REPO / "packages" / package),
+            ],
+            cwd=out,
+            env=_hermetic_env(),
+        )
+    wheels = sorted(out.glob("*.whl"))
+    assert [w.name.split("-")[0] for w in wheels] == [f"cudagraph_{p}" for p in sorted(PACKAGES)]
+    return wheels
+
+
+def _torch_pin() -> str:
+    """The dev group's ``torch==...`` line of pyproject.toml, as the Makefile reads it."""
+    for line in (REPO / "pyproject.toml").read_text().splitlines():
+        stripped = line.strip().strip(",").strip('"')
+        if stripped.startswith("torch=="):
+            return stripped
+    raise AssertionError('no "torch==..." line in pyproject.toml')
+
+
+def test_manager_wheels_with_cpu_torch_run_the_rank_example_over_gloo_and_shm(
+    all_wheels: list[Path], tmp_path: Path
+) -> None:
+    """A new venv: the three wheels and torch, installed as a user would; the TP example over gloo and shm.
+
+    torch comes from this machine's pip configuration (as ``make setup``
+    installs it; ``TORCH_INDEX_URL`` is passed on as the index when set), and
+    nothing else: no numpy, which the shared-memory agreement must not need.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
+    python = venv / "bin" / "python"
+    index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *index, _torch_pin()]
+        + [str(w) for w in all_wheels],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    probe = "import importlib.util, json; print(json.dumps(importlib.util.find_spec('numpy') is None))"
+    assert json.loads(_run([str(python), "-I", "-c", probe], cwd=tmp_path, env=env).splitlines()[-1]) is True
+    for backend in ("gloo", "shm"):
+        example = ["-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "8"]
+        out = _run([str(python), "-I", *example, "--backend", backend], cwd=tmp_path, env=env)
+        assert f"8 steps on 2 ranks agreeing over {backend}: 0 replayed, 8 eager" in out, out
+        worst = float(out.rsplit("largest difference from the unsharded decoder: ", 1)[1].split()[0])
+        assert worst < 1e-4, out

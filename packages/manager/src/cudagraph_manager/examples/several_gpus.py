@@ -1,8 +1,10 @@
 """Several GPUs: the reference decoder, tensor parallel, captured and replayed on every rank.
 
-``python -m cudagraph_manager.examples.several_gpus [--world-size 2] [--device cuda|cpu]``
-starts one process per rank (rank ``r`` on GPU ``r``; ``--device cpu`` runs
-the same code over gloo, eagerly). Each rank builds the same decoder (same
+``python -m cudagraph_manager.examples.several_gpus [--world-size 2] [--device cuda|cpu]
+[--backend gloo|shm|nccl]`` starts one process per rank (rank ``r`` on GPU ``r``; ``--device cpu`` runs
+the same code over gloo, eagerly). ``--backend`` is the ranks' agreement
+(``RankAgreement(backend=...)``: gloo by default, shared memory between the
+ranks of one host, or NCCL on the GPUs). Each rank builds the same decoder (same
 seed), keeps its shard (``TensorParallelDecoder``: NCCL all-reduces in the
 forward), captures it with a ``CUDAGraphManager`` whose ranks agree every
 step (``RankAgreement``), decodes a few steps and checks each against the
@@ -30,9 +32,10 @@ from cudagraph_manager.examples.reference import (
     static_inputs,
 )
 from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+from cudagraph_manager.ranks import Backend
 
 
-def serve(rank: int, world_size: int, device_kind: str, steps: int) -> None:
+def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Backend = "gloo") -> None:
     """One rank: join the group, shard the decoder, capture, decode ``steps`` steps, check them."""
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
@@ -50,7 +53,7 @@ def serve(rank: int, world_size: int, device_kind: str, steps: int) -> None:
         static_inputs(config),
         DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes((1, 2, 4, 8, 16)), config.max_num_seqs),
         device=device,
-        ranks=RankAgreement(timeout=timeout),  # gloo: one small CPU all-reduce per step
+        ranks=RankAgreement(backend=backend, timeout=timeout),  # one small exchange per step
     )
     report = manager.capture()  # every rank, the same plan: checked before the first capture
     g = torch.Generator().manual_seed(1)  # a TP group runs one batch: the same steps on every rank
@@ -65,7 +68,10 @@ def serve(rank: int, world_size: int, device_kind: str, steps: int) -> None:
     if rank == 0:
         print(report)
         stats = manager.stats
-        print(f"{steps} steps on {world_size} ranks: {stats.num_replays} replayed, {stats.eager_runs} eager")
+        print(
+            f"{steps} steps on {world_size} ranks agreeing over {backend}: "
+            f"{stats.num_replays} replayed, {stats.eager_runs} eager"
+        )
         print(f"largest difference from the unsharded decoder: {worst:.2e}")
     manager.clear()  # free the graphs (they hold NCCL work) before the group goes
     dist.destroy_process_group()
@@ -84,16 +90,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument(
+        "--backend", choices=("gloo", "shm", "nccl"), default="gloo", help="the ranks' agreement"
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
         parser.error(f"--world-size and --steps: expected integers >= 1, got {args.world_size}, {args.steps}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         parser.error(f"--world-size {args.world_size}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if args.backend == "nccl" and args.device != "cuda":
+        parser.error("--backend nccl: needs --device cuda")
     # One host: the ranks meet on the loopback interface.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    spawn_args = (args.world_size, args.device, args.steps)
+    spawn_args = (args.world_size, args.device, args.steps, args.backend)
     spawn(serve, args=spawn_args, nprocs=args.world_size)  # type: ignore[no-untyped-call]  # untyped in torch
 
 
