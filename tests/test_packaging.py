@@ -130,35 +130,9 @@ def test_wheel_description_is_the_readme(dispatch_wheel: Path) -> None:
     assert body.strip() == (DISPATCH / "README.md").read_text().strip()
 
 
-# -- the manager's wheels, with a CPU torch: the rank examples on one machine --
+# -- the README's install commands, with a CPU torch: the rank examples on one machine --
 
 PACKAGES = ("dispatch", "capture", "manager")
-
-
-@pytest.fixture(scope="module")
-def all_wheels(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Fresh wheels of the three packages (sdist first, then the wheel), as ``make dist`` builds them."""
-    missing = [name for name in ("build", "hatchling") if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed here (the dev dependency group has them)")
-    out = tmp_path_factory.mktemp("dist-all")
-    for package in PACKAGES:
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "build",
-                "--no-isolation",
-                "--outdir",
-                str(out),
-                str(REPO / "packages" / package),
-            ],
-            cwd=out,
-            env=_hermetic_env(),
-        )
-    wheels = sorted(out.glob("*.whl"))
-    assert [w.name.split("-")[0] for w in wheels] == [f"cudagraph_{p}" for p in sorted(PACKAGES)]
-    return wheels
 
 
 def _torch_pin() -> str:
@@ -170,33 +144,61 @@ def _torch_pin() -> str:
     raise AssertionError('no "torch==..." line in pyproject.toml')
 
 
-def test_manager_wheels_with_cpu_torch_run_the_rank_example_over_gloo_and_shm(
-    all_wheels: list[Path], tmp_path: Path
-) -> None:
-    """A new venv: the three wheels and torch, installed as a user would; the TP example over gloo and shm.
-
-    torch comes from this machine's pip configuration (as ``make setup``
-    installs it; ``TORCH_INDEX_URL`` is passed on as the index when set), and
-    nothing else: no numpy, which the shared-memory agreement must not need.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
-    python = venv / "bin" / "python"
-    index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
+def _pip(python: Path, args: list[str], cwd: Path, env: Mapping[str, str]) -> None:
+    """``pip install ...`` as the README writes it, run by the dev venv's pip for ``python``'s venv."""
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *index, _torch_pin()]
-        + [str(w) for w in all_wheels],
-        cwd=tmp_path,
+        [sys.executable, "-m", "pip", "--python", str(python), *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    probe = "import importlib.util, json; print(json.dumps(importlib.util.find_spec('numpy') is None))"
-    assert json.loads(_run([str(python), "-I", "-c", probe], cwd=tmp_path, env=env).splitlines()[-1]) is True
+    assert done.returncode == 0, f"pip {args}:\n{done.stderr[-4000:]}"
+
+
+def test_readme_installs_then_the_rank_example_over_gloo_and_shm(tmp_path: Path) -> None:
+    """The README's "Install" commands in a new venv, then the TP example over gloo and shm, on the CPU.
+
+    In order: torch first (the dev group's pin, from this machine's pip
+    configuration, as ``make setup`` installs it: download.pytorch.org, which
+    the README names, is not reachable from this project's machines; set
+    ``TORCH_INDEX_URL`` to use an index), then from source ``pip install
+    ./packages/dispatch ./packages/capture ./packages/manager``, then, after
+    uninstalling those, ``make dist`` and ``pip install --find-links dist
+    cudagraph-manager``. The installed wheels run the rank example over gloo
+    and over shared memory, with no numpy in the venv.
+    """
+    if importlib.util.find_spec("build") is None:
+        pytest.skip("build not installed here (the dev dependency group has it)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
+    python = venv / "bin" / "python"
+    index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
+    _pip(python, ["install", "-q", *index, _torch_pin()], cwd=REPO, env=env)
+    _pip(
+        python,
+        ["install", "-q", "./packages/dispatch", "./packages/capture", "./packages/manager"],
+        REPO,
+        env,
+    )
+    where = "import cudagraph_manager; print(cudagraph_manager.__file__)"
+    assert Path(_run([str(python), "-I", "-c", where], cwd=tmp_path, env=env).strip()).is_relative_to(venv)
+    _pip(python, ["uninstall", "-q", "-y", *(f"cudagraph-{p}" for p in PACKAGES)], REPO, env)
+    _run(["make", "dist"], cwd=REPO, env=env)
+    _pip(python, ["install", "-q", "--find-links", "dist", "cudagraph-manager"], REPO, env)
+    probe = (
+        "import importlib.metadata as m, importlib.util as u, json; "
+        "print(json.dumps([u.find_spec('numpy') is None, "
+        "[m.version(f'cudagraph-{p}') for p in ('dispatch', 'capture', 'manager')]]))"
+    )
+    no_numpy, versions = json.loads(
+        _run([str(python), "-I", "-c", probe], cwd=tmp_path, env=env).splitlines()[-1]
+    )
+    assert no_numpy is True
+    assert versions == [_source_version()] * 3
     for backend in ("gloo", "shm"):
         example = ["-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "8"]
         out = _run([str(python), "-I", *example, "--backend", backend], cwd=tmp_path, env=env)

@@ -37,6 +37,7 @@ from cudagraph_manager.examples.reference import (
     static_inputs,
     traced_cached_attention,
 )
+from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.reference_support import GPU_STEPS, StaticStep, pad_step_inputs
 from tests.torch_support import rel_err
 
@@ -572,3 +573,13 @@ def test_demo_gpu_path_captures_replays_and_checks(capsys: pytest.CaptureFixture
     assert len(rows) == 8
     assert {row.split()[4] for row in rows} == {"FULL", "PIECEWISE", "NONE"}
     assert lines[-1].startswith("OK: all 8 graph steps match eager")
+
+
+def test_make_demo_runs_as_written() -> None:
+    """``make demo``'s command, ``python -m cudagraph_manager.demo`` with no arguments, in a fresh process.
+
+    On the CPU it takes the CPU path; on a GPU it captures and replays. Either
+    way it must end with its OK line.
+    """
+    stdout = run_fresh("-m", "cudagraph_manager.demo")
+    assert stdout.splitlines()[-1].startswith("OK: all ")
