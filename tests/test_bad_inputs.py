@@ -39,6 +39,7 @@ from cudagraph_capture import (
     capture_stream,
     collector_paused,
     eager_break_during_capture,
+    release_graph_memory,
     resolve_device,
     set_capture_enabled,
     shared_pool,
@@ -58,6 +59,7 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput, compile_for_capture
 from cudagraph_manager.examples.demo import main as demo_main
+from cudagraph_manager.examples.reference import DecoderConfig, ReferenceDecoder
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
@@ -340,6 +342,11 @@ BAD_INPUTS: Final = [
         *NO_CUDA_7,
     ),
     row("shared_pool-cpu", call(shared_pool, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
+    row(
+        "release_graph_memory-cpu",
+        call(release_graph_memory, "cpu"),
+        r"device: expected a CUDA device, got 'cpu'",
+    ),
     row("capture_stream-cpu", call(capture_stream, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
     # == cudagraph_manager ==
     # -- CUDAGraphManager (on the CPU, with fake engines) --
@@ -589,6 +596,16 @@ BAD_INPUTS: Final = [
         "static-pad_value-overflows-half",
         call(StaticInput, dtype=torch.float16, pad_value=1e6),
         r"pad_value: 1000000\.0 overflows",
+    ),
+    row(
+        "allocate_kv_cache-too-few",
+        lambda: ReferenceDecoder(DecoderConfig.small()).allocate_kv_cache(3),
+        r"num_slots: expected an integer >= max_num_seqs \+ 1 = 17, got 3",
+    ),
+    row(
+        "allocate_kv_cache-bool",
+        lambda: ReferenceDecoder(DecoderConfig.small()).allocate_kv_cache(True),
+        r"num_slots: expected an integer >= max_num_seqs \+ 1 = 17, got True",
     ),
 ]
 
