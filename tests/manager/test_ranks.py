@@ -242,7 +242,7 @@ def _check_example(stdout: str, steps: int) -> None:
 def test_the_several_gpus_example_runs_on_cpu() -> None:
     """The README's example over gloo on the CPU: the sharded decoder agrees with the unsharded one."""
     stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "6")
-    assert "6 steps on 2 ranks: 0 replayed, 6 eager" in stdout
+    assert "6 steps on 2 ranks agreeing over gloo: 0 replayed, 6 eager" in stdout
     _check_example(stdout, 6)
 
 
@@ -250,5 +250,5 @@ def test_the_several_gpus_example_runs_on_cpu() -> None:
 @two_gpus
 def test_the_several_gpus_example_runs_on_two_gpus() -> None:
     stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cuda", "--steps", "32")
-    assert "32 steps on 2 ranks: 32 replayed, 0 eager" in stdout
+    assert "32 steps on 2 ranks agreeing over gloo: 32 replayed, 0 eager" in stdout
     _check_example(stdout, 32)
