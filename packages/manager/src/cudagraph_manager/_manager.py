@@ -227,9 +227,10 @@ class CUDAGraphManager(Generic[OutputT]):
 
         For a sleep mode (a trainer takes the GPU): a running background
         capture is stopped first (the key being recorded finishes), every
-        graph is freed, and ``release_graph_memory`` returns the pool's and
-        the executables' memory to the device (``torch.cuda.empty_cache()``
-        included). Steps meanwhile run eagerly, counted as
+        graph is freed, and ``release_graph_memory`` returns the pool's
+        memory to the device (``torch.cuda.empty_cache()`` included; the
+        driver keeps the memory of the first graphs' executables for the
+        graphs a wake captures). Steps meanwhile run eagerly, counted as
         ``EagerReason.RELEASED`` (``strict`` raises). The static buffers stay
         (they are small and keep their addresses). The outputs of the last
         ``run()`` are invalid afterwards, as after a next ``run()``. Wake up
@@ -306,8 +307,9 @@ class CUDAGraphManager(Generic[OutputT]):
         how); takes a small share of the capture's time (the first call
         also pays for lazy initialization and compiles). Leaves nothing
         behind: the probes are freed, and torch's cache is emptied
-        (``torch.cuda.empty_cache()``) at the start and at the end, so the
-        device has at least the free memory it had. ``total_bytes`` predicts
+        (``torch.cuda.empty_cache()``) at the start and at the end; only the
+        driver keeps a few MiB of the probes' executables, which the capture
+        after reuses. ``total_bytes`` predicts
         the drop of free memory over the ``capture()`` that follows, from
         that emptied cache (``CaptureReport.device_bytes``); memory allocated
         in between (a KV cache) does not change it. Synchronizes the calling
