@@ -211,3 +211,7 @@ def manager_step_shapes(draw: st.DrawFn, config: DispatchConfig) -> tuple[int, i
     if num_tokens == 0:
         return 0, 0, False
     return num_tokens, draw(st.integers(min_value=1, max_value=min(num_tokens, config.max_num_seqs))), False
+
+
+#: How many keys a mode's plan has, as ``estimate_memory()`` sees them (a plan of 2,048 sizes is large).
+plan_lengths: Final = st.integers(min_value=1, max_value=2048)

@@ -11,10 +11,12 @@ max(1.5%, 32 MiB) of the drop the capture's report measured
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import pytest
 import torch
+from hypothesis import given
 
 from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
@@ -26,6 +28,7 @@ from cudagraph_manager.examples.reference import (
     make_step_inputs,
     static_inputs,
 )
+from tests.strategies import plan_lengths
 
 from .helpers import INPUTS, Backend, ToyModel, config_for, make_manager
 
@@ -46,6 +49,21 @@ def test_the_probes_are_the_largest_then_keys_spread_to_the_smallest(backend: Ba
     assert len(chosen) == 1 + 2
     many = keys * 10  # 70 keys: about 5% of the 69 after the largest
     assert len(probe_keys(many)) == 1 + 4
+
+
+@given(plan_lengths)
+def test_probes_are_few_spread_and_in_plan_order(n: int) -> None:
+    """For every plan length: the largest first, then about 5% of the rest (at least 2), the smallest last."""
+    keys = list(range(n))  # stand-ins for PlannedKeys, largest (0) first
+    chosen = probe_keys(keys)
+    assert chosen[0] == 0
+    assert chosen == sorted(set(chosen))  # distinct, in capture order
+    others = n - 1
+    assert len(chosen) - 1 == min(others, max(2, math.ceil(0.05 * others)))
+    if others >= 2:
+        assert chosen[1] == 1  # the second largest: it often grows the pool once
+        assert chosen[-1] == n - 1  # the smallest
+    assert len(chosen) <= max(3, 0.06 * n + 2)  # a small share of the capture
 
 
 def test_a_manager_without_cuda_graphs_estimates_nothing_and_says_why() -> None:

@@ -231,3 +231,29 @@ def test_an_unrelated_module_assignment_costs_one_check_and_no_error(backend: Ba
     _check_steps(manager, model, backend.device, seed=0)
     assert manager.stats.eager_runs == 0
     assert max(SIZES) == 32  # _check_steps stays within the plan
+
+
+def test_parameters_registered_on_other_threads_while_managers_are_built_raise_nothing() -> None:
+    """torch's registration hook and new watches meet from several threads: no error, every watch marked."""
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def register_parameters() -> None:
+        try:
+            while not done.is_set():
+                nn.Linear(2, 2)  # two parameters registered: the hook runs over every watch
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=register_parameters) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        managers = [make_manager(Backend.of("cpu"), ToyModel(torch.device("cpu"))) for _ in range(50)]
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+    assert errors == []
+    nn.Linear(2, 2)
+    assert all(manager._weights.dirty for manager in managers)

@@ -39,7 +39,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 
@@ -66,11 +66,13 @@ from ._report import CapturedGraph, MemoryEstimate
 PROBE_SHARE: Final = 0.05
 MIN_PROBES: Final = 2
 
+_K = TypeVar("_K")  # a planned key (tests pass stand-ins)
+
 #: Engines that capture into a given pool, one per mode (the manager's factory, another pool).
 ProbeEngines = Callable[[CUDAGraphMode, GraphPool], GraphEngine[OutputT]]
 
 
-def probe_keys(keys: Sequence[PlannedKey[OutputT]]) -> list[PlannedKey[OutputT]]:
+def probe_keys(keys: Sequence[_K]) -> list[_K]:
     """A mode's probes, largest first: its largest key, then ``k`` of the others spread evenly."""
     largest, others = keys[0], keys[1:]
     k = min(len(others), max(MIN_PROBES, math.ceil(PROBE_SHARE * len(others))))

@@ -41,7 +41,7 @@ _COMPILED_PREFIX: Final = "_orig_mod."
 _Address = tuple[int, tuple[int, ...], torch.dtype, torch.device]
 
 _watches: Final[weakref.WeakSet[WeightWatch]] = weakref.WeakSet()
-_hooks_lock: Final = threading.Lock()
+_hooks_lock: Final = threading.RLock()  # the hooks' installation and _watches
 _hooks_installed = False
 
 
@@ -99,7 +99,8 @@ class WeightWatch:
         self.dirty = False
         if module is not None:
             _install_hooks()
-            _watches.add(self)
+            with _hooks_lock:
+                _watches.add(self)
 
     def moved(self) -> bool:
         """Whether a replay must run ``check()`` first: a tensor was assigned, or the first one moved."""
@@ -173,7 +174,9 @@ def _describe(name: str, was: _Address, now: torch.Tensor | None) -> str:
 def _mark_dirty(module: nn.Module, name: str, tensor: object) -> None:
     """torch's global registration hook: some module got a parameter or buffer assigned."""
     del module, name, tensor  # any module: the next replay's check() compares its own tensors
-    for watch in list(_watches):
+    with _hooks_lock:  # a WeakSet must not change while it is iterated (a manager built on another thread)
+        watches = list(_watches)
+    for watch in watches:
         watch.dirty = True
 
 
