@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Final, Generic, TypeVar, cast
@@ -350,3 +351,30 @@ def snapshot(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def assert_unchanged(before: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
     for name, kept in before.items():
         assert torch.equal(buffers[name], kept), f"static buffer {name!r} was written"
+
+
+class FirstRecordingGate:
+    """An ``on_capture`` hook for ``FakeEngines`` that holds the first recording until ``open()``.
+
+    ``entered`` is set once the first recording (the largest key) is under
+    way; it then waits for the gate, at most ``timeout`` seconds.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+        self._timeout = timeout
+
+    def __call__(self) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self._gate.wait(self._timeout)
+
+    def open(self) -> None:
+        self._gate.set()
+
+    def manager_on_cpu(self, model: ToyModel) -> CUDAGraphManager[torch.Tensor]:
+        """A FULL manager of ``model`` on the CPU whose fake engines pass through this gate."""
+        return CUDAGraphManager(
+            model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(self)
+        )

@@ -47,6 +47,7 @@ from .helpers import (
     TOL,
     Backend,
     FakeEngines,
+    FirstRecordingGate,
     ToyModel,
     config_for,
     make_batch,
@@ -179,21 +180,13 @@ def test_a_key_that_fails_once_is_tried_again() -> None:
 
 def test_keys_that_steps_miss_are_captured_first() -> None:
     model = ToyModel(CPU)
-    gate, entered = threading.Event(), threading.Event()
-
-    def hold_the_first() -> None:
-        if not entered.is_set():
-            entered.set()
-            assert gate.wait(WAIT_S)
-
-    manager = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(hold_the_first)
-    )
+    gate = FirstRecordingGate(WAIT_S)
+    manager = gate.manager_on_cpu(model)
     handle = manager.start_capture()
-    assert entered.wait(WAIT_S)  # the largest key is being captured
+    assert gate.entered.wait(WAIT_S)  # the largest key is being captured
     batch = make_batch(3, 2, CPU, seed=0)  # needs the graph of 4 tokens: a miss
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    gate.set()
+    gate.open()
     report = handle.wait(WAIT_S)
     order = [g.descriptor.num_tokens for g in report.graphs]
     assert order[0] == max(SIZES)  # already under way when the step missed

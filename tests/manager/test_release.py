@@ -25,14 +25,12 @@ from cudagraph_manager import CUDAGraphManager, NoGraphError, WeightsReplacedErr
 from tests.torch_support import rel_err
 
 from .helpers import (
-    INPUTS,
     SIZES,
     TOL,
     Backend,
-    FakeEngines,
+    FirstRecordingGate,
     ToyModel,
     assert_unchanged,
-    config_for,
     make_batch,
     make_manager,
     snapshot,
@@ -106,18 +104,10 @@ def test_a_strict_manager_refuses_steps_after_a_release(backend: Backend) -> Non
 
 def test_release_stops_a_running_background_capture() -> None:
     model = ToyModel(torch.device("cpu"))
-    gate, entered = threading.Event(), threading.Event()
-
-    def hold_the_first() -> None:
-        if not entered.is_set():
-            entered.set()
-            assert gate.wait(WAIT_S)
-
-    manager = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(hold_the_first)
-    )
+    gate = FirstRecordingGate(WAIT_S)
+    manager = gate.manager_on_cpu(model)
     handle = manager.start_capture()
-    assert entered.wait(WAIT_S)  # the largest key is being recorded
+    assert gate.entered.wait(WAIT_S)  # the largest key is being recorded
     releasing = threading.Thread(target=manager.release)
     releasing.start()
     batch = make_batch(4, 2, torch.device("cpu"), seed=0)
@@ -127,7 +117,7 @@ def test_release_stops_a_running_background_capture() -> None:
         time.sleep(0.001)
     with pytest.raises(RuntimeError, match=r"release\(\)"):
         manager.run_batch(batch)  # refused while release() runs on another thread, never mixed in
-    gate.set()  # the key in progress finishes, no other starts
+    gate.open()  # the key in progress finishes, no other starts
     releasing.join(WAIT_S)
     assert not releasing.is_alive()
     report = handle.wait(0)
