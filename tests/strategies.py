@@ -10,7 +10,9 @@ Hypothesis most of a second to set up on first use.
 
 from __future__ import annotations
 
+import itertools
 import operator
+import random
 from typing import Final
 
 from hypothesis import strategies as st
@@ -215,3 +217,15 @@ def manager_step_shapes(draw: st.DrawFn, config: DispatchConfig) -> tuple[int, i
 
 #: How many keys a mode's plan has, as ``estimate_memory()`` sees them (a plan of 2,048 sizes is large).
 plan_lengths: Final = st.integers(min_value=1, max_value=2048)
+
+
+def _plan_sizes(length: int, max_gap: int, seed: int) -> list[int]:
+    gaps = random.Random(seed).choices(range(1, max_gap + 1), k=length)
+    return sorted(itertools.accumulate(gaps), reverse=True)
+
+
+#: A mode's key sizes, largest first, distinct, with gaps of 1 to ``max_gap`` tokens (cheap to draw:
+#: a seed, not a list, so long plans cost Hypothesis nothing).
+plan_sizes: Final = st.builds(
+    _plan_sizes, plan_lengths, st.integers(min_value=1, max_value=64), st.integers(0, 2**32 - 1)
+)

@@ -8,6 +8,9 @@
   over the decoder compiled for capture (``compile_decoder``: inductor, no
   inductor graphs, one compile for every size), and
   ``torch.compile(mode="reduce-overhead")``.
+- The same steps on the 8B-like preset (32 layers, d=4096): the manager FULL
+  and PIECEWISE against the hand-written graph, the engine's breakable
+  replay and eager, at batches 1, 16 and 128.
 - Host overhead: ``run()`` on a one-kernel model against copy + replay.
 - Capture: time and pool memory of the 51 default sizes up to 512 (FULL)
   against the pool memory of the largest size alone.
@@ -63,6 +66,9 @@ pytestmark = pytest.mark.gpu
 
 _STEP_BATCHES: Final = (1, 13, 16, 128)  # 13 requests replay the graph of 16
 _CAPTURE_SIZES: Final = CaptureSizes([1, 16, 128])
+# The 8B-like rows: the captured sizes only, fewer rounds (a step is a few ms, device-bound).
+_8B_BATCHES: Final = (1, 16, 128)
+_8B_ROUNDS: Final = 11
 _STEPS_PER_CALL: Final = 20  # decoder steps between two syncs
 _ROUNDS: Final = 15
 # The target ratios: more rounds, since a host-bound step (eager, PIECEWISE at
@@ -613,6 +619,81 @@ def test_step_manager_compiled(
         if other != label:
             info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
     info["interleaved_step_us"] = timed.median(label) * 1e6
+
+
+# -- the 8B-like decoder: the step rows at an engine's shape --
+
+
+@pytest.fixture(scope="module")
+def decoder_8b() -> Iterator[ReferenceDecoder]:
+    """The 8B-like preset (32 layers, d=4096, random bf16 weights: 16 GB)."""
+    torch.manual_seed(0)
+    model = ReferenceDecoder(DecoderConfig.llama_8b_like(), device="cuda")
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def managers_8b(
+    decoder_8b: ReferenceDecoder,
+) -> Iterator[dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]]]:
+    built: dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]] = {}
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+        config = DispatchConfig(mode, _CAPTURE_SIZES, max_num_seqs=decoder_8b.config.max_num_seqs)
+        manager = CUDAGraphManager(decoder_8b.forward, static_inputs(decoder_8b.config), config)
+        assert manager.capture(progress=False).num_graphs == len(_CAPTURE_SIZES)
+        built[mode] = manager
+    yield built
+    for manager in built.values():
+        manager.release()
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE], ids=["full", "piecewise"])
+@pytest.mark.parametrize("batch", _8B_BATCHES)
+def test_step_8b_like(
+    benchmark: BenchmarkFixture,
+    decoder_8b: ReferenceDecoder,
+    managers_8b: dict[CUDAGraphMode, CUDAGraphManager[torch.Tensor]],
+    batch: int,
+    mode: CUDAGraphMode,
+) -> None:
+    """The manager's step on the 8B-like decoder, interleaved with the same baselines as above."""
+    generator = torch.Generator().manual_seed(2)
+    inputs = make_step_inputs(
+        decoder_8b.config, batch, uniform_decode=True, generator=generator, device="cuda"
+    )
+    manager = managers_8b[mode]
+    _check(run_graph(manager, False, inputs).clone(), decoder_8b.step(inputs), f"8B-like {mode.name}")
+    label = f"manager_{mode.name.lower()}"
+    baseline_label = "cuda_graph" if mode is CUDAGraphMode.FULL else "breakable_engine"
+    baseline = (
+        _hand_written_step(decoder_8b, inputs, batch)
+        if mode is CUDAGraphMode.FULL
+        else _breakable_engine_step(decoder_8b, inputs, batch)
+    )
+    candidates: dict[str, Callable[[], object]] = {
+        label: lambda: run_graph(manager, False, inputs),
+        baseline_label: baseline,
+        "eager": _eager_step(decoder_8b, inputs),
+    }
+    benchmark.group = f"8B-like decoder step, batch {batch}"
+    benchmark.pedantic(
+        _repeat(candidates[label], _STEPS_PER_CALL), rounds=_8B_ROUNDS, warmup_rounds=1, iterations=1
+    )
+    timed = interleave(candidates, rounds=_8B_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    info = benchmark.extra_info
+    info.update(
+        label=f"8b_{label}",
+        batch=batch,
+        steps_per_call=_STEPS_PER_CALL,
+        median_step_ms=_median_s(benchmark) / _STEPS_PER_CALL * 1e3,
+        interleaved_step_us=timed.median(label) * 1e6,
+    )
+    for other in candidates:
+        if other != label:
+            info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
+    assert manager.stats.eager_runs == 0
 
 
 # -- host overhead of run() --

@@ -23,7 +23,6 @@ import torch
 from cudagraph_capture import GraphEntry, capture_lock
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._capturing import warm_up
 
 MIB: Final = 2**20
 SAMPLES: Final = 2
@@ -52,7 +51,7 @@ def vllm_style_estimate(manager: CUDAGraphManager[torch.Tensor]) -> int:
                 for key in keys[:SAMPLES]:
                     torch.cuda.synchronize(device)
                     free = torch.cuda.mem_get_info(device)[0]
-                    warm_up(key, engine, manager._buffers)
+                    key.warm_up(engine, manager._buffers)
                     entries.append(engine.record(key.descriptor, key.inputs))
                     torch.cuda.synchronize(device)
                     samples.append(free - torch.cuda.mem_get_info(device)[0])

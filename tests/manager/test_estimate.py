@@ -11,6 +11,7 @@ max(1.5%, 32 MiB) of the drop the capture's report measured
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Final
 
@@ -21,14 +22,14 @@ from hypothesis import given
 from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._estimate import probe_keys
+from cudagraph_manager._estimate import MIN_PROBES, PROBE_SHARE, probe_keys
 from cudagraph_manager.examples.reference import (
     DecoderConfig,
     ReferenceDecoder,
     make_step_inputs,
     static_inputs,
 )
-from tests.strategies import plan_lengths
+from tests.strategies import plan_sizes
 
 from .helpers import INPUTS, Backend, ToyModel, config_for, make_manager
 
@@ -43,27 +44,41 @@ MODES: Final = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_
 def test_the_probes_are_the_largest_then_keys_spread_to_the_smallest(backend: Backend) -> None:
     manager = make_manager(backend, ToyModel(backend.device))
     keys = list(manager._keys.values())  # FULL over 7 sizes, largest first
-    chosen = probe_keys(keys)
+    chosen = probe_keys(keys, lambda key: key.num_tokens)
     assert chosen[0] is keys[0]
     assert chosen[-1] is keys[-1]  # the smallest is probed
     assert len(chosen) == 1 + 2
-    many = keys * 10  # 70 keys: about 5% of the 69 after the largest
-    assert len(probe_keys(many)) == 1 + 4
 
 
-@given(plan_lengths)
-def test_probes_are_few_spread_and_in_plan_order(n: int) -> None:
-    """For every plan length: the largest first, then about 5% of the rest (at least 2), the smallest last."""
-    keys = list(range(n))  # stand-ins for PlannedKeys, largest (0) first
-    chosen = probe_keys(keys)
-    assert chosen[0] == 0
-    assert chosen == sorted(set(chosen))  # distinct, in capture order
-    others = n - 1
-    assert len(chosen) - 1 == min(others, max(2, math.ceil(0.05 * others)))
-    if others >= 2:
-        assert chosen[1] == 1  # the second largest: it often grows the pool once
-        assert chosen[-1] == n - 1  # the smallest
-    assert len(chosen) <= max(3, 0.06 * n + 2)  # a small share of the capture
+def test_the_probes_of_the_default_plan_are_spread_in_tokens() -> None:
+    sizes = sorted(CaptureSizes.default(2048).sizes, reverse=True)  # 147, dense below 256
+    chosen = probe_keys(sizes, lambda size: size)
+    assert len(chosen) == 1 + math.ceil(PROBE_SHARE * (len(sizes) - 1))
+    gaps = [a - b for a, b in itertools.pairwise(chosen[1:])]
+    assert max(gaps) <= 2 * min(gaps)  # even in tokens, where an even spread in keys would not be
+    assert sum(size <= 256 for size in chosen) <= 2
+
+
+@given(plan_sizes)
+def test_probes_are_few_spread_and_in_plan_order(sizes: list[int]) -> None:
+    """For every plan: the largest first, then about 8% of the rest (at least 2) spread over their sizes."""
+    chosen = probe_keys(sizes, lambda size: size)
+    assert chosen[0] == sizes[0]
+    assert chosen == sorted(set(chosen), reverse=True)  # distinct, in capture order
+    others = len(sizes) - 1
+    k = min(others, max(MIN_PROBES, math.ceil(PROBE_SHARE * others)))
+    assert len(chosen) - 1 == k
+    if k < 2:
+        return
+    assert chosen[1] == sizes[1]  # the second largest: it often grows the pool once
+    assert chosen[-1] == sizes[-1]  # the smallest
+    widest = max(a - b for a, b in itertools.pairwise(sizes[1:]))
+    spacing = (sizes[1] - sizes[-1]) / (k - 1)
+    if spacing >= 2 * widest:  # room for a key near every target: each pick is its target's nearest
+        targets = [sizes[1] - i * spacing for i in range(k)]
+        near = widest / 2 + 1e-6  # a tie between two keys may go either way in floating point
+        assert all(abs(pick - target) <= near for pick, target in zip(chosen[1:], targets, strict=True))
+        assert all(a - b <= spacing + widest for a, b in itertools.pairwise(chosen[1:]))
 
 
 def test_a_manager_without_cuda_graphs_estimates_nothing_and_says_why() -> None:

@@ -56,6 +56,7 @@ from cudagraph_capture import capture_lock, capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
 from ._compiled import compiles_since, dynamo_compiles
+from ._memory import free_bytes, reserved_bytes
 from ._report import CapturedGraph, CaptureReport
 
 _logger: Final = logging.getLogger("cudagraph_manager")
@@ -216,8 +217,7 @@ class BackgroundCapture:
         start = time.perf_counter()
         compiled_before = dynamo_compiles()
         cuda = serving is not None and own is not None
-        reserved_before = torch.cuda.memory_reserved(self._device) if cuda else 0
-        free_before = torch.cuda.mem_get_info(self._device)[0] if cuda else 0
+        reserved_before, free_before = reserved_bytes(self._device), free_bytes(self._device)
         on_device = torch.cuda.device(self._device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
@@ -234,8 +234,8 @@ class BackgroundCapture:
             self._gave_up(error)
         finally:
             self._warmed.set()  # never leave start() waiting
-            reserved = torch.cuda.memory_reserved(self._device) - reserved_before if cuda else 0
-            lost = free_before - torch.cuda.mem_get_info(self._device)[0] if cuda else 0
+            reserved = reserved_bytes(self._device) - reserved_before
+            lost = free_before - free_bytes(self._device)
             self._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before), lost)
 
     def _warm_up(

@@ -22,35 +22,47 @@ import torch
 
 from cudagraph_capture import (
     CaptureDisabledError,
-    CaptureError,
     CaptureOptions,
     GraphEngine,
     capture_enabled,
     capture_lock,
     collector_paused,
+    release_graph_memory,
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._compiled import compiles_since, dynamo_compiles
+from ._estimate import ProbeEngines, estimate_memory, nothing_to_estimate
+from ._memory import free_bytes, reserved_bytes
 from ._outputs import LayoutCell
 from ._planned import PlannedKey
 from ._progress import progress as progress_bar
 from ._protocols import OutputT
-from ._report import CapturedGraph, CaptureReport
+from ._report import CapturedGraph, CaptureReport, MemoryEstimate
 from .ranks import RankAgreement
 
 
 class Capturer(Generic[OutputT]):
     """A manager's captures: every pending key in the foreground, or in a background thread."""
 
-    __slots__ = ("_buffers", "_device", "_engines", "_keys", "_layout", "_options", "_warmed")
+    __slots__ = (
+        "_buffers",
+        "_device",
+        "_engines",
+        "_keys",
+        "_layout",
+        "_options",
+        "_probe_engines",
+        "_warmed",
+    )
 
     def __init__(
         self,
         keys: Mapping[BatchDescriptor, PlannedKey[OutputT]],
         engines: Mapping[CUDAGraphMode, GraphEngine[OutputT]],
+        probe_engines: ProbeEngines[OutputT],
         buffers: StaticBuffers,
         layout: LayoutCell,
         device: torch.device,
@@ -58,6 +70,7 @@ class Capturer(Generic[OutputT]):
     ) -> None:
         self._keys: Final = keys
         self._engines: Final = engines
+        self._probe_engines: Final = probe_engines  # the estimate's: engines into a pool of its own
         self._buffers: Final = buffers
         self._layout: Final = layout
         self._device: Final = device
@@ -125,6 +138,28 @@ class Capturer(Generic[OutputT]):
         session.start()
         return session
 
+    def pending(self) -> list[PlannedKey[OutputT]]:
+        """The keys not captured yet, in capture order."""
+        return [key for key in self._keys.values() if key.entry is None]
+
+    def estimate(self, not_captured: str | None) -> MemoryEstimate:
+        """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
+        pending = self.pending()
+        if not_captured is not None or not pending or self._device.type != "cuda":
+            return nothing_to_estimate(
+                not_captured or ("every key is captured" if not pending else f"the device is {self._device}")
+            )
+        return estimate_memory(
+            pending, self._probe_engines, self._buffers, self._device, self._options.gc_disable
+        )
+
+    def drop_all(self, *, release_memory: bool) -> None:
+        """Free every graph; ``release_memory``: and give the device's graph memory back to it."""
+        for key in self._keys.values():
+            self.drop(key)
+        if release_memory and self._device.type == "cuda":
+            release_graph_memory(self._device)
+
     def drop(self, key: PlannedKey[OutputT]) -> None:
         """Free the key's graph (it is not captured any more), under the device's capture lock.
 
@@ -137,7 +172,7 @@ class Capturer(Generic[OutputT]):
 
     def _warm_up(self, descriptor: BatchDescriptor) -> None:
         key = self._keys[descriptor]
-        warm_up(key, self._engines[key.mode], self._buffers)
+        key.warm_up(self._engines[key.mode], self._buffers)
         self._warmed.add(descriptor)
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
@@ -148,12 +183,6 @@ class Capturer(Generic[OutputT]):
         if warm:
             self._warmed.add(descriptor)
         return record
-
-
-def warm_up(key: PlannedKey[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:
-    """Fill the key's views with pad values and run the model eagerly on them (on the current stream)."""
-    buffers.fill_padding(key.num_tokens, key.num_reqs)
-    engine.warm_up(key.descriptor, key.inputs)
 
 
 def capture_key(
@@ -168,37 +197,15 @@ def capture_key(
     """Warm the key up (``warm``), record its graph, check its outputs, store the entry on the key.
 
     ``CaptureError`` from the engine, or ``ValueError`` naming an output that
-    cannot be cut, leaves the key uncaptured. ``pool_bytes`` is the growth of
-    reserved memory over the recording alone (a warm-up's eager blocks are not
-    the pool's).
+    cannot be cut, leaves the key uncaptured.
     """
     start = time.perf_counter()
     if not capture_enabled():  # before the warm-up: a disabled capture runs nothing
         raise CaptureDisabledError("capture is disabled (set_capture_enabled(False))", key.descriptor)
     if warm:
-        try:
-            warm_up(key, engine, buffers)
-        except CaptureError:
-            raise
-        except Exception as error:  # the model's own error at this size: name the key
-            raise CaptureError(
-                f"the warm-up failed with {type(error).__name__}: {error}", key.descriptor
-            ) from error
-    before, free_before = reserved_bytes(device), free_bytes(device)
-    entry = engine.record(key.descriptor, key.inputs)
-    pool_bytes = reserved_bytes(device) - before
-    driver_bytes = free_before - free_bytes(device) - pool_bytes
+        key.warm_up(engine, buffers)
+    entry, captured = key.record(engine, device, start)
     layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
     key.last_cut = None
     key.entry = entry  # last: the serving thread replays the key from its next step
-    return CapturedGraph(key.mode, key.descriptor, time.perf_counter() - start, pool_bytes, driver_bytes)
-
-
-def free_bytes(device: torch.device) -> int:
-    """The device's free memory as the driver reports it (0 off CUDA): its drop is what a capture cost."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-
-
-def reserved_bytes(device: torch.device) -> int:
-    """The device's reserved memory (0 off CUDA): its growth is what a capture cost."""
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    return captured

@@ -28,7 +28,6 @@ from cudagraph_capture import (
     GraphPool,
     OutputGuard,
     capture_enabled,
-    release_graph_memory,
     resolve_device,
 )
 from cudagraph_dispatch import (
@@ -47,7 +46,6 @@ from ._buffers import StaticBuffers, check_inputs_spec
 from ._capturing import Capturer
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
-from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell, OutputRows, check_output_rows, uses_reqs
 from ._planned import PlannedKey
 from ._protocols import GraphEngineFactory, OutputT
@@ -171,8 +169,12 @@ class CUDAGraphManager(Generic[OutputT]):
         self._eager: Final = EagerSteps(
             model, self._buffers, self._layout, self._counts, strict, self._dispatcher, self._no_graphs, ranks
         )
+
+        def probe_engine(mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
+            return factory(model, mode, dataclasses.replace(self._options, pool=pool))
+
         self._capturer: Final = Capturer(
-            self._keys, self._engines, self._buffers, self._layout, self._device, self._options
+            self._keys, self._engines, probe_engine, self._buffers, self._layout, self._device, self._options
         )
         self._step_lock: Final = threading.Lock()
         self._session: BackgroundCapture | None = None  # the last background capture
@@ -218,8 +220,7 @@ class CUDAGraphManager(Generic[OutputT]):
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         with self._exclusive("clear"):
-            for key in self._keys.values():
-                self._capturer.drop(key)
+            self._capturer.drop_all(release_memory=False)
             self._weights.forget()
 
     def release(self) -> None:
@@ -243,14 +244,11 @@ class CUDAGraphManager(Generic[OutputT]):
             if session is not None and not session.done:
                 session.stop()
                 session.wait()
-            for key in self._keys.values():
-                self._capturer.drop(key)
+            self._capturer.drop_all(release_memory=True)
             self._weights.forget()
             self._eager.released = True
             if self._guard is not None:
                 self._guard.retire_all()
-            if self._device.type == "cuda":
-                release_graph_memory(self._device)
 
     def check_weights(self) -> None:
         """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced.
@@ -286,7 +284,7 @@ class CUDAGraphManager(Generic[OutputT]):
         if progress is not None:
             check_bool("progress", progress)
         with self._exclusive("capture"):
-            pending = [key for key in self._keys.values() if key.entry is None]
+            pending = self._capturer.pending()
             self._before_capture(len(pending))
             ranks = self._ranks
             if ranks is not None:
@@ -302,7 +300,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """Predict what ``capture()`` of the pending keys will cost the device, before capturing.
 
         For sizing a KV cache from the memory the graphs leave. Captures a few
-        probe keys per mode (the largest, then about 5% of the others) into a
+        probe keys per mode (the largest, then about 8% of the others) into a
         pool of its own, measures them and extrapolates (``_estimate`` says
         how); takes a small share of the capture's time (the first call
         also pays for lazy initialization and compiles). Leaves nothing
@@ -317,19 +315,7 @@ class CUDAGraphManager(Generic[OutputT]):
         probe raises ``CaptureError`` naming its key, and nothing is kept.
         """
         with self._exclusive("estimate_memory"):
-            if self._no_graphs is not None:
-                return nothing_to_estimate(self._no_graphs)
-            pending = [key for key in self._keys.values() if key.entry is None]
-            if not pending or self._device.type != "cuda":
-                why = "every key is captured" if not pending else f"the device is {self._device}"
-                return nothing_to_estimate(why)
-
-            def make_engine(mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
-                return self._factory(self._model, mode, dataclasses.replace(self._options, pool=pool))
-
-            return estimate_memory(
-                pending, make_engine, self._buffers, self._device, self._options.gc_disable
-            )
+            return self._capturer.estimate(self._no_graphs)
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving.
@@ -352,9 +338,7 @@ class CUDAGraphManager(Generic[OutputT]):
                     "a background capture would interleave its collectives with the serving steps' "
                     "differently on each rank"
                 )
-            pending = (
-                [] if self._no_graphs is not None else [k for k in self._keys.values() if k.entry is None]
-            )
+            pending = [] if self._no_graphs is not None else self._capturer.pending()
             self._before_capture(len(pending))
             session = self._session = self._capturer.background(pending, self._no_graphs)
         return session

@@ -1,22 +1,29 @@
-"""One key of the capture plan: the views its graph reads, and its graph once captured.
+"""One key of the capture plan: the views its graph reads, its two capture acts, its graph once captured.
 
 A ``PlannedKey`` is built once per key of the dispatcher's plan. Its ``entry``
 (the engine's ``GraphEntry``: graph, outputs, replay) is the one place that
 says whether the key is captured: a capture sets it, in one assignment,
 after the outputs were checked, so the serving thread replays it from its
-next step; ``clear()`` drops it, which frees the graph.
+next step; ``clear()`` drops it, which frees the graph. The two acts of its
+capture (``warm_up``, ``record``) serve ``capture()``, the background capture
+and the estimate's probes alike.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Final, Generic, cast
 
-from cudagraph_capture import GraphEntry
+import torch
+
+from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
 
 from ._buffers import StaticBuffers
+from ._memory import free_bytes, reserved_bytes
 from ._outputs import OutputLayout
 from ._protocols import OutputT
+from ._report import CapturedGraph
 
 
 class PlannedKey(Generic[OutputT]):
@@ -63,3 +70,37 @@ class PlannedKey(Generic[OutputT]):
             cut = layout.cut(entry.output, num_tokens, num_reqs)
             self.last_cut = (entry, num_tokens, num_reqs, cut)
         return cast(OutputT, cut.copy() if isinstance(cut, (list, dict)) else cut)
+
+    def warm_up(self, engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:
+        """Fill the views with pad values and run the model eagerly on them (on the current stream).
+
+        Pad values, never the last real batch: a warm-up really runs, KV-cache
+        writes included. The model's own error at this size is raised as a
+        ``CaptureError`` naming the key.
+        """
+        buffers.fill_padding(self.num_tokens, self.num_reqs)
+        try:
+            engine.warm_up(self.descriptor, self.inputs)
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise CaptureError(
+                f"the warm-up failed with {type(error).__name__}: {error}", self.descriptor
+            ) from error
+
+    def record(
+        self, engine: GraphEngine[OutputT], device: torch.device, start: float
+    ) -> tuple[GraphEntry[OutputT], CapturedGraph]:
+        """Record the graph (nothing runs on the device); the entry, and what it cost since ``start``.
+
+        ``pool_bytes`` is the growth of reserved memory over the recording
+        alone (a warm-up's eager blocks are not the pool's); ``driver_bytes``
+        the rest of the drop of free memory (the graph's executable). The
+        entry is not stored: the caller checks it first.
+        """
+        reserved, free = reserved_bytes(device), free_bytes(device)
+        entry = engine.record(self.descriptor, self.inputs)
+        pool_bytes = reserved_bytes(device) - reserved
+        driver_bytes = free - free_bytes(device) - pool_bytes
+        seconds = time.perf_counter() - start
+        return entry, CapturedGraph(self.mode, self.descriptor, seconds, pool_bytes, driver_bytes)

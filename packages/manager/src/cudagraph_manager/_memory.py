@@ -1,0 +1,15 @@
+"""The device's memory as a capture measures it: free (the driver's view) and reserved (torch's)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def free_bytes(device: torch.device) -> int:
+    """The device's free memory as the driver reports it (0 off CUDA): its drop is what a capture cost."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
+def reserved_bytes(device: torch.device) -> int:
+    """The device's reserved memory (0 off CUDA): its growth is what torch's allocator took."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
