@@ -27,19 +27,21 @@ extrapolates along how a capture's cost grows:
 
 So, per mode, in plan order: the largest key is probed, then ``k`` keys
 spread evenly over the sizes of the others (about 8% of them, at least 2:
-the second largest and the smallest included). The mode costs its probes as measured,
-plus, for each key not probed, what the probes past the second largest
-cost: the median of their pool growth (the second graph into a pool often
-grows it once; later ones rarely, and in lumps that a mean would charge to
-every key), and the mean executable of all the mode's probes (the driver
-hands out memory in 2 MiB steps that several graphs share).
+the second largest and the smallest included). The mode costs its probes
+as measured (a range's growth included, once, as the capture pays it),
+plus, for each key not probed: the least pool growth of the probes past
+the second largest (what every graph adds, if anything: a range's growth
+is not per key, and the second graph into a pool often grows it once),
+and the mean executable of all the mode's probes (the driver hands out
+memory in 2 MiB steps that several graphs share).
 Each probe is recorded as a background capture records
 (``GraphEngine.record``: nothing runs on the device), warmed up only if it
 is the largest or the smallest of its mode (a compiled model may
 specialize on the smallest size): the largest's warm-up did the lazy work,
 and a warm-up at another size adds nothing to the pool (its blocks come
-from the largest's, in torch's cache). So the probes cost little more than their recordings, and
-the estimate a few percent of the capture's time. When the call
+from the largest's, in torch's cache). So the probes cost little more
+than their recordings, and the estimate a few percent of the capture's
+time. When the call
 returns, the probes are freed and their pool's memory is back on the
 device, with torch's whole cache (``torch.cuda.empty_cache()``). The driver
 keeps the memory of the probes' executables for the graphs after them (a
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
@@ -137,24 +138,22 @@ def estimate_memory(
                 [(keys[0], engines[mode]) for mode, keys in by_mode.items()], buffers, device
             )
             for mode, keys in by_mode.items():
-                measured = []
-                for key in probe_keys(keys, _num_tokens):
-                    probe_start = time.perf_counter()
-                    if key is keys[-1] and len(keys) > 1:  # as a background capture: see above
-                        key.warm_up(engines[mode], buffers)
-                    entry, captured = key.record(engines[mode], device, probe_start)
-                    entries.append(entry)
-                    measured.append(captured)
+                measured = [
+                    _probe(
+                        key, engines[mode], buffers, entries, device, warm=key is keys[-1] and len(keys) > 1
+                    )
+                    for key in probe_keys(keys, _num_tokens)
+                ]
                 probes += measured
                 pool_total += sum(p.pool_bytes for p in measured)  # the probes count as measured
                 driver_total += sum(p.driver_bytes for p in measured)
-                # Each unprobed key costs the median pool growth of the probes past the two
-                # largest (the second graph into a pool often grows it once, later ones rarely
-                # and in lumps, which a mean would charge to every key).
+                # Each unprobed key costs what every probe past the two largest grew the pool by:
+                # the least of them (a range's growth is once, counted above; the second graph
+                # into a pool often grows it once).
                 tail = measured[2:] or measured[1:]
                 unprobed = len(keys) - len(measured)
                 if tail and unprobed:
-                    pool_total += unprobed * int(statistics.median(p.pool_bytes for p in tail))
+                    pool_total += unprobed * min(p.pool_bytes for p in tail)
                     # The driver hands out its memory in 2 MiB steps, shared by several graphs:
                     # every probe of the mode is a sample of the per-graph mean.
                     driver_total += unprobed * sum(p.driver_bytes for p in measured) // len(measured)
@@ -193,6 +192,28 @@ def measure_warm_ups(
     for key, engine in largest:  # the capture's eager peak
         key.warm_up(engine, buffers)
     return reserved_bytes(device) - reserved
+
+
+def _probe(
+    key: PlannedKey[OutputT],
+    engine: GraphEngine[OutputT],
+    buffers: StaticBuffers,
+    entries: list[GraphEntry[OutputT]],
+    device: torch.device,
+    *,
+    warm: bool,
+) -> CapturedGraph:
+    """Record ``key`` into ``entries`` (warmed up first if ``warm``: the smallest, as a background capture).
+
+    A function of its own so that no local name outlives the probes: their
+    graphs must die with ``entries``, or the pool stays reserved.
+    """
+    start = time.perf_counter()
+    if warm:
+        key.warm_up(engine, buffers)
+    entry, captured = key.record(engine, device, start)
+    entries.append(entry)
+    return captured
 
 
 def _num_tokens(key: PlannedKey[OutputT]) -> int:
