@@ -95,7 +95,7 @@ demo: $(STAMP)  ## The main job: capture and replay the reference decoder
 gpu: gpu-test gpu-bench  ## Tests, then benchmarks, with $(PYTHON) and no installs
 
 gpu-test:  ## Tests only, with $(PYTHON) and no installs
-	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider $(PYTEST_FLAGS)
+	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider -m "not needs_index" $(PYTEST_FLAGS)
 
 gpu-bench:  ## Benchmarks only, with $(PYTHON) and no installs
 	$(call run_benchmarks,$(PYTHON),$(SRC_PATH):.:$(PYTHONPATH))

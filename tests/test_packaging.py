@@ -158,6 +158,7 @@ def _pip(python: Path, args: list[str], cwd: Path, env: Mapping[str, str]) -> No
     assert done.returncode == 0, f"pip {args}:\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.needs_index  # a GPU machine has no index: `make gpu-test` deselects it
 def test_readme_installs_then_the_rank_example_over_gloo_and_shm(tmp_path: Path) -> None:
     """The README's "Install" commands in a new venv, then the TP example over gloo and shm, on the CPU.
 
