@@ -164,6 +164,11 @@ def capture_faults(args: Sequence[str]) -> Result:
         ranks=ranks,
     )
     try:
+        mismatched.estimate_memory()  # the probes too: a rank's probes would not meet the others'
+        result["mismatch_estimate"] = "no error"
+    except RanksDisagreeError as error:
+        result["mismatch_estimate"] = f"RanksDisagreeError: {error}"
+    try:
         mismatched.capture()
         result["mismatch"] = "no error"
     except RanksDisagreeError as error:
@@ -181,6 +186,11 @@ def capture_faults(args: Sequence[str]) -> Result:
     )
     set_capture_enabled(rank != 1)
     try:
+        try:
+            manager.estimate_memory()
+            result["disabled_estimate"] = "no error"
+        except RanksDisagreeError as error:
+            result["disabled_estimate"] = f"RanksDisagreeError: {error}"
         manager.capture()
         result["disabled"] = "no error"
     except RanksDisagreeError as error:
@@ -311,6 +321,45 @@ def tensor_parallel(args: Sequence[str]) -> Result:
     return result
 
 
+def tensor_parallel_memory(args: Sequence[str]) -> Result:
+    """TP over all ranks, on GPUs: ``estimate_memory()`` against the ``capture()`` it predicts.
+
+    The reference decoder sharded, FULL_AND_PIECEWISE over the 51 default
+    sizes up to 512: its graphs hold NCCL all-reduces, so the probes record
+    them too. Warmed up by one estimate, capture and release (as the memory
+    benchmark is), then timed: the estimate, and the capture whose report
+    measures the device's drop of free memory.
+    """
+    from cudagraph_manager.examples.reference import DecoderConfig, ReferenceDecoder, static_inputs
+    from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+
+    (device_kind,) = args
+    _, device = _setup(device_kind)
+    ranks = RankAgreement(timeout=_TIMEOUT)
+    config = DecoderConfig()
+    sharded = TensorParallelDecoder(ReferenceDecoder(config, device=device))
+    plan = DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(512), config.max_num_seqs, 1)
+    manager = CUDAGraphManager(sharded, static_inputs(config), plan, device=device, ranks=ranks)
+    with torch.no_grad():
+        manager.estimate_memory()
+        manager.capture(progress=False)
+        manager.release()
+        start = time.perf_counter()
+        estimate = manager.estimate_memory()
+        estimate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        report = manager.capture(progress=False)
+        capture_s = time.perf_counter() - start
+    manager.release()  # graphs with NCCL operations freed before the process ends
+    return {
+        "graphs": report.num_graphs,
+        "estimate_bytes": estimate.total_bytes,
+        "measured_bytes": report.device_bytes,
+        "estimate_s": estimate_s,
+        "capture_s": capture_s,
+    }
+
+
 def late_rank(args: Sequence[str]) -> Result:
     """Rank 1 never joins an exchange: rank 0's raises once the agreement's timeout has passed."""
     (backend,) = args
@@ -368,6 +417,7 @@ if __name__ == "__main__":
             "dp": data_parallel,
             "faults": capture_faults,
             "tp": tensor_parallel,
+            "tp_memory": tensor_parallel_memory,
             "late": late_rank,
             "subgroups": subgroups,
             "shm_refused": shm_refused,

@@ -24,6 +24,7 @@ from tests.ranks_support import RankRun, spawn_ranks
 
 _WORKER: Final = "tests.manager.rank_worker"
 _TIMEOUT_S: Final = 150.0  # per spawn: a hang fails the test instead of stalling the suite
+_MIB: Final = 2**20
 
 two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -110,6 +111,12 @@ def _check_faults(run: RankRun) -> None:
     r0, r1 = run.results
     for result in (r0, r1):
         assert str(result["mismatch"]).startswith("RanksDisagreeError: ranks disagree on the capture plan")
+        assert str(result["mismatch_estimate"]).startswith(
+            "RanksDisagreeError: ranks disagree on the capture plan"
+        )
+        assert str(result["disabled_estimate"]).startswith(
+            "RanksDisagreeError: ranks disagree on whether to capture"
+        )
         assert result["mismatch_captured"] == 0
         assert str(result["disabled"]).startswith("RanksDisagreeError: ranks disagree on whether to capture")
         assert "rank(s) [1] cannot capture" in str(result["disabled"])
@@ -231,6 +238,26 @@ def test_tensor_parallel_decoder_matches_unsharded_on_cpu(tmp_path: Path) -> Non
 def test_tensor_parallel_decoder_matches_unsharded(tmp_path: Path) -> None:
     """TP=2 in FULL, PIECEWISE and FULL_AND_PIECEWISE: every step replays and equals one GPU's result."""
     _check_tensor_parallel(_spawn(tmp_path, "tp", "cuda"))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_the_estimate_predicts_a_tensor_parallel_capture(tmp_path: Path) -> None:
+    """TP=2, FULL_AND_PIECEWISE over 51 sizes, graphs with NCCL all-reduces: issue 17's target per rank.
+
+    Within max(1.5%, 32 MiB) of the drop the capture's report measured, never
+    more than 32 MiB under. (Its time share is a benchmark figure, printed.)
+    """
+    run = _spawn(tmp_path, "tp_memory", "cuda")
+    for rank, facts in enumerate(run.results):
+        estimate, measured = facts["estimate_bytes"], facts["measured_bytes"]
+        assert isinstance(estimate, int), facts
+        assert isinstance(measured, int), facts
+        error = estimate - measured
+        print(f"rank {rank}: {facts}; error {error / _MIB:+.1f} MiB")
+        assert facts["graphs"] == 86, facts
+        assert error >= -32 * _MIB, (rank, facts)
+        assert abs(error) <= max(0.015 * measured, 32 * _MIB), (rank, facts)
 
 
 def _check_example(stdout: str, steps: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final, Generic, cast
 
@@ -286,15 +286,10 @@ class CUDAGraphManager(Generic[OutputT]):
         with self._exclusive("capture"):
             pending = self._capturer.pending()
             self._before_capture(len(pending))
-            ranks = self._ranks
-            if ranks is not None:
-                unable = self._no_graphs or (
-                    None if capture_enabled() else "capture is disabled (set_capture_enabled(False))"
-                )
-                ranks.agree_plan([(key.mode, key.descriptor) for key in pending], can_capture=unable)
+            self._agree_plan(pending)
             if self._no_graphs is not None:
                 return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
-            return self._capturer.foreground(pending, ranks, progress)
+            return self._capturer.foreground(pending, self._ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
         """Predict what ``capture()`` of the pending keys will cost the device, before capturing.
@@ -311,10 +306,14 @@ class CUDAGraphManager(Generic[OutputT]):
         the drop of free memory over the ``capture()`` that follows, from
         that emptied cache (``CaptureReport.device_bytes``); memory allocated
         in between (a KV cache) does not change it. Synchronizes the calling
-        stream. With ``ranks``, a collective: every rank calls it. A failing
-        probe raises ``CaptureError`` naming its key, and nothing is kept.
+        stream. With ``ranks``, a collective: every rank calls it, and ranks
+        whose plans differ (or that cannot capture) raise
+        ``RanksDisagreeError`` on every rank before any probe, as
+        ``capture()`` does. A failing probe raises ``CaptureError`` naming its
+        key, and nothing is kept.
         """
         with self._exclusive("estimate_memory"):
+            self._agree_plan(self._capturer.pending())
             return self._capturer.estimate(self._no_graphs)
 
     def start_capture(self) -> BackgroundCapture:
@@ -342,6 +341,14 @@ class CUDAGraphManager(Generic[OutputT]):
             self._before_capture(len(pending))
             session = self._session = self._capturer.background(pending, self._no_graphs)
         return session
+
+    def _agree_plan(self, pending: Sequence[PlannedKey[OutputT]]) -> None:
+        """With ``ranks``: every rank captures (or probes) the same keys, or all raise before any."""
+        if self._ranks is not None:
+            unable = self._no_graphs or (
+                None if capture_enabled() else "capture is disabled (set_capture_enabled(False))"
+            )
+            self._ranks.agree_plan([(key.mode, key.descriptor) for key in pending], can_capture=unable)
 
     def _before_capture(self, num_pending: int) -> None:
         """New graphs read the weights as they are now; the graphs kept must still read theirs."""
