@@ -16,6 +16,7 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager._memory import reserved_bytes
 from cudagraph_manager.examples.reference import DecoderConfig, ReferenceDecoder, static_inputs
 
 pytestmark = pytest.mark.gpu
@@ -43,3 +44,13 @@ def test_the_report_accounts_for_what_the_device_lost(mode: CUDAGraphMode) -> No
     recorded = sum(g.pool_bytes + g.driver_bytes for g in report.graphs)
     assert 0 < recorded <= report.device_bytes + GRANULE * report.num_graphs
     print(f"{mode.name}: {report.num_graphs} graphs; {report}".splitlines()[0])  # for the log
+
+
+def test_reserved_bytes_is_torchs_figure_read_without_flattening() -> None:
+    """``_memory.reserved_bytes`` reads torch's nested statistics: the same number as ``memory_reserved``."""
+    device = torch.device("cuda")
+    held = [torch.empty(n * 2**20, dtype=torch.uint8, device=device) for n in (1, 3, 24)]
+    assert reserved_bytes(device) == torch.cuda.memory_reserved(device) > 0
+    del held
+    torch.cuda.empty_cache()
+    assert reserved_bytes(device) == torch.cuda.memory_reserved(device)

@@ -11,5 +11,12 @@ def free_bytes(device: torch.device) -> int:
 
 
 def reserved_bytes(device: torch.device) -> int:
-    """The device's reserved memory (0 off CUDA): its growth is what torch's allocator took."""
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    """The device's reserved memory (0 off CUDA): its growth is what torch's allocator took.
+
+    ``torch.cuda.memory_reserved`` is the same figure, but it flattens every
+    statistic of the allocator first: 0.4 ms a call, two per captured key.
+    """
+    if device.type != "cuda":
+        return 0
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before CUDA is initialized
+    return int(stats["reserved_bytes"]["all"]["current"]) if stats else 0
