@@ -94,6 +94,8 @@ demo: $(STAMP)  ## The main job: capture and replay the reference decoder
 
 gpu: gpu-test gpu-bench  ## Tests, then benchmarks, with $(PYTHON) and no installs
 
+# gpu-test deselects the one test that installs from the package index (a GPU machine may
+# have none); PYTEST_FLAGS with a -m of its own replaces that deselection.
 gpu-test:  ## Tests only, with $(PYTHON) and no installs
 	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider -m "not needs_index" $(PYTEST_FLAGS)
 

@@ -220,12 +220,13 @@ plan_lengths: Final = st.integers(min_value=1, max_value=2048)
 
 
 def _plan_sizes(length: int, max_gap: int, seed: int) -> list[int]:
-    gaps = random.Random(seed).choices(range(1, max_gap + 1), k=length)
-    return sorted(itertools.accumulate(gaps), reverse=True)
+    gaps = random.Random(seed).choices(range(max_gap + 1), k=length)
+    return sorted((1 + size for size in itertools.accumulate(gaps)), reverse=True)
 
 
-#: A mode's key sizes, largest first, distinct, with gaps of 1 to ``max_gap`` tokens (cheap to draw:
-#: a seed, not a list, so long plans cost Hypothesis nothing).
+#: A mode's key sizes in tokens, largest first, with gaps of 0 to ``max_gap`` tokens: keys of one
+#: size repeat, as LoRA counts make them (cheap to draw: a seed, not a list, so long plans cost
+#: Hypothesis nothing).
 plan_sizes: Final = st.builds(
     _plan_sizes, plan_lengths, st.integers(min_value=1, max_value=64), st.integers(0, 2**32 - 1)
 )

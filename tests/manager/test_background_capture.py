@@ -161,6 +161,29 @@ def test_a_failed_key_is_reported_on_the_handle_and_serving_goes_on(backend: Bac
     assert manager.stats.eager_reasons["not_captured"] >= 1
 
 
+def test_a_failed_warm_up_is_reported_naming_its_key(backend: Backend) -> None:
+    """A warm-up the model fails is a ``CaptureError`` naming the key, as in ``capture()``."""
+    model = ToyModel(backend.device)
+
+    def fail_warm_ups(**inputs: torch.Tensor) -> torch.Tensor:
+        context = get_forward_context()  # a warm-up runs under NONE on the capture thread
+        on_capture_thread = threading.current_thread() is not threading.main_thread()
+        if on_capture_thread and context is not None and context.runtime_mode is CUDAGraphMode.NONE:
+            raise RuntimeError("warm-up boom")
+        return model.eager(inputs)
+
+    manager = make_manager(backend, fail_warm_ups)
+    (_, (largest, *_)), *_ = manager.dispatcher.capture_plan()
+    handle = manager.start_capture()
+    _serve_until_done(manager, model, handle, backend.device)
+    handle.wait(WAIT_S)
+    warm_up_errors = [error for error in handle.errors if "warm-up boom" in str(error)]
+    assert len(warm_up_errors) == 1  # the first warm-up failed; the captures went on
+    (error,) = warm_up_errors
+    assert isinstance(error, CaptureError)
+    assert error.descriptor == largest
+
+
 def test_a_key_that_fails_once_is_tried_again() -> None:
     model = ToyModel(CPU)
     tries: list[int] = []

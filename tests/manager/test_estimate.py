@@ -61,24 +61,39 @@ def test_the_probes_of_the_default_plan_are_spread_in_tokens() -> None:
 
 @given(plan_sizes)
 def test_probes_are_few_spread_and_in_plan_order(sizes: list[int]) -> None:
-    """For every plan: the largest first, then about 8% of the rest (at least 2) spread over their sizes."""
-    chosen = probe_keys(sizes, lambda size: size)
-    assert chosen[0] == sizes[0]
-    assert chosen == sorted(set(chosen), reverse=True)  # distinct, in capture order
-    others = len(sizes) - 1
+    """For every plan: the largest first, then about 8% of the rest (at least 2) spread over their sizes.
+
+    Keys are positions in the plan (several may share a size): the second and
+    the last key are probed by position, the last being the one warmed up.
+    """
+    keys = list(range(len(sizes)))
+    chosen = probe_keys(keys, sizes.__getitem__)
+    assert chosen[0] == 0
+    assert chosen == sorted(set(chosen))  # distinct, in capture order
+    others = len(keys) - 1
     k = min(others, max(MIN_PROBES, math.ceil(PROBE_SHARE * others)))
     assert len(chosen) - 1 == k
     if k < 2:
         return
-    assert chosen[1] == sizes[1]  # the second largest: it often grows the pool once
-    assert chosen[-1] == sizes[-1]  # the smallest
+    assert chosen[1] == 1  # the second largest: it often grows the pool once
+    assert chosen[-1] == keys[-1]  # the last key of the smallest size
     widest = max(a - b for a, b in itertools.pairwise(sizes[1:]))
     spacing = (sizes[1] - sizes[-1]) / (k - 1)
     if spacing >= 2 * widest:  # room for a key near every target: each pick is its target's nearest
         targets = [sizes[1] - i * spacing for i in range(k)]
+        picked = [sizes[key] for key in chosen[1:]]
         near = widest / 2 + 1e-6  # a tie between two keys may go either way in floating point
-        assert all(abs(pick - target) <= near for pick, target in zip(chosen[1:], targets, strict=True))
-        assert all(a - b <= spacing + widest for a, b in itertools.pairwise(chosen[1:]))
+        assert all(abs(pick - target) <= near for pick, target in zip(picked, targets, strict=True))
+        assert all(a - b <= spacing + widest for a, b in itertools.pairwise(picked))
+
+
+def test_several_keys_of_the_smallest_size_probe_the_last() -> None:
+    """LoRA counts give a size several keys: the plan's last key is the probe that is warmed up."""
+    sizes = [size for size in sorted(CaptureSizes.default(512).sizes, reverse=True) for _ in range(3)]
+    keys = list(range(len(sizes)))
+    chosen = probe_keys(keys, sizes.__getitem__)
+    assert chosen[-1] == keys[-1]
+    assert chosen[1] == 1
 
 
 def test_a_manager_without_cuda_graphs_estimates_nothing_and_says_why() -> None:

@@ -153,11 +153,14 @@ class Capturer(Generic[OutputT]):
             pending, self._probe_engines, self._buffers, self._device, self._options.gc_disable
         )
 
-    def drop_all(self, *, release_memory: bool) -> None:
-        """Free every graph; ``release_memory``: and give the device's graph memory back to it."""
+    def drop_all(self) -> None:
+        """Free every graph (the pool stays, for the graphs captured next)."""
         for key in self._keys.values():
             self.drop(key)
-        if release_memory and self._device.type == "cuda":
+
+    def release_memory(self) -> None:
+        """Give the device's graph memory back to it (``release_graph_memory``): after ``drop_all()``."""
+        if self._device.type == "cuda":
             release_graph_memory(self._device)
 
     def drop(self, key: PlannedKey[OutputT]) -> None:

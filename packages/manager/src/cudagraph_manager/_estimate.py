@@ -17,11 +17,11 @@ extrapolates along how a capture's cost grows:
   in a few ranges of sizes, once per range (at its top; the graphs below
   are served by what it added), by about one activation. Probes captured
   in plan order into one pool pay a range's growth when they fall into
-  it, as the capture will; spread evenly over the sizes, they find the
-  ranges wide enough to matter. Measured on the 8B-like model over 2,048
-  sizes: 1,600 to 1,744 tokens (10 keys) grew it by 48 MiB, 16 to 128 by
-  6 MiB; a narrower range is missed, and the estimate is under by its
-  growth.
+  it, as the capture will; spread evenly over the sizes, they find every
+  range wider than their spacing (about 185 tokens over 2,048 sizes), and
+  may miss a narrower one, the estimate then being under by its growth.
+  Measured on the 8B-like model over 2,048 sizes: 1,600 to 1,744 tokens
+  (10 keys) grew it by 48 MiB (found), 16 to 128 by 6 MiB.
 - **The executables.** The driver's memory for a graph (for each segment of
   a breakable one) is about the same for every graph of a mode.
 
@@ -100,8 +100,9 @@ def probe_keys(keys: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
         return [largest, *others[:k]]
     sizes = [-tokens(key) for key in others]  # ascending, for bisect
     high, low = sizes[0], sizes[-1]
-    picked: set[int] = set()
-    for i in range(k):
+    # The ends by position: of several keys of the smallest size (LoRA counts), the last is warmed up.
+    picked = {0, len(others) - 1}
+    for i in range(1, k - 1):
         target = high + i * (low - high) / (k - 1)
         at = bisect.bisect_left(sizes, target)
         # The nearest key not picked yet: outward from the target (k <= len(others), so one is left).
@@ -150,10 +151,10 @@ def estimate_memory(
                 # Each unprobed key costs what every probe past the two largest grew the pool by:
                 # the least of them (a range's growth is once, counted above; the second graph
                 # into a pool often grows it once).
-                tail = measured[2:] or measured[1:]
+                tail = measured[2:]  # not empty where a key is unprobed: k >= 2 then
                 unprobed = len(keys) - len(measured)
                 if tail and unprobed:
-                    pool_total += unprobed * min(p.pool_bytes for p in tail)
+                    pool_total += unprobed * max(0, min(p.pool_bytes for p in tail))
                     # The driver hands out its memory in 2 MiB steps, shared by several graphs:
                     # every probe of the mode is a sample of the per-graph mean.
                     driver_total += unprobed * sum(p.driver_bytes for p in measured) // len(measured)

@@ -220,7 +220,7 @@ class CUDAGraphManager(Generic[OutputT]):
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         with self._exclusive("clear"):
-            self._capturer.drop_all(release_memory=False)
+            self._capturer.drop_all()
             self._weights.forget()
 
     def release(self) -> None:
@@ -244,11 +244,12 @@ class CUDAGraphManager(Generic[OutputT]):
             if session is not None and not session.done:
                 session.stop()
                 session.wait()
-            self._capturer.drop_all(release_memory=True)
+            self._capturer.drop_all()
             self._weights.forget()
             self._eager.released = True
             if self._guard is not None:
                 self._guard.retire_all()
+            self._capturer.release_memory()  # last: the manager is released even if this raises
 
     def check_weights(self) -> None:
         """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced.
@@ -306,11 +307,13 @@ class CUDAGraphManager(Generic[OutputT]):
         the drop of free memory over the ``capture()`` that follows, from
         that emptied cache (``CaptureReport.device_bytes``); memory allocated
         in between (a KV cache) does not change it. Synchronizes the calling
-        stream. With ``ranks``, a collective: every rank calls it, and ranks
-        whose plans differ (or that cannot capture) raise
-        ``RanksDisagreeError`` on every rank before any probe, as
-        ``capture()`` does. A failing probe raises ``CaptureError`` naming its
-        key, and nothing is kept.
+        stream. With ``ranks``, a collective: every rank calls it, and, as
+        in ``capture()``, ranks whose plans differ or of which some cannot
+        capture raise ``RanksDisagreeError`` on every rank before any probe
+        (all disabled: ``CaptureDisabledError`` on every rank); a warm-up
+        failing on one rank leaves the others in the model's collective
+        until its timeout. A failing probe raises ``CaptureError`` naming
+        its key, and nothing is kept.
         """
         with self._exclusive("estimate_memory"):
             self._agree_plan(self._capturer.pending())

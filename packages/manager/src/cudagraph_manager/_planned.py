@@ -78,8 +78,8 @@ class PlannedKey(Generic[OutputT]):
         writes included. The model's own error at this size is raised as a
         ``CaptureError`` naming the key.
         """
-        buffers.fill_padding(self.num_tokens, self.num_reqs)
         try:
+            buffers.fill_padding(self.num_tokens, self.num_reqs)
             engine.warm_up(self.descriptor, self.inputs)
         except CaptureError:
             raise
