@@ -212,3 +212,14 @@ def capture_key(
     key.last_cut = None
     key.entry = entry  # last: the serving thread replays the key from its next step
     return captured
+
+
+def agree_plan(
+    ranks: RankAgreement | None, pending: Sequence[PlannedKey[OutputT]], no_graphs: str | None
+) -> None:
+    """With ``ranks``: every rank captures (or probes) the same keys, or all raise before any."""
+    if ranks is not None:
+        unable = no_graphs or (
+            None if capture_enabled() else "capture is disabled (set_capture_enabled(False))"
+        )
+        ranks.agree_plan([(key.mode, key.descriptor) for key in pending], can_capture=unable)

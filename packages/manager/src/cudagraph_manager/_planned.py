@@ -12,6 +12,7 @@ and the estimate's probes alike.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Final, Generic, cast
 
 import torch
@@ -104,3 +105,13 @@ class PlannedKey(Generic[OutputT]):
         driver_bytes = free - free_bytes(device) - pool_bytes
         seconds = time.perf_counter() - start
         return entry, CapturedGraph(self.mode, self.descriptor, seconds, pool_bytes, driver_bytes)
+
+
+def replays_by_size(keys: Iterable[PlannedKey[OutputT]]) -> dict[tuple[CUDAGraphMode, int], int]:
+    """Replays per (mode, num_tokens) over ``keys`` (keys of one size differ by requests or LoRAs)."""
+    replays: dict[tuple[CUDAGraphMode, int], int] = {}
+    for key in keys:
+        if key.replays:
+            size = (key.mode, key.num_tokens)
+            replays[size] = replays.get(size, 0) + key.replays
+    return replays
