@@ -324,6 +324,15 @@ def _breakable_engine_step(
     return step
 
 
+def _baseline(
+    mode: CUDAGraphMode, decoder: ReferenceDecoder, inputs: dict[str, torch.Tensor], batch: int
+) -> tuple[str, Callable[[], object]]:
+    """The manager's baseline in ``mode``: FULL the hand-written graph, PIECEWISE the engine's replay."""
+    if mode is CUDAGraphMode.FULL:
+        return "cuda_graph", _hand_written_step(decoder, inputs, batch)
+    return "breakable_engine", _breakable_engine_step(decoder, inputs, batch)
+
+
 @pytest.mark.parametrize("batch", _STEP_BATCHES)
 def test_step_cuda_graph(
     benchmark: BenchmarkFixture,
@@ -374,12 +383,7 @@ def test_step_manager(
     assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
     # The target ratios, from rounds alternating with the baseline (drift-free);
     # FULL against the hand-written graph, PIECEWISE against the engine's own replay.
-    baseline_label = "cuda_graph" if mode is CUDAGraphMode.FULL else "breakable_engine"
-    baseline = (
-        _hand_written_step(decoder, inputs, batch)
-        if mode is CUDAGraphMode.FULL
-        else _breakable_engine_step(decoder, inputs, batch)
-    )
+    baseline_label, baseline = _baseline(mode, decoder, inputs, batch)
     candidates: dict[str, Callable[[], object]] = {
         label: lambda: run_graph(manager, False, inputs),
         baseline_label: baseline,
@@ -666,12 +670,7 @@ def test_step_8b_like(
     manager = managers_8b[mode]
     _check(run_graph(manager, False, inputs).clone(), decoder_8b.step(inputs), f"8B-like {mode.name}")
     label = f"manager_{mode.name.lower()}"
-    baseline_label = "cuda_graph" if mode is CUDAGraphMode.FULL else "breakable_engine"
-    baseline = (
-        _hand_written_step(decoder_8b, inputs, batch)
-        if mode is CUDAGraphMode.FULL
-        else _breakable_engine_step(decoder_8b, inputs, batch)
-    )
+    baseline_label, baseline = _baseline(mode, decoder_8b, inputs, batch)
     candidates: dict[str, Callable[[], object]] = {
         label: lambda: run_graph(manager, False, inputs),
         baseline_label: baseline,
