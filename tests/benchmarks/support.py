@@ -14,6 +14,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -90,3 +91,15 @@ def interleave(
             if index >= warmup_rounds:
                 samples[name].append((time.perf_counter() - start) / calls_per_round)
     return Interleaved(samples)
+
+
+def pyplot_or_none() -> ModuleType | None:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

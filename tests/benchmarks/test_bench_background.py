@@ -21,17 +21,14 @@ next to the benchmark JSON as ``serve_from_step0.png``.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Final, cast
 
 import pytest
 
-from tests.benchmarks.support import BenchmarkFixture
+from tests.benchmarks.support import BenchmarkFixture, pyplot_or_none
+from tests.capture.test_lean_import_capture import fresh_json
 
 pytestmark = pytest.mark.gpu
 
@@ -45,17 +42,7 @@ _GROUPS: Final = {
 
 def _cold_run(run: str, model: str) -> dict[str, object]:
     """One run in a fresh process; its JSON line."""
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.benchmarks.serve_from_step0", run, model],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=os.environ.copy(),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return fresh_json("-m", "tests.benchmarks.serve_from_step0", run, model)
 
 
 def _served(result: dict[str, object]) -> list[tuple[float, float, bool]]:
@@ -120,14 +107,8 @@ def _plot(
 ) -> None:
     """Step time over wall time for both runs, next to the benchmark JSON (skipped without matplotlib)."""
     json_path = request.config.getoption("benchmark_json", None)
-    if json_path is None:
-        return
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if json_path is None or plt is None:
         return
     figure, axes = plt.subplots(figsize=(9, 4.5))
     for series, label in (

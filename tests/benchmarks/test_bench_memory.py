@@ -12,15 +12,12 @@ capture's.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Final
 
 import pytest
 
 from tests.benchmarks.support import BenchmarkFixture
+from tests.capture.test_lean_import_capture import fresh_json
 
 pytestmark = pytest.mark.gpu
 
@@ -50,17 +47,9 @@ def test_bench_memory_estimate(benchmark: BenchmarkFixture, case: tuple[str, str
     results: list[dict[str, object]] = []
 
     def run() -> None:
-        args = [sys.executable, "-m", "tests.benchmarks.memory_estimate", model, mode, str(size)]
-        done = subprocess.run(
-            [*args, *(["--compiled"] if compiled else [])],
-            capture_output=True,
-            text=True,
-            timeout=500,
-            check=False,
-            env=os.environ.copy(),
-        )
-        assert done.returncode == 0, done.stderr[-4000:]
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        flags = ["--compiled"] if compiled else []
+        args = ["-m", "tests.benchmarks.memory_estimate", model, mode, str(size), *flags]
+        results.append(fresh_json(*args, timeout=500))
 
     benchmark.group = "graph memory estimates against the capture"
     benchmark.pedantic(run, rounds=1, iterations=1)

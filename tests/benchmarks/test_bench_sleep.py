@@ -35,7 +35,7 @@ from cudagraph_manager.examples.reference import (
     make_step_inputs,
     static_inputs,
 )
-from tests.benchmarks.support import BenchmarkFixture
+from tests.benchmarks.support import BenchmarkFixture, pyplot_or_none
 
 pytestmark = pytest.mark.gpu
 
@@ -184,14 +184,8 @@ def _plot(
 ) -> None:
     """Step time after a wake, eager and replayed, next to the benchmark JSON (skipped without matplotlib)."""
     json_path = request.config.getoption("benchmark_json", None)
-    if json_path is None or not timeline:
-        return
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot_or_none()
+    if json_path is None or not timeline or plt is None:
         return
     figure, axes = plt.subplots(figsize=(9, 4.5))
     for replayed, label in ((False, "eager (graph not ready yet)"), (True, "replayed")):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,24 +37,29 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def run_fresh(*args: str) -> str:
+def run_fresh(*args: str, timeout: float = 300) -> str:
     """``python *args`` in a fresh interpreter with the packages on its path; its stdout (it must succeed)."""
     result = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,
         env=subprocess_env(),
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 
 
+def fresh_json(*args: str, timeout: float = 300) -> dict[str, Any]:
+    """The JSON object that ``python *args``, run in a fresh interpreter, prints last."""
+    report: dict[str, Any] = json.loads(run_fresh(*args, timeout=timeout).strip().splitlines()[-1])
+    return report
+
+
 def probe(code: str) -> dict[str, object]:
     """The JSON object that ``code``, run in a fresh interpreter, prints last."""
-    report: dict[str, object] = json.loads(run_fresh("-c", code).strip().splitlines()[-1])
-    return report
+    return fresh_json("-c", code)
 
 
 @pytest.mark.parametrize("module", ["cudagraph_capture", "cudagraph_manager"])

@@ -11,13 +11,11 @@ caches the start-up freed (the allocator had rounded each layer's up).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Final
 
 import pytest
+
+from tests.capture.test_lean_import_capture import fresh_json
 
 pytestmark = pytest.mark.gpu
 
@@ -27,17 +25,7 @@ GRANULE: Final = 2 * MIB
 
 def run_kv_sizing(model: str) -> dict[str, float]:
     """The example in a fresh process; its figures."""
-    done = subprocess.run(
-        [sys.executable, "-m", "cudagraph_manager.examples.kv_sizing", model, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=os.environ.copy(),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return figures
+    return fresh_json("-m", "cudagraph_manager.examples.kv_sizing", model, "--json")
 
 
 def check_kv_sizing(figures: dict[str, float]) -> None:
