@@ -23,12 +23,18 @@ from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
 from ._sizes import MAX_CAPTURE_SIZE as MAX_CAPTURE_SIZE
 from ._sizes import CaptureSizes as CaptureSizes
+from ._support import AttentionSupport as AttentionSupport
+from ._support import GraphSupport as GraphSupport
+from ._support import ModeNotSupportedError as ModeNotSupportedError
+from ._support import ModeResolution as ModeResolution
+from ._support import resolve_mode as resolve_mode
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORWARD_CONTEXT_VAR",
     "MAX_CAPTURE_SIZE",
+    "AttentionSupport",
     "BatchDescriptor",
     "CUDAGraphDispatcher",
     "CUDAGraphMode",
@@ -38,11 +44,15 @@ __all__ = [
     "EagerReason",
     "ForwardContext",
     "GraphDispatcher",
+    "GraphSupport",
+    "ModeNotSupportedError",
+    "ModeResolution",
     "RankRequest",
     "Route",
     "agree_across_ranks",
     "check_bool",
     "check_int",
     "get_forward_context",
+    "resolve_mode",
     "set_forward_context",
 ]

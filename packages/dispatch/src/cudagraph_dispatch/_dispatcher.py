@@ -20,6 +20,7 @@ from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._reasons import EagerReason
+from ._support import AttentionSupport, ModeResolution, resolve_mode
 
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
@@ -104,14 +105,30 @@ class CUDAGraphDispatcher:
         "_lora_cases",
         "_mode",
         "_num_dense_slots",
+        "_resolution",
         "_sizes",
         "_tables",
     )
 
-    def __init__(self, config: DispatchConfig) -> None:
+    def __init__(
+        self,
+        config: DispatchConfig,
+        *,
+        attention: AttentionSupport | None = None,
+        strict_attention: bool = False,
+    ) -> None:
         given: object = config  # checked at run time: callers may not be typed
         if not isinstance(given, DispatchConfig):
             raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
+        given_attention: object = attention
+        if given_attention is not None and not isinstance(given_attention, AttentionSupport):
+            raise ValueError(f"attention: expected an AttentionSupport or None, got {attention!r}")
+        # The keys follow the mode the attention can serve, never a mode above it.
+        self._resolution: Final = resolve_mode(
+            config, AttentionSupport() if attention is None else attention, strict=strict_attention
+        )
+        if self._resolution.downgraded:
+            config = dataclasses.replace(config, mode=self._resolution.mode)
         capture_sizes = config.capture_sizes
         self._config: Final = config
         self._mode: Final = config.mode
@@ -134,8 +151,13 @@ class CUDAGraphDispatcher:
 
     @property
     def config(self) -> DispatchConfig:
-        """The configuration the graphs were built from."""
+        """The configuration the graphs were built from: its mode is the resolved one."""
         return self._config
+
+    @property
+    def resolution(self) -> ModeResolution:
+        """The configured mode resolved against the attention's support, and why it was downgraded."""
+        return self._resolution
 
     def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
         """The keys captured for runtime mode ``mode`` (empty for NONE)."""

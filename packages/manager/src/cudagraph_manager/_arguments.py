@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from cudagraph_capture import CaptureOptions, resolve_device
-from cudagraph_dispatch import CUDAGraphDispatcher, DispatchConfig, check_bool
+from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
 from ._buffers import check_inputs_spec
 from ._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
@@ -46,6 +46,8 @@ def check_arguments(
     engine_factory: object,
     check_overwritten_outputs: bool,
     ranks: RankAgreement | None,
+    attention: AttentionSupport | None = None,
+    strict_attention: bool = False,
 ) -> Arguments:
     """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one)."""
     if not callable(model):
@@ -56,7 +58,13 @@ def check_arguments(
     given_ranks: object = ranks
     if given_ranks is not None and not isinstance(given_ranks, RankAgreement):
         raise ValueError(f"ranks: expected a RankAgreement or None, got {ranks!r:.80}")
-    dispatcher = CUDAGraphDispatcher(config)  # validates config
+    given_attention: object = attention
+    if given_attention is not None and not isinstance(given_attention, AttentionSupport):
+        raise ValueError(f"attention: expected an AttentionSupport or None, got {attention!r:.80}")
+    check_bool("strict_attention", strict_attention)
+    support = attention if attention is not None else declared_support(model)
+    # Validates config, and resolves its mode against the attention (ModeNotSupportedError if strict).
+    dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=strict_attention)
     checked = check_inputs_spec(inputs)
     check_bool("strict", strict)
     given_options: object = options
@@ -76,3 +84,21 @@ def check_arguments(
     return Arguments(
         dispatcher, checked, options if options is not None else CaptureOptions(), rows, resolved, no_graphs
     )
+
+
+def declared_support(model: object) -> AttentionSupport | None:
+    """What the model declares its attention can graph: its ``graph_support()``, or ``None``.
+
+    Looked up on the model, then on the object of a bound method (a model
+    passed as ``decoder.step``). A model with several backends returns
+    ``AttentionSupport.weakest`` of them.
+    """
+    for owner in (model, getattr(model, "__self__", None)):
+        declare = getattr(owner, "graph_support", None)
+        if declare is None:
+            continue
+        support: object = declare() if callable(declare) else declare
+        if not isinstance(support, AttentionSupport):
+            raise ValueError(f"model: graph_support() returned {support!r:.80}, expected an AttentionSupport")
+        return support
+    return None

@@ -53,7 +53,7 @@ from typing import Final
 import torch
 
 from cudagraph_capture import capture_lock, capture_stream, collector_paused
-from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch import BatchDescriptor, ModeResolution
 
 from ._compiled import compiles_since, dynamo_compiles
 from ._memory import free_bytes, reserved_bytes
@@ -91,6 +91,7 @@ class BackgroundCapture:
         "_pending",
         "_records",
         "_report",
+        "_resolution",
         "_retries",
         "_stop",
         "_total",
@@ -108,9 +109,11 @@ class BackgroundCapture:
         device: torch.device,
         gc_disable: bool,
         not_captured: str | None = None,
+        resolution: ModeResolution | None = None,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
         self._not_captured: Final = not_captured  # why nothing can be captured, for the report
+        self._resolution: Final = resolution  # the mode the graphs follow, for the report
         self._warm_keys: Final = tuple(warm_keys)
         self._warm_one: Final = warm_one
         self._capture_one: Final = capture_one
@@ -303,6 +306,6 @@ class BackgroundCapture:
             if why is None and self._pending:
                 why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
             self._report = CaptureReport(
-                tuple(self._records), seconds, reserved_bytes, why, compiles, device_bytes
+                tuple(self._records), seconds, reserved_bytes, why, compiles, device_bytes, self._resolution
             )
         self._done.set()

@@ -29,7 +29,7 @@ from cudagraph_capture import (
     collector_paused,
     release_graph_memory,
 )
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ModeResolution
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
@@ -55,6 +55,7 @@ class Capturer(Generic[OutputT]):
         "_layout",
         "_options",
         "_probe_engines",
+        "_resolution",
         "_warmed",
     )
 
@@ -67,8 +68,10 @@ class Capturer(Generic[OutputT]):
         layout: LayoutCell,
         device: torch.device,
         options: CaptureOptions,
+        resolution: ModeResolution | None = None,
     ) -> None:
         self._keys: Final = keys
+        self._resolution: Final = resolution  # for the reports
         self._engines: Final = engines
         self._probe_engines: Final = probe_engines  # the estimate's: engines into a pool of its own
         self._buffers: Final = buffers
@@ -105,7 +108,12 @@ class Capturer(Generic[OutputT]):
             reserved = reserved_bytes(device) - reserved_before
             lost = free_before - free_bytes(device)
         return CaptureReport(
-            tuple(records), seconds, reserved, compiles=compiles_since(compiled_before), device_bytes=lost
+            tuple(records),
+            seconds,
+            reserved,
+            compiles=compiles_since(compiled_before),
+            device_bytes=lost,
+            resolution=self._resolution,
         )
 
     def background(
@@ -134,6 +142,7 @@ class Capturer(Generic[OutputT]):
             self._device,
             self._options.gc_disable,
             not_captured,
+            self._resolution,
         )
         session.start()
         return session

@@ -120,7 +120,12 @@ class EagerSteps(Generic[OutputT]):
         counts.eager[reason] = counts.eager.get(reason, 0) + 1
         with torch.no_grad():
             if reason is not EagerReason.NO_CUDA or key is None:
-                with set_forward_context(_NONE, BatchDescriptor(num_tokens)):
+                # The batch as it is: an attention may lay out a uniform batch per request.
+                uniform = request[1] and num_reqs > 0
+                descriptor = (
+                    BatchDescriptor(num_tokens, num_reqs, True) if uniform else BatchDescriptor(num_tokens)
+                )
+                with set_forward_context(_NONE, descriptor):
                     out = self._model(**inputs)
                 # The outputs of an eager step are checked as a capture's are (rows, structure):
                 # a wrong output never reaches the caller silently. Eager steps only.

@@ -30,6 +30,7 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
+    AttentionSupport,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     Dispatch,
@@ -74,7 +75,11 @@ class CUDAGraphManager(Generic[OutputT]):
     while another thread is inside a method of this manager raises
     ``RuntimeError``. ``ranks`` makes data- or tensor-parallel ranks capture
     the same plan and take the same route at every step (README, "Several
-    GPUs").
+    GPUs"). ``attention`` is what the model's attention can graph
+    (default: the model's ``graph_support()``, else ``ALWAYS``): the
+    configured mode is resolved against it (``dispatcher.resolution``), each
+    downgrade logged once, or with ``strict_attention=True`` refused
+    (``ModeNotSupportedError``).
     """
 
     def __init__(
@@ -90,6 +95,8 @@ class CUDAGraphManager(Generic[OutputT]):
         engine_factory: GraphEngineFactory | None = None,
         check_overwritten_outputs: bool = False,
         ranks: RankAgreement | None = None,
+        attention: AttentionSupport | None = None,
+        strict_attention: bool = False,
     ) -> None:
         checked = check_arguments(
             model,
@@ -102,6 +109,8 @@ class CUDAGraphManager(Generic[OutputT]):
             engine_factory=engine_factory,
             check_overwritten_outputs=check_overwritten_outputs,
             ranks=ranks,
+            attention=attention,
+            strict_attention=strict_attention,
         )
         self._dispatcher: Final = checked.dispatcher
         self._options: Final = checked.options
@@ -142,7 +151,14 @@ class CUDAGraphManager(Generic[OutputT]):
             return factory(model, mode, dataclasses.replace(self._options, pool=pool))
 
         self._capturer: Final = Capturer(
-            self._keys, self._engines, probe_engine, self._buffers, self._layout, self._device, self._options
+            self._keys,
+            self._engines,
+            probe_engine,
+            self._buffers,
+            self._layout,
+            self._device,
+            self._options,
+            self._dispatcher.resolution,
         )
         self._step_lock: Final = threading.Lock()
         self._session: BackgroundCapture | None = None  # the last background capture
@@ -173,7 +189,7 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def stats(self) -> ManagerStats:
         """A snapshot of what ``run`` did since construction or ``reset_stats``."""
-        return self._counts.snapshot(replays_by_size(self._keys.values()))
+        return self._counts.snapshot(replays_by_size(self._keys.values()), self._dispatcher.resolution)
 
     def reset_stats(self) -> None:
         for key in self._keys.values():
@@ -235,7 +251,13 @@ class CUDAGraphManager(Generic[OutputT]):
             self._before_capture(len(pending))
             agree_plan(self._ranks, pending, self._no_graphs)
             if self._no_graphs is not None:
-                return CaptureReport(graphs=(), seconds=0.0, reserved_bytes=0, not_captured=self._no_graphs)
+                return CaptureReport(
+                    graphs=(),
+                    seconds=0.0,
+                    reserved_bytes=0,
+                    not_captured=self._no_graphs,
+                    resolution=self._dispatcher.resolution,
+                )
             return self._capturer.foreground(pending, self._ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:

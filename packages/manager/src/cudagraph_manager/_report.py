@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, ModeResolution
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -52,7 +52,9 @@ class CaptureReport:
     when the first capture of the process created it before the phase.
     ``not_captured`` says why nothing was captured where graphs cannot be
     (a manager on a device without CUDA graphs); ``None`` otherwise.
-    ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
+    ``resolution`` is the configured mode resolved against the model's
+    attention support (``ModeResolution``: the mode the graphs follow, and
+    why it was downgraded, if it was). ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
     during the capture, recompiles included: a compiled model compiles in
     its first warm-up; ``None`` when dynamo was never loaded. Dynamo's count
     is process-wide: a compile by another thread meanwhile counts too.
@@ -64,6 +66,7 @@ class CaptureReport:
     not_captured: str | None = None
     compiles: int | None = None
     device_bytes: int = 0
+    resolution: ModeResolution | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -89,6 +92,8 @@ class CaptureReport:
         )
         if self.compiles:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
+        if self.resolution is not None:
+            header += f"\nmode {self.resolution}"
         rows = [
             (
                 g.mode.name,
@@ -166,7 +171,8 @@ class ManagerStats:
     as a replay too), or the model run eagerly on one padding row.
     ``padded_tokens`` is the padding rows computed on top of the real tokens:
     by replays, and by the padded eager steps of a manager without CUDA
-    graphs (which run what the graph would have).
+    graphs (which run what the graph would have). ``resolution``: the mode
+    the graphs follow, resolved against the attention's support, and why.
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
@@ -176,6 +182,7 @@ class ManagerStats:
     eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
     idle_steps: int = 0
     dummy_steps: int = 0
+    resolution: ModeResolution | None = None
 
     @property
     def num_replays(self) -> int:
@@ -199,6 +206,7 @@ class ManagerStats:
             + (f" ({reasons})" if reasons else "")
             + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
             f" {self.padded_tokens} padded tokens"
+            + (f"; mode {self.resolution}" if self.resolution is not None else "")
         )
 
 
@@ -213,7 +221,9 @@ class StepCounts:
         self.idle_steps = 0
         self.dummy_steps = 0
 
-    def snapshot(self, replays: Mapping[tuple[CUDAGraphMode, int], int]) -> ManagerStats:
+    def snapshot(
+        self, replays: Mapping[tuple[CUDAGraphMode, int], int], resolution: ModeResolution | None = None
+    ) -> ManagerStats:
         eager = self.eager
         return ManagerStats(
             replays=MappingProxyType(dict(replays)),
@@ -223,6 +233,7 @@ class StepCounts:
             eager_reasons=MappingProxyType({r.value: n for r, n in eager.items()}),
             idle_steps=self.idle_steps,
             dummy_steps=self.dummy_steps,
+            resolution=resolution,
         )
 
     def reset(self) -> None:

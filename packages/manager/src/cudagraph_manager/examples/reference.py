@@ -178,11 +178,9 @@ def build_attention_metadata(
 
     ``positions`` and ``slot_ids`` are ``[T]``; ``key_positions`` is
     ``arange(max_seq_len)``; ``rotary`` is ``rotary_table``'s
-    ``[max_seq_len, 2, head_dim]``. cos and sin are expanded to the full
-    ``[T, 2, heads, head_dim]`` of q and k here, once: every layer's rotation
-    then runs on contiguous operands (vectorized kernels, not broadcasting ones).
+    ``[max_seq_len, 2, head_dim]``; cos and sin come from ``rotary_cos_sin``.
     """
-    num_tokens, max_seq_len = positions.shape[0], key_positions.shape[0]
+    max_seq_len = key_positions.shape[0]
     dtype = rotary.dtype
     hidden = key_positions[None, :] > positions[:, None]  # [T, L]
     # Additive, in the model's dtype: SDPA adds it as is, where a boolean mask
@@ -190,15 +188,31 @@ def build_attention_metadata(
     # row is never fully masked (key 0 is always visible), but min stays finite.
     mask = hidden.to(dtype).mul_(torch.finfo(dtype).min)  # [T, L]
     key_index = slot_ids * (2 * max_seq_len) + positions  # [T]: row (slot, 0, position)
-    cos_sin = rotary[positions]  # [T, 2, head_dim]
-    shape = (num_tokens, 2, num_heads, rotary.shape[-1])
+    cos, sin = rotary_cos_sin(positions, rotary, num_heads)
     return AttentionMetadata(
         slot_ids=slot_ids,
         key_index=key_index,
         value_index=key_index + max_seq_len,
         mask=mask[:, None, None, :],
-        cos=cos_sin[:, 0, None, None, :].expand(shape).contiguous(),
-        sin=cos_sin[:, 1, None, None, :].expand(shape).contiguous(),
+        cos=cos,
+        sin=sin,
+    )
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, rotary: torch.Tensor, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T, 2, heads, head_dim]`` of the tokens at ``positions [T]`` (``rotary_table``'s rows).
+
+    Expanded to the full shape of q and k once per step: every layer's
+    rotation then runs on contiguous operands (vectorized kernels, not
+    broadcasting ones).
+    """
+    cos_sin = rotary[positions]  # [T, 2, head_dim]
+    shape = (positions.shape[0], 2, num_heads, rotary.shape[-1])
+    return (
+        cos_sin[:, 0, None, None, :].expand(shape).contiguous(),
+        cos_sin[:, 1, None, None, :].expand(shape).contiguous(),
     )
 
 
@@ -303,7 +317,13 @@ class DecoderLayer(nn.Module):
 
     kv_cache: torch.Tensor
 
-    def __init__(self, config: DecoderConfig, *, device: torch.device | None) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        device: torch.device | None,
+        kv_cache_shape: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.config: Final = config
         d, f, dtype = config.hidden_size, config.intermediate_size, config.dtype
@@ -317,7 +337,13 @@ class DecoderLayer(nn.Module):
         self.down_weight = nn.Parameter(_normal((f, d), f, device, dtype))
         # Random contents stand for earlier context: a decode step at position
         # p attends to p keys that earlier steps wrote.
-        cache_shape = (config.max_num_seqs + 1, 2, config.max_seq_len, config.num_heads, config.head_dim)
+        cache_shape = kv_cache_shape or (
+            config.max_num_seqs + 1,
+            2,
+            config.max_seq_len,
+            config.num_heads,
+            config.head_dim,
+        )
         self.register_buffer(
             "kv_cache", torch.randn(cache_shape, device=device, dtype=dtype), persistent=False
         )
@@ -334,15 +360,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attention: AttentionOp) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``; ``attention`` writes this step's K/V into the cache."""
+        q, k, v = self.project(x, meta.cos, meta.sin)
+        attn = torch.empty_like(q)
+        attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
+        return self.finish(x, attn)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's inputs: ``x [T, hidden]`` -> rotated q, k and v, ``[T, heads, head_dim]`` each."""
         config = self.config
         num_tokens, d = x.shape[0], config.hidden_size
         h = F.rms_norm(x, (d,), self.input_norm, _RMS_EPS)
         qkv = torch.mm(h, self.qkv_weight).view(num_tokens, 3, config.num_heads, config.head_dim)
         # q and k rotated together: one set of kernels for both.
-        q, k = _rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, heads, head_dim] each
-        v = qkv[:, 2]  # [T, heads, head_dim]
-        attn = torch.empty((num_tokens, config.num_heads, config.head_dim), device=x.device, dtype=x.dtype)
-        attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
+        q, k = _rotate(qkv[:, :2], cos, sin).unbind(1)  # [T, heads, head_dim] each
+        return q, k, qkv[:, 2]
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the block: ``x [T, hidden]`` and the attention ``[T, heads, head_dim]``."""
+        num_tokens, d = x.shape[0], self.config.hidden_size
         x = x + torch.mm(attn.view(num_tokens, d), self.o_weight)
         h = F.rms_norm(x, (d,), self.post_norm, _RMS_EPS)
         gate, up = torch.mm(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, intermediate] each
@@ -375,6 +412,7 @@ class ReferenceDecoder(nn.Module):
         device: torch.device | str | None = None,
         breakable: bool = True,
         attention: AttentionOp | None = None,
+        kv_cache_shape: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         dev = None if device is None else torch.device(device)
@@ -385,7 +423,9 @@ class ReferenceDecoder(nn.Module):
         self.embed = nn.Parameter(
             torch.randn((config.vocab_size, config.hidden_size), device=dev, dtype=config.dtype) * _EMBED_STD
         )
-        layers = [DecoderLayer(config, device=dev) for _ in range(config.num_layers)]
+        layers = [
+            DecoderLayer(config, device=dev, kv_cache_shape=kv_cache_shape) for _ in range(config.num_layers)
+        ]
         self.layers = nn.ModuleList(layers)
         #: The same modules as ``layers``, typed.
         self.decoder_layers: Final = tuple(layers)
@@ -422,7 +462,11 @@ class ReferenceDecoder(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for layer in self.decoder_layers:
             x = layer.forward(x, meta, self.attention)
-        return F.rms_norm(x, (self.config.hidden_size,), self.final_norm, _RMS_EPS)  # [T, hidden]
+        return self.final(x)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the hidden states ``[T, hidden]``."""
+        return F.rms_norm(x, (self.config.hidden_size,), self.final_norm, _RMS_EPS)
 
     def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """``forward`` on a dict of step inputs (``make_step_inputs``), typed."""
@@ -508,34 +552,12 @@ def make_step_inputs(
     or single decode tokens; each request has its own row and consecutive
     positions. Drawn on the CPU with ``generator``, then moved to ``device``.
     """
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
-    limit = config.max_num_seqs if uniform_decode else config.max_num_seqs * config.max_seq_len
-    if num_tokens > limit:
-        raise ValueError(f"num_tokens: at most {limit} fit the KV cache here, got {num_tokens!r}")
     g = generator
+    lengths = request_lengths(config, num_tokens, uniform_decode=uniform_decode, generator=g)
 
     def randint(low: int, high: int) -> int:  # uniform in [low, high]
         return int(torch.randint(low, high + 1, (), generator=g))
 
-    if uniform_decode:
-        lengths = [1] * num_tokens
-    else:
-        lengths = []
-        remaining = num_tokens
-        while remaining:
-            # Every length lies in [shortest, longest]: the rest always fits the rows left.
-            shortest = -(-remaining // (config.max_num_seqs - len(lengths)))
-            longest = min(remaining, config.max_seq_len)
-            if not lengths and num_tokens >= 2:  # the prefill chunk that makes the batch mixed
-                low = min(max(shortest, 2), longest)
-                length = randint(low, min(longest, max(low, num_tokens // 2)))
-            elif randint(0, 1):  # a decode token, unless the rows run short
-                length = shortest
-            else:
-                length = randint(shortest, min(longest, max(shortest, num_tokens // 4)))
-            lengths.append(length)
-            remaining -= length
     slots = torch.randperm(config.max_num_seqs, generator=g)[: len(lengths)]
     positions: list[torch.Tensor] = []
     slot_rows: list[torch.Tensor] = []
@@ -549,3 +571,50 @@ def make_step_inputs(
         "positions": torch.cat(positions).to(device),  # [T]
         "slot_ids": torch.cat(slot_rows).to(device),  # [T]
     }
+
+
+def request_lengths(
+    config: DecoderConfig,
+    num_tokens: int,
+    *,
+    uniform_decode: bool,
+    query_len: int = 1,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The tokens of each request of a random step (``make_step_inputs``): they add up to ``num_tokens``.
+
+    ``uniform_decode``: ``query_len`` each. Otherwise the first request is a
+    prefill chunk of at least 2 tokens (when ``num_tokens >= 2``), the others
+    chunks or single decode tokens, at most ``max_seq_len`` each.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
+    limit = config.max_num_seqs * (query_len if uniform_decode else config.max_seq_len)
+    if num_tokens > limit:
+        raise ValueError(f"num_tokens: at most {limit} fit the KV cache here, got {num_tokens!r}")
+    if uniform_decode:
+        if num_tokens % query_len:
+            raise ValueError(
+                f"num_tokens: a uniform batch has a multiple of {query_len} tokens, got {num_tokens}"
+            )
+        return [query_len] * (num_tokens // query_len)
+
+    def randint(low: int, high: int) -> int:  # uniform in [low, high]
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    lengths: list[int] = []
+    remaining = num_tokens
+    while remaining:
+        # Every length lies in [shortest, longest]: the rest always fits the rows left.
+        shortest = -(-remaining // (config.max_num_seqs - len(lengths)))
+        longest = min(remaining, config.max_seq_len)
+        if not lengths and num_tokens >= 2:  # the prefill chunk that makes the batch mixed
+            low = min(max(shortest, 2), longest)
+            length = randint(low, min(longest, max(low, num_tokens // 2)))
+        elif randint(0, 1):  # a decode token, unless the rows run short
+            length = shortest
+        else:
+            length = randint(shortest, min(longest, max(shortest, num_tokens // 4)))
+        lengths.append(length)
+        remaining -= length
+    return lengths

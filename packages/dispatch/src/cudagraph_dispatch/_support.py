@@ -1,0 +1,171 @@
+"""What an attention can graph, and the configured mode resolved against it.
+
+An attention backend declares a support level (vLLM's ``AttentionCGSupport``):
+which batches a FULL graph that contains it replays correctly. The model's
+level is the lowest of its backends'. ``resolve_mode`` downgrades the
+configured mode until every FULL graph it implies is one the level can serve,
+following vLLM's ``GPUModelRunner._check_and_update_cudagraph_mode`` (the
+rules are in ``docs/design.md``, "Attention support"); it never upgrades.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Iterable
+from typing import Final
+
+from ._checks import check_bool
+from ._config import DispatchConfig
+from ._modes import CUDAGraphMode
+
+_LOG: Final = logging.getLogger("cudagraph_dispatch")
+
+_NONE: Final = CUDAGraphMode.NONE
+_PIECEWISE: Final = CUDAGraphMode.PIECEWISE
+_FULL: Final = CUDAGraphMode.FULL
+
+
+class GraphSupport(enum.IntEnum):
+    """Which batches a FULL graph containing an attention replays correctly, weakest first.
+
+    ``NEVER``: none (its metadata is built on the host per step).
+    ``UNIFORM_SINGLE_TOKEN_DECODE``: uniform batches of one token per request.
+    ``UNIFORM_BATCH``: uniform batches of any query length (spec decode).
+    ``ALWAYS``: any batch, mixed prefill and decode included.
+    """
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+    def serves(self, *, uniform: bool, query_len: int) -> bool:
+        """True when a FULL graph of a batch of this kind replays correctly at this level.
+
+        A mixed batch needs ``ALWAYS``; a uniform one with ``query_len > 1``
+        tokens per request ``UNIFORM_BATCH``; single-token decode
+        ``UNIFORM_SINGLE_TOKEN_DECODE``.
+        """
+        if not uniform:
+            return self is GraphSupport.ALWAYS
+        needed = GraphSupport.UNIFORM_BATCH if query_len > 1 else GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return self >= needed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionSupport:
+    """What a model's attention declares: its level, and whether PIECEWISE graphs split at it.
+
+    ``piecewise``: the attention runs eagerly between the segments of a
+    PIECEWISE graph (vLLM: attention is among the splitting ops), so
+    PIECEWISE graphs are a fallback that needs no level at all. ``name``
+    names the backend in logs and reports. ``weakest`` combines the
+    backends of one model.
+    """
+
+    level: GraphSupport = GraphSupport.ALWAYS
+    piecewise: bool = True
+    name: str = "attention"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.level, GraphSupport):  # callers may not be typed
+            raise ValueError(f"level: expected a GraphSupport, got {self.level!r}")
+        check_bool("piecewise", self.piecewise)
+        given: object = self.name
+        if not isinstance(given, str) or not given:
+            raise ValueError(f"name: expected a non-empty string, got {given!r}")
+
+    @classmethod
+    def weakest(cls, supports: Iterable[AttentionSupport]) -> AttentionSupport:
+        """The model's support: the lowest level of its backends (the first such names it).
+
+        PIECEWISE graphs are available only if every backend splits them.
+        No backend at all (an attention-free model) supports ``ALWAYS``.
+        """
+        found = list(supports)
+        for i, support in enumerate(found):
+            if not isinstance(support, AttentionSupport):
+                raise ValueError(f"supports[{i}]: expected an AttentionSupport, got {support!r}")
+        if not found:
+            return cls(name="no attention")
+        weakest = min(found, key=lambda s: s.level)  # min keeps the first of equals
+        return dataclasses.replace(weakest, piecewise=all(s.piecewise for s in found))
+
+
+class ModeNotSupportedError(ValueError):
+    """The configured mode needs FULL graphs its attention cannot replay, and downgrades are off."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModeResolution:
+    """The configured mode resolved against the attention: the mode used, and each downgrade's reason."""
+
+    requested: CUDAGraphMode
+    mode: CUDAGraphMode
+    support: AttentionSupport
+    uniform_decode_query_len: int
+    #: Why each downgrade happened, in order; empty when the mode stands.
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def downgraded(self) -> bool:
+        return self.mode is not self.requested
+
+    def __str__(self) -> str:
+        head = f"{self.requested.name} -> {self.mode.name}" if self.downgraded else self.mode.name
+        level = f"{self.support.name} supports {self.support.level.name}"
+        return f"{head} ({level}{'; ' if self.reasons else ''}{'; '.join(self.reasons)})"
+
+
+def resolve_mode(
+    config: DispatchConfig, support: AttentionSupport, *, strict: bool = False
+) -> ModeResolution:
+    """``config.mode`` downgraded until ``support`` serves every FULL graph it implies.
+
+    vLLM's policy, in its order (q = ``uniform_decode_query_len``; "split"
+    = ``support.piecewise``):
+
+    1. Mixed batches FULL below ``ALWAYS``: FULL_AND_PIECEWISE if split,
+       else FULL_DECODE_ONLY (at ``NEVER``, step 2 then applies).
+    2. Decode FULL at ``NEVER``: PIECEWISE if split, else NONE.
+    3. Decode FULL with q > 1 below ``UNIFORM_BATCH``: PIECEWISE if split, else NONE.
+
+    Each downgrade is logged once, at WARNING, with its reason.
+    ``strict=True`` raises ``ModeNotSupportedError`` instead of the first.
+    """
+    if not isinstance(config, DispatchConfig):
+        raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
+    if not isinstance(support, AttentionSupport):
+        raise ValueError(f"support: expected an AttentionSupport, got {support!r}")
+    check_bool("strict", strict)
+    level, query_len, split = support.level, config.uniform_decode_query_len, support.piecewise
+    mode = config.mode
+    reasons: list[str] = []
+
+    def downgrade(to: CUDAGraphMode, why: str) -> CUDAGraphMode:
+        message = f"{mode.name} -> {to.name}: {why}"
+        if strict:
+            raise ModeNotSupportedError(
+                f"mode: {config.mode.name} needs FULL graphs that {support.name} "
+                f"({level.name}) cannot replay: {why}; pass {to.name}, or resolve without strict"
+            )
+        _LOG.warning("CUDA graph mode %s (attention %s supports %s)", message, support.name, level.name)
+        reasons.append(message)
+        return to
+
+    fallback = _PIECEWISE if split else _NONE
+    fallback_why = "PIECEWISE graphs split at the attention" if split else "the attention does not split"
+    if mode.mixed_mode() is _FULL and level is not GraphSupport.ALWAYS:
+        mode = downgrade(
+            CUDAGraphMode.FULL_AND_PIECEWISE if split else CUDAGraphMode.FULL_DECODE_ONLY,
+            "mixed prefill/decode batches need ALWAYS for FULL graphs",
+        )
+    if mode.decode_mode() is _FULL and level is GraphSupport.NEVER:
+        mode = downgrade(fallback, f"no FULL graph at NEVER; {fallback_why}")
+    if mode.decode_mode() is _FULL and query_len > 1 and level < GraphSupport.UNIFORM_BATCH:
+        mode = downgrade(
+            fallback, f"uniform decode of {query_len} tokens per request needs UNIFORM_BATCH; {fallback_why}"
+        )
+    return ModeResolution(config.mode, mode, support, query_len, tuple(reasons))
