@@ -18,11 +18,13 @@ from typing import Final
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import (
+    AttentionSupport,
     BatchDescriptor,
     CaptureSizes,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
+    GraphSupport,
     RankRequest,
 )
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
@@ -229,4 +231,15 @@ def _plan_sizes(length: int, max_gap: int, seed: int) -> list[int]:
 #: Hypothesis nothing).
 plan_sizes: Final = st.builds(
     _plan_sizes, plan_lengths, st.integers(min_value=1, max_value=64), st.integers(0, 2**32 - 1)
+)
+
+
+# -- attention support --
+
+#: What an attention can graph: any level, splitting PIECEWISE graphs or not.
+attention_supports: Final = st.builds(
+    AttentionSupport,
+    level=st.sampled_from(GraphSupport),
+    piecewise=st.booleans(),
+    name=st.sampled_from(("flash", "flex", "mla")),
 )

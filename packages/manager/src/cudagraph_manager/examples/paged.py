@@ -89,7 +89,7 @@ class PagedLayout:
     def for_config(
         cls, config: DecoderConfig, *, page_size: int = 128, num_pages: int | None = None
     ) -> PagedLayout:
-        """Pages of ``page_size`` tokens; by default, every request at ``max_seq_len`` and the scratch page."""
+        """Pages of ``page_size`` tokens; by default every request at ``max_seq_len``, and scratch."""
         given: object = page_size
         if not isinstance(given, int) or isinstance(given, bool) or given < 1:
             raise ValueError(f"page_size: expected an integer >= 1, got {page_size!r}")
@@ -182,7 +182,7 @@ class PagedAttention(Protocol):
 
     @property
     def attend(self) -> Callable[..., None]:
-        """``attend(q, k, v, kv_cache, slot_mapping, metadata, out)``; q, k, v, out ``[T, heads, head_dim]``."""
+        """``attend(q, k, v, kv_cache, slot_mapping, metadata, out)``; q, k, v, out ``[T, heads, dim]``."""
         ...
 
 

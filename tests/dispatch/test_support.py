@@ -1,0 +1,212 @@
+"""Attention support levels: the mode resolved against them, and dispatch that never outruns them.
+
+The oracles are written from the level definitions and from vLLM's
+``GPUModelRunner._check_and_update_cudagraph_mode`` (docs/design.md,
+"Attention support"), not through ``GraphSupport.serves`` or
+``resolve_mode``: a wrong rule there cannot hide behind itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Final
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cudagraph_dispatch import (
+    AttentionSupport,
+    CaptureSizes,
+    CUDAGraphDispatcher,
+    CUDAGraphMode,
+    Dispatch,
+    DispatchConfig,
+    GraphSupport,
+    ModeNotSupportedError,
+    resolve_mode,
+)
+from tests.strategies import active_lora_counts, attention_supports, dispatch_configs
+
+M: Final = CUDAGraphMode
+L: Final = GraphSupport
+_LEVELS: Final = (L.NEVER, L.UNIFORM_SINGLE_TOKEN_DECODE, L.UNIFORM_BATCH, L.ALWAYS)
+
+# vLLM's policy as a table: (configured mode, level, spec decode (q > 1), attention splits PIECEWISE)
+# -> resolved mode. Rows not listed keep their mode (NONE, PIECEWISE, and every mode at ALWAYS).
+_DOWN: Final[dict[tuple[CUDAGraphMode, GraphSupport, bool, bool], CUDAGraphMode]] = {}
+for _split in (False, True):
+    _fallback = M.PIECEWISE if _split else M.NONE
+    _mixed = M.FULL_AND_PIECEWISE if _split else M.FULL_DECODE_ONLY
+    for _spec in (False, True):
+        # FULL: mixed batches need ALWAYS; then the decode rules below apply to what is left.
+        _DOWN[M.FULL, L.UNIFORM_BATCH, _spec, _split] = _mixed
+        _DOWN[M.FULL, L.UNIFORM_SINGLE_TOKEN_DECODE, _spec, _split] = _fallback if _spec else _mixed
+        _DOWN[M.FULL, L.NEVER, _spec, _split] = _fallback
+        for _mode in (M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
+            _DOWN[_mode, L.NEVER, _spec, _split] = _fallback
+            if _spec:
+                _DOWN[_mode, L.UNIFORM_SINGLE_TOKEN_DECODE, _spec, _split] = _fallback
+
+# How much runs in FULL graphs, then in graphs at all: a downgrade moves left.
+_ORDER: Final = (M.NONE, M.PIECEWISE, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, M.FULL)
+
+
+def _vllm(mode: CUDAGraphMode, support: AttentionSupport, query_len: int) -> CUDAGraphMode:
+    return _DOWN.get((mode, support.level, query_len > 1, support.piecewise), mode)
+
+
+def _config(mode: CUDAGraphMode, query_len: int = 1) -> DispatchConfig:
+    return DispatchConfig(mode, CaptureSizes.default(64), max_num_seqs=16, uniform_decode_query_len=query_len)
+
+
+@pytest.mark.parametrize("mode", list(M))
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("query_len", [1, 3])
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_the_resolution_is_vllms_policy_in_every_case(
+    mode: CUDAGraphMode, level: GraphSupport, query_len: int, piecewise: bool
+) -> None:
+    """(b) Every combination of configured mode, level, q and split, against the table."""
+    support = AttentionSupport(level, piecewise=piecewise)
+    resolution = resolve_mode(_config(mode, query_len), support)
+    assert resolution.mode is _vllm(mode, support, query_len)
+    assert resolution.requested is mode
+    assert resolution.downgraded is (resolution.mode is not mode)
+    assert bool(resolution.reasons) is resolution.downgraded
+
+
+@given(dispatch_configs, attention_supports)
+def test_the_resolution_never_upgrades(config: DispatchConfig, support: AttentionSupport) -> None:
+    """(c) The resolved mode is never above the configured one, and no batch kind gains a FULL graph."""
+    resolved = resolve_mode(config, support).mode
+    assert _ORDER.index(resolved) <= _ORDER.index(config.mode)
+    if resolved.decode_mode() is M.FULL:
+        assert config.mode.decode_mode() is M.FULL
+    if resolved.mixed_mode() is M.FULL:
+        assert config.mode.mixed_mode() is M.FULL
+    assert resolved is _vllm(config.mode, support, config.uniform_decode_query_len)
+
+
+def full_routes_it_cannot_serve(
+    dispatcher: CUDAGraphDispatcher, level: GraphSupport, num_tokens: int, num_active_loras: int
+) -> list[Dispatch]:
+    """The FULL decisions for ``num_tokens`` (uniform or not) whose graph the level cannot replay.
+
+    From the level definitions: a mixed (non-uniform) FULL key serves any
+    batch, so it needs ALWAYS; a uniform key of q tokens per request needs
+    UNIFORM_BATCH for q > 1 and UNIFORM_SINGLE_TOKEN_DECODE for q = 1.
+    """
+    bad: list[Dispatch] = []
+    for uniform in (False, True):
+        decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform, num_active_loras=num_active_loras)
+        if decision.mode is not M.FULL:
+            continue
+        key = decision.descriptor
+        if not key.uniform:
+            needed = L.ALWAYS
+        else:
+            assert key.num_reqs is not None
+            query_len = key.num_tokens // key.num_reqs
+            needed = L.UNIFORM_BATCH if query_len > 1 else L.UNIFORM_SINGLE_TOKEN_DECODE
+        if level < needed:
+            bad.append(decision)
+    return bad
+
+
+@given(dispatch_configs, attention_supports, st.data())
+def test_no_dispatch_routes_to_a_full_graph_the_level_cannot_serve(
+    config: DispatchConfig, support: AttentionSupport, data: st.DataObject
+) -> None:
+    """(a) Whatever the batch, a FULL route is one the attention's level can replay."""
+    dispatcher = CUDAGraphDispatcher(config, attention=support)
+    num_tokens = data.draw(
+        st.integers(min_value=0, max_value=config.capture_sizes.max + 2), label="num_tokens"
+    )
+    loras = data.draw(active_lora_counts, label="num_active_loras")
+    assert full_routes_it_cannot_serve(dispatcher, support.level, num_tokens, loras) == []
+    for key in dispatcher.keys(M.FULL):  # and no such graph is even planned
+        assert (
+            full_routes_it_cannot_serve(dispatcher, support.level, key.num_tokens, key.num_active_loras) == []
+        )
+
+
+@pytest.mark.parametrize(
+    ("mode", "level", "query_len"),
+    [
+        (M.FULL, L.UNIFORM_BATCH, 1),  # a mixed batch would replay FULL
+        (M.FULL_AND_PIECEWISE, L.UNIFORM_SINGLE_TOKEN_DECODE, 3),  # spec decode would replay FULL
+        (M.FULL_DECODE_ONLY, L.NEVER, 1),  # a decode batch would replay FULL
+    ],
+)
+def test_the_property_fails_on_a_dispatcher_that_ignores_the_levels(
+    mode: CUDAGraphMode, level: GraphSupport, query_len: int
+) -> None:
+    """The mutation: the dispatcher built from the config alone (the level ignored).
+
+    Property (a)'s check finds a FULL route the level cannot serve on it, so
+    the property test can fail; the resolved dispatcher has none.
+    """
+    config = _config(mode, query_len)
+    support = AttentionSupport(level)
+    ignoring = CUDAGraphDispatcher(config)
+    assert any(full_routes_it_cannot_serve(ignoring, level, n, 0) for n in range(1, 65))
+    resolved = CUDAGraphDispatcher(config, attention=support)
+    assert not any(full_routes_it_cannot_serve(resolved, level, n, 0) for n in range(1, 65))
+
+
+def test_the_dispatcher_plans_the_keys_of_the_resolved_mode() -> None:
+    """FULL under UNIFORM_BATCH: FULL_AND_PIECEWISE's keys, and the config says the mode it follows."""
+    config = _config(M.FULL)
+    dispatcher = CUDAGraphDispatcher(config, attention=AttentionSupport(L.UNIFORM_BATCH))
+    expected = CUDAGraphDispatcher(dataclasses.replace(config, mode=M.FULL_AND_PIECEWISE))
+    assert dispatcher.capture_plan() == expected.capture_plan()
+    assert dispatcher.config.mode is M.FULL_AND_PIECEWISE
+    assert dispatcher.resolution.requested is M.FULL
+    assert CUDAGraphDispatcher(config).resolution.mode is M.FULL  # no attention given: ALWAYS
+
+
+def test_each_downgrade_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    support = AttentionSupport(L.UNIFORM_SINGLE_TOKEN_DECODE, name="flashinfer")
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        resolution = resolve_mode(_config(M.FULL, 2), support)
+    assert resolution.mode is M.PIECEWISE
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 == len(resolution.reasons)
+    assert "FULL -> FULL_AND_PIECEWISE" in messages[0] and "flashinfer" in messages[0]
+    assert "FULL_AND_PIECEWISE -> PIECEWISE" in messages[1] and "2 tokens per request" in messages[1]
+    assert "FULL -> PIECEWISE" in str(resolution) and "UNIFORM_SINGLE_TOKEN_DECODE" in str(resolution)
+
+
+def test_strict_raises_instead_of_downgrading(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING), pytest.raises(ModeNotSupportedError, match=r"mode: FULL needs"):
+        CUDAGraphDispatcher(_config(M.FULL), attention=AttentionSupport(L.NEVER), strict_attention=True)
+    assert not caplog.records
+    resolve_mode(_config(M.FULL), AttentionSupport(L.ALWAYS), strict=True)  # nothing to refuse
+
+
+def test_the_weakest_backend_decides_and_any_non_splitting_one_rules_out_piecewise() -> None:
+    flash = AttentionSupport(L.ALWAYS, name="flash")
+    mla = AttentionSupport(L.UNIFORM_BATCH, name="mla")
+    mamba = AttentionSupport(L.UNIFORM_BATCH, piecewise=False, name="mamba")
+    assert AttentionSupport.weakest([flash, mla]) == mla
+    assert AttentionSupport.weakest([flash, mla, mamba]) == dataclasses.replace(mla, piecewise=False)
+    assert AttentionSupport.weakest([]).level is L.ALWAYS
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: AttentionSupport(2), r"level: expected a GraphSupport"),  # type: ignore[arg-type]
+        (lambda: AttentionSupport(piecewise="yes"), r"piecewise"),  # type: ignore[arg-type]
+        (lambda: AttentionSupport(name=""), r"name: expected a non-empty string"),
+        (lambda: AttentionSupport.weakest([L.ALWAYS]), r"supports\[0\]: expected an AttentionSupport"),  # type: ignore[list-item]
+        (lambda: CUDAGraphDispatcher(_config(M.FULL), attention=L.ALWAYS), r"attention: expected"),  # type: ignore[arg-type]
+        (lambda: resolve_mode(_config(M.FULL), None), r"support: expected"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_support_arguments_are_named(make: object, match: str) -> None:
+    assert callable(make)
+    with pytest.raises(ValueError, match=match):
+        make()

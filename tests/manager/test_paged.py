@@ -1,0 +1,243 @@
+"""The paged reference decoder and its attention backends, with the manager resolving their support.
+
+CPU tests check each backend against a per-request float64 oracle on random
+paged layouts (shuffled pages, block-table entries past a request's length
+holding random pages, ragged lengths, prefill chunks mixed with decodes).
+GPU tests capture every mode with each backend and compare every replay with
+eager on fresh random steps, block tables rewritten between replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Final
+
+import pytest
+import torch
+
+from cudagraph_dispatch import (
+    AttentionSupport,
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    GraphSupport,
+    ModeNotSupportedError,
+    set_forward_context,
+)
+from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager.examples.paged import (
+    FlexPagedAttention,
+    PagedDecoder,
+    PagedLayout,
+    dense_reference,
+    make_paged_inputs,
+    paged_static_inputs,
+)
+from cudagraph_manager.examples.reference import DecoderConfig
+from tests.torch_support import rel_err
+
+M: Final = CUDAGraphMode
+SMALL: Final = DecoderConfig.small()
+
+
+@pytest.fixture(autouse=True)
+def _eager_flex_is_expected() -> Iterator[None]:
+    """Eager FlexAttention (the CPU tests' reference path) warns that it is unfused; that is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+        yield
+
+
+def _descriptor(num_tokens: int, uniform: bool, query_len: int) -> BatchDescriptor:
+    return (
+        BatchDescriptor(num_tokens, num_tokens // query_len, True) if uniform else BatchDescriptor(num_tokens)
+    )
+
+
+def _eager(
+    model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool, query_len: int = 1
+) -> torch.Tensor:
+    """The model run eagerly, told (as the manager tells it) whether the batch is uniform."""
+    with (
+        torch.no_grad(),
+        set_forward_context(M.NONE, _descriptor(inputs["positions"].shape[0], uniform, query_len)),
+    ):
+        return model.step(inputs)
+
+
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize(
+    ("num_tokens", "uniform", "query_len"), [(37, False, 1), (1, False, 1), (9, True, 1), (12, True, 3)]
+)
+def test_each_backend_equals_the_per_request_oracle_on_random_pages(
+    backend: str, page_size: int, num_tokens: int, uniform: bool, query_len: int
+) -> None:
+    layout = PagedLayout.for_config(SMALL, page_size=page_size)
+    torch.manual_seed(3)
+    model = PagedDecoder(SMALL, layout=layout, backend=backend, breakable=False)
+    generator = torch.Generator().manual_seed(num_tokens * page_size)
+    for _ in range(2):  # a fresh layout each time: the tables are rewritten
+        inputs = make_paged_inputs(
+            SMALL, layout, num_tokens, uniform_decode=uniform, query_len=query_len, generator=generator
+        )
+        expected = dense_reference(model, inputs)
+        assert rel_err(_eager(model, inputs, uniform, query_len), expected) < 1e-5
+
+
+def test_unused_block_table_entries_and_other_requests_pages_are_never_read() -> None:
+    """Poisoning every page no token may read changes nothing; poisoning one it reads does.
+
+    A large finite poison: the eager (CPU) paths read masked keys too, and
+    only the mask keeps them out (a NaN would spread through a zero weight).
+    """
+    layout = PagedLayout.for_config(SMALL, page_size=8)
+    model = PagedDecoder(SMALL, layout=layout, backend="flex", breakable=False)
+    inputs = make_paged_inputs(
+        SMALL, layout, 20, uniform_decode=False, generator=torch.Generator().manual_seed(5)
+    )
+    before = _eager(model, inputs, False)
+    used = {
+        int(page)
+        for r in range(inputs["block_table"].shape[0])
+        for page in inputs["block_table"][r, : -(-int(inputs["seq_lens"][r]) // 8)]
+    }
+    unused = [p for p in range(layout.num_pages) if p not in used]
+    for cache in model.kv_caches():
+        cache[:, unused] = 1e4
+    assert torch.equal(_eager(model, inputs, False), before)
+    for cache in model.kv_caches():
+        cache[:, sorted(used)[0]] = -1e4
+    assert not torch.allclose(_eager(model, inputs, False), before)
+
+
+def test_the_manager_takes_the_models_support_and_reports_the_resolution(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = PagedLayout.for_config(SMALL, page_size=16)
+    model = PagedDecoder(SMALL, layout=layout, backend="gather")
+    config = DispatchConfig(M.FULL, CaptureSizes.default(16), max_num_seqs=16, uniform_decode_query_len=3)
+    assert model.graph_support().level is GraphSupport.ALWAYS
+    kept = CUDAGraphManager(model, paged_static_inputs(layout), config)
+    assert kept.dispatcher.resolution.mode is M.FULL
+    declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only")
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        manager = CUDAGraphManager(model, paged_static_inputs(layout), config, attention=declared)
+    assert manager.dispatcher.resolution.mode is M.PIECEWISE
+    assert len(caplog.records) == 2
+    assert "FULL -> PIECEWISE" in str(manager.stats) and "decode_only" in str(manager.stats)
+    report = manager.capture()  # no CUDA here: nothing captured, the resolution still said
+    assert report.resolution is manager.dispatcher.resolution
+    with pytest.raises(ModeNotSupportedError, match="decode_only"):
+        CUDAGraphManager(
+            model, paged_static_inputs(layout), config, attention=declared, strict_attention=True
+        )
+
+
+def test_a_model_declaring_something_else_is_refused_by_name() -> None:
+    class Liar(torch.nn.Module):
+        def graph_support(self) -> object:
+            return GraphSupport.ALWAYS
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    config = DispatchConfig(M.FULL, CaptureSizes.default(8), max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"model: graph_support\(\) returned"):
+        CUDAGraphManager(Liar(), {}, config)
+
+
+# -- GPU: every mode x backend replay equals eager --
+
+DEVICE_CONFIG: Final = DecoderConfig(num_layers=2, max_num_seqs=32, max_seq_len=512)
+_MODES: Final = (M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, M.PIECEWISE)
+
+
+def _steps(config: DecoderConfig, largest: int, query_len: int, seed: int) -> Iterator[tuple[int, bool]]:
+    generator = torch.Generator().manual_seed(seed)
+    for i in range(24):
+        uniform = i % 2 == 0
+        if uniform:
+            requests = int(torch.randint(1, config.max_num_seqs + 1, (), generator=generator))
+            yield requests * query_len, True
+        else:
+            yield int(torch.randint(1, largest + 1, (), generator=generator)), False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flex", "gather"])
+@pytest.mark.parametrize("mode", _MODES)
+def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: CUDAGraphMode) -> None:
+    config = DEVICE_CONFIG
+    layout = PagedLayout.for_config(config, page_size=128)
+    torch.manual_seed(11)
+    model = PagedDecoder(config, layout=layout, backend=backend, device="cuda")
+    dispatch = DispatchConfig(mode, CaptureSizes.default(96), max_num_seqs=config.max_num_seqs)
+    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=True)
+    with torch.no_grad():
+        report = manager.capture()
+    assert report.num_graphs == len(list(manager.dispatcher.keys(M.FULL))) + len(
+        list(manager.dispatcher.keys(M.PIECEWISE))
+    )
+    generator = torch.Generator().manual_seed(17)
+    worst = 0.0
+    with torch.no_grad():
+        for num_tokens, uniform in _steps(config, 96, 1, seed=hash((backend, mode.name)) % 1000):
+            inputs = make_paged_inputs(
+                config, layout, num_tokens, uniform_decode=uniform, generator=generator, device="cuda"
+            )
+            replayed = manager.run_batch(inputs, uniform_decode=uniform).clone()
+            worst = max(worst, rel_err(replayed, _eager(model, inputs, uniform)))
+    assert worst < 3e-2, f"{backend} {mode.name}: worst relative error {worst}"
+    stats = manager.stats
+    assert stats.eager_runs == 0 and stats.num_replays == 24
+    if mode.decode_mode() is M.FULL:
+        assert stats.replays_of(M.FULL) >= 12
+
+
+@pytest.mark.gpu
+def test_spec_decode_under_a_single_token_level_never_replays_full() -> None:
+    """A backend declared UNIFORM_SINGLE_TOKEN_DECODE, q = 3: FULL resolves to PIECEWISE, steps stay right."""
+    config = DEVICE_CONFIG
+    layout = PagedLayout.for_config(config, page_size=128)
+    torch.manual_seed(13)
+    declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only_flex")
+    model = PagedDecoder(
+        config, layout=layout, backend=_Declared(FlexPagedAttention(layout), declared), device="cuda"
+    )
+    dispatch = DispatchConfig(M.FULL, CaptureSizes.default(96), max_num_seqs=32, uniform_decode_query_len=3)
+    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=True)
+    assert manager.dispatcher.resolution.mode is M.PIECEWISE
+    with torch.no_grad():
+        manager.capture()
+    generator = torch.Generator().manual_seed(19)
+    with torch.no_grad():
+        for requests in (1, 5, 16, 32):
+            inputs = make_paged_inputs(
+                config,
+                layout,
+                3 * requests,
+                uniform_decode=True,
+                query_len=3,
+                generator=generator,
+                device="cuda",
+            )
+            replayed = manager.run_batch(inputs, uniform_decode=True).clone()
+            assert rel_err(replayed, _eager(model, inputs, True, 3)) < 3e-2
+    assert manager.stats.replays_of(M.FULL) == 0
+    assert manager.stats.replays_of(M.PIECEWISE) == 4
+
+
+class _Declared:
+    """A backend as another one runs it, declaring a lower level (a decode-only kernel's)."""
+
+    def __init__(self, inner: FlexPagedAttention, support: AttentionSupport) -> None:
+        self.inner: Final = inner
+        self.support: Final = support
+        self.attend: Final = inner.attend
+
+    def prepare(self, step: object) -> object:
+        return self.inner.prepare(step)  # type: ignore[arg-type]
