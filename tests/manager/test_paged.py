@@ -121,19 +121,28 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
     model = PagedDecoder(SMALL, layout=layout, backend="gather")
     config = DispatchConfig(M.FULL, CaptureSizes.default(16), max_num_seqs=16, uniform_decode_query_len=3)
     assert model.graph_support().level is GraphSupport.ALWAYS
-    kept = CUDAGraphManager(model, paged_static_inputs(layout), config)
+    kept = CUDAGraphManager(model, paged_static_inputs(layout), config, device="cpu")
     assert kept.dispatcher.resolution.mode is M.FULL
     declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only")
     with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
-        manager = CUDAGraphManager(model, paged_static_inputs(layout), config, attention=declared)
+        manager = CUDAGraphManager(
+            model, paged_static_inputs(layout), config, attention=declared, device="cpu"
+        )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     assert len(caplog.records) == 2
     assert "FULL -> PIECEWISE" in str(manager.stats) and "decode_only" in str(manager.stats)
-    report = manager.capture()  # no CUDA here: nothing captured, the resolution still said
+    assert manager.stats.resolution is manager.dispatcher.resolution
+    report = manager.capture()  # on the CPU: nothing captured, the resolution still said
     assert report.resolution is manager.dispatcher.resolution
+    assert "mode" not in str(kept.stats)  # nothing was downgraded: nothing to say
     with pytest.raises(ModeNotSupportedError, match="decode_only"):
         CUDAGraphManager(
-            model, paged_static_inputs(layout), config, attention=declared, strict_attention=True
+            model,
+            paged_static_inputs(layout),
+            config,
+            attention=declared,
+            strict_attention=True,
+            device="cpu",
         )
 
 

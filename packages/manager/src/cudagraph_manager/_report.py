@@ -54,8 +54,8 @@ class CaptureReport:
     (a manager on a device without CUDA graphs); ``None`` otherwise.
     ``resolution`` is the configured mode resolved against the model's
     attention support (``ModeResolution``: the mode the graphs follow, and
-    why it was downgraded, if it was). ``compiles`` is how many graphs ``torch.compile`` (dynamo) compiled
-    during the capture, recompiles included: a compiled model compiles in
+    why it was downgraded, if it was; printed when it was). ``compiles``
+    is how many graphs ``torch.compile`` (dynamo) compiled during the capture, recompiles included: a compiled model compiles in
     its first warm-up; ``None`` when dynamo was never loaded. Dynamo's count
     is process-wide: a compile by another thread meanwhile counts too.
     """
@@ -66,7 +66,7 @@ class CaptureReport:
     not_captured: str | None = None
     compiles: int | None = None
     device_bytes: int = 0
-    resolution: ModeResolution | None = None
+    resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_graphs(self) -> int:
@@ -92,7 +92,7 @@ class CaptureReport:
         )
         if self.compiles:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
-        if self.resolution is not None:
+        if self.resolution is not None and self.resolution.downgraded:
             header += f"\nmode {self.resolution}"
         rows = [
             (
@@ -172,7 +172,8 @@ class ManagerStats:
     ``padded_tokens`` is the padding rows computed on top of the real tokens:
     by replays, and by the padded eager steps of a manager without CUDA
     graphs (which run what the graph would have). ``resolution``: the mode
-    the graphs follow, resolved against the attention's support, and why.
+    the graphs follow, resolved against the attention's support, and why
+    (not compared: two stats are equal when their counts are).
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
@@ -182,7 +183,7 @@ class ManagerStats:
     eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
     idle_steps: int = 0
     dummy_steps: int = 0
-    resolution: ModeResolution | None = None
+    resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_replays(self) -> int:
@@ -206,7 +207,11 @@ class ManagerStats:
             + (f" ({reasons})" if reasons else "")
             + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
             f" {self.padded_tokens} padded tokens"
-            + (f"; mode {self.resolution}" if self.resolution is not None else "")
+            + (
+                f"; mode {self.resolution}"
+                if self.resolution is not None and self.resolution.downgraded
+                else ""
+            )
         )
 
 
