@@ -185,7 +185,9 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
     torch.manual_seed(11)
     model = PagedDecoder(config, layout=layout, backend=backend, device="cuda")
     dispatch = DispatchConfig(mode, CaptureSizes.default(96), max_num_seqs=config.max_num_seqs)
-    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=True)
+    # FULL_DECODE_ONLY runs mixed batches eagerly by design: strict everywhere else.
+    eager_mixed = mode.mixed_mode() is M.NONE
+    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=not eager_mixed)
     with torch.no_grad():
         report = manager.capture()
     assert report.num_graphs == len(list(manager.dispatcher.keys(M.FULL))) + len(
@@ -202,7 +204,8 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
             worst = max(worst, rel_err(replayed, _eager(model, inputs, uniform)))
     assert worst < 3e-2, f"{backend} {mode.name}: worst relative error {worst}"
     stats = manager.stats
-    assert stats.eager_runs == 0 and stats.num_replays == 24
+    assert stats.eager_runs == (12 if eager_mixed else 0)
+    assert stats.num_replays == 24 - stats.eager_runs
     if mode.decode_mode() is M.FULL:
         assert stats.replays_of(M.FULL) >= 12
 
