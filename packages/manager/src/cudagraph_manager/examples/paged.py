@@ -194,7 +194,39 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-class FlexPagedAttention:
+class _PagedBackend:
+    """What every backend here shares: write the step's K/V, then ``read`` the attention into ``out``.
+
+    ``attend`` is an eager break (``breakable``): a PIECEWISE capture runs it
+    between segments; a FULL capture records it inline.
+    """
+
+    def __init__(self, layout: PagedLayout, support: AttentionSupport, *, breakable: bool) -> None:
+        self.layout: Final = layout
+        self.support: Final = support
+        self.attend: Final[Callable[..., None]] = (
+            eager_break_during_capture(self._attend) if breakable else self._attend
+        )
+
+    def read(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """The attention of ``q [T, heads, head_dim]`` over the cache, ``[T, heads, head_dim]``."""
+        raise NotImplementedError
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        metadata: object,
+        out: torch.Tensor,
+    ) -> None:
+        write_kv(kv_cache, slot_mapping, k, v)
+        out.copy_(self.read(q, kv_cache, metadata))
+
+
+class FlexPagedAttention(_PagedBackend):
     """torch's FlexAttention over the pages, its block mask built in the graph from the static inputs.
 
     Uniform batches (the forward context's key is uniform) attend as
@@ -213,14 +245,9 @@ class FlexPagedAttention:
     """
 
     def __init__(self, layout: PagedLayout, *, compile: bool | None = None, breakable: bool = True) -> None:
-        self.layout: Final = layout
-        self.support: Final = AttentionSupport(
-            GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention"
-        )
+        support = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention")
+        super().__init__(layout, support, breakable=breakable)
         self._compile: Final = compile
-        self.attend: Final[Callable[..., None]] = (
-            eager_break_during_capture(self._attend) if breakable else self._attend
-        )
 
     def prepare(self, step: PagedStep) -> object:
         layout = self.layout
@@ -257,17 +284,7 @@ class FlexPagedAttention:
             query_len,
         )
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        metadata: object,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def read(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
         meta = cast(_FlexMetadata, metadata)
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
@@ -278,8 +295,8 @@ class FlexPagedAttention:
             queries = q.view(-1, meta.query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
         compiled = self._compile if self._compile is not None else q.is_cuda
         attend = paged_flex(self.layout.page_size, compiled=compiled)
-        result = attend(queries, keys, values, *meta[:-1])
-        out.copy_(result.transpose(1, 2).reshape(num_tokens, heads, head_dim))
+        result = attend(queries, keys, values, *meta[:-1])  # [B, heads, Q, head_dim]
+        return result.transpose(1, 2).reshape(num_tokens, heads, head_dim)
 
 
 class _FlexMetadata(NamedTuple):
@@ -355,7 +372,7 @@ class _GatherMetadata(NamedTuple):
     mask: torch.Tensor  # [T, 1, 1, pages_per_seq * page_size] additive
 
 
-class GatherPagedAttention:
+class GatherPagedAttention(_PagedBackend):
     """Each token's pages gathered whole, then SDPA with a mask: the toy attention, on pages.
 
     Fixed shapes throughout (every token reads ``pages_per_seq`` pages), so
@@ -363,12 +380,9 @@ class GatherPagedAttention:
     """
 
     def __init__(self, layout: PagedLayout, dtype: torch.dtype, *, breakable: bool = True) -> None:
-        self.layout: Final = layout
+        support = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="gather_sdpa")
+        super().__init__(layout, support, breakable=breakable)
         self.dtype: Final = dtype  # the mask's: SDPA adds it as is
-        self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="gather_sdpa")
-        self.attend: Final[Callable[..., None]] = (
-            eager_break_during_capture(self._attend) if breakable else self._attend
-        )
 
     def prepare(self, step: PagedStep) -> object:
         layout = self.layout
@@ -379,17 +393,7 @@ class GatherPagedAttention:
         mask = hidden.to(self.dtype).mul_(torch.finfo(self.dtype).min)
         return _GatherMetadata(pages, mask[:, None, None, :])
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        metadata: object,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def read(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
         meta = cast(_GatherMetadata, metadata)
         num_tokens, heads, head_dim = q.shape
         rows = kv_cache[:, meta.pages]  # [2, T, M, page, heads, head_dim]
@@ -399,7 +403,7 @@ class GatherPagedAttention:
         result = F.scaled_dot_product_attention(
             q.unsqueeze(2), rows[0], rows[1], attn_mask=meta.mask
         )  # [T, heads, 1, head_dim]
-        out.copy_(result.squeeze(2))
+        return result.squeeze(2)
 
 
 #: The backends by name (``--attention`` of the demo and the benchmarks).
@@ -566,37 +570,24 @@ def dense_reference(model: PagedDecoder, inputs: dict[str, torch.Tensor]) -> tor
     return model.with_backend(_PerRequestAttention(model.layout)).step(inputs)
 
 
-class _PerRequestAttention:
-    """Attention one request at a time over its logical keys: the tests' oracle."""
+class _PerRequestAttention(_PagedBackend):
+    """Attention one request at a time over its logical keys, in float64: the tests' oracle."""
 
     def __init__(self, layout: PagedLayout) -> None:
-        self.layout: Final = layout
-        self.support: Final = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="per_request")
-        self.attend: Final[Callable[..., None]] = self._attend
+        support = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="per_request")
+        super().__init__(layout, support, breakable=False)
 
     def prepare(self, step: PagedStep) -> object:
         return step
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        metadata: object,
-        out: torch.Tensor,
-        /,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def read(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: object) -> torch.Tensor:
         step = cast(PagedStep, metadata)
-        page_size = self.layout.page_size
+        page_size, scratch = self.layout.page_size, self.layout.scratch_page
+        out = torch.empty_like(q)
         for t in range(q.shape[0]):
             r, position = int(step.req_ids[t]), int(step.positions[t])
             pages = (
-                step.block_table[r].long()
-                if r >= 0
-                else torch.full_like(step.block_table[0].long(), self.layout.scratch_page)
+                step.block_table[r].long() if r >= 0 else torch.full_like(step.block_table[0].long(), scratch)
             )
             logical = torch.arange(position + 1, device=q.device)
             slots = pages[logical // page_size] * page_size + logical % page_size  # [position + 1]
@@ -604,3 +595,4 @@ class _PerRequestAttention:
             values = kv_cache[1].flatten(0, 1)[slots].double()
             scores = torch.einsum("hd,lhd->hl", q[t].double(), keys) * q.shape[-1] ** -0.5
             out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(out.dtype)
+        return out
