@@ -23,9 +23,9 @@ MIB: Final = 2**20
 GRANULE: Final = 2 * MIB
 
 
-def run_kv_sizing(model: str) -> dict[str, float]:
+def run_kv_sizing(model: str, *flags: str) -> dict[str, float]:
     """The example in a fresh process; its figures."""
-    return fresh_json("-m", "cudagraph_manager.examples.kv_sizing", model, "--json")
+    return fresh_json("-m", "cudagraph_manager.examples.kv_sizing", model, *flags, "--json")
 
 
 def check_kv_sizing(figures: dict[str, float]) -> None:
@@ -42,4 +42,13 @@ def check_kv_sizing(figures: dict[str, float]) -> None:
 def test_a_kv_cache_sized_by_the_estimate_leaves_the_margin_after_the_capture() -> None:
     figures = run_kv_sizing("reference")
     print(f"\n{figures}")
+    check_kv_sizing(figures)
+
+
+def test_a_paged_cache_sized_by_the_estimate_leaves_the_margin_after_the_capture() -> None:
+    """The same start-up on the paged decoder with FlexAttention: the cache sized in pages."""
+    figures = run_kv_sizing("reference", "--attention", "flex")
+    print(f"\n{figures}")
+    unit: object = figures["kv_unit"]  # the one string among the figures
+    assert unit == "page"
     check_kv_sizing(figures)

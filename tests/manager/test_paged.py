@@ -159,6 +159,26 @@ def test_a_model_declaring_something_else_is_refused_by_name() -> None:
         CUDAGraphManager(Liar(), {}, config)
 
 
+def test_a_resized_cache_serves_the_same_static_inputs() -> None:
+    """``allocate_kv_cache``: more pages, the same padding (scratch page 0), still the oracle's result."""
+    layout = PagedLayout.for_config(SMALL, page_size=8)
+    model = PagedDecoder(SMALL, layout=layout, backend="flex", breakable=False)
+    pads = {name: spec.pad_value for name, spec in paged_static_inputs(layout).items()}
+    model.allocate_kv_cache(layout.num_pages + 40)
+    assert model.layout.num_pages == layout.num_pages + 40
+    assert all(cache.shape[1] == layout.num_pages + 40 for cache in model.kv_caches())
+    assert {name: spec.pad_value for name, spec in paged_static_inputs(model.layout).items()} == pads
+    for cache in model.kv_caches():
+        cache.normal_()
+    inputs = make_paged_inputs(
+        SMALL, model.layout, 30, uniform_decode=False, generator=torch.Generator().manual_seed(8)
+    )
+    assert rel_err(_eager(model, inputs, False), dense_reference(model, inputs)) < 1e-5
+    assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4
+    with pytest.raises(ValueError, match=r"num_pages: expected an integer >= 2"):
+        model.allocate_kv_cache(1)
+
+
 # -- GPU: every mode x backend replay equals eager --
 
 DEVICE_CONFIG: Final = DecoderConfig(num_layers=2, max_num_seqs=32, max_seq_len=512)

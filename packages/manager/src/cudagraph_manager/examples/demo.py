@@ -37,6 +37,9 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import CUDAGraphManager
 
+from cudagraph_manager import StaticInput
+
+from .paged import BACKENDS, PagedDecoder, PagedLayout, make_paged_inputs, paged_static_inputs
 from .reference import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs
 
 _DTYPES: Final[dict[str, torch.dtype]] = {
@@ -59,6 +62,48 @@ _DECODE_SIZES: Final = (1, 2, 3, 5, 8, 13, 16, 24, 32, 50, 64, 100, 128, 200, 25
 _MIXED_SIZES: Final = (7, 20, 40, 77, 130, 250)
 _OVERFLOW: Final = 8  # tokens above the largest capture size for the last step
 _CPU_TIMED_ITERS: Final = 3
+
+
+#: ``--attention``: the paged backends, or ``rows``: the reference decoder's cache of one row per request.
+ATTENTIONS: Final = (*BACKENDS, "rows")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decoder:
+    """The demo's model, whichever attention it runs: how to build its steps and run one eagerly."""
+
+    model: ReferenceDecoder | PagedDecoder
+    inputs: dict[str, StaticInput]
+    layout: PagedLayout | None  # None: the reference decoder's cache rows
+
+    @classmethod
+    def build(cls, config: DecoderConfig, attention: str, page_size: int, device: torch.device) -> Decoder:
+        if attention == "rows":
+            return cls(ReferenceDecoder(config, device=device), static_inputs(config), None)
+        layout = PagedLayout.for_config(config, page_size=page_size)
+        model = PagedDecoder(config, layout=layout, backend=attention, device=device)
+        return cls(model, paged_static_inputs(layout), layout)
+
+    def make_inputs(
+        self, num_tokens: int, uniform: bool, generator: torch.Generator, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        config = self.model.config
+        if self.layout is None:
+            return make_step_inputs(
+                config, num_tokens, uniform_decode=uniform, generator=generator, device=device
+            )
+        return make_paged_inputs(
+            config, self.layout, num_tokens, uniform_decode=uniform, generator=generator, device=device
+        )
+
+    def num_reqs(self, inputs: dict[str, torch.Tensor]) -> int:
+        if self.layout is None:
+            return len(set(inputs["slot_ids"].tolist()))
+        return int(inputs["seq_lens"].shape[0])
+
+    def eager(self, inputs: dict[str, torch.Tensor], uniform: bool) -> torch.Tensor:
+        """The step run eagerly, the attention told whether the batch is uniform (as the manager tells it)."""
+        return self.model.step(inputs, uniform_decode=uniform)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,6 +184,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (GPU 1024, CPU 128)")
     parser.add_argument("--heads", type=int, default=None, help="attention heads (GPU 16, CPU 4)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="KV cache positions per request")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTIONS,
+        default=None,
+        help="flex: FlexAttention over a paged KV cache (GPU default); gather: each request's pages "
+        "gathered, then SDPA (CPU default); rows: the reference decoder's cache of one row per request",
+    )
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (GPU 128, CPU 16)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="GPU dtype")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per step (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
@@ -151,9 +204,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.page_size is not None and args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if args.tolerance is not None and not args.tolerance > 0:
         parser.error(f"--tolerance must be > 0, got {args.tolerance}")
     args.cpu_path = args.cpu or not torch.cuda.is_available()
+    if args.attention is None:
+        args.attention = "gather" if args.cpu_path else "flex"
+    if args.page_size is None:
+        args.page_size = 16 if args.cpu_path else 128
     try:  # a model the other arguments cannot make is an argument error, not a traceback
         args.model_config = _config(args, cpu=args.cpu_path)
     except ValueError as error:
@@ -200,17 +259,23 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
         capture_sizes=CaptureSizes.default(args.max_size),
         max_num_seqs=config.max_num_seqs,
     )
+    decoder = Decoder.build(config, args.attention, args.page_size, device)
+    layout = decoder.layout
+    cache = (
+        f"{config.max_num_seqs}+1 x {config.max_seq_len} positions"
+        if layout is None
+        else f"{layout.num_pages} pages of {layout.page_size}, {args.attention} attention"
+    )
     print(
         f"decoder: {config.num_layers} layers, d={config.hidden_size}, {config.num_heads} heads, "
         f"ffn {config.intermediate_size}, {str(config.dtype).removeprefix('torch.')}, KV cache "
-        f"{config.max_num_seqs}+1 x {config.max_seq_len} positions, on {device}"
+        f"{cache}, on {device}"
     )
     print(
         f"graphs: {dispatch_config.mode.name} over {len(dispatch_config.capture_sizes)} sizes "
         f"up to {dispatch_config.capture_sizes.max}"
     )
-    model = ReferenceDecoder(config, device=device)
-    manager = _capture(model, config, dispatch_config, device)
+    manager = _capture(decoder, dispatch_config, device)
     dispatcher = manager.dispatcher
     generator = torch.Generator().manual_seed(args.seed)
     results: list[StepResult] = []
@@ -219,12 +284,9 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
     _print_header(cpu=cpu)
     with torch.no_grad():
         for num_tokens, uniform in schedule(args.max_size, config.max_num_seqs, args.steps):
-            inputs = make_step_inputs(
-                config, num_tokens, uniform_decode=uniform, generator=generator, device=device
-            )
+            inputs = decoder.make_inputs(num_tokens, uniform, generator, device)
             decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform)
-            num_reqs = len(set(inputs["slot_ids"].tolist()))
-            results.append(_step(model, manager, inputs, decision, num_reqs, uniform, args))
+            results.append(_step(decoder, manager, inputs, decision, uniform, args))
             _print_row(len(results) - 1, results[-1])
     _print_summary(results)
     stats = manager.stats
@@ -251,10 +313,10 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
 
 
 def _capture(
-    model: ReferenceDecoder, config: DecoderConfig, dispatch_config: DispatchConfig, device: torch.device
+    decoder: Decoder, dispatch_config: DispatchConfig, device: torch.device
 ) -> CUDAGraphManager[torch.Tensor]:
-    """A manager over ``model`` with every graph of ``dispatch_config`` captured; prints the report."""
-    manager = CUDAGraphManager(model.forward, static_inputs(config), dispatch_config, device=device)
+    """A manager over the model with every graph of ``dispatch_config`` captured; prints the report."""
+    manager = CUDAGraphManager(decoder.model.forward, decoder.inputs, dispatch_config, device=device)
     report = manager.capture()  # without CUDA: captures nothing and says why
     print(report)
     return manager
@@ -264,20 +326,14 @@ def run_graph(
     manager: CUDAGraphManager[torch.Tensor], uniform: bool, inputs: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """``manager.run`` on the decoder's step inputs: the final hidden states ``[T, hidden]``."""
-    return manager.run(
-        uniform_decode=uniform,
-        input_ids=inputs["input_ids"],
-        positions=inputs["positions"],
-        slot_ids=inputs["slot_ids"],
-    )
+    return manager.run_batch(inputs, uniform_decode=uniform)
 
 
 def _step(
-    model: ReferenceDecoder,
+    decoder: Decoder,
     manager: CUDAGraphManager[torch.Tensor],
     inputs: dict[str, torch.Tensor],
     decision: Dispatch,
-    num_reqs: int,
     uniform: bool,
     args: argparse.Namespace,
 ) -> StepResult:
@@ -291,17 +347,17 @@ def _step(
     """
     cuda = manager.device.type == "cuda"
     managed_out = run_graph(manager, uniform, inputs).clone()  # [T, hidden]
-    eager_out = model.step(inputs)  # [T, hidden]
+    eager_out = decoder.eager(inputs, uniform)  # [T, hidden]
     rel_err = _relative_error(managed_out, eager_out)
     iters, warmup = (args.iters, args.warmup) if cuda else (min(args.iters, _CPU_TIMED_ITERS), 1)
-    eager_ms = _time_ms(lambda: model.step(inputs), iters=iters, warmup=warmup, cuda=cuda)
+    eager_ms = _time_ms(lambda: decoder.eager(inputs, uniform), iters=iters, warmup=warmup, cuda=cuda)
     graph_ms = (
         _time_ms(lambda: run_graph(manager, uniform, inputs), iters=iters, warmup=warmup, cuda=True)
         if cuda
         else None
     )
     num_tokens = inputs["input_ids"].shape[0]
-    return StepResult(num_tokens, num_reqs, uniform, decision, eager_ms, graph_ms, rel_err)
+    return StepResult(num_tokens, decoder.num_reqs(inputs), uniform, decision, eager_ms, graph_ms, rel_err)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

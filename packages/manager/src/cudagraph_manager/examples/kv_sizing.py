@@ -1,6 +1,11 @@
 """Size the KV cache from the memory the CUDA graphs will leave: estimate, allocate, then capture.
 
-``python -m cudagraph_manager.examples.kv_sizing [reference|8b_like] [--margin-mib N] [--json]``
+``python -m cudagraph_manager.examples.kv_sizing [reference|8b_like] [--attention rows|flex|gather]
+[--margin-mib N] [--json]``
+
+``--attention rows`` (the default) sizes the reference decoder's cache in
+request rows; ``flex`` and ``gather`` size a paged cache in pages
+(``examples.paged``).
 
 An engine's start-up, in order: build the model (its KV cache at the
 minimum, one row per request of a batch), ask the manager what capturing
@@ -12,6 +17,7 @@ the estimate's error (plus less than one KV row of rounding).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -21,6 +27,7 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, MemoryEstimate
+from cudagraph_manager.examples.paged import BACKENDS, PagedDecoder, make_paged_inputs, paged_static_inputs
 from cudagraph_manager.examples.reference import (
     DecoderConfig,
     ReferenceDecoder,
@@ -31,6 +38,8 @@ from cudagraph_manager.examples.reference import (
 #: What stays free after the capture: eager steps above the largest size, other allocations.
 DEFAULT_MARGIN_MIB: Final = 512
 MODELS: Final = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}
+#: ``--attention``: the reference decoder's rows, or a paged backend.
+ATTENTIONS: Final = ("rows", *BACKENDS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,7 +47,7 @@ class KvSizing:
     """What the start-up did: the estimate, the KV cache it allowed, the capture, what was left."""
 
     estimate: MemoryEstimate
-    kv_slots: int
+    kv_slots: int  # request rows, or pages of a paged cache
     kv_bytes: int
     report: CaptureReport
     margin_bytes: int
@@ -51,13 +60,15 @@ class KvSizing:
             f"graphs estimated at {self.estimate.total_bytes / mib:.0f} MiB "
             f"in {self.estimate.seconds:.2f} s, "
             f"cost {self.report.device_bytes / mib:.0f} MiB (error {error / mib:+.0f} MiB); "
-            f"KV cache {self.kv_bytes / 2**30:.2f} GiB ({self.kv_slots} request rows); "
+            f"KV cache {self.kv_bytes / 2**30:.2f} GiB ({self.kv_slots} request rows or pages); "
             f"left after the capture {self.left_bytes / mib:.0f} MiB "
             f"(margin {self.margin_bytes / mib:.0f} MiB)"
         )
 
 
-def start_up(manager: CUDAGraphManager[torch.Tensor], model: ReferenceDecoder, margin_bytes: int) -> KvSizing:
+def start_up(
+    manager: CUDAGraphManager[torch.Tensor], model: ReferenceDecoder | PagedDecoder, margin_bytes: int
+) -> KvSizing:
     """Profile an eager step, estimate the graphs, give the KV cache the rest minus ``margin_bytes``, capture.
 
     The eager step of the largest size comes first, as an engine profiles
@@ -65,11 +76,15 @@ def start_up(manager: CUDAGraphManager[torch.Tensor], model: ReferenceDecoder, m
     """
     config = model.config
     largest = max(key.num_tokens for _, keys in manager.dispatcher.capture_plan() for key in keys)
-    profile = make_step_inputs(config, largest, uniform_decode=False, device=model.embed.device)
-    model(profile["input_ids"], profile["positions"], profile["slot_ids"])
+    if isinstance(model, PagedDecoder):
+        profile = make_paged_inputs(config, model.layout, largest, uniform_decode=False, device="cuda")
+        slot_bytes, current_slots = model.kv_page_bytes(), model.layout.num_pages
+    else:
+        profile = make_step_inputs(config, largest, uniform_decode=False, device="cuda")
+        slot_bytes, current_slots = model.kv_slot_bytes(), config.max_num_seqs + 1
+    model.step(profile)
     estimate = manager.estimate_memory()  # leaves nothing behind: no graph, an emptied cache
-    slot_bytes = model.kv_slot_bytes()
-    current = slot_bytes * (config.max_num_seqs + 1)  # the minimal cache, freed when replaced
+    current = slot_bytes * current_slots  # the minimal cache, freed when replaced
     budget = torch.cuda.mem_get_info()[0] + current - estimate.total_bytes - margin_bytes
     slots = budget // slot_bytes
     model.allocate_kv_cache(slots)
@@ -77,27 +92,55 @@ def start_up(manager: CUDAGraphManager[torch.Tensor], model: ReferenceDecoder, m
     return KvSizing(estimate, slots, slots * slot_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked before anything touches the device (``--help`` works anywhere)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cudagraph_manager.examples.kv_sizing",
+        description="Size a KV cache from the memory the CUDA graphs will leave: estimate, allocate, capture.",
+    )
+    parser.add_argument("model", nargs="?", choices=sorted(MODELS), default="reference")
+    parser.add_argument(
+        "--attention",
+        choices=[*ATTENTIONS],
+        default="rows",
+        help="rows: a cache row per request (default); flex or gather: a paged cache, sized in pages",
+    )
+    parser.add_argument("--margin-mib", type=int, default=DEFAULT_MARGIN_MIB, help="free memory to leave")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
+    args = parser.parse_args(argv)
+    if args.margin_mib < 0:
+        parser.error(f"--margin-mib must be >= 0, got {args.margin_mib}")
+    return args
+
+
 def main(argv: list[str]) -> KvSizing:
-    name = next((a for a in argv if not a.startswith("--")), "reference")
-    margin_mib = DEFAULT_MARGIN_MIB
-    if "--margin-mib" in argv:
-        margin_mib = int(argv[argv.index("--margin-mib") + 1])
+    args = parse_args(argv)
+    name, attention, margin_mib = args.model, args.attention, args.margin_mib
     if not torch.cuda.is_available():
         raise SystemExit("This example sizes a KV cache on a CUDA device; none is available here.")
     torch.manual_seed(0)
     decoder = MODELS[name]()
-    model = ReferenceDecoder(decoder, device="cuda")
     config = DispatchConfig(
         CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(512), max_num_seqs=decoder.max_num_seqs
     )
-    manager = CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True)
+    model: ReferenceDecoder | PagedDecoder
+    if attention == "rows":
+        model = ReferenceDecoder(decoder, device="cuda")
+        manager = CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True)
+    else:
+        model = PagedDecoder(decoder, backend=attention, device="cuda")
+        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
     with torch.no_grad():
         sizing = start_up(manager, model, margin_mib * 2**20)
         print(sizing)
-        inputs = make_step_inputs(decoder, 100, uniform_decode=True, device="cuda")  # a decode step: replayed
+        inputs = (  # a decode step: replayed
+            make_paged_inputs(decoder, model.layout, 100, uniform_decode=True, device="cuda")
+            if isinstance(model, PagedDecoder)
+            else make_step_inputs(decoder, 100, uniform_decode=True, device="cuda")
+        )
         manager.run_batch(inputs, uniform_decode=True)
         print(manager.stats)
-        if "--json" in argv:  # for the tests and benchmarks: the figures, one line
+        if args.json:  # for the tests and benchmarks: the figures, one line
             figures = {
                 "estimate_bytes": sizing.estimate.total_bytes,
                 "estimate_s": sizing.estimate.seconds,
@@ -105,7 +148,10 @@ def main(argv: list[str]) -> KvSizing:
                 "capture_s": sizing.report.seconds,
                 "kv_slots": sizing.kv_slots,
                 "kv_bytes": sizing.kv_bytes,
-                "slot_bytes": model.kv_slot_bytes(),
+                "slot_bytes": model.kv_page_bytes()
+                if isinstance(model, PagedDecoder)
+                else model.kv_slot_bytes(),
+                "kv_unit": "page" if isinstance(model, PagedDecoder) else "row",
                 "num_layers": decoder.num_layers,
                 "margin_bytes": sizing.margin_bytes,
                 "left_bytes": sizing.left_bytes,

@@ -468,8 +468,12 @@ class ReferenceDecoder(nn.Module):
         """The final norm of the hidden states ``[T, hidden]``."""
         return F.rms_norm(x, (self.config.hidden_size,), self.final_norm, _RMS_EPS)
 
-    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``forward`` on a dict of step inputs (``make_step_inputs``), typed."""
+    def step(self, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False) -> torch.Tensor:
+        """``forward`` on a dict of step inputs (``make_step_inputs``), typed.
+
+        ``uniform_decode`` is accepted for symmetry with ``PagedDecoder.step``:
+        this attention reads whole cache rows whatever the batch.
+        """
         return self.forward(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
 
     def with_attention(self, attention: AttentionOp) -> ReferenceDecoder:
