@@ -174,9 +174,12 @@ def test_each_downgrade_is_logged_once_with_its_reason(caplog: pytest.LogCapture
     assert resolution.mode is M.PIECEWISE
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 == len(resolution.reasons)
-    assert "FULL -> FULL_AND_PIECEWISE" in messages[0] and "flashinfer" in messages[0]
-    assert "FULL_AND_PIECEWISE -> PIECEWISE" in messages[1] and "2 tokens per request" in messages[1]
-    assert "FULL -> PIECEWISE" in str(resolution) and "UNIFORM_SINGLE_TOKEN_DECODE" in str(resolution)
+    assert "FULL -> FULL_AND_PIECEWISE" in messages[0]
+    assert "flashinfer" in messages[0]
+    assert "FULL_AND_PIECEWISE -> PIECEWISE" in messages[1]
+    assert "2 tokens per request" in messages[1]
+    assert "FULL -> PIECEWISE" in str(resolution)
+    assert "UNIFORM_SINGLE_TOKEN_DECODE" in str(resolution)
 
 
 def test_strict_raises_instead_of_downgrading(caplog: pytest.LogCaptureFixture) -> None:

@@ -130,7 +130,8 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
         )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     assert len(caplog.records) == 2
-    assert "FULL -> PIECEWISE" in str(manager.stats) and "decode_only" in str(manager.stats)
+    assert "FULL -> PIECEWISE" in str(manager.stats)
+    assert "decode_only" in str(manager.stats)
     assert manager.stats.resolution is manager.dispatcher.resolution
     report = manager.capture()  # on the CPU: nothing captured, the resolution still said
     assert report.resolution is manager.dispatcher.resolution

@@ -55,9 +55,10 @@ class CaptureReport:
     ``resolution`` is the configured mode resolved against the model's
     attention support (``ModeResolution``: the mode the graphs follow, and
     why it was downgraded, if it was; printed when it was). ``compiles``
-    is how many graphs ``torch.compile`` (dynamo) compiled during the capture, recompiles included: a compiled model compiles in
-    its first warm-up; ``None`` when dynamo was never loaded. Dynamo's count
-    is process-wide: a compile by another thread meanwhile counts too.
+    is how many graphs ``torch.compile`` (dynamo) compiled during the
+    capture, recompiles included: a compiled model compiles in its first
+    warm-up; ``None`` when dynamo was never loaded. Dynamo's count is
+    process-wide: a compile by another thread meanwhile counts too.
     """
 
     graphs: tuple[CapturedGraph, ...]

@@ -35,9 +35,7 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
 )
-from cudagraph_manager import CUDAGraphManager
-
-from cudagraph_manager import StaticInput
+from cudagraph_manager import CUDAGraphManager, StaticInput
 
 from .paged import BACKENDS, PagedDecoder, PagedLayout, make_paged_inputs, paged_static_inputs
 from .reference import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs

@@ -96,7 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, checked before anything touches the device (``--help`` works anywhere)."""
     parser = argparse.ArgumentParser(
         prog="python -m cudagraph_manager.examples.kv_sizing",
-        description="Size a KV cache from the memory the CUDA graphs will leave: estimate, allocate, capture.",
+        description="Size a KV cache from the memory the CUDA graphs leave: estimate, allocate, capture.",
     )
     parser.add_argument("model", nargs="?", choices=sorted(MODELS), default="reference")
     parser.add_argument(

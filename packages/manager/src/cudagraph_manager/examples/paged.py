@@ -136,6 +136,7 @@ def paged_step(
     req_ids: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_len: int | None = None,
 ) -> PagedStep:
     """Page ownership from the block table, with capturable ops (scatters, no host sync).
 
@@ -162,7 +163,13 @@ def paged_step(
     owner[scratch].fill_(PAD_REQUEST)
     page_index[scratch].fill_(0)
     return PagedStep(
-        positions, req_ids, block_table, seq_lens, owner, page_index, _uniform_query_len(positions, num_reqs)
+        positions,
+        req_ids,
+        block_table,
+        seq_lens,
+        owner,
+        page_index,
+        _uniform_query_len(positions, num_reqs) if query_len is None else query_len,
     )
 
 
@@ -261,12 +268,23 @@ class FlexPagedAttention(_PagedBackend):
     block); ``compile`` (default: on CUDA) runs the fused Triton kernels,
     eager FlexAttention being a slow reference for CPU tests. A PIECEWISE
     capture runs ``attend`` eagerly between segments (``breakable``).
+    ``traced=True``: the model is compiled whole by the caller
+    (``torch.compile(mode="reduce-overhead")``), which compiles the attention
+    with the same kernel options.
     """
 
-    def __init__(self, layout: PagedLayout, *, compile: bool | None = None, breakable: bool = True) -> None:
+    def __init__(
+        self,
+        layout: PagedLayout,
+        *,
+        compile: bool | None = None,
+        breakable: bool = True,
+        traced: bool = False,
+    ) -> None:
         support = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention")
         super().__init__(layout, support, breakable=breakable)
         self._compile: Final = compile
+        self._traced: Final = traced
 
     def prepare(self, step: PagedStep) -> object:
         layout = self.layout
@@ -314,8 +332,11 @@ class FlexPagedAttention(_PagedBackend):
             queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]
         else:
             queries = q.view(-1, meta.query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
-        compiled = self._compile if self._compile is not None else q.is_cuda
-        attend = paged_flex(self.layout.page_size, compiled=compiled)
+        if self._traced:  # an enclosing torch.compile (reduce-overhead) compiles it, fused
+            attend = paged_flex(self.layout.page_size, compiled=False, fused=True)
+        else:
+            compiled = self._compile if self._compile is not None else q.is_cuda
+            attend = paged_flex(self.layout.page_size, compiled=compiled)
         result = attend(queries, keys, values, *meta[:-1])  # [B, heads, Q, head_dim]
         return result.transpose(1, 2).reshape(num_tokens, heads, head_dim)
 
@@ -331,7 +352,7 @@ class _FlexMetadata(NamedTuple):
 
 
 @functools.cache
-def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]:
+def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> Callable[..., torch.Tensor]:
     """FlexAttention over pages of ``page_size``: ``f(queries, keys, values, *_FlexMetadata[:-1])``.
 
     ``queries [B, heads, Q, head_dim]``; ``keys``, ``values [1, heads, S,
@@ -341,7 +362,9 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
     made inside the function from tensors only, so one compiled function
     (``compiled``: ``torch.compile``, dynamic shapes) serves every step; a
     mask closure made outside would be a new object per step for the
-    compiler to guard on. The mask reads per-slot tables rather than
+    compiler to guard on. ``fused`` (default: ``compiled``) passes the
+    fused kernel's options, for a caller whose own ``torch.compile`` traces
+    this function. The mask reads per-slot tables rather than
     dividing slot indices by the page size: inductor 2.11 failed to
     generate that division inside the kernel.
     """
@@ -373,7 +396,7 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
             compute_q_blocks=False,
         )
         scale = queries.shape[-1] ** -0.5
-        options = _KERNEL_OPTIONS if compiled else None
+        options = _KERNEL_OPTIONS if (compiled if fused is None else fused) else None
         return flex_attention(
             queries,
             keys,
@@ -487,10 +510,17 @@ class PagedDecoder(nn.Module):
         req_ids: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
+        *,
+        query_len: int | None = None,
     ) -> torch.Tensor:
-        """One step -> final hidden states ``[T, hidden]``; attention metadata built once for all layers."""
+        """One step -> final hidden states ``[T, hidden]``; attention metadata built once for all layers.
+
+        ``query_len``: every request has this many tokens (a uniform batch);
+        by default the forward context's key says (tracers that cannot read
+        it pass it here).
+        """
         body, backend = self.body, self.backend
-        step = paged_step(self.layout, positions, req_ids, block_table, seq_lens)
+        step = paged_step(self.layout, positions, req_ids, block_table, seq_lens, query_len)
         metadata = backend.prepare(step)
         cos, sin = rotary_cos_sin(positions, body.rotary, self.config.num_heads)
         x = F.embedding(input_ids, body.embed)  # [T, hidden]

@@ -1,0 +1,248 @@
+"""The 8B-like decoder on a paged KV cache with FlexAttention: steps, capture time and graph memory.
+
+- Steps (uniform decode of 1, 16, 64 and 256 requests; one mixed batch of
+  512 tokens: a prefill chunk and decodes), each candidate interleaved round
+  by round with the others in this run: eager (under ``inference_mode``), the
+  manager in FULL and in FULL_AND_PIECEWISE, hand-written
+  ``torch.cuda.CUDAGraph`` replays of the same forward (one recorded as a
+  uniform key, laying each request on its own batch row, the decode kernel;
+  one as a mixed key, one packed sequence), and
+  ``torch.compile(mode="reduce-overhead")`` of the same model and attention.
+  FULL mode has no uniform keys: its decode steps replay the mixed key's
+  packed layout (FlexAttention's tiles of 16 queries read the union of their
+  requests' pages), which FULL_AND_PIECEWISE's uniform keys avoid.
+- Capture: ``estimate_memory()`` then ``capture()`` of the 51 default sizes up
+  to 512, in FULL and in FULL_AND_PIECEWISE: seconds, the report's device
+  bytes, the estimate's error.
+
+Every candidate's output is checked against eager first. Figures go into
+``extra_info``; ``tests/benchmarks/report.py`` tabulates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import pytest
+import torch
+
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    set_forward_context,
+)
+from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager.examples.paged import (
+    FlexPagedAttention,
+    PagedDecoder,
+    PagedLayout,
+    make_paged_inputs,
+    paged_static_inputs,
+)
+from cudagraph_manager.examples.reference import DecoderConfig
+from tests.benchmarks.support import BenchmarkFixture, interleave
+from tests.torch_support import rel_err
+
+pytestmark = pytest.mark.gpu
+
+M: Final = CUDAGraphMode
+_DECODE_BATCHES: Final = (1, 16, 64, 256)
+_MIXED_TOKENS: Final = 512
+_SIZES: Final = CaptureSizes.default(512)  # 51 sizes
+_PAGE: Final = 64  # the 8B-like preset's sequences are 64 tokens: one page each
+_ROUNDS: Final = 11
+_STEPS_PER_CALL: Final = 10
+_TOLERANCE: Final = 3e-2  # bf16, graph vs eager (rounding; a bug is of order 1)
+_MODES: Final = {"full": M.FULL, "full_and_piecewise": M.FULL_AND_PIECEWISE}
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[PagedDecoder]:
+    torch.manual_seed(0)
+    config = DecoderConfig.llama_8b_like()
+    decoder = PagedDecoder(config, layout=PagedLayout.for_config(config, page_size=_PAGE), device="cuda")
+    yield decoder
+    del decoder
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.Tensor]]]:
+    built: dict[str, CUDAGraphManager[torch.Tensor]] = {}
+    for name, mode in _MODES.items():
+        config = DispatchConfig(mode, _SIZES, max_num_seqs=model.config.max_num_seqs)
+        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
+        with torch.no_grad():
+            manager.capture(progress=False)
+        built[name] = manager
+    yield built
+    for manager in built.values():
+        manager.release()
+
+
+def _inputs(model: PagedDecoder, num_tokens: int, uniform: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(num_tokens)
+    return make_paged_inputs(
+        model.config, model.layout, num_tokens, uniform_decode=uniform, generator=generator, device="cuda"
+    )
+
+
+def _eager(model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.step(inputs, uniform_decode=uniform)
+
+    return step
+
+
+def _hand_written(
+    model: PagedDecoder, inputs: dict[str, torch.Tensor], key: BatchDescriptor
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """One ``torch.cuda.CUDAGraph`` recorded under ``key``'s forward context: copy the inputs in, replay."""
+    static = {name: t.clone() for name, t in inputs.items()}
+    with torch.no_grad(), set_forward_context(M.NONE, key):
+        model(**static)  # warm-up: compiles, allocator blocks
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(**static)  # [T, hidden]
+    pairs = [(static[name], inputs[name]) for name in inputs]
+
+    def step() -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        graph.replay()
+
+    return step, out
+
+
+def _reduce_overhead(
+    model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool
+) -> Callable[[], torch.Tensor]:
+    """``torch.compile(mode="reduce-overhead")`` of the model with the same attention, traced whole."""
+    twin = model.with_backend(FlexPagedAttention(model.layout, breakable=False, traced=True))
+    for cache in twin.kv_caches():
+        torch._dynamo.mark_static_address(cache)  # mutated in place every step: a graph input
+    compiled = torch.compile(twin, mode="reduce-overhead", dynamic=False)
+    query_len = 1 if uniform else None
+
+    def step() -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # untyped in torch
+        with torch.no_grad():
+            out = compiled(**inputs, query_len=query_len)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    return step
+
+
+def _run(
+    manager: CUDAGraphManager[torch.Tensor], inputs: dict[str, torch.Tensor], uniform: bool
+) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        return manager.run_batch(inputs, uniform_decode=uniform)
+
+    return step
+
+
+def _repeat(step: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(_STEPS_PER_CALL):
+            step()
+        torch.cuda.synchronize()
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "uniform"),
+    [*((b, True) for b in _DECODE_BATCHES), (_MIXED_TOKENS, False)],
+    ids=[*(f"decode{b}" for b in _DECODE_BATCHES), f"mixed{_MIXED_TOKENS}"],
+)
+def test_paged_8b_step(
+    benchmark: BenchmarkFixture,
+    model: PagedDecoder,
+    managers: dict[str, CUDAGraphManager[torch.Tensor]],
+    num_tokens: int,
+    uniform: bool,
+) -> None:
+    inputs = _inputs(model, num_tokens, uniform)
+    num_reqs = int(inputs["seq_lens"].shape[0])
+    eager = _eager(model, inputs, uniform)
+    expected = eager().clone()
+    candidates: dict[str, Callable[[], object]] = {"eager": eager}
+    for name, manager in managers.items():
+        out = manager.run_batch(inputs, uniform_decode=uniform)
+        assert rel_err(out, expected) < _TOLERANCE, name
+        candidates[f"manager_{name}"] = _run(manager, inputs, uniform)
+    keys = {"cuda_graph_mixed_key": BatchDescriptor(num_tokens, min(num_tokens, model.config.max_num_seqs))}
+    if uniform:
+        keys["cuda_graph_uniform_key"] = BatchDescriptor(num_tokens, num_reqs, True)
+    for label, key in keys.items():
+        step, out = _hand_written(model, inputs, key)
+        step()
+        assert rel_err(out, expected) < _TOLERANCE, label
+        candidates[label] = step
+    info = benchmark.extra_info
+    try:
+        compiled = _reduce_overhead(model, inputs, uniform)
+        for _ in range(3):
+            compiled()
+        assert rel_err(compiled(), expected) < _TOLERANCE, "reduce-overhead"
+        candidates["reduce_overhead"] = compiled
+    except Exception as error:  # a baseline that cannot run is reported, not hidden
+        info["reduce_overhead_error"] = f"{type(error).__name__}: {error}"[:400]
+    benchmark.group = f"8B-like paged flex, {'decode' if uniform else 'mixed'} {num_tokens} tokens"
+    benchmark.pedantic(_repeat(candidates["manager_full_and_piecewise"]), rounds=_ROUNDS, warmup_rounds=1)
+    timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    info.update(label="paged_8b", num_tokens=num_tokens, uniform=uniform, num_reqs=num_reqs)
+    for label in candidates:
+        info[f"{label}_us"] = timed.median(label) * 1e6
+    for name in managers:
+        manager_label = f"manager_{name}"
+        for other in candidates:
+            if other != manager_label:
+                info[f"{manager_label}_vs_{other}"] = timed.ratio(manager_label, other)
+    for manager in managers.values():
+        assert manager.stats.eager_runs == 0
+
+
+@pytest.mark.parametrize("name", list(_MODES))
+def test_paged_8b_capture_and_estimate(benchmark: BenchmarkFixture, model: PagedDecoder, name: str) -> None:
+    """``estimate_memory()``, then ``capture()`` of the 51 sizes: time, the report's bytes, the error."""
+    config = DispatchConfig(_MODES[name], _SIZES, max_num_seqs=model.config.max_num_seqs)
+    figures: dict[str, float] = {}
+
+    def capture_once() -> None:
+        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
+        with torch.no_grad():
+            estimate = manager.estimate_memory()
+            report = manager.capture(progress=False)
+        figures.update(
+            graphs=report.num_graphs,
+            capture_s=report.seconds,
+            device_bytes=report.device_bytes,
+            reserved_bytes=report.reserved_bytes,
+            estimate_bytes=estimate.total_bytes,
+            estimate_s=estimate.seconds,
+        )
+        manager.release()
+
+    benchmark.group = "8B-like paged flex: capture of the 51 default sizes"
+    benchmark.pedantic(capture_once, rounds=1, warmup_rounds=1, iterations=1)
+    error = figures["estimate_bytes"] - figures["device_bytes"]
+    info = benchmark.extra_info
+    info.update(label=f"paged_8b_capture_{name}", **figures)
+    info["estimate_error_bytes"] = error
+    info["estimate_error_fraction"] = error / max(figures["device_bytes"], 1)
+    assert figures["graphs"] == sum(len(keys) for _, keys in manager_plan(model, config))
+
+
+def manager_plan(
+    model: PagedDecoder, config: DispatchConfig
+) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
+    """The capture plan a manager of ``config`` over ``model`` has (its dispatcher's, resolved)."""
+    return CUDAGraphManager(model, paged_static_inputs(model.layout), config).dispatcher.capture_plan()
