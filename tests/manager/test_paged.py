@@ -180,6 +180,18 @@ def test_a_resized_cache_serves_the_same_static_inputs() -> None:
         model.allocate_kv_cache(1)
 
 
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+def test_warm_up_writes_only_the_scratch_page(backend: str) -> None:
+    layout = PagedLayout.for_config(SMALL, page_size=8)
+    model = PagedDecoder(SMALL, layout=layout, backend=backend)
+    before = [cache.clone() for cache in model.kv_caches()]
+    model.warm_up(40, query_len=2)
+    for old, new in zip(before, model.kv_caches(), strict=True):
+        assert torch.equal(old[:, 1:], new[:, 1:])  # every page but scratch (0) untouched
+    with pytest.raises(ValueError, match="max_tokens: expected an integer >= 1"):
+        model.warm_up(0)
+
+
 # -- GPU: every mode x backend replay equals eager --
 
 DEVICE_CONFIG: Final = DecoderConfig(num_layers=2, max_num_seqs=32, max_seq_len=512)

@@ -77,6 +77,7 @@ def start_up(
     config = model.config
     largest = max(key.num_tokens for _, keys in manager.dispatcher.capture_plan() for key in keys)
     if isinstance(model, PagedDecoder):
+        model.warm_up(largest)  # every shape its attention compiles for, before anything is measured
         profile = make_paged_inputs(config, model.layout, largest, uniform_decode=False, device="cuda")
         slot_bytes, current_slots = model.kv_page_bytes(), model.layout.num_pages
     else:

@@ -554,6 +554,38 @@ class PagedDecoder(nn.Module):
         """Every layer's paged cache, ``[2, pages, page_size, heads, head_dim]``: the mutable state."""
         return [layer.kv_cache for layer in self.body.decoder_layers]
 
+    def warm_up(self, max_tokens: int, *, query_len: int = 1) -> None:
+        """Run each shape class the attention specializes on once, on padding (an engine's warm-up).
+
+        FlexAttention is compiled with dynamic shapes but specializes on
+        sizes 1 and 2, on multiples of its 16-query tile, and on the layout
+        (packed or per request): one step of each, up to ``max_tokens``
+        tokens, compiles them all before memory is profiled, estimated or
+        captured, so none compiles later inside a capture. Only the scratch
+        page is written.
+        """
+        given: object = max_tokens
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+            raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
+        pads = paged_static_inputs(self.layout)
+        device = self.body.embed.device
+        max_reqs = min(self.config.max_num_seqs, max_tokens // query_len)
+        packed = sorted({n for n in (1, 2, 16, 17, max_tokens) if n <= max_tokens})
+        uniform = sorted({r for r in (1, 2, 16, 17, max_reqs) if 1 <= r <= max_reqs})
+        steps = [(n, n, None) for n in packed] + [(r * query_len, r, query_len) for r in uniform]
+        with torch.no_grad():
+            for num_tokens, num_reqs, q in steps:
+                inputs = {
+                    name: torch.full(
+                        (num_reqs if spec.rows == "reqs" else num_tokens, *spec.shape),
+                        spec.pad_value,
+                        dtype=spec.dtype,
+                        device=device,
+                    )
+                    for name, spec in pads.items()
+                }
+                self.forward(*(inputs[name] for name in PAGED_INPUT_NAMES), query_len=q)
+
     def kv_page_bytes(self) -> int:
         """The bytes of one page (its keys and values) over all layers."""
         config, layout = self.config, self.layout
