@@ -128,7 +128,7 @@ def _reduce_overhead(
     for cache in twin.kv_caches():
         torch._dynamo.mark_static_address(cache)  # mutated in place every step: a graph input
     compiled = torch.compile(twin, mode="reduce-overhead", dynamic=False)
-    query_len = 1 if uniform else None
+    query_len = 1 if uniform else 0  # said, not read from the forward context inside the trace
 
     def step() -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # untyped in torch

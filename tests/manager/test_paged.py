@@ -35,6 +35,7 @@ from cudagraph_manager.examples.paged import (
     dense_reference,
     make_paged_inputs,
     paged_static_inputs,
+    tile_unions,
 )
 from cudagraph_manager.examples.reference import DecoderConfig
 from tests.torch_support import rel_err
@@ -178,6 +179,24 @@ def test_a_resized_cache_serves_the_same_static_inputs() -> None:
     assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4
     with pytest.raises(ValueError, match=r"num_pages: expected an integer >= 2"):
         model.allocate_kv_cache(1)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 100])
+def test_each_query_tile_lists_exactly_the_distinct_pages_of_its_tokens(num_tokens: int) -> None:
+    """The block mask's page lists (the compiled kernel reads only those, so a missing page is a wrong result)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    pages = torch.randint(1, 40, (num_tokens, 3), generator=generator)
+    pages[::3, 2] = 0  # the scratch page stands in for pages past a token's position
+    counts, indices = tile_unions(pages, 0)
+    tiles = -(-num_tokens // 16)
+    assert counts.shape == (1, 1, tiles)
+    assert indices.shape == (1, 1, tiles, 48)
+    for tile in range(tiles):
+        rows = pages[tile * 16 : (tile + 1) * 16]
+        expected = set(rows.flatten().tolist()) | ({0} if rows.shape[0] < 16 else set())
+        listed = indices[0, 0, tile, : int(counts[0, 0, tile])].tolist()
+        assert len(listed) == len(set(listed))
+        assert set(listed) == expected
 
 
 @pytest.mark.parametrize("backend", ["gather", "flex"])

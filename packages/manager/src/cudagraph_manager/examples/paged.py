@@ -169,7 +169,7 @@ def paged_step(
         seq_lens,
         owner,
         page_index,
-        _uniform_query_len(positions, num_reqs) if query_len is None else query_len,
+        _uniform_query_len(positions, num_reqs) if query_len is None else query_len or None,
     )
 
 
@@ -284,40 +284,29 @@ class FlexPagedAttention(_PagedBackend):
         support = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention")
         super().__init__(layout, support, breakable=breakable)
         self._compile: Final = compile
-        self._traced: Final = traced
+        # Made here, not in a trace: dynamo warns about (and sees through) the cache of paged_flex.
+        self._traced: Final = paged_flex(layout.page_size, compiled=False, fused=True) if traced else None
 
     def prepare(self, step: PagedStep) -> object:
+        # Nothing here is sized by the cache's page count: a graph's metadata costs the same
+        # whatever pages the cache has (``examples.kv_sizing`` sizes it after estimating).
         layout = self.layout
-        # The pages the cache has now (the step's tables are sized from it): a resized cache
-        # (``PagedDecoder.allocate_kv_cache``) needs no new backend.
-        num_tokens, num_pages, page_size = step.positions.shape[0], step.owner.shape[0], layout.page_size
+        num_tokens, page_size = step.positions.shape[0], layout.page_size
         query_len = step.query_len
         if query_len is not None:  # one batch row per request: its block-table row, its used pages
-            num_reqs, width = step.block_table.shape
+            num_reqs = step.block_table.shape[0]
             tiles = -(-query_len // _Q_TILE)
             counts = (step.seq_lens.clamp(min=1) + page_size - 1) // page_size  # [R]
-            indices = torch.zeros((num_reqs, num_pages), dtype=torch.int32, device=counts.device)
-            indices[:, :width] = step.block_table
             kv_num_blocks = counts.int()[:, None, None].expand(num_reqs, 1, tiles)  # [R, 1, tiles]
-            kv_indices = indices[:, None, None, :].expand(num_reqs, 1, tiles, num_pages)
+            kv_indices = step.block_table[:, None, None, :].expand(num_reqs, 1, tiles, -1)  # [R, 1, tiles, M]
         else:  # one packed sequence: each query tile reads the union of its tokens' pages
-            tiles = -(-num_tokens // _Q_TILE)
-            pages = token_pages(layout, step)  # [T, M]
-            tile_of = (torch.arange(num_tokens, device=pages.device) // _Q_TILE)[:, None].expand_as(pages)
-            union = torch.zeros((tiles, num_pages), dtype=torch.int32, device=pages.device)
-            one = torch.ones((), dtype=torch.int32, device=pages.device)
-            union.index_put_((tile_of.flatten(), pages.flatten()), one)
-            kv_num_blocks = union.sum(-1, dtype=torch.int32)[None, None]  # [1, 1, tiles]
-            kv_indices = union.argsort(dim=-1, descending=True, stable=True).int()[
-                None, None
-            ]  # [1, 1, tiles, pages]
+            kv_num_blocks, kv_indices = tile_unions(token_pages(layout, step), layout.scratch_page)
         rows = (-1, query_len) if query_len is not None else (1, num_tokens)
-        offsets = torch.arange(page_size, device=step.owner.device)  # [page]
         return _FlexMetadata(
             kv_num_blocks.contiguous(),
             kv_indices.contiguous(),
-            step.owner[:, None].expand(num_pages, page_size).reshape(-1),  # [pages * page]
-            (step.page_index[:, None] * page_size + offsets).reshape(-1),  # [pages * page]
+            step.owner,
+            step.page_index,
             step.req_ids.view(rows),  # [B, Q]
             step.positions.view(rows),  # [B, Q]
             query_len,
@@ -332,8 +321,8 @@ class FlexPagedAttention(_PagedBackend):
             queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]
         else:
             queries = q.view(-1, meta.query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
-        if self._traced:  # an enclosing torch.compile (reduce-overhead) compiles it, fused
-            attend = paged_flex(self.layout.page_size, compiled=False, fused=True)
+        if self._traced is not None:  # an enclosing torch.compile (reduce-overhead) compiles it, fused
+            attend = self._traced
         else:
             compiled = self._compile if self._compile is not None else q.is_cuda
             attend = paged_flex(self.layout.page_size, compiled=compiled)
@@ -341,11 +330,35 @@ class FlexPagedAttention(_PagedBackend):
         return result.transpose(1, 2).reshape(num_tokens, heads, head_dim)
 
 
+def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query tile's distinct pages, first, and how many: ``[1, 1, tiles]``, ``[1, 1, tiles, 16 * M]``.
+
+    ``pages [T, M]`` are the tokens' pages. Sorted per tile, a page equal to
+    the one before it is a repeat; repeats are moved to the end (sorted
+    again under a key past every page) and not counted. Fixed shapes, no
+    host sync: the width is the tile's tokens times their pages, never the
+    cache's page count.
+    """
+    num_tokens, width = pages.shape
+    tiles = -(-num_tokens // _Q_TILE)
+    padded = torch.full((tiles * _Q_TILE, width), scratch, dtype=pages.dtype, device=pages.device)
+    padded[:num_tokens] = pages
+    ordered = padded.view(tiles, _Q_TILE * width).sort(dim=-1).values  # [tiles, 16 * M]
+    repeat = torch.cat(
+        (torch.zeros_like(ordered[:, :1], dtype=torch.bool), ordered[:, 1:] == ordered[:, :-1]), -1
+    )
+    past = torch.iinfo(torch.int32).max
+    distinct = torch.where(repeat, past, ordered).sort(dim=-1).values  # [tiles, 16 * M]: distinct, then past
+    kv_indices = torch.where(distinct == past, scratch, distinct).int()
+    kv_num_blocks = (~repeat).sum(-1, dtype=torch.int32)
+    return kv_num_blocks[None, None], kv_indices[None, None]
+
+
 class _FlexMetadata(NamedTuple):
     kv_num_blocks: torch.Tensor  # [B, 1, tiles] int32: pages each query tile reads
-    kv_indices: torch.Tensor  # [B, 1, tiles, num_pages] int32: which, first
-    slot_owner: torch.Tensor  # [pages * page_size] int64: the request owning each slot's page
-    slot_position: torch.Tensor  # [pages * page_size] int64: each slot's position in its request
+    kv_indices: torch.Tensor  # [B, 1, tiles, width] int32: which (the first kv_num_blocks)
+    owner: torch.Tensor  # [num_pages] int64: PagedStep's
+    page_index: torch.Tensor  # [num_pages] int64: PagedStep's
     query_req: torch.Tensor  # [B, Q]: each query's request
     query_pos: torch.Tensor  # [B, Q]: each query's position
     query_len: int | None  # uniform: [R, H, q, D] queries; None: one packed [1, H, T, D] sequence
@@ -358,15 +371,15 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
     ``queries [B, heads, Q, head_dim]``; ``keys``, ``values [1, heads, S,
     head_dim]`` (every slot of every page); query ``(b, q)`` is the token of
     request ``query_req[b, q]`` at ``query_pos[b, q]``, and it sees the keys
-    of its request's slots at positions up to its own. The block mask is
+    of its request's pages at positions up to its own. The block mask is
     made inside the function from tensors only, so one compiled function
     (``compiled``: ``torch.compile``, dynamic shapes) serves every step; a
     mask closure made outside would be a new object per step for the
     compiler to guard on. ``fused`` (default: ``compiled``) passes the
     fused kernel's options, for a caller whose own ``torch.compile`` traces
-    this function. The mask reads per-slot tables rather than
-    dividing slot indices by the page size: inductor 2.11 failed to
-    generate that division inside the kernel.
+    this function. (Inductor 2.11 failed to generate the mask's division
+    by the page size in the flex-decoding kernel, which FlexAttention picks
+    for short queries by default; the kernel options pick the general one.)
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -376,16 +389,17 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
         values: torch.Tensor,
         kv_num_blocks: torch.Tensor,
         kv_indices: torch.Tensor,
-        slot_owner: torch.Tensor,
-        slot_position: torch.Tensor,
+        owner: torch.Tensor,
+        page_index: torch.Tensor,
         query_req: torch.Tensor,
         query_pos: torch.Tensor,
     ) -> torch.Tensor:
         def visible(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            same_request = slot_owner[kv_idx] == query_req[b, q_idx]
-            return same_request & (slot_position[kv_idx] <= query_pos[b, q_idx])
+            page = kv_idx // page_size
+            same_request = owner[page] == query_req[b, q_idx]
+            return same_request & (page_index[page] * page_size + kv_idx % page_size <= query_pos[b, q_idx])
 
         block_mask = BlockMask.from_kv_blocks(
             kv_num_blocks,
@@ -515,9 +529,9 @@ class PagedDecoder(nn.Module):
     ) -> torch.Tensor:
         """One step -> final hidden states ``[T, hidden]``; attention metadata built once for all layers.
 
-        ``query_len``: every request has this many tokens (a uniform batch);
-        by default the forward context's key says (tracers that cannot read
-        it pass it here).
+        ``query_len``: every request has this many tokens (a uniform batch),
+        0 for any batch; by default the forward context's key says (tracers
+        that cannot read it pass it here).
         """
         body, backend = self.body, self.backend
         step = paged_step(self.layout, positions, req_ids, block_table, seq_lens, query_len)
