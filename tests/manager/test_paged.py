@@ -176,14 +176,15 @@ def test_a_resized_cache_serves_the_same_static_inputs() -> None:
         SMALL, model.layout, 30, uniform_decode=False, generator=torch.Generator().manual_seed(8)
     )
     assert rel_err(_eager(model, inputs, False), dense_reference(model, inputs)) < 1e-5
-    assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4
+    assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4 + 8 * 4
+    assert torch.equal(model.slot_page, torch.arange(8 * (layout.num_pages + 40), dtype=torch.int32) // 8)
     with pytest.raises(ValueError, match=r"num_pages: expected an integer >= 2"):
         model.allocate_kv_cache(1)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 100])
 def test_each_query_tile_lists_exactly_the_distinct_pages_of_its_tokens(num_tokens: int) -> None:
-    """The block mask's page lists (the compiled kernel reads only those, so a missing page is a wrong result)."""
+    """The block mask's page lists: the compiled kernel reads only those (a missing page: a wrong result)."""
     generator = torch.Generator().manual_seed(num_tokens)
     pages = torch.randint(1, 40, (num_tokens, 3), generator=generator)
     pages[::3, 2] = 0  # the scratch page stands in for pages past a token's position

@@ -126,6 +126,7 @@ class PagedStep(NamedTuple):
     seq_lens: torch.Tensor  # [R] int32
     owner: torch.Tensor  # [num_pages] int64: the request that owns each page, PAD_REQUEST if none
     page_index: torch.Tensor  # [num_pages] int64: the page's place in its owner's block-table row
+    slot_page: torch.Tensor  # [num_pages * page_size] int32: each slot's page (a constant of the cache)
     #: Tokens per request of a uniform batch (every request has this many, in order), else None.
     query_len: int | None
 
@@ -137,6 +138,7 @@ def paged_step(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     query_len: int | None = None,
+    slot_page: torch.Tensor | None = None,
 ) -> PagedStep:
     """Page ownership from the block table, with capturable ops (scatters, no host sync).
 
@@ -169,8 +171,20 @@ def paged_step(
         seq_lens,
         owner,
         page_index,
+        slot_pages(layout, device) if slot_page is None else slot_page,
         _uniform_query_len(positions, num_reqs) if query_len is None else query_len or None,
     )
+
+
+def slot_pages(layout: PagedLayout, device: torch.device | str | None) -> torch.Tensor:
+    """``[num_pages * page_size]`` int32: the page of every slot of the cache.
+
+    The FlexAttention mask reads a key's page from this table: inductor 2.11
+    failed to generate the division of a key index by the page size inside
+    the kernel. ``PagedDecoder`` keeps one beside its caches.
+    """
+    slots = torch.arange(layout.num_pages * layout.page_size, dtype=torch.int32, device=device)
+    return slots // layout.page_size
 
 
 def _uniform_query_len(positions: torch.Tensor, num_reqs: int) -> int | None:
@@ -302,11 +316,13 @@ class FlexPagedAttention(_PagedBackend):
         else:  # one packed sequence: each query tile reads the union of its tokens' pages
             kv_num_blocks, kv_indices = tile_unions(token_pages(layout, step), layout.scratch_page)
         rows = (-1, query_len) if query_len is not None else (1, num_tokens)
+        pages = torch.arange(step.owner.shape[0], device=step.owner.device)  # [num_pages]
         return _FlexMetadata(
             kv_num_blocks.contiguous(),
             kv_indices.contiguous(),
             step.owner,
-            step.page_index,
+            (step.page_index - pages) * page_size,  # a key's position is this (of its page) + its slot
+            step.slot_page,
             step.req_ids.view(rows),  # [B, Q]
             step.positions.view(rows),  # [B, Q]
             query_len,
@@ -358,7 +374,8 @@ class _FlexMetadata(NamedTuple):
     kv_num_blocks: torch.Tensor  # [B, 1, tiles] int32: pages each query tile reads
     kv_indices: torch.Tensor  # [B, 1, tiles, width] int32: which (the first kv_num_blocks)
     owner: torch.Tensor  # [num_pages] int64: PagedStep's
-    page_index: torch.Tensor  # [num_pages] int64: PagedStep's
+    page_shift: torch.Tensor  # [num_pages] int64: a slot's position in its request, minus the slot
+    slot_page: torch.Tensor  # [num_pages * page_size] int32: PagedStep's
     query_req: torch.Tensor  # [B, Q]: each query's request
     query_pos: torch.Tensor  # [B, Q]: each query's position
     query_len: int | None  # uniform: [R, H, q, D] queries; None: one packed [1, H, T, D] sequence
@@ -377,9 +394,7 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
     mask closure made outside would be a new object per step for the
     compiler to guard on. ``fused`` (default: ``compiled``) passes the
     fused kernel's options, for a caller whose own ``torch.compile`` traces
-    this function. (Inductor 2.11 failed to generate the mask's division
-    by the page size in the flex-decoding kernel, which FlexAttention picks
-    for short queries by default; the kernel options pick the general one.)
+    this function.
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -390,16 +405,19 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
         kv_num_blocks: torch.Tensor,
         kv_indices: torch.Tensor,
         owner: torch.Tensor,
-        page_index: torch.Tensor,
+        page_shift: torch.Tensor,
+        slot_page: torch.Tensor,
         query_req: torch.Tensor,
         query_pos: torch.Tensor,
     ) -> torch.Tensor:
         def visible(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            page = kv_idx // page_size
+            # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
+            # division by the page size failed to generate in inductor 2.11).
+            page = slot_page[kv_idx]
             same_request = owner[page] == query_req[b, q_idx]
-            return same_request & (page_index[page] * page_size + kv_idx % page_size <= query_pos[b, q_idx])
+            return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
 
         block_mask = BlockMask.from_kv_blocks(
             kv_num_blocks,
@@ -492,6 +510,8 @@ class PagedDecoder(nn.Module):
     ``graph_support()`` is what the manager resolves its mode against.
     """
 
+    slot_page: torch.Tensor
+
     def __init__(
         self,
         config: DecoderConfig,
@@ -511,6 +531,8 @@ class PagedDecoder(nn.Module):
         shape = (2, self.layout.num_pages, self.layout.page_size, config.num_heads, config.head_dim)
         #: Weights, rotary table and the per-layer caches (``[2, pages, page_size, heads, head_dim]``).
         self.body: Final = ReferenceDecoder(config, device=device, kv_cache_shape=shape)
+        # Each slot's page (``slot_pages``), kept with the caches: the FlexAttention mask reads it.
+        self.register_buffer("slot_page", slot_pages(self.layout, self.body.embed.device), persistent=False)
 
     def graph_support(self) -> AttentionSupport:
         """What FULL graphs of this model can replay: its attention backend's support."""
@@ -534,7 +556,7 @@ class PagedDecoder(nn.Module):
         that cannot read it pass it here).
         """
         body, backend = self.body, self.backend
-        step = paged_step(self.layout, positions, req_ids, block_table, seq_lens, query_len)
+        step = paged_step(self.layout, positions, req_ids, block_table, seq_lens, query_len, self.slot_page)
         metadata = backend.prepare(step)
         cos, sin = rotary_cos_sin(positions, body.rotary, self.config.num_heads)
         x = F.embedding(input_ids, body.embed)  # [T, hidden]
@@ -601,10 +623,10 @@ class PagedDecoder(nn.Module):
                 self.forward(*(inputs[name] for name in PAGED_INPUT_NAMES), query_len=q)
 
     def kv_page_bytes(self) -> int:
-        """The bytes of one page (its keys and values) over all layers."""
+        """The bytes of one page (its keys and values over all layers, its slots' page table)."""
         config, layout = self.config, self.layout
         per_layer = 2 * layout.page_size * config.num_heads * config.head_dim * config.dtype.itemsize
-        return config.num_layers * per_layer
+        return config.num_layers * per_layer + layout.page_size * torch.int32.itemsize
 
     def allocate_kv_cache(self, num_pages: int) -> None:
         """Give every layer a cache of ``num_pages`` pages (scratch included), freeing the old ones first.
@@ -625,7 +647,9 @@ class PagedDecoder(nn.Module):
             layer.kv_cache = torch.empty(0, device=device, dtype=config.dtype)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        self.slot_page = torch.empty(0, dtype=torch.int32, device=device)
         self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
+        self.slot_page = slot_pages(self.layout, device)
         shape = (config.num_layers, 2, num_pages, self.layout.page_size, config.num_heads, config.head_dim)
         caches = torch.empty(shape, device=device, dtype=config.dtype)
         for layer, cache in zip(self.body.decoder_layers, caches.unbind(0), strict=True):
