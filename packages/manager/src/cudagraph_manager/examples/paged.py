@@ -184,7 +184,7 @@ def slot_pages(layout: PagedLayout, device: torch.device | str | None) -> torch.
     the kernel. ``PagedDecoder`` keeps one beside its caches.
     """
     slots = torch.arange(layout.num_pages * layout.page_size, dtype=torch.int32, device=device)
-    return slots // layout.page_size
+    return slots.div_(layout.page_size, rounding_mode="floor")  # in place: no second table cached
 
 
 def _uniform_query_len(positions: torch.Tensor, num_reqs: int) -> int | None:
