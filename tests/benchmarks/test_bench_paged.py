@@ -21,6 +21,7 @@ Every candidate's output is checked against eager first. Figures go into
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -136,7 +137,8 @@ def _reduce_overhead(
 
     def step() -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # untyped in torch
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
             out = compiled(**inputs, query_len=query_len)
         assert isinstance(out, torch.Tensor)
         return out
@@ -194,10 +196,13 @@ def test_paged_8b_step(
     info = benchmark.extra_info
     for traced in (True, False):  # the first that compiles (2.11's inductor failed the traced one)
         try:
-            compiled = _reduce_overhead(model, inputs, uniform, traced=traced)
-            for _ in range(3):
-                compiled()
-            assert rel_err(compiled(), expected) < _TOLERANCE, "reduce-overhead"
+            with warnings.catch_warnings():
+                # cudagraph trees record a partition with no kernel (around a graph break) as an empty graph
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
+                compiled = _reduce_overhead(model, inputs, uniform, traced=traced)
+                for _ in range(3):
+                    compiled()
+                assert rel_err(compiled(), expected) < _TOLERANCE, "reduce-overhead"
         except Exception as error:  # a baseline that cannot run is reported, not hidden
             info[f"reduce_overhead_{'traced' if traced else 'inner'}_error"] = (
                 f"{type(error).__name__}: {error}"[:400]

@@ -298,8 +298,12 @@ class FlexPagedAttention(_PagedBackend):
         support = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention")
         super().__init__(layout, support, breakable=breakable)
         self._compile: Final = compile
-        # Made here, not in a trace: dynamo warns about (and sees through) the cache of paged_flex.
-        self._traced: Final = paged_flex(layout.page_size, compiled=False, fused=True) if traced else None
+        # Filled on first use (eager: a warm-up), and for ``traced`` here: dynamo warns about (and
+        # sees through) the cache of paged_flex, so a trace must find the function in this dict.
+        self._flex: Final[dict[bool, Callable[..., torch.Tensor]]] = (
+            {False: paged_flex(layout.page_size, compiled=False, fused=True)} if traced else {}
+        )
+        self._traced: Final = traced
 
     def prepare(self, step: PagedStep) -> object:
         # Nothing here is sized by the cache's page count: a graph's metadata costs the same
@@ -337,11 +341,11 @@ class FlexPagedAttention(_PagedBackend):
             queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]
         else:
             queries = q.view(-1, meta.query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
-        if self._traced is not None:  # an enclosing torch.compile (reduce-overhead) compiles it, fused
-            attend = self._traced
-        else:
-            compiled = self._compile if self._compile is not None else q.is_cuda
-            attend = paged_flex(self.layout.page_size, compiled=compiled)
+        # traced: an enclosing torch.compile (reduce-overhead) compiles the plain function, fused.
+        compiled = not self._traced and (self._compile if self._compile is not None else q.is_cuda)
+        attend = self._flex.get(compiled)
+        if attend is None:
+            attend = self._flex[compiled] = paged_flex(self.layout.page_size, compiled=compiled)
         result = attend(queries, keys, values, *meta[:-1])  # [B, heads, Q, head_dim]
         return result.transpose(1, 2).reshape(num_tokens, heads, head_dim)
 
