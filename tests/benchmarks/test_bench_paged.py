@@ -17,10 +17,12 @@
 
 Every candidate's output is checked against eager first. Figures go into
 ``extra_info``; ``tests/benchmarks/report.py`` tabulates them.
+``CUDAGRAPH_BENCH_ATTENTION=gather`` runs the same rows on the gather backend.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -37,7 +39,9 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import CUDAGraphManager
 from cudagraph_manager.examples.paged import (
+    BACKENDS,
     FlexPagedAttention,
+    GatherPagedAttention,
     PagedDecoder,
     PagedLayout,
     make_paged_inputs,
@@ -58,13 +62,18 @@ _ROUNDS: Final = 11
 _STEPS_PER_CALL: Final = 10
 _TOLERANCE: Final = 3e-2  # bf16, graph vs eager (rounding; a bug is of order 1)
 _MODES: Final = {"full": M.FULL, "full_and_piecewise": M.FULL_AND_PIECEWISE}
+#: The attention backend of every row (``examples.paged.BACKENDS``): FlexAttention by default.
+_BACKEND: Final = os.environ.get("CUDAGRAPH_BENCH_ATTENTION", "flex")
+if _BACKEND not in BACKENDS:
+    raise ValueError(f"CUDAGRAPH_BENCH_ATTENTION: expected one of {list(BACKENDS)}, got {_BACKEND!r}")
 
 
 @pytest.fixture(scope="module")
 def model() -> Iterator[PagedDecoder]:
     torch.manual_seed(0)
     config = DecoderConfig.llama_8b_like()
-    decoder = PagedDecoder(config, layout=PagedLayout.for_config(config, page_size=_PAGE), device="cuda")
+    layout = PagedLayout.for_config(config, page_size=_PAGE)
+    decoder = PagedDecoder(config, layout=layout, backend=_BACKEND, device="cuda")
     decoder.warm_up(_SIZES.max)  # its attention's compiles, before any capture or estimate
     yield decoder
     del decoder
@@ -129,7 +138,12 @@ def _reduce_overhead(
     ``traced``: the attention traced into the model's graph; else it stays
     the backend's own compiled function, which dynamo runs as it is.
     """
-    twin = model.with_backend(FlexPagedAttention(model.layout, breakable=False, traced=traced))
+    backend = (
+        FlexPagedAttention(model.layout, breakable=False, traced=traced)
+        if _BACKEND == "flex"
+        else GatherPagedAttention(model.layout, model.config.dtype, breakable=False)
+    )
+    twin = model.with_backend(backend)
     for cache in twin.kv_caches():
         torch._dynamo.mark_static_address(cache)  # mutated in place every step: a graph input
     compiled = torch.compile(twin, mode="reduce-overhead", dynamic=False)
@@ -211,10 +225,12 @@ def test_paged_8b_step(
         candidates["reduce_overhead"] = compiled
         info["reduce_overhead_attention"] = "traced" if traced else "inner compiled function"
         break
-    benchmark.group = f"8B-like paged flex, {'decode' if uniform else 'mixed'} {num_tokens} tokens"
+    benchmark.group = f"8B-like paged {_BACKEND}, {'decode' if uniform else 'mixed'} {num_tokens} tokens"
     benchmark.pedantic(_repeat(candidates["manager_full_and_piecewise"]), rounds=_ROUNDS, warmup_rounds=1)
     timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
-    info.update(label="paged_8b", num_tokens=num_tokens, uniform=uniform, num_reqs=num_reqs)
+    info.update(
+        label="paged_8b", attention=_BACKEND, num_tokens=num_tokens, uniform=uniform, num_reqs=num_reqs
+    )
     for label in candidates:
         info[f"{label}_us"] = timed.median(label) * 1e6
     for name in managers:
@@ -247,7 +263,7 @@ def test_paged_8b_capture_and_estimate(benchmark: BenchmarkFixture, model: Paged
         )
         manager.release()
 
-    benchmark.group = "8B-like paged flex: capture of the 51 default sizes"
+    benchmark.group = f"8B-like paged {_BACKEND}: capture of the 51 default sizes"
     benchmark.pedantic(capture_once, rounds=1, warmup_rounds=1, iterations=1)
     error = figures["estimate_bytes"] - figures["device_bytes"]
     info = benchmark.extra_info
