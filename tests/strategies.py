@@ -140,15 +140,19 @@ def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher,
 
 @st.composite
 def _batch_descriptors(draw: st.DrawFn) -> BatchDescriptor:
-    """A valid key: a request count, when given, at most the token count (a request has a token)."""
+    """A valid key: a request count, when given, at most the token count (a request has a token).
+
+    A uniform key names its request count; active adapters come with ``has_lora``.
+    """
     num_tokens = draw(st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE))
     num_reqs = draw(st.none() | st.integers(min_value=1, max_value=max(num_tokens, 1)))
+    num_active_loras = draw(st.integers(min_value=0, max_value=MAX_LORA_COUNT))
     return BatchDescriptor(
         num_tokens + (num_reqs is not None and num_tokens == 0),  # 1 request needs 1 token
         num_reqs,
-        draw(st.booleans()),
-        draw(st.booleans()),
-        draw(st.integers(min_value=0, max_value=MAX_LORA_COUNT)),
+        num_reqs is not None and draw(st.booleans()),
+        num_active_loras > 0 or draw(st.booleans()),
+        num_active_loras,
     )
 
 

@@ -173,6 +173,17 @@ BAD_INPUTS: Final = [
     row("descriptor-string-uniform", call(BatchDescriptor, 5, uniform="yes"), r"uniform.*'yes'"),
     row("descriptor-int-has_lora", call(BatchDescriptor, 5, has_lora=1), r"has_lora.*1"),
     row("descriptor-negative-loras", call(BatchDescriptor, 5, num_active_loras=-1), r"num_active_loras.*-1"),
+    # The newcomer's 9: contradictions that named graphs which can never exist.
+    row(
+        "descriptor-loras-without-has_lora",
+        call(BatchDescriptor, 8, has_lora=False, num_active_loras=2),
+        r"num_active_loras: 2 active adapters with has_lora=False",
+    ),
+    row(
+        "descriptor-uniform-without-reqs",
+        call(BatchDescriptor, 8, uniform=True),
+        r"uniform: a uniform key names its request count \(num_reqs\)",
+    ),
     # -- CaptureSizes --
     row("sizes-int", call(CaptureSizes, 5), r"capture_sizes.*5"),
     row("sizes-none", call(CaptureSizes, None), r"capture_sizes.*None"),
@@ -262,6 +273,10 @@ BAD_INPUTS: Final = [
     row("ranks-ints", call(agree_across_ranks, DISPATCHER, [5, 7]), r"requests\[0\].*5"),
     row("ranks-not-a-sequence", call(agree_across_ranks, DISPATCHER, 5), r"requests.*5"),
     row("ranks-none", call(agree_across_ranks, DISPATCHER, []), r"requests.*\[\]"),
+    # The newcomer's 7: a bare AttributeError before.
+    row(
+        "ranks-no-dispatcher", call(agree_across_ranks, None, [RankRequest(3)]), r"dispatcher: expected.*None"
+    ),
     row(
         "ranks-invalid_modes-string",
         call(agree_across_ranks, DISPATCHER, [RankRequest(3)], invalid_modes="FULL"),

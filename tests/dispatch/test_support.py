@@ -34,7 +34,8 @@ L: Final = GraphSupport
 _LEVELS: Final = (L.NEVER, L.UNIFORM_SINGLE_TOKEN_DECODE, L.UNIFORM_BATCH, L.ALWAYS)
 
 # vLLM's policy as a table: (configured mode, level, spec decode (q > 1), attention splits PIECEWISE)
-# -> resolved mode. Rows not listed keep their mode (NONE, PIECEWISE, and every mode at ALWAYS).
+# -> resolved mode. Rows not listed keep their mode (NONE, PIECEWISE where the attention splits,
+# and every mode at ALWAYS).
 _DOWN: Final[dict[tuple[CUDAGraphMode, GraphSupport, bool, bool], CUDAGraphMode]] = {}
 for _split in (False, True):
     _fallback = M.PIECEWISE if _split else M.NONE
@@ -48,6 +49,13 @@ for _split in (False, True):
             _DOWN[_mode, L.NEVER, _spec, _split] = _fallback
             if _spec:
                 _DOWN[_mode, L.UNIFORM_SINGLE_TOKEN_DECODE, _spec, _split] = _fallback
+        if not _split:  # PIECEWISE graphs hold the attention: mixed batches in them need ALWAYS
+            for _level in (L.NEVER, L.UNIFORM_SINGLE_TOKEN_DECODE, L.UNIFORM_BATCH):
+                _DOWN[M.PIECEWISE, _level, _spec, _split] = M.NONE
+            _DOWN[M.FULL_AND_PIECEWISE, L.UNIFORM_BATCH, _spec, _split] = M.FULL_DECODE_ONLY
+            _DOWN[M.FULL_AND_PIECEWISE, L.UNIFORM_SINGLE_TOKEN_DECODE, _spec, _split] = (
+                M.NONE if _spec else M.FULL_DECODE_ONLY
+            )
 
 # How much runs in FULL graphs, then in graphs at all: a downgrade moves left.
 _ORDER: Final = (M.NONE, M.PIECEWISE, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE, M.FULL)
@@ -90,17 +98,26 @@ def test_the_resolution_never_upgrades(config: DispatchConfig, support: Attentio
 
 
 def full_routes_it_cannot_serve(
-    dispatcher: CUDAGraphDispatcher, level: GraphSupport, num_tokens: int, num_active_loras: int
+    dispatcher: CUDAGraphDispatcher,
+    level: GraphSupport,
+    num_tokens: int,
+    num_active_loras: int,
+    *,
+    splits: bool = True,
 ) -> list[Dispatch]:
     """The FULL decisions for ``num_tokens`` (uniform or not) whose graph the level cannot replay.
 
     From the level definitions: a mixed (non-uniform) FULL key serves any
     batch, so it needs ALWAYS; a uniform key of q tokens per request needs
-    UNIFORM_BATCH for q > 1 and UNIFORM_SINGLE_TOKEN_DECODE for q = 1.
+    UNIFORM_BATCH for q > 1 and UNIFORM_SINGLE_TOKEN_DECODE for q = 1. A
+    PIECEWISE graph holds an attention that does not split (``splits``
+    false): its relaxed key serves any batch, so it needs ALWAYS too.
     """
     bad: list[Dispatch] = []
     for uniform in (False, True):
         decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform, num_active_loras=num_active_loras)
+        if decision.mode is M.PIECEWISE and not splits and level is not L.ALWAYS:
+            bad.append(decision)
         if decision.mode is not M.FULL:
             continue
         key = decision.descriptor
@@ -125,35 +142,39 @@ def test_no_dispatch_routes_to_a_full_graph_the_level_cannot_serve(
         st.integers(min_value=0, max_value=config.capture_sizes.max + 2), label="num_tokens"
     )
     loras = data.draw(active_lora_counts, label="num_active_loras")
-    assert full_routes_it_cannot_serve(dispatcher, support.level, num_tokens, loras) == []
-    for key in dispatcher.keys(M.FULL):  # and no such graph is even planned
-        assert (
-            full_routes_it_cannot_serve(dispatcher, support.level, key.num_tokens, key.num_active_loras) == []
-        )
+    splits = support.piecewise
+    assert full_routes_it_cannot_serve(dispatcher, support.level, num_tokens, loras, splits=splits) == []
+    for mode in (M.FULL, M.PIECEWISE):  # and no such graph is even planned
+        for key in dispatcher.keys(mode):
+            routes = full_routes_it_cannot_serve(
+                dispatcher, support.level, key.num_tokens, key.num_active_loras, splits=splits
+            )
+            assert routes == []
 
 
 @pytest.mark.parametrize(
-    ("mode", "level", "query_len"),
+    ("mode", "level", "query_len", "splits"),
     [
-        (M.FULL, L.UNIFORM_BATCH, 1),  # a mixed batch would replay FULL
-        (M.FULL_AND_PIECEWISE, L.UNIFORM_SINGLE_TOKEN_DECODE, 3),  # spec decode would replay FULL
-        (M.FULL_DECODE_ONLY, L.NEVER, 1),  # a decode batch would replay FULL
+        (M.FULL, L.UNIFORM_BATCH, 1, True),  # a mixed batch would replay FULL
+        (M.FULL_AND_PIECEWISE, L.UNIFORM_SINGLE_TOKEN_DECODE, 3, True),  # spec decode would replay FULL
+        (M.FULL_DECODE_ONLY, L.NEVER, 1, True),  # a decode batch would replay FULL
+        (M.PIECEWISE, L.UNIFORM_BATCH, 1, False),  # a PIECEWISE graph would hold the attention
     ],
 )
 def test_the_property_fails_on_a_dispatcher_that_ignores_the_levels(
-    mode: CUDAGraphMode, level: GraphSupport, query_len: int
+    mode: CUDAGraphMode, level: GraphSupport, query_len: int, splits: bool
 ) -> None:
     """The mutation: the dispatcher built from the config alone (the level ignored).
 
-    Property (a)'s check finds a FULL route the level cannot serve on it, so
-    the property test can fail; the resolved dispatcher has none.
+    Property (a)'s check finds a route the level cannot serve on it, so the
+    property test can fail; the resolved dispatcher has none.
     """
     config = _config(mode, query_len)
-    support = AttentionSupport(level)
+    support = AttentionSupport(level, piecewise=splits)
     ignoring = CUDAGraphDispatcher(config)
-    assert any(full_routes_it_cannot_serve(ignoring, level, n, 0) for n in range(1, 65))
+    assert any(full_routes_it_cannot_serve(ignoring, level, n, 0, splits=splits) for n in range(1, 65))
     resolved = CUDAGraphDispatcher(config, attention=support)
-    assert not any(full_routes_it_cannot_serve(resolved, level, n, 0) for n in range(1, 65))
+    assert not any(full_routes_it_cannot_serve(resolved, level, n, 0, splits=splits) for n in range(1, 65))
 
 
 def test_the_dispatcher_plans_the_keys_of_the_resolved_mode() -> None:
@@ -213,3 +234,19 @@ def test_bad_support_arguments_are_named(make: object, match: str) -> None:
     assert callable(make)
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_a_config_that_plans_no_graph_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """The newcomer's 10: FULL_DECODE_ONLY, sizes up to 8, q = 3 plans nothing, silently before."""
+    sizes = CaptureSizes.default(8)  # 1, 2, 4, 8: no multiple of 3
+    config = DispatchConfig(M.FULL_DECODE_ONLY, sizes, max_num_seqs=4, uniform_decode_query_len=3)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        dispatcher = CUDAGraphDispatcher(config)
+    assert dispatcher.capture_plan() == []
+    assert "FULL_DECODE_ONLY plans no graph" in caplog.text
+    assert "uniform_decode_query_len=3" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        CUDAGraphDispatcher(dataclasses.replace(config, capture_sizes=CaptureSizes([3, 6])))
+        CUDAGraphDispatcher(dataclasses.replace(config, mode=M.NONE))  # asks for nothing: nothing to say
+    assert not caplog.records

@@ -9,6 +9,7 @@ eager on fresh random steps, block tables rewritten between replays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from cudagraph_manager.examples.paged import (
     tile_unions,
 )
 from cudagraph_manager.examples.reference import DecoderConfig
-from tests.torch_support import rel_err
+from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 M: Final = CUDAGraphMode
 SMALL: Final = DecoderConfig.small()
@@ -210,6 +211,8 @@ def test_warm_up_writes_only_the_scratch_page(backend: str) -> None:
         assert torch.equal(old[:, 1:], new[:, 1:])  # every page but scratch (0) untouched
     with pytest.raises(ValueError, match="max_tokens: expected an integer >= 1"):
         model.warm_up(0)
+    with pytest.raises(ValueError, match="query_len: expected an integer >= 1"):
+        model.warm_up(8, query_len=0)
 
 
 # -- GPU: every mode x backend replay equals eager --
@@ -249,7 +252,7 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
     generator = torch.Generator().manual_seed(17)
     worst = 0.0
     with torch.no_grad():
-        for num_tokens, uniform in _steps(config, 96, 1, seed=hash((backend, mode.name)) % 1000):
+        for num_tokens, uniform in _steps(config, 96, 1, seed=_MODES.index(mode) * 2 + (backend == "flex")):
             inputs = make_paged_inputs(
                 config, layout, num_tokens, uniform_decode=uniform, generator=generator, device="cuda"
             )
@@ -261,6 +264,37 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
     assert stats.num_replays == 24 - stats.eager_runs
     if mode.decode_mode() is M.FULL:
         assert stats.replays_of(M.FULL) >= 12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_tokens", "uniform", "query_len"), [(200, False, 1), (1, False, 1), (32, True, 1), (24, True, 3)]
+)
+def test_the_compiled_kernel_equals_the_per_request_oracle(
+    num_tokens: int, uniform: bool, query_len: int
+) -> None:
+    """FlexAttention's fused Triton kernel (pages of 128, 64-key blocks) against the float64 oracle.
+
+    The GPU replay tests compare a graph with the same compiled model run
+    eagerly; this one checks the kernel itself, on fresh random layouts.
+    """
+    config = dataclasses.replace(DEVICE_CONFIG, dtype=torch.float32)
+    layout = PagedLayout.for_config(config, page_size=128)
+    torch.manual_seed(21)
+    model = PagedDecoder(config, layout=layout, backend="flex", device="cuda")
+    generator = torch.Generator().manual_seed(num_tokens + query_len)
+    for _ in range(2):
+        inputs = make_paged_inputs(
+            config,
+            layout,
+            num_tokens,
+            uniform_decode=uniform,
+            query_len=query_len,
+            generator=generator,
+            device="cuda",
+        )
+        with highest_fp32_matmul_precision():
+            assert rel_err(_eager(model, inputs, uniform, query_len), dense_reference(model, inputs)) < 1e-3
 
 
 @pytest.mark.gpu

@@ -16,8 +16,9 @@ class BatchDescriptor:
     attention kernels see the request layout); PIECEWISE graphs use the
     relaxed key, which leaves them out. Fields are checked on construction
     (``num_tokens >= 0``, ``num_reqs`` None or >= 1, real bools,
-    ``num_active_loras >= 0``): a wrong key would name a graph that can never
-    exist.
+    ``num_active_loras >= 0``; a uniform key names its ``num_reqs``, and
+    active adapters need ``has_lora``): a wrong key would name a graph that
+    can never exist.
     """
 
     num_tokens: int
@@ -45,6 +46,8 @@ class BatchDescriptor:
             or (has_lora is not True and has_lora is not False)
             or self.num_active_loras.__class__ is not int
             or self.num_active_loras < 0
+            or (uniform is True and num_reqs is None)
+            or (self.num_active_loras and has_lora is not True)
         ):
             self._check_fields()
 
@@ -61,6 +64,16 @@ class BatchDescriptor:
         check_bool("uniform", self.uniform)
         check_bool("has_lora", self.has_lora)
         check_int("num_active_loras", self.num_active_loras, minimum=0)
+        if self.uniform and self.num_reqs is None:
+            raise ValueError(
+                "uniform: a uniform key names its request count (num_reqs), "
+                "got uniform=True with num_reqs=None"
+            )
+        if self.num_active_loras and not self.has_lora:
+            raise ValueError(
+                f"num_active_loras: {self.num_active_loras} active adapters with has_lora=False; "
+                "pass has_lora=True"
+            )
 
     def relaxed(self) -> BatchDescriptor:
         """This key without the request layout, as PIECEWISE graphs are keyed."""

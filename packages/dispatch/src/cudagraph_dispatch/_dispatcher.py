@@ -12,6 +12,7 @@ sizes, never with the largest size.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from bisect import bisect_left
 from typing import Final, NamedTuple, TypedDict
 
@@ -21,6 +22,8 @@ from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._reasons import EagerReason
 from ._support import AttentionSupport, ModeResolution, resolve_mode
+
+_LOG: Final = logging.getLogger("cudagraph_dispatch")
 
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
@@ -139,6 +142,12 @@ class CUDAGraphDispatcher:
             _lora_case_graphs(config, self._decode_sizes, n) for n in self._lora_cases
         )
         self._keys: Final = _keys_by_mode(self._graphs)
+        if self._mode is not _NONE and not self._keys:  # a config that asks for graphs and gets none
+            _LOG.warning(
+                "CUDA graph mode %s plans no graph: %s",
+                self._mode.name,
+                _why_no_keys(config),
+            )
         # The count -> padding slot look-up of the capture sizes, held here so
         # that dispatch reaches it without a call.
         self._bounds: Final = capture_sizes._bounds
@@ -357,6 +366,16 @@ def _checked_request(
         uniform_decode=check_bool("uniform_decode", uniform_decode),
         num_active_loras=int(check_int("num_active_loras", num_active_loras, minimum=0)),
         invalid_modes=frozenset(invalid_modes),
+    )
+
+
+def _why_no_keys(config: DispatchConfig) -> str:
+    """Why a config whose mode is not NONE plans no graph (only FULL_DECODE_ONLY's sizes can vanish)."""
+    query_len = config.uniform_decode_query_len
+    return (
+        f"no capture size in {list(config.capture_sizes.sizes)} is a multiple of uniform_decode_query_len="
+        f"{query_len} within [{query_len}, {query_len * config.max_num_seqs}] "
+        f"(q to q * max_num_seqs); every step will run eagerly"
     )
 
 

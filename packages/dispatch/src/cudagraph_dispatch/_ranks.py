@@ -45,6 +45,10 @@ def agree_across_ranks(
     carries the largest count). Otherwise all pad to the dispatch of the
     largest request, uniform only if every rank with tokens is uniform.
     """
+    if not callable(getattr(dispatcher, "dispatch", None)):
+        raise ValueError(
+            f"dispatcher: expected a GraphDispatcher (one with dispatch()), got {dispatcher!r:.80}"
+        )
     given: object = requests  # checked at run time: callers may not be typed
     if not isinstance(given, Sequence):
         raise ValueError(f"requests: expected a sequence of RankRequest, one per rank, got {given!r}")

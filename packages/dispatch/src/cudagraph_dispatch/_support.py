@@ -127,6 +127,11 @@ def resolve_mode(
     vLLM's policy, in its order (q = ``uniform_decode_query_len``; "split"
     = ``support.piecewise``):
 
+    0. An attention that does not split sits inside every PIECEWISE graph,
+       and a relaxed PIECEWISE key serves any batch: below ``ALWAYS``,
+       PIECEWISE becomes NONE and FULL_AND_PIECEWISE FULL_DECODE_ONLY
+       (vLLM reaches the same through its config: without splitting ops,
+       piecewise graphs are full ones).
     1. Mixed batches FULL below ``ALWAYS``: FULL_AND_PIECEWISE if split,
        else FULL_DECODE_ONLY (at ``NEVER``, step 2 then applies).
     2. Decode FULL at ``NEVER``: PIECEWISE if split, else NONE.
@@ -151,12 +156,18 @@ def resolve_mode(
                 f"mode: {config.mode.name} needs FULL graphs that {support.name} "
                 f"({level.name}) cannot replay: {why}; pass {to.name}, or resolve without strict"
             )
-        _LOG.warning("CUDA graph mode %s (attention %s supports %s)", message, support.name, level.name)
+        _LOG.warning("CUDA graph mode %s (%s supports %s)", message, support.name, level.name)
         reasons.append(message)
         return to
 
     fallback = _PIECEWISE if split else _NONE
     fallback_why = "PIECEWISE graphs split at the attention" if split else "the attention does not split"
+    if not split and mode.mixed_mode() is _PIECEWISE and level is not GraphSupport.ALWAYS:
+        mode = downgrade(
+            CUDAGraphMode.FULL_DECODE_ONLY if mode.decode_mode() is _FULL else _NONE,
+            "the attention does not split, so PIECEWISE graphs hold it and serve mixed batches: "
+            "that needs ALWAYS",
+        )
     if mode.mixed_mode() is _FULL and level is not GraphSupport.ALWAYS:
         mode = downgrade(
             CUDAGraphMode.FULL_AND_PIECEWISE if split else CUDAGraphMode.FULL_DECODE_ONLY,

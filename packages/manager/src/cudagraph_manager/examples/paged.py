@@ -12,10 +12,12 @@ ops only, so a FULL graph rebuilds it on every replay.
   ``req_ids`` (the token's request, a row of the block table) are ``[T]``;
   ``block_table [R, pages_per_seq]`` and ``seq_lens [R]`` (tokens in the
   request's context after this step) are per request. Tokens are grouped by
-  request in block-table order, as engines lay them out.
-- Padding: tokens at position 0 of the scratch page (the last page) with
-  request ``-1``; requests whose block-table rows are all the scratch page.
-  Padding never reads or writes a real request's page.
+  request in block-table order, as engines lay them out; a token's position
+  is below its request's ``seq_lens``; a page belongs to one request (no
+  prefix sharing: FlexAttention's mask keeps a key to its page's one owner).
+- Padding: tokens at position 0 of the scratch page (page 0) with request
+  ``-1``; requests whose block-table rows are all the scratch page. Padding
+  never reads or writes a real request's page.
 - Backends (``PagedAttention``): ``FlexPagedAttention`` runs torch's
   FlexAttention (compiled to Triton kernels on CUDA) over the pages;
   ``GatherPagedAttention`` gathers each token's pages and runs SDPA with a
@@ -442,13 +444,13 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
             kernel_options=options,  # type: ignore[arg-type]  # a TypedDict in torch's stubs
         )
 
-    if not compiled:
-        return attend
-    if page_size % _KEY_BLOCK:
+    if (compiled if fused is None else fused) and page_size % _KEY_BLOCK:
         raise ValueError(
             f"page_size: FlexAttention's kernel reads keys in blocks of {_KEY_BLOCK}, "
             f"so pages hold a multiple of it; got {page_size}"
         )
+    if not compiled:
+        return attend
     compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
 
     def attend_compiled(*args: torch.Tensor) -> torch.Tensor:
@@ -604,15 +606,17 @@ class PagedDecoder(nn.Module):
         captured, so none compiles later inside a capture. Only the scratch
         page is written.
         """
-        given: object = max_tokens
-        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
-            raise ValueError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
+        for name, value in (("max_tokens", max_tokens), ("query_len", query_len)):
+            given: object = value
+            if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
         pads = paged_static_inputs(self.layout)
         device = self.body.embed.device
         max_reqs = min(self.config.max_num_seqs, max_tokens // query_len)
         packed = sorted({n for n in (1, 2, 16, 17, max_tokens) if n <= max_tokens})
         uniform = sorted({r for r in (1, 2, 16, 17, max_reqs) if 1 <= r <= max_reqs})
-        steps = [(n, n, None) for n in packed] + [(r * query_len, r, query_len) for r in uniform]
+        # Layouts said, never read from a forward context the caller may have set: 0 is packed.
+        steps = [(n, n, 0) for n in packed] + [(r * query_len, r, query_len) for r in uniform]
         with torch.no_grad():
             for num_tokens, num_reqs, q in steps:
                 inputs = {
