@@ -9,6 +9,8 @@ unsharded one.
 
 from __future__ import annotations
 
+import os
+import stat
 import functools
 from pathlib import Path
 from typing import Final
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from cudagraph_manager import RankAgreement
-from cudagraph_manager.ranks._shared_table import shared_memory_supported
+from cudagraph_manager.ranks._shared_table import make_table_file, shared_memory_supported
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import TOL
 from tests.ranks_support import RankRun, spawn_ranks
@@ -279,3 +281,17 @@ def test_the_several_gpus_example_runs_on_two_gpus() -> None:
     stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cuda", "--steps", "32")
     assert "32 steps on 2 ranks agreeing over gloo: 32 replayed, 0 eager" in stdout
     _check_example(stdout, 32)
+
+
+def test_the_shared_table_file_is_new_and_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    """Made exclusive and 0600 (the review: ``open(path, "wb")`` took the umask, 0666 under umask 0)."""
+    path = tmp_path / "table"
+    previous = os.umask(0)
+    try:
+        make_table_file(str(path), 64)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.stat().st_size == 64
+    with pytest.raises(FileExistsError):  # a planted file of that name is never opened instead
+        make_table_file(str(path), 64)

@@ -65,6 +65,22 @@ def shared_memory_supported() -> str | None:
     return None
 
 
+def make_table_file(path: str, size: int) -> None:
+    """Create ``path`` of ``size`` zero bytes, owner-only (0600) and new (``O_EXCL``).
+
+    The ranks agree through this file: created with the process umask (often
+    0644, 0666 under umask 0) another local user could write agreement rows
+    into it before every rank has mapped it, and an existing file of that
+    name (planted) would be opened instead of made.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only take bits away; make the mode exact
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 class SharedTable:
     """One ``[world_size, MAX_WIDTH]`` int64 table per round, in a file mapped by every rank of one host."""
 
@@ -85,8 +101,7 @@ class SharedTable:
         problem = ""
         if rank == 0:
             try:
-                with open(path, "wb") as f:
-                    f.truncate(size)
+                make_table_file(path, size)
             except OSError as error:
                 problem = f"rank 0 could not make {path}: {error}"
         path, problem = gather_texts(f"{path}\n{problem}", rank, world_size, group)[0].split("\n", 1)
