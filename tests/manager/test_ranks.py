@@ -9,9 +9,9 @@ unsharded one.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
-import functools
 from pathlib import Path
 from typing import Final
 
