@@ -15,6 +15,7 @@ from typing import Final
 import pytest
 import torch
 
+from cudagraph_capture import OutputGuard
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager
 
@@ -81,10 +82,15 @@ def test_without_the_check_an_old_output_shows_the_new_numbers() -> None:
     hasattr(torch._C, "_set_storage_access_error_msg"), reason="checks a torch build without the binding"
 )
 def test_the_check_needs_a_torch_build_that_can_mark_storages() -> None:
-    with pytest.raises(ValueError, match="check_overwritten_outputs: this torch build cannot mark storages"):
+    with pytest.raises(
+        ValueError, match="check_overwritten_outputs: OutputGuard: this torch build cannot mark"
+    ):
         CUDAGraphManager(
             ToyModel(torch.device("cpu")), INPUTS, config_for(FULL), check_overwritten_outputs=True
         )
+    # The newcomer's 6: the guard built alone names itself, not a manager argument it does not have.
+    with pytest.raises(ValueError, match=r"^OutputGuard: this torch build cannot mark storages"):
+        OutputGuard()
 
 
 def test_check_overwritten_outputs_must_be_a_bool() -> None:

@@ -172,3 +172,14 @@ def test_strict_mode_names_the_reason(backend: Backend) -> None:
     with pytest.raises(NoGraphError, match=f"{max(SIZES) + 1} tokens exceed the largest capture size"):
         manager.run_batch(make_batch(max(SIZES) + 1, 4, backend.device, seed=0))
     assert manager.stats.eager_runs == 0
+
+
+def test_check_weights_without_graphs_has_nothing_to_check() -> None:
+    """No graph reads the weights, so replacing one is fine (it blamed "its CUDA graphs" before)."""
+    model = ToyModel(CPU)
+    manager = _cpu_manager(model)
+    manager.capture()
+    model.w1 = torch.nn.Parameter(model.w1.detach().clone(), requires_grad=False)  # replaced, not in place
+    manager.check_weights()
+    batch = make_batch(5, 3, CPU, seed=3)
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL

@@ -29,7 +29,7 @@ class OutputGuard:
     def __init__(self) -> None:
         if not hasattr(torch._C, "_set_storage_access_error_msg"):
             raise ValueError(
-                "check_overwritten_outputs: this torch build cannot mark storages unreadable "
+                "OutputGuard: this torch build cannot mark storages unreadable "
                 "(torch._C._set_storage_access_error_msg is missing; it comes with CUDA builds)"
             )
         self._live: list[torch.Tensor] = []

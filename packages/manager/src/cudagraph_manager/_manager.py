@@ -117,7 +117,7 @@ class CUDAGraphManager(Generic[OutputT]):
         self._device: Final = checked.device
         #: Why this manager captures nothing (``None``: it captures).
         self._no_graphs: Final = checked.no_graphs
-        self._guard: Final = OutputGuard() if check_overwritten_outputs else None
+        self._guard: Final = _output_guard() if check_overwritten_outputs else None
         self._ranks: Final = ranks
         self._buffers: Final = StaticBuffers(
             checked.inputs,
@@ -297,7 +297,9 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def _before_capture(self, num_pending: int) -> None:
         """New graphs read the weights as they are now; the graphs kept must still read theirs."""
-        if num_pending == len(self._keys):
+        if self._no_graphs is not None:  # no graph will read them: nothing to watch
+            pass
+        elif num_pending == len(self._keys):
             self._weights.take()
         else:
             self._weights.check()
@@ -421,3 +423,11 @@ class CUDAGraphManager(Generic[OutputT]):
             return self._eager.run(inputs, num_reqs, route, key, request_args, self._session)
         finally:
             self._step_lock.release()
+
+
+def _output_guard() -> OutputGuard:
+    """``OutputGuard()``, its error naming the manager's argument that asked for it."""
+    try:
+        return OutputGuard()
+    except ValueError as error:
+        raise ValueError(f"check_overwritten_outputs: {error}") from None
