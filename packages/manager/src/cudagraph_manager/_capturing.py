@@ -116,6 +116,10 @@ class Capturer(Generic[OutputT]):
             resolution=self._resolution,
         )
 
+    def nothing(self, not_captured: str) -> CaptureReport:
+        """The report of a capture that cannot capture anything, and why."""
+        return CaptureReport((), 0.0, 0, not_captured, resolution=self._resolution)
+
     def background(
         self, pending: Sequence[PlannedKey[OutputT]], not_captured: str | None
     ) -> BackgroundCapture:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -75,11 +76,8 @@ class CUDAGraphManager(Generic[OutputT]):
     while another thread is inside a method of this manager raises
     ``RuntimeError``. ``ranks`` makes data- or tensor-parallel ranks capture
     the same plan and take the same route at every step (README, "Several
-    GPUs"). ``attention`` is what the model's attention can graph
-    (default: the model's ``graph_support()``, else ``ALWAYS``): the
-    configured mode is resolved against it (``dispatcher.resolution``), each
-    downgrade logged once, or with ``strict_attention=True`` refused
-    (``ModeNotSupportedError``).
+    GPUs"). ``attention`` (default: the model's ``graph_support()``) is
+    what the attention can graph; the mode is resolved against it (README).
     """
 
     def __init__(
@@ -146,14 +144,10 @@ class CUDAGraphManager(Generic[OutputT]):
         self._eager: Final = EagerSteps(
             model, self._buffers, self._layout, self._counts, strict, self._dispatcher, self._no_graphs, ranks
         )
-
-        def probe_engine(mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
-            return factory(model, mode, dataclasses.replace(self._options, pool=pool))
-
         self._capturer: Final = Capturer(
             self._keys,
             self._engines,
-            probe_engine,
+            functools.partial(_probe_engine, factory, model, self._options),
             self._buffers,
             self._layout,
             self._device,
@@ -251,13 +245,7 @@ class CUDAGraphManager(Generic[OutputT]):
             self._before_capture(len(pending))
             agree_plan(self._ranks, pending, self._no_graphs)
             if self._no_graphs is not None:
-                return CaptureReport(
-                    graphs=(),
-                    seconds=0.0,
-                    reserved_bytes=0,
-                    not_captured=self._no_graphs,
-                    resolution=self._dispatcher.resolution,
-                )
+                return self._capturer.nothing(self._no_graphs)
             return self._capturer.foreground(pending, self._ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
@@ -297,12 +285,8 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def _before_capture(self, num_pending: int) -> None:
         """New graphs read the weights as they are now; the graphs kept must still read theirs."""
-        if self._no_graphs is not None:  # no graph will read them: nothing to watch
-            pass
-        elif num_pending == len(self._keys):
-            self._weights.take()
-        else:
-            self._weights.check()
+        if self._no_graphs is None:  # else no graph will read them: nothing to watch
+            self._weights.take() if num_pending == len(self._keys) else self._weights.check()
         self._eager.released = False
 
     @contextlib.contextmanager
@@ -431,3 +415,14 @@ def _output_guard() -> OutputGuard:
         return OutputGuard()
     except ValueError as error:
         raise ValueError(f"check_overwritten_outputs: {error}") from None
+
+
+def _probe_engine(
+    factory: GraphEngineFactory,
+    model: Callable[..., OutputT],
+    options: CaptureOptions,
+    mode: CUDAGraphMode,
+    pool: GraphPool,
+) -> GraphEngine[OutputT]:
+    """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
+    return factory(model, mode, dataclasses.replace(options, pool=pool))
