@@ -810,6 +810,9 @@ BAD_DEMO_ARGS: Final = [
     demo_args("--tolerance nan", re.escape("--tolerance must be > 0, got nan")),
     demo_args("--dtype int8", re.escape("argument --dtype: invalid choice: 'int8'")),
     demo_args("--max-size x", re.escape("argument --max-size: invalid int value: 'x'")),
+    # The newcomer's 3: a traceback, and an error that never named the flag, before.
+    demo_args("--max-size 5000000", r"--max-size: max_size: expected an integer <= 1048576, got 5000000"),
+    demo_args("--max-seq-len 1", r"--max-seq-len: the last step has 264 tokens.*pass at least 2"),
 ]
 
 
@@ -827,3 +830,24 @@ def test_bad_demo_arguments_are_argparse_errors(
     last = err.splitlines()[-1]
     assert last.startswith(f"{DEMO_PROG}: error: "), err
     assert re.search(pattern, last), f"{pattern!r} not in {last!r}"
+
+
+def test_kv_sizing_answers_help_and_bad_arguments_before_looking_for_a_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The newcomer's 4: ``--help`` and ``bogus`` both answered "needs a CUDA device" before."""
+    from cudagraph_manager.examples.kv_sizing import main as kv_sizing_main
+
+    with pytest.raises(SystemExit) as done:
+        kv_sizing_main(["--help"])
+    assert done.value.code == 0
+    assert "--attention" in capsys.readouterr().out
+    for argv, pattern in (
+        (["bogus"], r"argument model: invalid choice: 'bogus'"),
+        (["--attention", "paged"], r"argument --attention: invalid choice: 'paged'"),
+        (["--margin-mib", "-1"], r"--margin-mib must be >= 0, got -1"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            kv_sizing_main(argv)
+        assert done.value.code == 2
+        assert re.search(pattern, capsys.readouterr().err), argv

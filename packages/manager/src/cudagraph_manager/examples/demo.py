@@ -211,10 +211,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.attention = "gather" if args.cpu_path else "flex"
     if args.page_size is None:
         args.page_size = 16 if args.cpu_path else 128
+    try:
+        CaptureSizes.default(args.max_size)
+    except ValueError as error:
+        parser.error(f"--max-size: {error}")
     try:  # a model the other arguments cannot make is an argument error, not a traceback
         args.model_config = _config(args, cpu=args.cpu_path)
     except ValueError as error:
         parser.error(f"these arguments make no valid decoder: {error}")
+    config: DecoderConfig = args.model_config
+    last = args.max_size + _OVERFLOW  # the last step's tokens, above the largest size
+    if config.max_num_seqs * config.max_seq_len < last:
+        parser.error(
+            f"--max-seq-len: the last step has {last} tokens, and {config.max_num_seqs} requests of "
+            f"{config.max_seq_len} positions hold {config.max_num_seqs * config.max_seq_len}; "
+            f"pass at least {-(-last // config.max_num_seqs)}"
+        )
     return args
 
 
