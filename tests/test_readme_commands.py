@@ -81,3 +81,9 @@ def test_the_tests_named_exist() -> None:
         module_name, _, function = target.partition("::")
         module = importlib.import_module(module_name)
         assert callable(getattr(module, function, None)), f"{command!r}: {target} does not exist"
+
+
+def test_the_readme_builds_the_wheels_before_installing_from_them() -> None:
+    """The newcomer's 12: ``--find-links dist`` was shown before ``make dist`` had been said."""
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert install.index("make dist") < install.index("--find-links dist")
