@@ -729,6 +729,13 @@ BAD_RUNS: Final = [
         "run-more-reqs-than-tokens",
         lambda _, be: (_fresh(3, 4, be), ("input 'scale'", "4 requests for 3 tokens")),
     ),
+    bad_run(  # the newcomer's 8: ran silently before, padding the request rows
+        "run-tokens-without-reqs",
+        lambda b, be: (
+            _replace(b, "scale", torch.ones(0, device=be.device)),
+            ("input 'scale'", "0 rows (num_reqs) for 5 tokens"),
+        ),
+    ),
     bad_run(
         "run-not-uniform",
         lambda b, _: (run_with({**b, "uniform_decode": True}), ("uniform_decode", "5 tokens for 3 requests")),

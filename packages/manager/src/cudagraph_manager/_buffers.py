@@ -188,6 +188,7 @@ class StaticBuffers:
         if reqs_from and (
             num_reqs > self.max_num_seqs
             or num_reqs > num_tokens
+            or (num_reqs == 0 and num_tokens > 0)
             or (
                 uniform_decode is True and num_tokens != num_reqs * self.query_len
             )  # not-a-bool: dispatch names it
@@ -236,6 +237,11 @@ class StaticBuffers:
             raise ValueError(
                 f"run: input {reqs_from!r}: {num_reqs} requests for {num_tokens} tokens; "
                 "every request has at least one token"
+            )
+        if num_reqs == 0 and num_tokens > 0:
+            raise ValueError(
+                f"run: input {reqs_from!r}: 0 rows (num_reqs) for {num_tokens} tokens; "
+                "every token belongs to a request"
             )
         if (
             uniform_decode is True and num_tokens != num_reqs * self.query_len
