@@ -102,7 +102,9 @@ class EagerSteps(Generic[OutputT]):
             reason = EagerReason.NO_CUDA if self._no_graphs is not None else EagerReason.NOT_CAPTURED
         else:
             assert isinstance(route, EagerReason)  # a Dispatch comes with its key
-            reason = route
+            # The ranks' route says "not captured" where this manager can capture nothing.
+            no_cuda = route is EagerReason.NOT_CAPTURED and self._no_graphs is not None
+            reason = EagerReason.NO_CUDA if no_cuda else route
         if reason is EagerReason.NOT_CAPTURED:
             if self.released:
                 reason = EagerReason.RELEASED
