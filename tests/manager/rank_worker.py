@@ -405,10 +405,20 @@ def subgroups(args: Sequence[str]) -> Result:
     mine = groups[rank // 2]
     chosen: Backend = "shm" if backend == "shm" else "gloo"
     ranks = RankAgreement(mine, backend=chosen, timeout=_TIMEOUT)  # only this group's members
+    try:  # every rank passes the same bad row: each is refused by name, before any exchange
+        ranks.exchange("abc")  # type: ignore[arg-type]  # the bad input under test
+        bad_row = "no error"
+    except ValueError as error:
+        bad_row = str(error)
     rows = ranks.exchange((rank, 10 * rank))
     # Rank 0 hosts the rendezvous store: it must not leave while the other group still sets up.
     dist.barrier()
-    return {"group_rank": ranks.rank, "world_size": ranks.world_size, "rows": [list(r) for r in rows]}
+    return {
+        "group_rank": ranks.rank,
+        "world_size": ranks.world_size,
+        "rows": [list(r) for r in rows],
+        "bad_row": bad_row,
+    }
 
 
 if __name__ == "__main__":

@@ -174,8 +174,13 @@ class RankAgreement:
 
         A collective: every rank of the group calls it, in the same order as
         its other exchanges. Synchronizes with the exchange (a CPU wait for
-        gloo, a device-to-host copy for nccl).
+        gloo, a device-to-host copy for nccl). A row that is not a list or
+        tuple of ints raises ``ValueError`` naming it, on the calling rank,
+        before the exchange (its peers then wait until the timeout).
         """
+        given: object = row
+        if not isinstance(given, (list, tuple)) or not all(isinstance(x, int) for x in given):
+            raise ValueError(f"row: expected a list or tuple of ints, got {row!r:.80}")
         if self._table is not None:
             return self._table.exchange(row)
         width = len(row)
