@@ -858,3 +858,17 @@ def test_kv_sizing_answers_help_and_bad_arguments_before_looking_for_a_device(
             kv_sizing_main(argv)
         assert done.value.code == 2
         assert re.search(pattern, capsys.readouterr().err), argv
+
+
+def test_several_gpus_refuses_a_world_size_its_decoder_cannot_shard(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The newcomer's 11: a traceback from every rank before; one usage line now, no rank started."""
+    from cudagraph_manager.examples.several_gpus import main as several_gpus_main
+
+    with pytest.raises(SystemExit) as done:
+        several_gpus_main(["--device", "cpu", "--world-size", "3"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "--world-size 3: config.num_heads=4 does not divide over 3 ranks" in err
+    assert "Traceback" not in err

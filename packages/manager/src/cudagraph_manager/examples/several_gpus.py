@@ -31,7 +31,7 @@ from cudagraph_manager.examples.reference import (
     make_step_inputs,
     static_inputs,
 )
-from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder, check_shards
 from cudagraph_manager.ranks import Backend
 
 
@@ -96,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.world_size < 1 or args.steps < 1:
         parser.error(f"--world-size and --steps: expected integers >= 1, got {args.world_size}, {args.steps}")
+    try:  # before any rank starts: one line, not a traceback from every process
+        check_shards(DecoderConfig.small(), args.world_size)
+    except ValueError as error:
+        parser.error(f"--world-size {args.world_size}: {error}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         parser.error(f"--world-size {args.world_size}: this machine has {torch.cuda.device_count()} GPU(s)")
     if args.backend == "nccl" and args.device != "cuda":

@@ -28,11 +28,19 @@ from .reference import (
     _RMS_EPS,
     AttentionMetadata,
     AttentionOp,
+    DecoderConfig,
     DecoderLayer,
     ReferenceDecoder,
     _rotate,
     build_attention_metadata,
 )
+
+
+def check_shards(config: DecoderConfig, world_size: int) -> None:
+    """``ValueError`` unless the heads and the MLP's width divide over ``world_size`` ranks."""
+    for name, value in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+        if value % world_size:
+            raise ValueError(f"config.{name}={value} does not divide over {world_size} ranks")
 
 
 def _shard(weight: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -104,9 +112,10 @@ class TensorParallelDecoder(nn.Module):
         super().__init__()
         config = full.config
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        for name, value in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
-            if value % world_size:
-                raise ValueError(f"full: config.{name}={value} does not divide over {world_size} ranks")
+        try:
+            check_shards(config, world_size)
+        except ValueError as error:
+            raise ValueError(f"full: {error}") from None
         self.config: Final = config
         self.num_heads: Final = config.num_heads // world_size
         self.attention: AttentionOp = full.attention
