@@ -38,8 +38,8 @@ def test_the_capture_readme_runs_top_to_bottom() -> None:
     _run("\n".join(blocks), "packages/capture/README.md")
 
 
-@pytest.mark.gpu
 def test_the_manager_readmes_first_example_runs() -> None:
+    """On a GPU it captures and replays; on a CPU (the newcomer's 5: it crashed there) it runs eagerly."""
     first = python_blocks(ROOT / "packages/manager/README.md")[0]
     assert "manager.run(input_ids=ids)" in first
     _run(first, "packages/manager/README.md")

@@ -306,9 +306,10 @@ def test_the_compiled_example_runs_as_written() -> None:
     assert " replays (" in stdout  # print(manager.stats)
 
 
-@pytest.mark.gpu
 def test_the_manager_readme_compiled_example_runs() -> None:
-    pytest.importorskip("triton")
+    """A GPU compiles, captures and replays; a CPU (where it crashed before) compiles and runs eagerly."""
+    if torch.cuda.is_available():
+        pytest.importorskip("triton")
     (block,) = [
         b for b in _python_blocks(_ROOT / "packages/manager/README.md") if "compile_for_capture(" in b
     ]
