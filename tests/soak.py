@@ -20,7 +20,7 @@ seeded stream:
 What is checked:
 
 - Routing, every step: the dispatcher's decision equals the one the contract
-  (``DESIGN.md``) prescribes for the mode, size, LoRA count and invalid
+  (docs/design.md, "Dispatch") prescribes for the mode, size, LoRA count and invalid
   modes, written out independently here (``expected_dispatch``); at the end
   each manager's ``stats`` (replays per mode and size, eager runs per
   reason, idle steps, padded tokens) equal the tally of those decisions, so
@@ -232,7 +232,7 @@ def draw_plans(setup: Setup, steps: int, sample: float, seed: int) -> tuple[list
 
 
 def expected_dispatch(mode: CUDAGraphMode, plan: StepPlan, setup: Setup) -> Dispatch:
-    """The decision ``DESIGN.md`` prescribes for ``plan`` under ``mode``, written out on its own.
+    """The decision docs/design.md ("Dispatch") prescribes for ``plan`` under ``mode``, on its own.
 
     Keys: FULL has exact mixed keys ``(s, num_reqs=min(s, max_num_seqs))``
     for every batch; PIECEWISE relaxed keys ``(s)``; FULL_AND_PIECEWISE

@@ -1,4 +1,4 @@
-"""Every bad input of the public API, in one module (DESIGN.md, "Conventions").
+"""Every bad input of the public API, in one module (docs/design.md, "Conventions").
 
 A public entry point checks its arguments at run time (callers are often
 untyped engine code) and rejects a bad one with a ``ValueError`` that names the
@@ -102,7 +102,7 @@ def call(fn: Callable[..., object], *args: object, **kwargs: object) -> Callable
 
 
 def row(name: str, thunk: Callable[[], object], pattern: str, *marks: pytest.MarkDecorator) -> object:
-    """One row: ``thunk()`` raises ``ValueError`` (wrong types included, as DESIGN.md allows)."""
+    """One row: ``thunk()`` raises ``ValueError`` (wrong types too: docs/design.md, "Conventions")."""
     return pytest.param(thunk, pattern, id=name, marks=marks)
 
 

@@ -1,4 +1,4 @@
-"""CUDAGraphDispatcher: the key set from DESIGN.md, dispatch against a naive model, and the capture plan.
+"""CUDAGraphDispatcher: the keys (docs/design.md, "Keys"), dispatch against a naive model, the capture plan.
 
 The dispatchers drawn here have capture sizes up to 2**20: building one costs
 per size, not per token count, so the property tests need no special deadline.
@@ -33,7 +33,7 @@ from tests.strategies import (
 )
 
 M: Final = CUDAGraphMode
-# Written from DESIGN.md rather than through the enum's own methods, so a wrong
+# Written from docs/design.md ("Modes") rather than through the enum's own methods, so a wrong
 # mixed_mode()/decode_mode() cannot hide a wrong key set.
 MIXED: Final = {
     M.NONE: M.NONE,
@@ -58,7 +58,7 @@ def _decode_sizes(config: DispatchConfig) -> list[int]:
 
 
 def spec_keys(config: DispatchConfig) -> dict[CUDAGraphMode, set[BatchDescriptor]]:
-    """The keys DESIGN.md asks for, built the obvious way."""
+    """The keys docs/design.md ("Keys") asks for, built the obvious way."""
     keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {M.NONE: set(), M.PIECEWISE: set(), M.FULL: set()}
     mixed = MIXED[config.mode]
     for size in config.capture_sizes.sizes:
@@ -82,7 +82,7 @@ def spec_dispatch(
     num_active_loras: int,
     invalid_modes: frozenset[CUDAGraphMode],
 ) -> Dispatch:
-    """DESIGN.md's dispatch rules, by linear scans over the spec's key set."""
+    """The dispatch rules (docs/design.md, "Dispatch"), by linear scans over the spec's key set."""
     eager = Dispatch(M.NONE, BatchDescriptor(num_tokens))
     sizes = config.capture_sizes.sizes
     if config.mode is M.NONE or num_tokens == 0 or num_tokens > max(sizes):
@@ -115,7 +115,7 @@ def spec_dispatch(
 
 @given(dispatch_configs)
 def test_keys_follow_the_design(config: DispatchConfig) -> None:
-    """keys(mode) is exactly the DESIGN.md key set for each runtime mode (NONE has none)."""
+    """keys(mode) is exactly the key set of docs/design.md ("Keys") for each runtime mode (NONE has none)."""
     dispatcher = CUDAGraphDispatcher(config)
     expected = spec_keys(config)
     for mode in (M.NONE, M.PIECEWISE, M.FULL):
@@ -415,7 +415,8 @@ def test_dispatcher_satisfies_its_protocol() -> None:
     """Code typed against GraphDispatcher gets the concrete class's answers, or a stand-in's if given one."""
     concrete = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4]), 4))
     real = _route(concrete, 3)  # mypy checks that CUDAGraphDispatcher is a GraphDispatcher
-    # Written from DESIGN.md: 3 tokens pad to the 4-token graph; uniform decode keys FULL, mixed PIECEWISE.
+    # Written from docs/design.md ("Dispatch"): 3 tokens pad to the 4-token graph;
+    # uniform decode keys FULL, mixed PIECEWISE.
     full_keys = [BatchDescriptor(n, n, uniform=True) for n in (4, 2, 1)]
     piecewise_keys = [BatchDescriptor(n) for n in (4, 2, 1)]
     assert real == (

@@ -15,7 +15,7 @@ from tests.strategies import batch_descriptors, mixed_case_names, modes
 
 M: Final = CUDAGraphMode
 
-# What DESIGN.md says each mode runs for uniform decode and for mixed batches.
+# What docs/design.md ("Modes") says each mode runs for uniform decode and for mixed batches.
 # (decode_mode, mixed_mode, separate_routine, is_runtime_mode)
 SPEC: Final[dict[CUDAGraphMode, tuple[CUDAGraphMode, CUDAGraphMode, bool, bool]]] = {
     M.NONE: (M.NONE, M.NONE, False, True),

@@ -23,7 +23,7 @@ def _naive_pad(sizes: list[int], n: int) -> int | None:
 
 
 def _spec_default(max_size: int) -> list[int]:
-    """DESIGN.md's default list, written out: 1, 2, 4, every 8 below 256, every 16 from 256, and max."""
+    """The default list (docs/design.md, "Keys"), written out: 1, 2, 4, every 8 below 256, every 16, max."""
     small = [s for s in (1, 2, 4) if s <= max_size]
     eights = [s for s in range(8, 256, 8) if s <= max_size]
     sixteens = [s for s in range(256, max_size + 1, 16)]
@@ -108,7 +108,7 @@ def test_default_512_has_51_sizes() -> None:
 
 @given(default_max_sizes)
 def test_default_follows_the_formula(max_size: int) -> None:
-    """default(n) is exactly the DESIGN.md list, which always contains n and nothing above it."""
+    """default(n) is exactly the list of docs/design.md ("Keys"): it holds n and nothing above it."""
     sizes = CaptureSizes.default(max_size)
     assert list(sizes.sizes) == _spec_default(max_size)
     assert max_size in sizes.sizes

@@ -1,8 +1,8 @@
 """Attention support levels: the mode resolved against them, and dispatch that never outruns them.
 
 The oracles are written from the level definitions and from vLLM's
-``GPUModelRunner._check_and_update_cudagraph_mode`` (the dispatch README,
-``resolve_mode``), not through ``GraphSupport.serves`` or
+``GPUModelRunner._check_and_update_cudagraph_mode`` (docs/design.md,
+"Attention support"), not through ``GraphSupport.serves`` or
 ``resolve_mode``: a wrong rule there cannot hide behind itself.
 """
 

@@ -5,7 +5,7 @@ checks, per mode: how many keys each runtime mode has, and what a non-uniform
 batch, a uniform decode batch, an uncaptured size and a cascade-attention
 batch (FULL turned off) dispatch to; a LoRA variant captures counts
 [0, 1, 2, 4, 5] (max_loras=4, specialised: powers of two and max_loras + 1).
-Expected values are written from DESIGN.md's rules, as vLLM's test writes them.
+Expected values are written from the rules of docs/design.md ("Dispatch"), as vLLM's test writes them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The dispatcher: the one source of truth for which graphs exist.
 
 The graphs are built once from the config. One rule function, ``_decide``,
-states DESIGN.md's dispatch rules for one batch and returns the decision with
+states the dispatch rules (docs/design.md, "Dispatch") for one batch and returns the decision with
 the reason for it. ``dispatch`` answers from tables filled by calling that
 rule once per padding slot of the capture sizes (every count in a slot pads
 to the same graphs, so it gets the same decision); ``explain`` calls the rule
@@ -274,7 +274,7 @@ class CUDAGraphDispatcher:
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> _Verdict:
-        """DESIGN.md's dispatch rules for one batch: the decision, and why.
+        """The dispatch rules for one batch (docs/design.md, "Dispatch"): the decision, and why.
 
         The only statement of the rules: ``dispatch``'s tables hold its
         decisions and ``explain`` words its reasons.

@@ -5,7 +5,7 @@ which batches a FULL graph that contains it replays correctly. The model's
 level is the lowest of its backends'. ``resolve_mode`` downgrades the
 configured mode until every FULL graph it implies is one the level can serve,
 following vLLM's ``GPUModelRunner._check_and_update_cudagraph_mode`` (the
-rules are in the package README, ``resolve_mode``); it never upgrades.
+rules are in docs/design.md, "Attention support"); it never upgrades.
 """
 
 from __future__ import annotations
