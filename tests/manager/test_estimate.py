@@ -18,11 +18,12 @@ from typing import Final
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._estimate import MIN_PROBES, PROBE_SHARE, probe_keys
+from cudagraph_manager._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
 from cudagraph_manager.examples.reference import (
     DecoderConfig,
     ReferenceDecoder,
@@ -154,3 +155,29 @@ def test_a_disabled_capture_is_refused_by_the_estimate_too() -> None:
     finally:
         set_capture_enabled(True)
     assert manager.estimate_memory().total_bytes > 0
+
+
+#: Probes' (pool, driver) bytes: pool growth can be negative (torch's cache shrank), driver in 2 MiB steps.
+_probe_bytes = st.tuples(st.integers(-(2**22), 2**32), st.integers(0, 64).map(lambda n: n * GRANULE))
+
+
+@given(st.lists(_probe_bytes, min_size=1, max_size=12), st.integers(0, 400))
+def test_extrapolate_counts_the_probes_as_measured_and_charges_each_other_key_alike(
+    measured: list[tuple[int, int]], extra: int
+) -> None:
+    """``extrapolate``, pure: the probes as measured; each unprobed key the same non-negative charge."""
+    pool, driver = extrapolate(measured, len(measured))
+    assert (pool, driver) == (sum(p for p, _ in measured), sum(d for _, d in measured))
+    more_pool, more_driver = extrapolate(measured, len(measured) + extra)
+    if len(measured) <= 2 or extra == 0:  # no probe past the two largest: nothing to charge from
+        assert (more_pool, more_driver) == (pool, driver)
+        return
+    charge = max(0, min(p for p, _ in measured[2:]))
+    assert more_pool == pool + extra * charge
+    assert more_driver == driver + extra * (driver // len(measured))
+    assert more_pool >= pool
+    assert more_driver >= driver
+
+
+def test_extrapolate_of_no_probe_is_nothing() -> None:
+    assert extrapolate([], 5) == (0, 0)

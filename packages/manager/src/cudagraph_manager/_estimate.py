@@ -1,51 +1,10 @@
 """What ``capture()`` will cost the device, predicted before it runs (``estimate_memory()``).
 
-An engine sizes its KV cache from the memory left after the graphs, so it
-needs their cost before it captures them. The estimate captures a few
-*probe* keys for real, into a graph pool of its own, measures each, and
-extrapolates along how a capture's cost grows:
-
-- **Warm-ups.** The eager run of a mode's largest key leaves its
-  activations' blocks in torch's cache, outside any graph pool; the
-  capture's warm-ups do the same. Measured from an emptied cache with no
-  cached cuBLAS workspace, as the capture's warm-ups start, as the growth
-  of torch's reserved memory: the driver memory a first run takes (kernels
-  loaded on first use, library handles) the capture would not take again.
-- **The pool.** Keys are captured largest first into one pool, so a mode's
-  largest graph sets most of it. A smaller graph grows it only where the
-  blocks, as the larger graphs split them, cannot serve its allocations:
-  in a few ranges of sizes, once per range (at its top; the graphs below
-  are served by what it added), by about one activation. Probes captured
-  in plan order into one pool pay a range's growth when they fall into
-  it, as the capture will; spread evenly over the sizes, they find every
-  range wider than their spacing (about 185 tokens over 2,048 sizes), and
-  may miss a narrower one, the estimate then being under by its growth.
-  Measured on the 8B-like model over 2,048 sizes: 1,600 to 1,744 tokens
-  (10 keys) grew it by 48 MiB (found), 16 to 128 by 6 MiB.
-- **The executables.** The driver's memory for a graph (for each segment of
-  a breakable one) is about the same for every graph of a mode.
-
-So, per mode, in plan order: the largest key is probed, then ``k`` keys
-spread evenly over the sizes of the others (about 8% of them, at least 2:
-the second largest and the smallest included). The mode costs its probes
-as measured (a range's growth included, once, as the capture pays it),
-plus, for each key not probed: the least pool growth of the probes past
-the second largest (what every graph adds, if anything: a range's growth
-is not per key, and the second graph into a pool often grows it once),
-and the mean executable of all the mode's probes (the driver hands out
-memory in 2 MiB steps that several graphs share).
-Each probe is recorded as a background capture records
-(``GraphEngine.record``: nothing runs on the device), warmed up only if it
-is the largest or the smallest of its mode (a compiled model may
-specialize on the smallest size): the largest's warm-up did the lazy work,
-and a warm-up at another size adds nothing to the pool (its blocks come
-from the largest's, in torch's cache). So the probes cost little more
-than their recordings, and the estimate a few percent of the capture's
-time. When the call
-returns, the probes are freed and their pool's memory is back on the
-device, with torch's whole cache (``torch.cuda.empty_cache()``). The driver
-keeps the memory of the probes' executables for the graphs after them (a
-few MiB; the capture that follows reuses it).
+A few probe keys per mode are captured into a pool of their own and
+measured; ``extrapolate`` (pure) charges the keys not probed from them, and
+the warm-ups' eager blocks are measured once. Why this predicts a
+largest-first capture, and the figures: the manager README, "Memory before
+capture".
 """
 
 from __future__ import annotations
@@ -113,6 +72,29 @@ def probe_keys(keys: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
     return [largest, *(others[j] for j in sorted(picked))]
 
 
+def extrapolate(measured: Sequence[tuple[int, int]], num_keys: int) -> tuple[int, int]:
+    """A mode's ``(pool, driver)`` bytes from its probes' ``(pool, driver)`` bytes, in plan order.
+
+    The probes count as measured (a range's pool growth included, once, as
+    the capture pays it). Each of the ``num_keys - len(measured)`` keys not
+    probed costs the least pool growth of the probes past the two largest
+    (what every graph adds, if anything: the second graph into a pool often
+    grows it once), never below 0, and the mean driver bytes of all the
+    probes (the driver hands out memory in 2 MiB steps that several graphs
+    share).
+    """
+    if not measured:
+        return 0, 0
+    pool = sum(p for p, _ in measured)
+    driver = sum(d for _, d in measured)
+    unprobed = num_keys - len(measured)
+    tail = measured[2:]  # not empty where a key is unprobed: probe_keys takes at least 2 then
+    if tail and unprobed > 0:
+        pool += unprobed * max(0, min(p for p, _ in tail))
+        driver += unprobed * (sum(d for _, d in measured) // len(measured))
+    return pool, driver
+
+
 def estimate_memory(
     pending: Sequence[PlannedKey[OutputT]],
     make_engine: ProbeEngines[OutputT],
@@ -146,18 +128,11 @@ def estimate_memory(
                     for key in probe_keys(keys, _num_tokens)
                 ]
                 probes += measured
-                pool_total += sum(p.pool_bytes for p in measured)  # the probes count as measured
-                driver_total += sum(p.driver_bytes for p in measured)
-                # Each unprobed key costs what every probe past the two largest grew the pool by:
-                # the least of them (a range's growth is once, counted above; the second graph
-                # into a pool often grows it once).
-                tail = measured[2:]  # not empty where a key is unprobed: k >= 2 then
-                unprobed = len(keys) - len(measured)
-                if tail and unprobed:
-                    pool_total += unprobed * max(0, min(p.pool_bytes for p in tail))
-                    # The driver hands out its memory in 2 MiB steps, shared by several graphs:
-                    # every probe of the mode is a sample of the per-graph mean.
-                    driver_total += unprobed * sum(p.driver_bytes for p in measured) // len(measured)
+                mode_pool, mode_driver = extrapolate(
+                    [(p.pool_bytes, p.driver_bytes) for p in measured], len(keys)
+                )
+                pool_total += mode_pool
+                driver_total += mode_driver
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
                 entries.clear()
