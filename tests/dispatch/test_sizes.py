@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 
 import pytest
@@ -151,3 +152,21 @@ def test_default_rejects_non_positive_max(max_size: int) -> None:
     """default(max_size) needs max_size >= 1; the error names the argument and the value."""
     with pytest.raises(ValueError, match=f"max_size.*{max_size}"):
         CaptureSizes.default(max_size)
+
+
+@given(capture_sizes)
+def test_the_slot_machinery_is_public_and_agrees_with_pad(sizes: CaptureSizes) -> None:
+    """``bounds``, ``dense_slots``, ``representatives()``: the dispatcher reads these, no private names."""
+    assert sizes.bounds == (0, *sizes.sizes)
+    reps = sizes.representatives()
+    assert reps == (*sizes.bounds, sizes.max + 1)
+    for slot, count in enumerate(reps):
+        assert bisect.bisect_left(sizes.bounds, count) == slot
+        if count < len(sizes.dense_slots):
+            assert sizes.dense_slots[count] == slot
+    for n in range(min(len(sizes.dense_slots), 300)):
+        padded = sizes.pad(n)
+        slot = sizes.dense_slots[n]
+        assert padded == (
+            sizes.bounds[slot] if 0 < slot <= len(sizes.sizes) else (sizes.sizes[0] if slot == 0 else None)
+        )

@@ -150,9 +150,9 @@ class CUDAGraphDispatcher:
             )
         # The count -> padding slot look-up of the capture sizes, held here so
         # that dispatch reaches it without a call.
-        self._bounds: Final = capture_sizes._bounds
-        self._dense_slots: Final = capture_sizes._dense_slots
-        self._num_dense_slots: Final = len(capture_sizes._dense_slots)
+        self._bounds: Final = capture_sizes.bounds
+        self._dense_slots: Final = capture_sizes.dense_slots
+        self._num_dense_slots: Final = len(capture_sizes.dense_slots)
         mixed_rows: dict[tuple[int, bool, bool], _Row] = {}  # shared by the sets of invalid modes
         self._tables: Final[dict[frozenset[CUDAGraphMode], _Tables]] = {
             invalid: self._build_tables(invalid, mixed_rows) for invalid in _INVALID_MODE_SETS
@@ -314,7 +314,7 @@ class CUDAGraphDispatcher:
     ) -> _Tables:
         """The rule's decision for every (LoRA case, uniformity, padding slot) under ``invalid_modes``.
 
-        Each slot is decided at one count of it (``_representatives``): the
+        Each slot is decided at one count of it (``representatives()``): the
         rule depends on a count only through its padded sizes. The extra
         LoRA case, one above the largest captured count, stands for all
         counts above it. A uniform batch larger than every decode size is
@@ -325,7 +325,7 @@ class CUDAGraphDispatcher:
         invalid modes that leave the same mixed graphs (``mixed_rows``): a set
         turns a row's graphs off only where the LoRA case has graphs of that mode.
         """
-        counts = self._config.capture_sizes._representatives()
+        counts = self._config.capture_sizes.representatives()
         decode_slots = bisect_left(counts, self._decode_sizes[-1]) + 1 if self._decode_sizes else 0
         decide = self._decide
         tables: list[tuple[_Row, _Row]] = []

@@ -38,9 +38,9 @@ class CaptureSizes:
 
     Finding a count's slot, and so ``pad(n)``, is one table look-up for
     ``n <= DENSE_PAD_LIMIT`` and a bisection, O(log len(sizes)), above it.
-    The slot machinery (``_slot``, ``_bounds``, ``_dense_slots``,
-    ``_representatives``) is shared with the dispatcher in this package,
-    which inlines the look-up on its per-step path.
+    The slot machinery (``bounds``, ``dense_slots``, ``representatives()``)
+    is public for a dispatcher built on these sizes, which inlines the
+    look-up on its per-step path.
     """
 
     __slots__ = ("_bounds", "_dense_slots", "_padded", "_sizes")
@@ -79,6 +79,23 @@ class CaptureSizes:
         """The largest size: batches above it run without a graph."""
         return self._sizes[-1]
 
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """``(0, *sizes)``: slot ``s`` holds the counts ``n`` with ``bounds[s - 1] < n <= bounds[s]``.
+
+        ``bisect_left(bounds, n)`` is ``n``'s slot; ``len(sizes) + 1`` the slot above ``max``.
+        """
+        return self._bounds
+
+    @property
+    def dense_slots(self) -> tuple[int, ...]:
+        """The slot of every count below ``len(dense_slots)``, by count: a look-up, not a bisection."""
+        return self._dense_slots
+
+    def representatives(self) -> tuple[int, ...]:
+        """One count per slot, in slot order: 0, every size, and ``max + 1``."""
+        return (*self._bounds, self._sizes[-1] + 1)
+
     def pad(self, n: int) -> int | None:
         """The smallest size >= ``n``, or ``None`` when ``n`` exceeds ``max``."""
         check_int("n", n, minimum=0)
@@ -92,10 +109,6 @@ class CaptureSizes:
         """
         dense = self._dense_slots
         return dense[n] if n < len(dense) else bisect_left(self._bounds, n)
-
-    def _representatives(self) -> tuple[int, ...]:
-        """One count per slot, in slot order: 0, every size, and ``max + 1``."""
-        return (*self._bounds, self._sizes[-1] + 1)
 
     def __len__(self) -> int:
         return len(self._sizes)
