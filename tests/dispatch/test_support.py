@@ -2,8 +2,8 @@
 
 The oracles are written from the level definitions and from vLLM's
 ``GPUModelRunner._check_and_update_cudagraph_mode`` (docs/design.md,
-"Attention support"), not through ``GraphSupport.serves`` or
-``resolve_mode``: a wrong rule there cannot hide behind itself.
+"Attention support"), not through ``resolve_mode``: a wrong rule there
+cannot hide behind itself.
 """
 
 from __future__ import annotations

@@ -41,18 +41,6 @@ class GraphSupport(enum.IntEnum):
     UNIFORM_BATCH = 2
     ALWAYS = 3
 
-    def serves(self, *, uniform: bool, query_len: int) -> bool:
-        """True when a FULL graph of a batch of this kind replays correctly at this level.
-
-        A mixed batch needs ``ALWAYS``; a uniform one with ``query_len > 1``
-        tokens per request ``UNIFORM_BATCH``; single-token decode
-        ``UNIFORM_SINGLE_TOKEN_DECODE``.
-        """
-        if not uniform:
-            return self is GraphSupport.ALWAYS
-        needed = GraphSupport.UNIFORM_BATCH if query_len > 1 else GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return self >= needed
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttentionSupport:
@@ -122,23 +110,12 @@ class ModeResolution:
 def resolve_mode(
     config: DispatchConfig, support: AttentionSupport, *, strict: bool = False
 ) -> ModeResolution:
-    """``config.mode`` downgraded until ``support`` serves every FULL graph it implies.
+    """``config.mode`` downgraded until ``support`` serves every graph it implies.
 
-    vLLM's policy, in its order (q = ``uniform_decode_query_len``; "split"
-    = ``support.piecewise``):
-
-    0. An attention that does not split sits inside every PIECEWISE graph,
-       and a relaxed PIECEWISE key serves any batch: below ``ALWAYS``,
-       PIECEWISE becomes NONE and FULL_AND_PIECEWISE FULL_DECODE_ONLY
-       (vLLM reaches the same through its config: without splitting ops,
-       piecewise graphs are full ones).
-    1. Mixed batches FULL below ``ALWAYS``: FULL_AND_PIECEWISE if split,
-       else FULL_DECODE_ONLY (at ``NEVER``, step 2 then applies).
-    2. Decode FULL at ``NEVER``: PIECEWISE if split, else NONE.
-    3. Decode FULL with q > 1 below ``UNIFORM_BATCH``: PIECEWISE if split, else NONE.
-
-    Each downgrade is logged once, at WARNING, with its reason.
-    ``strict=True`` raises ``ModeNotSupportedError`` instead of the first.
+    vLLM's policy in its order, with a step 0 for an attention that does not
+    split (docs/design.md, "Attention support", states the rules). Each
+    downgrade is logged once, at WARNING, with its reason; ``strict=True``
+    raises ``ModeNotSupportedError`` instead of the first.
     """
     if not isinstance(config, DispatchConfig):
         raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
