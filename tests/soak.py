@@ -719,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "seconds": r.seconds,
                 "pool_bytes": r.pool_bytes,
                 "reserved_bytes": r.reserved_bytes,
-                "not_captured": r.not_captured,
+                "no_graphs": r.no_graphs,
             }
             for mode, r in zip(MODES, reports, strict=True)
         ],

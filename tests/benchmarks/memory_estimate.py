@@ -41,13 +41,13 @@ def main(model_name: str, mode_name: str, max_size: int, compiled: bool) -> dict
         manager.estimate_memory()  # the warm-up cycle: nothing below pays for a first use
         manager.capture(progress=False)
         manager.release()
-        vllm_style_estimate(manager)
+        vllm_style_estimate(manager, runnable, inputs)
         torch.cuda.synchronize()
         start = time.perf_counter()
         ours = manager.estimate_memory()
         ours_s = time.perf_counter() - start
         start = time.perf_counter()
-        vllm = vllm_style_estimate(manager)
+        vllm = vllm_style_estimate(manager, runnable, inputs)
         vllm_s = time.perf_counter() - start
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]

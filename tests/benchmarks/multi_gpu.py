@@ -166,7 +166,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
         table = torch.zeros(10, dtype=torch.int64, device="cpu" if name == "gloo" else device)
 
         def agree(ranks: RankAgreement = ranks) -> None:
-            ranks.agree_step(dispatcher, request, invalid_modes=frozenset(), can_replay=True)
+            ranks.agree_step(dispatcher, request, can_replay=True)
 
         def floor(ranks: RankAgreement = ranks, table: torch.Tensor = table) -> None:
             dist.all_reduce(table, group=ranks.group)  # the same table's all-reduce alone, waited for

@@ -9,50 +9,64 @@ cost as the drop of the device's free memory around it (synchronized). With
 estimate is ``max over modes of s1 + sum over modes of (N - 1) * max(s2, 1 MiB)``
 (the first captures share the pool; a mode with one graph has no ``s2`` and
 costs 1 MiB per further graph). Then every sampled graph is freed and the
-cache emptied. This is our code, written from that description; it reaches
-into the manager's private parts, as a benchmark may.
+cache emptied. This is our code, written from that description, over the
+manager's public surface: its plan, its static buffers, and engines of its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import torch
 
-from cudagraph_capture import GraphEntry, capture_lock
-from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_capture import (
+    BreakableCUDAGraphWrapper,
+    CaptureOptions,
+    CUDAGraphWrapper,
+    GraphEngine,
+    GraphEntry,
+    capture_lock,
+)
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_manager import CUDAGraphManager, StaticInput
 
 MIB: Final = 2**20
 SAMPLES: Final = 2
 
 
-def vllm_style_estimate(manager: CUDAGraphManager[torch.Tensor]) -> int:
-    """vLLM's estimate of what capturing the manager's pending keys costs, in bytes (synchronizes)."""
+def vllm_style_estimate(
+    manager: CUDAGraphManager[torch.Tensor],
+    model: Callable[..., torch.Tensor],
+    inputs: Mapping[str, StaticInput],
+) -> int:
+    """vLLM's estimate of what capturing the manager's plan costs, in bytes (synchronizes).
+
+    ``model`` and ``inputs`` are what the manager was built from.
+    """
     device = manager.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # vLLM empties the cache once, at the start of its capture phase
-    pool = torch.cuda.graph_pool_handle()
-    by_mode: dict[CUDAGraphMode, list[object]] = {}
-    pending = [key for key in manager._keys.values() if key.entry is None]
-    for key in pending:
-        by_mode.setdefault(key.mode, []).append(key)
-    options = dataclasses.replace(manager._options, pool=pool)
+    options = CaptureOptions(pool=torch.cuda.graph_pool_handle())
+    max_num_seqs = manager.dispatcher.config.max_num_seqs
     entries: list[GraphEntry[torch.Tensor]] = []
     first: list[int] = []
     further = 0
     try:
         with torch.no_grad():
-            for mode in by_mode:
-                engine = manager._factory(manager._model, mode, options)
-                keys = [k for k in pending if k.mode is mode]
+            for mode, keys in manager.dispatcher.capture_plan():
+                engine: GraphEngine[torch.Tensor] = (
+                    CUDAGraphWrapper(model, mode, options)
+                    if mode is CUDAGraphMode.FULL
+                    else BreakableCUDAGraphWrapper(model, options)
+                )
                 samples = []
                 for key in keys[:SAMPLES]:
+                    views = _padded_views(manager, inputs, key, max_num_seqs)
                     torch.cuda.synchronize(device)
                     free = torch.cuda.mem_get_info(device)[0]
-                    key.warm_up(engine, manager._buffers)
-                    entries.append(engine.record(key.descriptor, key.inputs))
+                    engine.warm_up(key, views)
+                    entries.append(engine.record(key, views))
                     torch.cuda.synchronize(device)
                     samples.append(free - torch.cuda.mem_get_info(device)[0])
                 first.append(samples[0])
@@ -64,3 +78,22 @@ def vllm_style_estimate(manager: CUDAGraphManager[torch.Tensor]) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return max(first) + further if first else 0
+
+
+def _padded_views(
+    manager: CUDAGraphManager[torch.Tensor],
+    inputs: Mapping[str, StaticInput],
+    key: BatchDescriptor,
+    max_num_seqs: int,
+) -> dict[str, torch.Tensor]:
+    """The key's rows of each static buffer, filled with the input's pad value (as a capture's warm-up)."""
+    num_reqs = key.num_reqs if key.num_reqs is not None else min(key.num_tokens, max_num_seqs)
+    rows = {"tokens": key.num_tokens, "reqs": num_reqs}
+    views: dict[str, torch.Tensor] = {}
+    for name, buffer in manager.static_buffers.items():
+        spec = inputs[name]
+        view = buffer if spec.rows is None else buffer[: rows[spec.rows]]
+        if spec.rows is not None:
+            view.fill_(spec.pad_value)
+        views[name] = view
+    return views

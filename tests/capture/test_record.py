@@ -125,7 +125,7 @@ def test_a_breakable_entry_holds_its_segments_and_the_wrapper_keeps_none() -> No
     with torch.no_grad():
         model.run(x_buf)
         entry = wrapper.record(BatchDescriptor(8), {"x": x_buf})
-    owner = entry.engine
+    owner = entry.owner
     assert isinstance(owner, BreakableCUDAGraphCapture)
     assert (owner.num_graphs, owner.num_eager_breaks) == (2, 1)
     assert isinstance(wrapper, BreakableCUDAGraphWrapper)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Final
 
@@ -17,6 +18,7 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
     RankRequest,
+    StepRequest,
     agree_across_ranks,
 )
 from tests.strategies import (
@@ -180,3 +182,52 @@ def test_no_ranks_is_an_error() -> None:
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8]), 8))
     with pytest.raises(ValueError, match="requests"):
         agree_across_ranks(dispatcher, [])
+
+
+@given(dispatchers_with_rank_requests(), st.data())
+def test_a_mode_one_rank_turns_off_is_off_for_all(case: Case, data: st.DataObject) -> None:
+    """A rank's own ``invalid_modes`` counts as the step's: the same decision as passing it for all."""
+    dispatcher, requests = case
+    rank = data.draw(st.integers(0, len(requests) - 1))
+    modes = data.draw(invalid_mode_sets)
+    carried = [
+        dataclasses.replace(r, invalid_modes=modes) if i == rank else r for i, r in enumerate(requests)
+    ]
+    assert agree_across_ranks(dispatcher, carried) == agree_across_ranks(
+        dispatcher, requests, invalid_modes=modes
+    )
+
+
+def test_one_request_type_for_steps_and_ranks() -> None:
+    """``RankRequest`` is ``StepRequest``: the dispatcher, the ranks and an eager step share it."""
+    assert RankRequest is StepRequest
+    request = StepRequest(5, True, 1, frozenset({M.FULL}))
+    assert (request.num_tokens, request.uniform_decode, request.num_active_loras) == (5, True, 1)
+    assert request == RankRequest(
+        5, uniform_decode=True, num_active_loras=1, invalid_modes=frozenset({M.FULL})
+    )
+    assert hash(request) == hash(StepRequest(5, True, 1, frozenset({M.FULL})))  # a key
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_tokens": 2.0}, "num_tokens"),
+        ({"num_tokens": True}, "num_tokens"),
+        ({"num_tokens": 2, "uniform_decode": 1}, "uniform_decode"),
+        ({"num_tokens": 2, "num_active_loras": None}, "num_active_loras"),
+        ({"num_tokens": 2, "invalid_modes": {M.FULL}}, "invalid_modes"),
+        ({"num_tokens": 2, "invalid_modes": frozenset({M.NONE})}, "invalid_modes"),
+    ],
+)
+def test_a_bad_request_names_its_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        StepRequest(**kwargs)  # type: ignore[arg-type]  # bad on purpose
+
+
+def test_agreement_refuses_a_bad_invalid_modes_and_a_bad_dispatcher() -> None:
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8]), 8))
+    with pytest.raises(ValueError, match=r"^invalid_modes: "):
+        agree_across_ranks(dispatcher, [RankRequest(3)], invalid_modes=[M.FULL])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^dispatcher: "):
+        agree_across_ranks(None, [RankRequest(3)])  # type: ignore[arg-type]

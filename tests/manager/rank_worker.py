@@ -5,7 +5,10 @@ Each scenario runs on every rank, checks what one rank can check (outputs
 against eager), and reports facts as JSON for the parent test to compare
 across ranks. ``cpu`` runs over gloo with the fake engines (the manager's
 whole logic, no GPU); ``cuda`` runs rank ``r`` on GPU ``r`` with the real
-engines, NCCL for the model's collectives.
+engines, NCCL for the model's collectives; ``shared_cuda`` runs every rank on
+GPU 0 with the real engines, each rank its own graphs, and gloo for the
+model's collectives (NCCL refuses two ranks on one device), so one GPU runs
+the data-parallel scenarios.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from tests.ranks_support import Result, rank_main
 _TIMEOUT: Final = datetime.timedelta(seconds=60)
 _FULL: Final = CUDAGraphMode.FULL
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
+#: Where ranks run: ``cpu``; ``cuda`` (rank ``r`` on GPU ``r``, NCCL); ``shared_cuda`` (all on GPU 0, gloo).
+_DEVICE_KINDS: Final = ("cpu", "cuda", "shared_cuda")
 
 #: The data-parallel cases: per rank ``(num_tokens, num_reqs, uniform_decode, invalid_modes)``.
 DP_CASES: Final[dict[str, tuple[tuple[int, int, bool, frozenset[CUDAGraphMode]], ...]]] = {
@@ -52,8 +57,12 @@ class CollectiveToy:
     """``ToyModel`` plus one collective of the whole group per call, as a data-parallel MoE layer has.
 
     The all-reduce sums a count of 1 per rank; the output depends on it
-    (times 0), so a graph records it. A rank that skipped a model call while
-    another made one would leave the other waiting: the test fails by timeout.
+    (times 0). Over NCCL it runs on the model's device, so a graph records it
+    and every replay runs it too. Over gloo (the CPU, or ranks sharing one
+    GPU) it runs on a CPU tensor at each Python call of the model (a warm-up,
+    a capture, an eager step, a dummy step) and adds a host number: nothing of
+    it enters a graph. A rank that skipped a model call while another made one
+    would leave the other waiting: the test fails by timeout.
     """
 
     def __init__(self, inner: ToyModel) -> None:
@@ -64,25 +73,43 @@ class CollectiveToy:
         self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         self.calls += 1
-        count = torch.ones(1, device=x.device)
+        on_device = dist.get_backend() == "nccl"
+        count = torch.ones(1, device=x.device if on_device else torch.device("cpu"))
         dist.all_reduce(count)  # [1]: the number of ranks
-        return self.inner.hidden(ids, x, scale, bias) + 0.0 * count  # [T, DIM]
+        hidden = self.inner.hidden(ids, x, scale, bias)  # [T, DIM]
+        if on_device:
+            return hidden + 0.0 * count  # in the graph: a replay runs the all-reduce
+        return hidden + 0.0 * float(count.item())  # a host number: never a copy inside a capture
 
 
 def _setup(device_kind: str) -> tuple[int, torch.device]:
+    """Join the default group and pick this rank's device (see ``_DEVICE_KINDS``)."""
+    if device_kind not in _DEVICE_KINDS:
+        raise ValueError(f"device kind: expected one of {_DEVICE_KINDS}, got {device_kind!r}")
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
-        # NCCL sets a communicator up on its first collective: let that be now, not inside a capture.
-        dist.all_reduce(torch.ones(1, device=device))
-    else:
+    if device_kind == "cpu":
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    else:
+        # Index 0 for every rank when they share a GPU (the first of CUDA_VISIBLE_DEVICES, inherited).
+        device = torch.device("cuda", rank if device_kind == "cuda" else 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # replays are compared with eager in full fp32
+        if device_kind == "cuda":
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=_TIMEOUT)
+            # NCCL sets a communicator up on its first collective: let that be now, not inside a capture.
+            dist.all_reduce(torch.ones(1, device=device))
+        else:  # NCCL refuses two ranks on one device: the model's collectives go over gloo
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_TIMEOUT)
     torch.manual_seed(0)  # every rank builds the same model
     return rank, device
+
+
+def _where(device: torch.device) -> Result:
+    """The device this rank ran on, and the GPU behind it (its UUID: equal on ranks that share one)."""
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+    return {"device": str(device), "gpu": gpu}
 
 
 def _engines(device: torch.device) -> FakeEngines | None:
@@ -96,6 +123,8 @@ def _replayed(manager: CUDAGraphManager[torch.Tensor]) -> list[str]:
 def data_parallel(args: Sequence[str]) -> Result:
     """Every ``DP_CASES`` step on a FULL_AND_PIECEWISE manager: what ran, and its error against eager."""
     device_kind, backend = args
+    if device_kind == "shared_cuda" and backend == "nccl":
+        raise ValueError("backend 'nccl' needs a GPU per rank: NCCL refuses two ranks on one device")
     rank, device = _setup(device_kind)
     chosen: Backend = "gloo" if backend == "gloo" else "nccl" if backend == "nccl" else "shm"
     ranks = RankAgreement(backend=chosen, timeout=_TIMEOUT)
@@ -110,7 +139,7 @@ def data_parallel(args: Sequence[str]) -> Result:
         ranks=ranks,
     )
     report = manager.capture()
-    result: Result = {"captured": report.num_graphs, "backend": ranks.backend}
+    result: Result = {"captured": report.num_graphs, "backend": ranks.backend, **_where(device)}
     for i, (name, per_rank) in enumerate(DP_CASES.items()):
         num_tokens, num_reqs, uniform, invalid = per_rank[rank]
         batch = make_batch(num_tokens, num_reqs, device, seed=100 * i + rank)
@@ -141,7 +170,7 @@ def data_parallel(args: Sequence[str]) -> Result:
             "rows": out.shape[0],
         }
     result["model_calls"] = collective.calls
-    manager.clear()  # graphs freed before the process ends
+    manager.clear()  # graphs freed before the process ends (rank_main never tears the group down)
     return result
 
 
@@ -151,7 +180,7 @@ def capture_faults(args: Sequence[str]) -> Result:
     rank, device = _setup(device_kind)
     ranks = RankAgreement(timeout=_TIMEOUT)
     model = ToyModel(device)
-    result: Result = {}
+    result: Result = _where(device)
 
     # 1. Different capture sizes on rank 1: both raise before capturing anything.
     sizes = (1, 2, 4, 8) if rank == 0 else (1, 2, 4, 16)
@@ -222,7 +251,7 @@ def capture_faults(args: Sequence[str]) -> Result:
     out = manager.run_batch(batch)
     result["after_replayed"] = _replayed(manager)
     result["after_err"] = rel_err(out, model.eager(batch))
-    manager.clear()
+    manager.clear()  # graphs freed before the process ends (rank_main never tears the group down)
     try:
         manager.start_capture()
         result["background"] = "no error"

@@ -301,7 +301,7 @@ def test_without_cuda_the_handle_is_done_at_once_and_says_why() -> None:
     assert handle.done
     report = handle.wait(0)
     assert report.num_graphs == 0
-    assert report.not_captured == manager.capture().not_captured  # the same reason as capture()'s
+    assert report.no_graphs == manager.capture().no_graphs  # the same reason as capture()'s
     assert str(report).startswith("Captured no CUDA graphs: CUDA graphs need a CUDA device")
 
 

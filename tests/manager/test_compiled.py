@@ -32,7 +32,7 @@ from cudagraph_capture import (
     CUDAGraphWrapper,
     GraphEngine,
 )
-from cudagraph_capture._wrapper import _Entry
+from cudagraph_capture._recorder import Entry as _Entry
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
 from cudagraph_manager._compiled import dynamo_compiles
@@ -213,8 +213,8 @@ class _KeepingBreakable(BreakableCUDAGraphWrapper[..., R]):
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> _Entry[R]:
         entry = super().record(descriptor, inputs)
-        assert isinstance(entry.engine, BreakableCUDAGraphCapture)
-        self.recorded[descriptor] = entry.engine
+        assert isinstance(entry.owner, BreakableCUDAGraphCapture)
+        self.recorded[descriptor] = entry.owner
         return entry
 
 

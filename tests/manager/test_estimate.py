@@ -44,7 +44,7 @@ MODES: Final = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_
 
 def test_the_probes_are_the_largest_then_keys_spread_to_the_smallest(backend: Backend) -> None:
     manager = make_manager(backend, ToyModel(backend.device))
-    keys = list(manager._keys.values())  # FULL over 7 sizes, largest first
+    ((_, keys),) = manager.dispatcher.capture_plan()  # FULL over 7 sizes, largest first
     chosen = probe_keys(keys, lambda key: key.num_tokens)
     assert chosen[0] is keys[0]
     assert chosen[-1] is keys[-1]  # the smallest is probed

@@ -141,4 +141,4 @@ def test_a_cpu_manager_beside_cuda_captures_nothing_and_says_why() -> None:
     manager = CUDAGraphManager(_Recorder(), INPUTS, _config(CUDAGraphMode.FULL), device="cpu")
     report = manager.capture()
     assert report.num_graphs == 0
-    assert report.not_captured == "CUDA graphs need a CUDA device, and the manager's device is cpu"
+    assert report.no_graphs == "CUDA graphs need a CUDA device, and the manager's device is cpu"

@@ -46,8 +46,8 @@ def test_capture_without_cuda_captures_nothing_and_says_why() -> None:
     manager = _cpu_manager(ToyModel(CPU))
     report = manager.capture()
     assert report.num_graphs == 0
-    assert report.not_captured is not None
-    assert "CUDA graphs need a CUDA device" in report.not_captured
+    assert report.no_graphs is not None
+    assert "CUDA graphs need a CUDA device" in report.no_graphs
     assert str(report).startswith("Captured no CUDA graphs: CUDA graphs need a CUDA device")
     assert manager.num_captured == 0
 

@@ -1,8 +1,11 @@
 """Managers on several ranks (``RankAgreement``): two rank processes per test, each under a hard timeout.
 
 On the CPU the ranks talk over gloo and capture with the fake engines, which
-runs every line of the agreement here. With two GPUs the same scenarios run
-with the real engines, over gloo and over NCCL, and a tensor-parallel
+runs every line of the agreement here. On one GPU the data-parallel and
+capture-fault scenarios run with the real engines, both ranks on that GPU
+(each with its own graphs; the model's collective over gloo, outside the
+graphs), agreeing over gloo and shm: every GPU run exercises them. With two
+GPUs they also run one rank per GPU, over NCCL too, and a tensor-parallel
 reference decoder (NCCL all-reduces inside the graphs) is compared with the
 unsharded one.
 """
@@ -34,10 +37,27 @@ two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs two CUDA devices (one per rank)",
 )
+one_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (both ranks share it)"
+)
+
+#: The worker's device kind for each GPU layout: both ranks on GPU 0, or rank ``r`` on GPU ``r``.
+_LAYOUTS: Final = {"one_gpu": "shared_cuda", "two_gpus": "cuda"}
 
 
 def _spawn(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RankRun:
     return spawn_ranks(_WORKER, args, world_size=2, timeout_s=_TIMEOUT_S, workdir=tmp_path, env=env)
+
+
+def _check_layout(run: RankRun, layout: str) -> None:
+    """Both ranks on GPU 0 (the same physical GPU), or rank ``r`` on GPU ``r`` (different GPUs)."""
+    r0, r1 = run.results
+    if layout == "one_gpu":
+        assert (r0["device"], r1["device"]) == ("cuda:0", "cuda:0")
+        assert r0["gpu"] == r1["gpu"] != "", (r0["gpu"], r1["gpu"])
+    else:
+        assert (r0["device"], r1["device"]) == ("cuda:0", "cuda:1")
+        assert r0["gpu"] != r1["gpu"], (r0["gpu"], r1["gpu"])
 
 
 def _case(run: RankRun, name: str, rank: int) -> dict[str, object]:
@@ -209,18 +229,40 @@ def test_capture_faults_across_ranks_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@two_gpus
-@pytest.mark.parametrize("backend", ["gloo", "nccl", "shm"])
-def test_data_parallel_agreement_on_two_gpus(tmp_path: Path, backend: str) -> None:
-    run = _spawn(tmp_path, "dp", "cuda", backend)
+@pytest.mark.parametrize(
+    ("layout", "backend"),
+    [
+        pytest.param("one_gpu", "gloo", marks=one_gpu),
+        pytest.param("one_gpu", "shm", marks=one_gpu),
+        pytest.param("two_gpus", "gloo", marks=two_gpus),
+        pytest.param("two_gpus", "nccl", marks=two_gpus),
+        pytest.param("two_gpus", "shm", marks=two_gpus),
+    ],
+)
+def test_data_parallel_agreement_on_gpus(tmp_path: Path, layout: str, backend: str) -> None:
+    """The CPU test's steps with real graphs on both ranks, each replay against eager on fresh inputs.
+
+    ``one_gpu``: two processes share GPU 0 (NCCL refuses that, so gloo and
+    shm only); ``two_gpus``: one GPU per rank, NCCL in the graphs.
+    """
+    if backend == "shm" and (why := shared_memory_supported()) is not None:
+        pytest.skip(why)
+    run = _spawn(tmp_path, "dp", _LAYOUTS[layout], backend)
+    _check_layout(run, layout)
     assert run.results[0]["backend"] == backend
     _check_data_parallel(run)
 
 
 @pytest.mark.gpu
-@two_gpus
-def test_capture_faults_across_ranks_on_two_gpus(tmp_path: Path) -> None:
-    _check_faults(_spawn(tmp_path, "faults", "cuda"))
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param("one_gpu", marks=one_gpu), pytest.param("two_gpus", marks=two_gpus)],
+)
+def test_capture_faults_across_ranks_on_gpus(tmp_path: Path, layout: str) -> None:
+    """Mismatched plans, a rank that cannot capture, a failed capture, with real graphs: every rank raises."""
+    run = _spawn(tmp_path, "faults", _LAYOUTS[layout])
+    _check_layout(run, layout)
+    _check_faults(run)
 
 
 def _check_tensor_parallel(run: RankRun) -> None:

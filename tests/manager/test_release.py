@@ -22,6 +22,7 @@ from torch import nn
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, NoGraphError, WeightsReplacedError
+from cudagraph_manager._weights import WeightWatch, watched_module
 from tests.torch_support import rel_err
 
 from .helpers import (
@@ -112,7 +113,7 @@ def test_release_stops_a_running_background_capture() -> None:
     releasing.start()
     batch = make_batch(4, 2, torch.device("cpu"), seed=0)
     deadline = time.monotonic() + WAIT_S
-    while not manager._step_lock.locked():  # release() holds the step lock, waiting for the capture
+    while not manager.busy:  # release() holds the static buffers, waiting for the capture
         assert time.monotonic() < deadline
         time.sleep(0.001)
     with pytest.raises(RuntimeError, match=r"release\(\)"):
@@ -123,7 +124,7 @@ def test_release_stops_a_running_background_capture() -> None:
     report = handle.wait(0)
     assert handle.done
     assert report.num_graphs == 1
-    assert "stopped" in str(report.not_captured)
+    assert "stopped" in str(report.no_graphs)
     assert manager.num_captured == 0  # the one recorded was released too
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
     assert manager.stats.eager_reasons == {"released": 1}
@@ -223,8 +224,9 @@ def test_an_unrelated_module_assignment_costs_one_check_and_no_error(backend: Ba
     assert max(SIZES) == 32  # _check_steps stays within the plan
 
 
-def test_parameters_registered_on_other_threads_while_managers_are_built_raise_nothing() -> None:
-    """torch's registration hook and new watches meet from several threads: no error, every watch marked."""
+def test_parameters_registered_on_other_threads_while_watches_are_built_raise_nothing() -> None:
+    """torch's registration hook and new weight watches (a manager builds one) meet from several
+    threads: no error, every watch marked."""
     errors: list[BaseException] = []
     done = threading.Event()
 
@@ -239,11 +241,11 @@ def test_parameters_registered_on_other_threads_while_managers_are_built_raise_n
     for thread in threads:
         thread.start()
     try:
-        managers = [make_manager(Backend.of("cpu"), ToyModel(torch.device("cpu"))) for _ in range(50)]
+        watches = [WeightWatch(watched_module(ToyModel(torch.device("cpu")))) for _ in range(50)]
     finally:
         done.set()
         for thread in threads:
             thread.join(WAIT_S)
     assert errors == []
     nn.Linear(2, 2)
-    assert all(manager._weights.dirty for manager in managers)
+    assert all(watch.dirty for watch in watches)

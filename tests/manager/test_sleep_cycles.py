@@ -108,7 +108,7 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
                     step()
                 report = handle.wait(WAIT_S)
                 assert handle.errors == (), handle.errors
-                assert report.not_captured is None
+                assert report.no_graphs is None
             assert manager.num_captured == len(manager.dispatcher.capture_plan()[0][1]) + len(
                 manager.dispatcher.capture_plan()[1][1]
             )

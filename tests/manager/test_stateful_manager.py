@@ -164,7 +164,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 event("capture: complete" if pending else "capture: nothing pending")
                 report = self.manager.capture(progress=False)
                 assert [g.descriptor for g in report.graphs] == expected
-                assert report.not_captured is None
+                assert report.no_graphs is None
         finally:
             self.fail_at = None
         # Each key captured in order, two model runs each (its warm-up, its recording); a key whose

@@ -1,10 +1,10 @@
 """The step path stays short: what a FULL ``run()`` calls before the graph replays.
 
 Measured with a profiler hook on a replayed step (the fake engine's entry
-stands for the graph): the frames between ``run`` and ``replay`` (the manager's
-step function alone), the distinct functions of ours the step calls before
-the replay (the checks and the copy-in of the buffers module, the
-dispatcher's route), and the hashes of the batch key (one look-up).
+stands for the graph): the frames of ours between ``run`` and ``replay``, the
+functions of ours the step calls before the replay, and the hashes of the
+batch key (one look-up). Limits, not a pinned call stack: the step may be
+reshaped, never lengthened.
 """
 
 from __future__ import annotations
@@ -57,25 +57,26 @@ def _trace_step(mode: CUDAGraphMode) -> tuple[list[str], list[tuple[str, str]], 
     return stack, calls, hashes
 
 
-def test_a_full_step_is_the_step_function_the_buffers_and_the_route() -> None:
+#: Our frames between ``run_batch`` and a FULL graph's replay: the step function alone.
+MAX_FRAMES: Final = 1
+#: Our functions a FULL step calls before the replay, the entry point not counted: the
+#: step function, the inputs' check, the route, the weights' flag and the copy-in.
+MAX_CALLS: Final = 5
+
+
+def test_a_full_step_stays_short() -> None:
     stack, calls, hashes = _trace_step(CUDAGraphMode.FULL)
-    assert stack == ["_step", "run_batch"], "run -> _step -> entry.replay(), nothing between"
-    assert dict.fromkeys(calls) == dict.fromkeys(
-        [
-            ("_manager.py", "run_batch"),
-            ("_manager.py", "_step"),
-            ("_buffers.py", "check"),  # StaticBuffers.check: the per-input checks are inline
-            ("_dispatcher.py", "route"),
-            ("_weights.py", "moved"),  # WeightWatch.moved: a flag and one data_ptr(), before copy_in
-            ("_buffers.py", "copy_in"),
-        ]
-    ), calls
-    assert len(calls) == 6, "each called once"
+    assert stack[-1] == "run_batch", stack
+    assert len(stack) - 1 <= MAX_FRAMES, stack
+    inner = calls[1:]  # after run_batch itself
+    assert len(inner) <= MAX_CALLS, inner
+    assert len(set(inner)) == len(inner), f"a function called twice: {inner}"
     assert hashes == 1, "one look-up of the key per step"
 
 
 def test_a_piecewise_step_only_adds_its_forward_context() -> None:
     stack, calls, hashes = _trace_step(CUDAGraphMode.PIECEWISE)
-    assert stack == ["_step", "run_batch"]
-    assert len(calls) == 6, calls
+    full_stack, full_calls, _ = _trace_step(CUDAGraphMode.FULL)
+    assert len(stack) <= len(full_stack), (stack, full_stack)  # set in the step: no frame of its own
+    assert len(calls) <= len(full_calls), (calls, full_calls)
     assert hashes == 1

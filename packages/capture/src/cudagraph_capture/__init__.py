@@ -11,7 +11,9 @@ from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
 from ._breakable import eager_break_during_capture as eager_break_during_capture
 from ._cublas import drop_cublas_workspaces as drop_cublas_workspaces
 from ._device import resolve_device as resolve_device
+from ._enabled import capture_disabled_reason as capture_disabled_reason
 from ._enabled import capture_enabled as capture_enabled
+from ._enabled import check_capture_enabled as check_capture_enabled
 from ._enabled import set_capture_enabled as set_capture_enabled
 from ._errors import CaptureDisabledError as CaptureDisabledError
 from ._errors import CaptureError as CaptureError
@@ -42,7 +44,9 @@ __all__ = [
     "GraphEntry",
     "GraphPool",
     "OutputGuard",
+    "capture_disabled_reason",
     "capture_enabled",
+    "check_capture_enabled",
     "capture_lock",
     "capture_stream",
     "collector_paused",

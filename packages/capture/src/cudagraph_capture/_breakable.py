@@ -152,6 +152,7 @@ class BreakableCUDAGraphCapture:
             raise
         return self
 
+    # __exit__'s protocol signature, repeated in set_forward_context: boilerplate, not shared logic.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -26,10 +26,15 @@ def capture_enabled() -> bool:
     return _state["enabled"]
 
 
+def capture_disabled_reason() -> str | None:
+    """Why no capture may start now, in words; ``None`` while captures are allowed."""
+    if _state["enabled"]:
+        return None
+    return "capture is disabled (set_capture_enabled(False)): no graph may be captured after start-up"
+
+
 def check_capture_enabled(descriptor: BatchDescriptor | None) -> None:
-    """Raise ``CaptureDisabledError`` naming ``descriptor`` if capture is off."""
-    if not _state["enabled"]:
-        raise CaptureDisabledError(
-            "capture is disabled (set_capture_enabled(False)): this graph was not captured at start-up",
-            descriptor,
-        )
+    """Raise ``CaptureDisabledError`` naming ``descriptor`` if capture is off (the one check)."""
+    why = capture_disabled_reason()
+    if why is not None:
+        raise CaptureDisabledError(why, descriptor)

@@ -36,11 +36,20 @@ class OutputGuard:
         self._steps = 0
 
     def retire(self, descriptor: object) -> None:
-        """Before a replay of ``descriptor``'s graph: the outputs handed out so far become unreadable."""
+        """At a replay of ``descriptor``'s graph: the outputs handed out so far become unreadable."""
         self._retire(
             f"this graph output (step {self._steps}) was overwritten by a later "
             f"replay (of the graph {descriptor}); clone() the outputs you keep before the next step"
         )
+
+    def replayed(self, descriptor: object, output: object) -> object:
+        """After a replay of ``descriptor``: ``retire`` the outputs handed out so far, ``hand_out`` its own.
+
+        Marking the older outputs after the replay rather than before changes
+        nothing a caller can see: it reads them from this thread, between steps.
+        """
+        self.retire(descriptor)
+        return self.hand_out(output)
 
     def retire_all(self) -> None:
         """The graphs were freed (a manager's ``release()``): the outputs handed out become unreadable."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 import torch
 
@@ -50,3 +51,19 @@ class CaptureOptions:
         check_int("warmup_runs", self.warmup_runs, minimum=0)
         check_pool("pool", self.pool)
         check_stream("stream", self.stream)
+
+    @staticmethod
+    def given(options: object) -> CaptureOptions:
+        """``options`` as an engine or a manager takes it: the defaults for ``None``.
+
+        Anything else than ``CaptureOptions`` or ``None`` raises ``ValueError``
+        naming the ``options`` argument.
+        """
+        if options is None:
+            return _DEFAULTS
+        if not isinstance(options, CaptureOptions):
+            raise ValueError(f"options: expected CaptureOptions or None, got {options!r}")
+        return options
+
+
+_DEFAULTS: Final = CaptureOptions()

@@ -13,7 +13,9 @@ Two ways in, one table of captured graphs:
 A model runner that keeps its graphs itself (``cudagraph_manager``) uses the
 ``GraphEngine`` seam instead: ``warm_up`` runs the model eagerly, ``record``
 captures without running anything and hands back the entry, which the
-runner owns and replays; the wrapper's table is not involved.
+runner owns and replays; the wrapper's table is not involved. Both ways
+capture through the wrapper's recorder (``_recorder``), which does the
+capture itself; the wrapper adds the table and the forward-context contract.
 
 A wrapper keeps no input buffers: the caller keeps its inputs at fixed
 addresses and copies new data into them before each replay.
@@ -21,93 +23,64 @@ addresses and copies new data into them before each replay.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Final, Generic, ParamSpec, TypeVar
 
 import torch
-from torch.utils import _pytree as pytree
 
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     BatchDescriptor,
     CUDAGraphMode,
     ForwardContext,
-    set_forward_context,
 )
 
 from ._breakable import BreakableCUDAGraphCapture
-from ._device import require_cuda
-from ._enabled import check_capture_enabled
-from ._errors import CaptureError
-from ._gc import collect_before_capture
 from ._options import CaptureOptions
-from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
-from ._segment import THREAD, abort_segment, begin_segment, end_segment, on_side_stream
-from ._weakref import weak_ref_tensors
+from ._recorder import BreakableRecorder, Entry, GraphRecorder, MonolithicRecorder, addresses_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_DEFAULT_OPTIONS: Final = CaptureOptions()
-_OWN: Final = frozenset({"_runnable", "_options", "_entries", "_capture_mode", "_other_mode"})
-
-
-class _Entry(Generic[R]):
-    """One captured graph: how to replay it, what it returns, what it expects (a ``GraphEntry``)."""
-
-    __slots__ = ("addresses", "engine", "output", "replay")
-
-    def __init__(
-        self,
-        engine: object,
-        replay: Callable[[], object],
-        output: R,
-        addresses: tuple[tuple[str, int], ...] | None,
-    ) -> None:
-        self.engine: Final = engine  # owns the graph(s): freed with the entry
-        self.replay: Final = replay
-        self.output: Final = output
-        self.addresses: Final = addresses
+_OWN: Final = frozenset({"_recorder", "_entries", "_other_mode"})
 
 
 class _GraphWrapper(Generic[P, R]):
-    """What both wrappers share: the dispatch contract, entries, errors."""
+    """What both wrappers share: the forward-context contract and a table of entries, over a recorder."""
 
-    __slots__ = ("__weakref__", "_capture_mode", "_entries", "_options", "_other_mode", "_runnable")
+    __slots__ = ("__weakref__", "_entries", "_other_mode", "_recorder")
 
     def __init__(
         self,
         runnable: Callable[P, R],
+        recorder: type[GraphRecorder[R]],
         capture_mode: CUDAGraphMode,
         other_mode: CUDAGraphMode,
         options: CaptureOptions | None,
     ) -> None:
         if not callable(runnable):
             raise ValueError(f"runnable: expected a callable, got {runnable!r}")
-        given: object = options
-        if given is not None and not isinstance(given, CaptureOptions):
-            raise ValueError(f"options: expected CaptureOptions or None, got {options!r}")
-        self._runnable: Final = runnable
-        self._options: Final = _DEFAULT_OPTIONS if options is None else options
-        self._entries: Final[dict[BatchDescriptor, _Entry[R]]] = {}
-        # The forward-context modes this wrapper captures and replays under; the
-        # first is also the context an explicit capture() runs its runnable in.
-        self._capture_mode: Final = capture_mode
+        # The recorder's mode is the forward-context mode this wrapper captures and replays
+        # under, and the context an explicit capture() runs its runnable in; the other mode
+        # is served too.
+        self._recorder: Final = recorder(
+            runnable, capture_mode, CaptureOptions.given(options), type(self).__name__
+        )
         self._other_mode: Final = other_mode
+        self._entries: Final[dict[BatchDescriptor, Entry[R]]] = {}
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         context = FORWARD_CONTEXT_VAR.get()
         if context is None:
-            return self._runnable(*args, **kwargs)
+            return self._recorder.runnable(*args, **kwargs)
         mode = context.runtime_mode
-        if mode is not self._capture_mode and mode is not self._other_mode:
-            return self._runnable(*args, **kwargs)
+        if mode is not self._recorder.mode and mode is not self._other_mode:
+            return self._recorder.runnable(*args, **kwargs)
         descriptor = context.batch_descriptor
         assert descriptor is not None  # set_forward_context requires one for graph modes
         entry = self._entries.get(descriptor)
         if entry is None:
-            return self._capture_and_keep(context, descriptor, args, kwargs)
+            return self._capture_and_keep(descriptor, args, kwargs, context.extra)
         if entry.addresses is not None:
             _check_addresses(descriptor, entry.addresses, args, kwargs)
         entry.replay()
@@ -125,10 +98,9 @@ class _GraphWrapper(Generic[P, R]):
         _check_descriptor(descriptor)
         if descriptor in self._entries:
             raise ValueError(f"descriptor: {descriptor} is already captured; clear() to capture it again")
-        context = ForwardContext(self._capture_mode, descriptor)
-        token = FORWARD_CONTEXT_VAR.set(context)
+        token = FORWARD_CONTEXT_VAR.set(ForwardContext(self._recorder.mode, descriptor))
         try:
-            return self._capture_and_keep(context, descriptor, args, kwargs)
+            return self._capture_and_keep(descriptor, args, kwargs, {})
         finally:
             FORWARD_CONTEXT_VAR.reset(token)
 
@@ -139,14 +111,9 @@ class _GraphWrapper(Generic[P, R]):
         caller's stream and before its next work.
         """
         _check_descriptor(descriptor)
-        require_cuda(type(self).__name__)
-        if self._options.warmup_runs:
-            device = torch.cuda.current_device()
-            stream = capture_stream(device) if self._options.stream is None else self._options.stream
-            with capture_lock(device):
-                self._warm_up(ForwardContext(self._capture_mode, descriptor), stream, (), dict(inputs))
+        self._recorder.warm_up(descriptor, inputs)
 
-    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> _Entry[R]:
+    def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> Entry[R]:
         """Capture ``descriptor``'s graph without running anything on the device (``GraphEngine``).
 
         The runnable is called once with ``inputs`` as keywords under the
@@ -155,13 +122,7 @@ class _GraphWrapper(Generic[P, R]):
         ``CaptureError`` names the descriptor on failure.
         """
         _check_descriptor(descriptor)
-        context = ForwardContext(self._capture_mode, descriptor)
-        token = FORWARD_CONTEXT_VAR.set(context)
-        try:
-            entry, _ = self._capture(context, descriptor, (), dict(inputs), execute=False)
-        finally:
-            FORWARD_CONTEXT_VAR.reset(token)
-        return entry
+        return self._recorder.record(descriptor, inputs)
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
         """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured)."""
@@ -187,11 +148,11 @@ class _GraphWrapper(Generic[P, R]):
 
     def unwrap(self) -> Callable[P, R]:
         """The wrapped runnable."""
-        return self._runnable
+        return self._recorder.runnable
 
     @property
     def options(self) -> CaptureOptions:
-        return self._options
+        return self._recorder.options
 
     @property
     def num_captured(self) -> int:
@@ -206,7 +167,7 @@ class _GraphWrapper(Generic[P, R]):
         # Only reached for names not found on the wrapper: fall through to the runnable.
         if name in _OWN or name.startswith("__"):
             raise AttributeError(name)
-        runnable = self._runnable
+        runnable = self._recorder.runnable
         try:
             return getattr(runnable, name)
         except AttributeError:
@@ -216,101 +177,17 @@ class _GraphWrapper(Generic[P, R]):
 
     def _capture_and_keep(
         self,
-        context: ForwardContext,
         descriptor: BatchDescriptor,
         args: tuple[object, ...],
         kwargs: dict[str, object],
+        extra: Mapping[str, object],
     ) -> R:
         """Warm up, capture and run: keep the entry, return the outputs computed for these arguments."""
-        entry, output = self._capture(context, descriptor, args, kwargs, execute=True)
+        entry, output = self._recorder.capture(descriptor, args, kwargs, execute=True, extra=extra)
         self._entries[descriptor] = entry
         # The strong output goes back to the caller: while it holds it, later
         # captures into the pool cannot reuse its memory (it may feed them).
         return output
-
-    def _capture(
-        self,
-        context: ForwardContext,
-        descriptor: BatchDescriptor,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-        *,
-        execute: bool,
-    ) -> tuple[_Entry[R], R]:
-        """The entry of a new capture and its strong outputs.
-
-        ``execute``: warm up first and run the captured work, so the outputs
-        hold this call's results; else only record (see ``record``).
-        """
-        check_capture_enabled(descriptor)
-        try:
-            require_cuda(type(self).__name__)
-        except RuntimeError as error:
-            raise CaptureError(str(error), descriptor) from None
-        if THREAD.breakable is not None:
-            raise CaptureError(
-                f"{type(self).__name__}: cannot capture inside an active breakable capture", descriptor
-            )
-        options = self._options
-        device = torch.cuda.current_device()
-        pool = shared_pool(device) if options.pool is None else options.pool
-        stream = capture_stream(device) if options.stream is None else options.stream
-        try:
-            with capture_lock(device):  # another thread's capture on this device waits for this one
-                if execute and options.warmup_runs:
-                    self._warm_up(context, stream, args, kwargs)
-                engine, replay, output, ran = self._capture_engine(
-                    descriptor, pool, stream, args, kwargs, execute
-                )
-        except CaptureError:
-            raise
-        except Exception as error:
-            raise CaptureError(
-                f"{type(self).__name__}: capture failed with {type(error).__name__}: {error}", descriptor
-            ) from error
-        except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
-            if sys.version_info >= (3, 11):
-                error.add_note(
-                    f"{type(self).__name__}: interrupted while capturing the graph of {descriptor}"
-                )
-            raise
-        if execute and not ran:
-            # The capture only recorded the work: run it once so that this
-            # call's outputs hold the result for this call's inputs.
-            replay()
-        addresses = _addresses(args, kwargs) if options.check_input_addresses else None
-        kept = weak_ref_tensors(output) if options.weak_ref_output else output
-        return _Entry(engine, replay, kept, addresses), output
-
-    def _warm_up(
-        self,
-        context: ForwardContext,
-        stream: torch.cuda.Stream,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-    ) -> None:
-        """Run the runnable eagerly on the capture stream, as NONE (nested wrappers pass through)."""
-        with (
-            on_side_stream(stream),
-            set_forward_context(CUDAGraphMode.NONE, context.batch_descriptor, **context.extra),
-        ):
-            for _ in range(self._options.warmup_runs):
-                self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
-
-    def _capture_engine(
-        self,
-        descriptor: BatchDescriptor,
-        pool: GraphPool,
-        stream: torch.cuda.Stream,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-        execute: bool,
-    ) -> tuple[object, Callable[[], object], R, bool]:
-        """Capture; returns (owner, replay, output, whether the capture already ran the work).
-
-        ``execute=False``: record only (a breakable capture runs no segment and no eager break).
-        """
-        raise NotImplementedError
 
 
 class CUDAGraphWrapper(_GraphWrapper[P, R]):
@@ -335,44 +212,11 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
     ) -> None:
         if runtime_mode is not CUDAGraphMode.FULL and runtime_mode is not CUDAGraphMode.PIECEWISE:
             raise ValueError(f"runtime_mode: expected FULL or PIECEWISE, got {runtime_mode!r}")
-        super().__init__(runnable, runtime_mode, runtime_mode, options)
+        super().__init__(runnable, MonolithicRecorder, runtime_mode, runtime_mode, options)
 
     @property
     def runtime_mode(self) -> CUDAGraphMode:
-        return self._capture_mode
-
-    def _capture_engine(
-        self,
-        descriptor: BatchDescriptor,
-        pool: GraphPool,
-        stream: torch.cuda.Stream,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-        execute: bool,
-    ) -> tuple[object, Callable[[], object], R, bool]:
-        graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
-        assert graph is not None
-        collect_before_capture(self._options.gc_disable)
-        try:
-            with on_side_stream(stream):
-                begin_segment(graph, pool)
-                try:
-                    output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
-                except BaseException:
-                    abort_segment(graph, pool)
-                    raise
-                captured_work = end_segment(graph, pool, descriptor)
-            if not captured_work:
-                # Replaying nothing would hand back the capture's outputs forever: refuse.
-                raise CaptureError(
-                    "the capture recorded no CUDA work (does the runnable run on the CPU?)", descriptor
-                )
-        except BaseException:
-            # Free the failed graph now, under the capture lock, not whenever the traceback goes:
-            # torch's generator keeps a registry of live graphs that another thread's capture writes.
-            graph = None
-            raise
-        return graph, graph.replay, output, False
+        return self._recorder.mode
 
 
 class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
@@ -387,51 +231,20 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
     __slots__ = ()
 
     def __init__(self, runnable: Callable[P, R], options: CaptureOptions | None = None) -> None:
-        super().__init__(runnable, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, options)
+        super().__init__(runnable, BreakableRecorder, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, options)
 
     def capture_for(self, descriptor: BatchDescriptor) -> BreakableCUDAGraphCapture | None:
         """The segments captured for ``descriptor`` (their counts), or ``None``."""
         entry = self._entries.get(descriptor)
         if entry is None:
             return None
-        assert isinstance(entry.engine, BreakableCUDAGraphCapture)
-        return entry.engine
-
-    def _capture_engine(
-        self,
-        descriptor: BatchDescriptor,
-        pool: GraphPool,
-        stream: torch.cuda.Stream,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-        execute: bool,
-    ) -> tuple[object, Callable[[], object], R, bool]:
-        capture = BreakableCUDAGraphCapture(
-            pool, stream=stream, gc_disable=self._options.gc_disable, descriptor=descriptor, execute=execute
-        )
-        with capture:
-            output = self._runnable(*args, **kwargs)  # type: ignore[arg-type]  # args come from the caller's P
-        if capture.num_graphs == 0 and capture.num_eager_breaks == 0:
-            raise CaptureError(
-                "the capture recorded no CUDA work and no eager break (does the runnable run on the CPU?)",
-                descriptor,
-            )
-        return capture, capture.replay, output, execute  # executed: segments ran as they were captured
+        assert isinstance(entry.owner, BreakableCUDAGraphCapture)
+        return entry.owner
 
 
 def _check_descriptor(descriptor: object) -> None:
     if descriptor.__class__ is not BatchDescriptor:
         raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
-
-
-def _addresses(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:
-    """``(argument path, data pointer)`` of every tensor argument, in call order."""
-    found: list[tuple[str, int]] = []
-    for name, value in [*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()]:
-        for j, leaf in enumerate(pytree.tree_leaves(value)):
-            if isinstance(leaf, torch.Tensor):
-                found.append((name if leaf is value else f"{name}[leaf {j}]", leaf.data_ptr()))
-    return tuple(found)
 
 
 def _check_addresses(
@@ -441,7 +254,7 @@ def _check_addresses(
     kwargs: dict[str, object],
 ) -> None:
     """Raise ``ValueError`` naming the first tensor argument that moved since capture."""
-    got = _addresses(args, kwargs)
+    got = addresses_of(args, kwargs)
     if got == expected:
         return
     # The lengths may differ: that case is reported after the loop.

@@ -18,9 +18,10 @@ from ._dispatcher import Dispatch as Dispatch
 from ._dispatcher import Route as Route
 from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._protocols import GraphDispatcher as GraphDispatcher
-from ._ranks import RankRequest as RankRequest
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
+from ._request import RankRequest as RankRequest
+from ._request import StepRequest as StepRequest
 from ._sizes import MAX_CAPTURE_SIZE as MAX_CAPTURE_SIZE
 from ._sizes import CaptureSizes as CaptureSizes
 from ._support import AttentionSupport as AttentionSupport
@@ -49,6 +50,7 @@ __all__ = [
     "ModeResolution",
     "RankRequest",
     "Route",
+    "StepRequest",
     "agree_across_ranks",
     "check_bool",
     "check_int",

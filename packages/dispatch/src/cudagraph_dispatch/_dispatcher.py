@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from bisect import bisect_left
-from typing import Final, NamedTuple, TypedDict
+from typing import Final, NamedTuple
 
-from ._checks import check_bool, check_int
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._reasons import EagerReason
+from ._request import GRAPH_MODES, StepRequest
 from ._support import AttentionSupport, ModeResolution, resolve_mode
 
 _LOG: Final = logging.getLogger("cudagraph_dispatch")
@@ -29,10 +29,9 @@ _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _FULL: Final = CUDAGraphMode.FULL
 _NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
-_GRAPH_MODES: Final = frozenset({_PIECEWISE, _FULL})
 #: Every value ``invalid_modes`` may take; each gets its tables up front, so a
 #: first step with cascade attention (FULL invalid) does not build anything.
-_INVALID_MODE_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), _GRAPH_MODES)
+_INVALID_MODE_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), GRAPH_MODES)
 
 
 class Dispatch(NamedTuple):
@@ -204,7 +203,6 @@ class CUDAGraphDispatcher:
     def route(
         self,
         num_tokens: int,
-        *,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
         invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
@@ -213,7 +211,8 @@ class CUDAGraphDispatcher:
 
         Returns the ``Dispatch`` of a graph (or the ``NONE`` decision of an
         empty batch), else the ``EagerReason`` stored beside the decisions:
-        nothing is built per call. The same checks as ``dispatch``.
+        nothing is built per call. The same checks as ``dispatch``; the
+        arguments may also be passed by position (a step path saves the keywords).
         """
         # Runs every step: one test accepts the usual arguments (plain ints,
         # a real bool, one of the four frozensets); anything else goes the
@@ -228,7 +227,13 @@ class CUDAGraphDispatcher:
             or num_active_loras < 0
             or (flag is not True and flag is not False)
         ):
-            return self.route(**_checked_request(num_tokens, flag, num_active_loras, invalid_modes))
+            request = StepRequest(num_tokens, flag, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
+            return self.route(
+                request.num_tokens,
+                uniform_decode=request.uniform_decode,
+                num_active_loras=request.num_active_loras,
+                invalid_modes=request.invalid_modes,
+            )
         lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
         return tables[lora_case][uniform_decode][
             self._dense_slots[num_tokens]
@@ -245,16 +250,19 @@ class CUDAGraphDispatcher:
         invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
     ) -> str:
         """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
-        request = _checked_request(num_tokens, uniform_decode, num_active_loras, invalid_modes)
-        decision, why = self._decide(**request)
-        skipped = request["invalid_modes"]
+        request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)
+        decision, why = self._decide(
+            request.num_tokens, request.uniform_decode, request.num_active_loras, request.invalid_modes
+        )
+        skipped = request.invalid_modes
         return why.format(
-            **request,
+            num_tokens=request.num_tokens,
+            num_active_loras=request.num_active_loras,
             decision=decision,
             largest_size=self._config.capture_sizes.max,
             largest_lora_count=self._lora_cases[-1],
             config_mode=self._config.mode.name,
-            batch_kind="uniform decode" if request["uniform_decode"] else "mixed",
+            batch_kind="uniform decode" if request.uniform_decode else "mixed",
             skipped=f" with invalid_modes {sorted(m.name for m in skipped)}" if skipped else "",
         )
 
@@ -344,29 +352,6 @@ class CUDAGraphDispatcher:
             uniform = [decide(count, True, lora_count, invalid_modes)[0] for count in counts[:decode_slots]]
             tables.append((mixed, (*uniform, *mixed[decode_slots:])))
         return tuple(tables)
-
-
-class _Request(TypedDict):
-    """A batch's ``dispatch`` arguments, checked, as plain values."""
-
-    num_tokens: int
-    uniform_decode: bool
-    num_active_loras: int
-    invalid_modes: frozenset[CUDAGraphMode]
-
-
-def _checked_request(
-    num_tokens: object, uniform_decode: object, num_active_loras: object, invalid_modes: object
-) -> _Request:
-    """The arguments of ``dispatch`` as plain values, or a ``ValueError`` naming a bad one."""
-    if not isinstance(invalid_modes, frozenset) or not invalid_modes <= _GRAPH_MODES:
-        raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
-    return _Request(
-        num_tokens=int(check_int("num_tokens", num_tokens, minimum=0)),
-        uniform_decode=check_bool("uniform_decode", uniform_decode),
-        num_active_loras=int(check_int("num_active_loras", num_active_loras, minimum=0)),
-        invalid_modes=frozenset(invalid_modes),
-    )
 
 
 def _why_no_keys(config: DispatchConfig) -> str:

@@ -8,28 +8,13 @@ a pure function of every rank's request: each rank gathers the requests
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
-from ._checks import check_bool, check_int
 from ._descriptor import BatchDescriptor
 from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
 from ._protocols import GraphDispatcher
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankRequest:
-    """One rank's batch for this step."""
-
-    num_tokens: int
-    uniform_decode: bool = False
-    num_active_loras: int = 0
-
-    def __post_init__(self) -> None:
-        check_int("num_tokens", self.num_tokens, minimum=0)
-        check_bool("uniform_decode", self.uniform_decode)
-        check_int("num_active_loras", self.num_active_loras, minimum=0)
+from ._request import RankRequest
 
 
 def agree_across_ranks(
@@ -43,7 +28,8 @@ def agree_across_ranks(
     Ranks with 0 tokens follow the others (all at 0: NONE). If any rank with
     tokens would run eagerly, all run eagerly, unpadded (the descriptor then
     carries the largest count). Otherwise all pad to the dispatch of the
-    largest request, uniform only if every rank with tokens is uniform.
+    largest request, uniform only if every rank with tokens is uniform. A
+    mode in ``invalid_modes`` or in any rank's request is off on every rank.
     """
     if not callable(getattr(dispatcher, "dispatch", None)):
         raise ValueError(
@@ -57,6 +43,11 @@ def agree_across_ranks(
     for rank, request in enumerate(given):
         if not isinstance(request, RankRequest):
             raise ValueError(f"requests[{rank}]: expected a RankRequest, got {request!r}")
+    given_modes: object = invalid_modes
+    if not isinstance(given_modes, frozenset):
+        raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {given_modes!r}")
+    for request in requests:
+        invalid_modes = invalid_modes | request.invalid_modes
     active = [r for r in requests if r.num_tokens > 0]
     if not active:
         return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(0))

@@ -58,18 +58,14 @@ def check_arguments(
     given_ranks: object = ranks
     if given_ranks is not None and not isinstance(given_ranks, RankAgreement):
         raise ValueError(f"ranks: expected a RankAgreement or None, got {ranks!r:.80}")
-    given_attention: object = attention
-    if given_attention is not None and not isinstance(given_attention, AttentionSupport):
-        raise ValueError(f"attention: expected an AttentionSupport or None, got {attention!r:.80}")
     check_bool("strict_attention", strict_attention)
     support = attention if attention is not None else declared_support(model)
-    # Validates config, and resolves its mode against the attention (ModeNotSupportedError if strict).
+    # Checks config and attention, and resolves the mode against the attention (ModeNotSupportedError
+    # if strict).
     dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=strict_attention)
     checked = check_inputs_spec(inputs)
     check_bool("strict", strict)
-    given_options: object = options
-    if given_options is not None and not isinstance(given_options, CaptureOptions):
-        raise ValueError(f"options: expected CaptureOptions or None, got {options!r}")
+    checked_options = CaptureOptions.given(options)
     rows = check_output_rows(output_rows)
     if uses_reqs(rows) and not any(spec.rows == "reqs" for spec in checked.values()):
         raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
@@ -81,9 +77,7 @@ def check_arguments(
     )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
-    return Arguments(
-        dispatcher, checked, options if options is not None else CaptureOptions(), rows, resolved, no_graphs
-    )
+    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs)
 
 
 def declared_support(model: object) -> AttentionSupport | None:

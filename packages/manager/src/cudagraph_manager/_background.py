@@ -46,7 +46,6 @@ import collections
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -55,9 +54,8 @@ import torch
 from cudagraph_capture import capture_lock, capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor, ModeResolution
 
-from ._compiled import compiles_since, dynamo_compiles
-from ._memory import free_bytes, reserved_bytes
 from ._report import CapturedGraph, CaptureReport
+from ._totals import CaptureTotals
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -87,7 +85,7 @@ class BackgroundCapture:
         "_gc_disable",
         "_lock",
         "_misses",
-        "_not_captured",
+        "_no_graphs",
         "_pending",
         "_records",
         "_report",
@@ -97,7 +95,7 @@ class BackgroundCapture:
         "_total",
         "_warm_keys",
         "_warm_one",
-        "_warmed",
+        "_warm_ups_queued",
     )
 
     def __init__(
@@ -108,11 +106,11 @@ class BackgroundCapture:
         capture_one: Callable[[BatchDescriptor], CapturedGraph],
         device: torch.device,
         gc_disable: bool,
-        not_captured: str | None = None,
+        no_graphs: str | None = None,
         resolution: ModeResolution | None = None,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
-        self._not_captured: Final = not_captured  # why nothing can be captured, for the report
+        self._no_graphs: Final = no_graphs  # why nothing can be captured, for the report
         self._resolution: Final = resolution  # the mode the graphs follow, for the report
         self._warm_keys: Final = tuple(warm_keys)
         self._warm_one: Final = warm_one
@@ -122,7 +120,7 @@ class BackgroundCapture:
         self._total: Final = len(pending)
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
         self._done: Final = threading.Event()
-        self._warmed: Final = threading.Event()  # the warm-ups are queued (not necessarily run)
+        self._warm_ups_queued: Final = threading.Event()  # on the device, not necessarily run
         self._stop: Final = threading.Event()  # stop(): record no further key
         self._misses: Final[collections.deque[BatchDescriptor]] = collections.deque(maxlen=MISSES_KEPT)
         self._records: list[CapturedGraph] = []
@@ -187,7 +185,7 @@ class BackgroundCapture:
         on the device for them. Never waits for the device itself.
         """
         if not self._pending:
-            self._finish(0.0, 0, None)
+            self._finish(CaptureTotals(self._device, self._resolution))
             return
         cuda = self._device.type == "cuda"
         serving = torch.cuda.current_stream(self._device) if cuda else None
@@ -196,17 +194,17 @@ class BackgroundCapture:
         own = capture_stream(self._device) if cuda else None
         if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
             raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
-        warmed = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
+        warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
         thread = threading.Thread(
             target=self._run,
-            args=(serving, own, warmed),
+            args=(serving, own, warm_ups_done),
             name="cudagraph-background-capture",
             daemon=True,
         )
         thread.start()
-        self._warmed.wait()
-        if serving is not None and warmed is not None:
-            serving.wait_event(warmed)  # the next step runs after the warm-ups, on the device
+        self._warm_ups_queued.wait()
+        if serving is not None and warm_ups_done is not None:
+            serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device
 
     # -- the capture thread --
 
@@ -214,18 +212,16 @@ class BackgroundCapture:
         self,
         serving: torch.cuda.Stream | None,
         own: torch.cuda.Stream | None,
-        warmed: torch.cuda.Event | None,
+        warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         """The thread's body: warm up, then record every pending key. Never raises."""
-        start = time.perf_counter()
-        compiled_before = dynamo_compiles()
+        totals = CaptureTotals(self._device, self._resolution)
         cuda = serving is not None and own is not None
-        reserved_before, free_before = reserved_bytes(self._device), free_bytes(self._device)
         on_device = torch.cuda.device(self._device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
             with on_device, on_stream, torch.no_grad():
-                self._warm_up(serving, own, warmed)
+                self._warm_up(serving, own, warm_ups_done)
                 while self._pending and not self._stop.is_set():
                     key = self._next_key()
                     with self._turn(), collector_paused(self._gc_disable):  # one key at a time
@@ -236,16 +232,14 @@ class BackgroundCapture:
             _logger.exception("background capture stopped")
             self._gave_up(error)
         finally:
-            self._warmed.set()  # never leave start() waiting
-            reserved = reserved_bytes(self._device) - reserved_before
-            lost = free_before - free_bytes(self._device)
-            self._finish(time.perf_counter() - start, reserved, compiles_since(compiled_before), lost)
+            self._warm_ups_queued.set()  # never leave start() waiting
+            self._finish(totals)
 
     def _warm_up(
         self,
         serving: torch.cuda.Stream | None,
         own: torch.cuda.Stream | None,
-        warmed: torch.cuda.Event | None,
+        warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         try:
             with self._turn():
@@ -258,9 +252,9 @@ class BackgroundCapture:
             with self._lock:
                 self._errors.append(error)
         finally:
-            if own is not None and warmed is not None:
-                warmed.record(own)
-            self._warmed.set()
+            if own is not None and warm_ups_done is not None:
+                warm_ups_done.record(own)
+            self._warm_ups_queued.set()
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""
@@ -298,14 +292,10 @@ class BackgroundCapture:
             self._errors.append(error)
             self._finished += 1
 
-    def _finish(
-        self, seconds: float, reserved_bytes: int, compiles: int | None, device_bytes: int = 0
-    ) -> None:
+    def _finish(self, totals: CaptureTotals) -> None:
         with self._lock:
-            why = self._not_captured
+            why = self._no_graphs
             if why is None and self._pending:
                 why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
-            self._report = CaptureReport(
-                tuple(self._records), seconds, reserved_bytes, why, compiles, device_bytes, self._resolution
-            )
+            self._report = totals.report(self._records, why)
         self._done.set()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
@@ -169,22 +169,18 @@ class StaticBuffers:
                 rows = b.check(x)
             if x.requires_grad:  # type: ignore[union-attr]  # checked above: a tensor
                 requires_grad = True
+            # The two kinds of rows stay inline (this is the per-step path): only
+            # the error of a mismatch, never built otherwise, is shared.
             if b.rows == "tokens":
                 if not tokens_from:
                     num_tokens, tokens_from = rows, b.name
                 elif rows != num_tokens:
-                    raise ValueError(
-                        f"run: input {b.name!r}: {rows} rows, but input {tokens_from!r} has {num_tokens}; "
-                        "all 'tokens' inputs have num_tokens rows"
-                    )
+                    raise _row_count_error(b.name, rows, "tokens", tokens_from, num_tokens)
             elif b.rows == "reqs":
                 if not reqs_from:
                     num_reqs, reqs_from = rows, b.name
                 elif rows != num_reqs:
-                    raise ValueError(
-                        f"run: input {b.name!r}: {rows} rows, but input {reqs_from!r} has {num_reqs}; "
-                        "all 'reqs' inputs have num_reqs rows"
-                    )
+                    raise _row_count_error(b.name, rows, "reqs", reqs_from, num_reqs)
         if reqs_from and (
             num_reqs > self.max_num_seqs
             or num_reqs > num_tokens
@@ -258,6 +254,20 @@ class StaticBuffers:
         parts = [f"missing input(s) {missing}"] if missing else []
         parts += [f"unknown input(s) {unknown}"] if unknown else []
         return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
+
+
+def _row_count_error(
+    name: str, rows: int, kind: Literal["tokens", "reqs"], first: str, first_rows: int
+) -> ValueError:
+    """The error of input ``name`` whose ``rows`` differ from those of ``first``, the first input of ``kind``.
+
+    One message for both kinds of rows ("tokens", "reqs"); returned, not
+    raised, so that ``StaticBuffers.check`` raises it from its own frame.
+    """
+    return ValueError(
+        f"run: input {name!r}: {rows} rows, but input {first!r} has {first_rows}; "
+        f"all {kind!r} inputs have num_{kind} rows"
+    )
 
 
 def _check_sizes(

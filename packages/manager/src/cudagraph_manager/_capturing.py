@@ -13,34 +13,36 @@ outputs must be cuttable), then stored on the key: the key is captured.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Final, Generic
 
 import torch
 
 from cudagraph_capture import (
-    CaptureDisabledError,
     CaptureOptions,
     GraphEngine,
-    capture_enabled,
+    GraphPool,
+    capture_disabled_reason,
     capture_lock,
+    check_capture_enabled,
     collector_paused,
     release_graph_memory,
 )
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ModeResolution
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
-from ._compiled import compiles_since, dynamo_compiles
-from ._estimate import ProbeEngines, estimate_memory, nothing_to_estimate
-from ._memory import free_bytes, reserved_bytes
+from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell
+from ._parts import ManagerParts
 from ._planned import PlannedKey
 from ._progress import progress as progress_bar
-from ._protocols import OutputT
+from ._protocols import GraphEngineFactory, OutputT
 from ._report import CapturedGraph, CaptureReport, MemoryEstimate
+from ._totals import CaptureTotals
 from .ranks import RankAgreement
 
 
@@ -51,33 +53,39 @@ class Capturer(Generic[OutputT]):
         "_buffers",
         "_device",
         "_engines",
-        "_keys",
+        "_factory",
         "_layout",
+        "_model",
+        "_no_graphs",
         "_options",
-        "_probe_engines",
         "_resolution",
         "_warmed",
+        "keys",
     )
 
     def __init__(
-        self,
-        keys: Mapping[BatchDescriptor, PlannedKey[OutputT]],
-        engines: Mapping[CUDAGraphMode, GraphEngine[OutputT]],
-        probe_engines: ProbeEngines[OutputT],
-        buffers: StaticBuffers,
-        layout: LayoutCell,
-        device: torch.device,
-        options: CaptureOptions,
-        resolution: ModeResolution | None = None,
+        self, parts: ManagerParts[OutputT], factory: GraphEngineFactory, options: CaptureOptions
     ) -> None:
-        self._keys: Final = keys
-        self._resolution: Final = resolution  # for the reports
-        self._engines: Final = engines
-        self._probe_engines: Final = probe_engines  # the estimate's: engines into a pool of its own
-        self._buffers: Final = buffers
-        self._layout: Final = layout
-        self._device: Final = device
+        self._model: Final = parts.model
+        self._factory: Final = factory
+        self._no_graphs: Final = parts.no_graphs  # why this manager captures nothing, or None
+        self._resolution: Final = parts.dispatcher.resolution  # for the reports
+        self._buffers: Final = parts.buffers
+        self._layout: Final = parts.layout
+        self._device: Final = parts.device
         self._options: Final = options
+        max_num_seqs = parts.dispatcher.config.max_num_seqs
+        #: Every key of the plan, in capture order; its entry says whether it is captured.
+        self.keys: Final = {
+            key: PlannedKey[OutputT](mode, key, parts.buffers, max_num_seqs)
+            for mode, keys in parts.dispatcher.capture_plan()
+            for key in keys
+        }
+        # One engine per mode of the plan (none where nothing can be captured).
+        modes = dict.fromkeys(key.mode for key in self.keys.values()) if parts.no_graphs is None else {}
+        self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
+            mode: factory(parts.model, mode, options) for mode in modes
+        }
         #: Keys warmed up once: lazy initialization, compiles and autotuning are done for them.
         self._warmed: Final[set[BatchDescriptor]] = set()
 
@@ -85,13 +93,13 @@ class Capturer(Generic[OutputT]):
         self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
         """Capture ``pending`` in order on this thread (each key kept by every rank, or by none)."""
+        if self._no_graphs is not None:
+            return CaptureReport((), 0.0, 0, self._no_graphs, resolution=self._resolution)
         device = self._device
-        compiled_before = dynamo_compiles()
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
-            reserved_before, free_before = reserved_bytes(device), free_bytes(device)
-            start = time.perf_counter()
+            totals = CaptureTotals(device, self._resolution)
             for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 attempt = functools.partial(self._capture, key.descriptor, warm=True)
                 if ranks is None:
@@ -104,25 +112,9 @@ class Capturer(Generic[OutputT]):
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
                 torch.cuda.current_stream(device).synchronize()
-            seconds = time.perf_counter() - start
-            reserved = reserved_bytes(device) - reserved_before
-            lost = free_before - free_bytes(device)
-        return CaptureReport(
-            tuple(records),
-            seconds,
-            reserved,
-            compiles=compiles_since(compiled_before),
-            device_bytes=lost,
-            resolution=self._resolution,
-        )
+            return totals.report(records)
 
-    def nothing(self, not_captured: str) -> CaptureReport:
-        """The report of a capture that cannot capture anything, and why."""
-        return CaptureReport((), 0.0, 0, not_captured, resolution=self._resolution)
-
-    def background(
-        self, pending: Sequence[PlannedKey[OutputT]], not_captured: str | None
-    ) -> BackgroundCapture:
+    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
 
         The thread warms up the largest and the smallest pending key of each
@@ -131,7 +123,6 @@ class Capturer(Generic[OutputT]):
         allocator blocks stay). The smallest always: it creates the new
         thread's cuBLAS handles, which a recording cannot (tried: a wake
         without it fails with ``CUBLAS_STATUS_NOT_INITIALIZED``).
-        ``not_captured``: why this manager captures nothing (its report says so), or ``None``.
         """
         warm: dict[BatchDescriptor, None] = {}
         for mode in dict.fromkeys(key.mode for key in pending):
@@ -145,7 +136,7 @@ class Capturer(Generic[OutputT]):
             functools.partial(self._capture, warm=False),
             self._device,
             self._options.gc_disable,
-            not_captured,
+            self._no_graphs,
             self._resolution,
         )
         session.start()
@@ -153,22 +144,27 @@ class Capturer(Generic[OutputT]):
 
     def pending(self) -> list[PlannedKey[OutputT]]:
         """The keys not captured yet, in capture order."""
-        return [key for key in self._keys.values() if key.entry is None]
+        return [key for key in self.keys.values() if key.entry is None]
 
-    def estimate(self, not_captured: str | None) -> MemoryEstimate:
+    def estimate(self) -> MemoryEstimate:
         """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
         pending = self.pending()
-        if not_captured is not None or not pending or self._device.type != "cuda":
+        if self._no_graphs is not None or not pending or self._device.type != "cuda":
             return nothing_to_estimate(
-                not_captured or ("every key is captured" if not pending else f"the device is {self._device}")
+                self._no_graphs
+                or ("every key is captured" if not pending else f"the device is {self._device}")
             )
         return estimate_memory(
-            pending, self._probe_engines, self._buffers, self._device, self._options.gc_disable
+            pending, self._probe_engine, self._buffers, self._device, self._options.gc_disable
         )
+
+    def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
+        """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
+        return self._factory(self._model, mode, dataclasses.replace(self._options, pool=pool))
 
     def drop_all(self) -> None:
         """Free every graph (the pool stays, for the graphs captured next)."""
-        for key in self._keys.values():
+        for key in self.keys.values():
             self.drop(key)
 
     def release_memory(self) -> None:
@@ -187,12 +183,12 @@ class Capturer(Generic[OutputT]):
             key.entry = key.last_cut = None
 
     def _warm_up(self, descriptor: BatchDescriptor) -> None:
-        key = self._keys[descriptor]
+        key = self.keys[descriptor]
         key.warm_up(self._engines[key.mode], self._buffers)
         self._warmed.add(descriptor)
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
-        key = self._keys[descriptor]
+        key = self.keys[descriptor]
         record = capture_key(
             key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm
         )
@@ -216,14 +212,12 @@ def capture_key(
     cannot be cut, leaves the key uncaptured.
     """
     start = time.perf_counter()
-    if not capture_enabled():  # before the warm-up: a disabled capture runs nothing
-        raise CaptureDisabledError("capture is disabled (set_capture_enabled(False))", key.descriptor)
+    check_capture_enabled(key.descriptor)  # before the warm-up: a disabled capture runs nothing
     if warm:
         key.warm_up(engine, buffers)
     entry, captured = key.record(engine, device, start)
     layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
-    key.last_cut = None
-    key.entry = entry  # last: the serving thread replays the key from its next step
+    key.keep(entry)  # last: the serving thread replays the key from its next step
     return captured
 
 
@@ -232,7 +226,5 @@ def agree_plan(
 ) -> None:
     """With ``ranks``: every rank captures (or probes) the same keys, or all raise before any."""
     if ranks is not None:
-        unable = no_graphs or (
-            None if capture_enabled() else "capture is disabled (set_capture_enabled(False))"
-        )
-        ranks.agree_plan([(key.mode, key.descriptor) for key in pending], can_capture=unable)
+        why = no_graphs or capture_disabled_reason()
+        ranks.agree_plan([(key.mode, key.descriptor) for key in pending], no_graphs=why)

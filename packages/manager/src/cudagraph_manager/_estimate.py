@@ -18,12 +18,11 @@ from typing import Final, TypeVar
 import torch
 
 from cudagraph_capture import (
-    CaptureDisabledError,
     GraphEngine,
     GraphEntry,
     GraphPool,
-    capture_enabled,
     capture_lock,
+    check_capture_enabled,
     collector_paused,
     drop_cublas_workspaces,
 )
@@ -91,7 +90,7 @@ def extrapolate(measured: Sequence[tuple[int, int]], num_keys: int) -> tuple[int
     tail = measured[2:]  # not empty where a key is unprobed: probe_keys takes at least 2 then
     if tail and unprobed > 0:
         pool += unprobed * max(0, min(p for p, _ in tail))
-        driver += unprobed * (sum(d for _, d in measured) // len(measured))
+        driver += unprobed * (driver // len(measured))  # driver: the probes' sum, so far
     return pool, driver
 
 
@@ -104,8 +103,7 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream."""
     start = time.perf_counter()
-    if not capture_enabled():
-        raise CaptureDisabledError("capture is disabled (set_capture_enabled(False))", None)
+    check_capture_enabled(None)
     by_mode: dict[CUDAGraphMode, list[PlannedKey[OutputT]]] = {}
     for key in pending:
         by_mode.setdefault(key.mode, []).append(key)
@@ -204,4 +202,4 @@ def _empty_cache(device: torch.device, stream: torch.cuda.Stream) -> None:
 
 def nothing_to_estimate(why: str) -> MemoryEstimate:
     """The estimate of a manager that captures nothing: 0, and why."""
-    return MemoryEstimate(0, 0, 0, 0, 0, (), 0.0, not_estimated=why)
+    return MemoryEstimate(0, 0, 0, 0, 0, (), 0.0, no_graphs=why)

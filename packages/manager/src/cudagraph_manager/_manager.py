@@ -14,8 +14,6 @@ reason (``_eager``). Captures are in ``_capturing``, the background capture in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -25,8 +23,6 @@ import torch
 
 from cudagraph_capture import (
     CaptureOptions,
-    GraphEngine,
-    GraphPool,
     OutputGuard,
 )
 from cudagraph_dispatch import (
@@ -36,18 +32,20 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     Dispatch,
     DispatchConfig,
-    RankRequest,
+    EagerReason,
     Route,
+    StepRequest,
     check_bool,
 )
 
-from ._arguments import check_arguments
+from ._arguments import Arguments, check_arguments
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._capturing import Capturer, agree_plan
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
 from ._outputs import LayoutCell, OutputRows
+from ._parts import ManagerParts
 from ._planned import PlannedKey, replays_by_size
 from ._protocols import GraphEngineFactory, OutputT
 from ._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
@@ -110,50 +108,22 @@ class CUDAGraphManager(Generic[OutputT]):
             attention=attention,
             strict_attention=strict_attention,
         )
-        self._dispatcher: Final = checked.dispatcher
-        self._options: Final = checked.options
-        self._device: Final = checked.device
+        parts = _parts(model, checked, config, strict, ranks)
+        self._dispatcher: Final = parts.dispatcher
+        self._device: Final = parts.device
         #: Why this manager captures nothing (``None``: it captures).
-        self._no_graphs: Final = checked.no_graphs
+        self._no_graphs: Final = parts.no_graphs
+        self._buffers: Final = parts.buffers
+        self._layout: Final = parts.layout  # from the first outputs seen
+        self._counts: Final = parts.counts
         self._guard: Final = _output_guard() if check_overwritten_outputs else None
         self._ranks: Final = ranks
-        self._buffers: Final = StaticBuffers(
-            checked.inputs,
-            max_tokens=config.capture_sizes.max,
-            max_num_seqs=config.max_num_seqs,
-            query_len=config.uniform_decode_query_len,
-            device=self._device,
-        )
-        plan = self._dispatcher.capture_plan()
+        self._eager: Final = EagerSteps(parts)
         factory = default_engine_factory if engine_factory is None else engine_factory
-        self._model: Final = model
-        self._factory: Final = factory
-        self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = (
-            {}
-            if self._no_graphs is not None
-            else {mode: factory(model, mode, self._options) for mode, _ in plan}
-        )
+        self._capturer: Final = Capturer(parts, factory, checked.options)
         #: Every key of the plan, in capture order; its entry says whether it is captured.
-        self._keys: Final = {
-            key: PlannedKey[OutputT](mode, key, self._buffers, config.max_num_seqs)
-            for mode, keys in plan
-            for key in keys
-        }
-        self._layout: Final = LayoutCell(checked.rows)  # from the first outputs seen
-        self._counts: Final = StepCounts()
-        self._eager: Final = EagerSteps(
-            model, self._buffers, self._layout, self._counts, strict, self._dispatcher, self._no_graphs, ranks
-        )
-        self._capturer: Final = Capturer(
-            self._keys,
-            self._engines,
-            functools.partial(_probe_engine, factory, model, self._options),
-            self._buffers,
-            self._layout,
-            self._device,
-            self._options,
-            self._dispatcher.resolution,
-        )
+        self._keys: Final = self._capturer.keys
+        self._released = False  # release() freed the graphs, and no capture started since
         self._step_lock: Final = threading.Lock()
         self._session: BackgroundCapture | None = None  # the last background capture
         #: The addresses of the model's parameters and buffers that its graphs read.
@@ -174,6 +144,11 @@ class CUDAGraphManager(Generic[OutputT]):
     def static_buffers(self) -> Mapping[str, torch.Tensor]:
         """The static input buffers by name (read-only mapping; the tensors are the live buffers)."""
         return MappingProxyType({b.name: b.tensor for b in self._buffers.buffers})
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call of this manager holds its static buffers now (a ``run`` would raise)."""
+        return self._step_lock.locked()
 
     @property
     def num_captured(self) -> int:
@@ -212,7 +187,7 @@ class CUDAGraphManager(Generic[OutputT]):
                 session.wait()
             self._capturer.drop_all()
             self._weights.forget()
-            self._eager.released = True
+            self._released = True
             if self._guard is not None:
                 self._guard.retire_all()
             self._capturer.release_memory()  # last: the manager is released even if this raises
@@ -244,8 +219,6 @@ class CUDAGraphManager(Generic[OutputT]):
             pending = self._capturer.pending()
             self._before_capture(len(pending))
             agree_plan(self._ranks, pending, self._no_graphs)
-            if self._no_graphs is not None:
-                return self._capturer.nothing(self._no_graphs)
             return self._capturer.foreground(pending, self._ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
@@ -260,7 +233,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         with self._exclusive("estimate_memory"):
             agree_plan(self._ranks, self._capturer.pending(), self._no_graphs)
-            return self._capturer.estimate(self._no_graphs)
+            return self._capturer.estimate()
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving.
@@ -280,14 +253,14 @@ class CUDAGraphManager(Generic[OutputT]):
                 )
             pending = [] if self._no_graphs is not None else self._capturer.pending()
             self._before_capture(len(pending))
-            session = self._session = self._capturer.background(pending, self._no_graphs)
+            session = self._session = self._capturer.background(pending)
         return session
 
     def _before_capture(self, num_pending: int) -> None:
         """New graphs read the weights as they are now; the graphs kept must still read theirs."""
         if self._no_graphs is None:  # else no graph will read them: nothing to watch
             self._weights.take() if num_pending == len(self._keys) else self._weights.check()
-        self._eager.released = False
+        self._released = False
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
@@ -343,70 +316,110 @@ class CUDAGraphManager(Generic[OutputT]):
         num_active_loras: int,
         invalid_modes: frozenset[CUDAGraphMode],
     ) -> OutputT:
-        """The step: check -> route -> copy in -> replay -> cut; or a step without a graph."""
+        """The step: check -> route -> copy in -> replay -> count and cut; or ``_without_graph``."""
         if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(
-                "CUDAGraphManager.run: another thread is inside run(), capture(), clear(), start_capture(), "
-                "release() or estimate_memory() of this manager; its static buffers serve one step at a time "
-                "(serialize the calls, or use a manager per thread)"
-            )
+            raise RuntimeError(_BUSY)
         try:
             num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
-            ranks, pads_along = self._ranks, False
-            route: Route
-            if ranks is not None:  # one exchange: every rank takes the same route
-                request = RankRequest(num_tokens, uniform_decode, num_active_loras)
-                can_replay = all(key.entry is not None for key in self._keys.values())
-                route, pads_along = ranks.route_step(
-                    self._dispatcher, request, invalid_modes=invalid_modes, can_replay=can_replay
-                )
+            request = (num_tokens, uniform_decode, num_active_loras, invalid_modes)
+            if self._ranks is not None:  # one exchange: every rank takes the same route
+                route, pads_along = self._agreed_route(StepRequest(*request))
             elif num_tokens == 0:
                 return self._eager.idle(inputs)
             else:
-                route = self._dispatcher.route(
-                    num_tokens,
-                    uniform_decode=uniform_decode,
-                    num_active_loras=num_active_loras,
-                    invalid_modes=invalid_modes,
-                )
+                route, pads_along = self._dispatcher.route(*request), False
             key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None  # the one look-up
-            entry = key.entry if key is not None else None
-            if key is not None and entry is not None:
-                if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
-                    self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
-                self._buffers.copy_in(
-                    inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad
-                )
-                if self._guard is not None:
-                    self._guard.retire(key.descriptor)
-                if key.context is None:
-                    entry.replay()
-                else:
-                    token = FORWARD_CONTEXT_VAR.set(key.context)
-                    try:
-                        entry.replay()
-                    finally:
-                        FORWARD_CONTEXT_VAR.reset(token)
-                key.replays += 1
-                counts = self._counts
-                counts.padded_tokens += key.num_tokens - num_tokens
-                if pads_along:
-                    counts.dummy_steps += 1
-                layout = self._layout.layout
-                assert layout is not None  # set by the capture of every captured key
-                out = key.cut(entry, layout, num_tokens, num_reqs)
-                return out if self._guard is None else cast(OutputT, self._guard.hand_out(out))
-            if num_tokens == 0:  # an idle rank
-                if not pads_along:
-                    return self._eager.idle(inputs)
-                assert ranks is not None
-                return self._eager.pad_along(
-                    f"the other ranks of the {ranks.world_size} run this step eagerly"
-                )
-            request_args = (num_tokens, uniform_decode, num_active_loras, invalid_modes)
-            return self._eager.run(inputs, num_reqs, route, key, request_args, self._session)
+            entry = None if key is None else key.entry
+            if key is None or entry is None:
+                return self._without_graph(inputs, StepRequest(*request), num_reqs, route, key, pads_along)
+            if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
+                self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
+            self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad)
+            # A PIECEWISE replay runs its eager breaks, which may read the forward context.
+            token = None if key.context is None else FORWARD_CONTEXT_VAR.set(key.context)
+            try:
+                entry.replay()
+            finally:
+                if token is not None:
+                    FORWARD_CONTEXT_VAR.reset(token)
+            key.replays += 1
+            self._counts.padded_tokens += key.num_tokens - num_tokens
+            self._counts.dummy_steps += pads_along
+            out = key.cut(entry, self._layout.layout, num_tokens, num_reqs)
+            return out if self._guard is None else cast(OutputT, self._guard.replayed(key.descriptor, out))
         finally:
             self._step_lock.release()
+
+    def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
+        """The route every rank takes (one exchange), and whether this rank pads along (``route_step``)."""
+        assert self._ranks is not None
+        can_replay = all(key.entry is not None for key in self._keys.values())
+        return self._ranks.route_step(self._dispatcher, request, can_replay=can_replay)
+
+    def _without_graph(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        request: StepRequest,
+        num_reqs: int,
+        route: Route,
+        key: PlannedKey[OutputT] | None,
+        pads_along: bool,
+    ) -> OutputT:
+        """A step that replays nothing: an idle rank's part, or an eager step for the reason decided here.
+
+        A route without a graph is its own reason; a planned key without a
+        graph is ``not_captured``, or ``no_cuda`` where nothing can be
+        captured, or ``released``; a key missed while a background capture
+        runs is reported to it (captured next) and allowed in strict mode.
+        """
+        if request.num_tokens == 0:  # an idle rank: an idle step without ranks never routes
+            return self._eager.pad_along() if pads_along else self._eager.idle(inputs)
+        reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
+        if reason is EagerReason.NOT_CAPTURED:
+            session = self._session
+            if self._no_graphs is not None:  # the ranks' route says "not captured" for it too
+                reason = EagerReason.NO_CUDA
+            elif self._released:
+                reason = EagerReason.RELEASED
+            elif key is not None and session is not None and not session.done:
+                session.missed(key.descriptor)
+                return self._eager.run(inputs, request, num_reqs, reason, key, allowed=True)
+        return self._eager.run(inputs, request, num_reqs, reason, key)
+
+
+_BUSY: Final = (
+    "CUDAGraphManager.run: another thread is inside run(), capture(), clear(), start_capture(), "
+    "release() or estimate_memory() of this manager; its static buffers serve one step at a time "
+    "(serialize the calls, or use a manager per thread)"
+)
+
+
+def _parts(
+    model: Callable[..., OutputT],
+    checked: Arguments,
+    config: DispatchConfig,
+    strict: bool,
+    ranks: RankAgreement | None,
+) -> ManagerParts[OutputT]:
+    """The manager's shared parts: its static buffers (a buffer per input), layout and counters."""
+    buffers = StaticBuffers(
+        checked.inputs,
+        max_tokens=config.capture_sizes.max,
+        max_num_seqs=config.max_num_seqs,
+        query_len=config.uniform_decode_query_len,
+        device=checked.device,
+    )
+    return ManagerParts(
+        model,
+        checked.dispatcher,
+        buffers,
+        LayoutCell(checked.rows),
+        StepCounts(),
+        checked.device,
+        checked.no_graphs,
+        strict,
+        None if ranks is None else ranks.world_size,
+    )
 
 
 def _output_guard() -> OutputGuard:
@@ -415,14 +428,3 @@ def _output_guard() -> OutputGuard:
         return OutputGuard()
     except ValueError as error:
         raise ValueError(f"check_overwritten_outputs: {error}") from None
-
-
-def _probe_engine(
-    factory: GraphEngineFactory,
-    model: Callable[..., OutputT],
-    options: CaptureOptions,
-    mode: CUDAGraphMode,
-    pool: GraphPool,
-) -> GraphEngine[OutputT]:
-    """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
-    return factory(model, mode, dataclasses.replace(options, pool=pool))

@@ -55,15 +55,25 @@ class PlannedKey(Generic[OutputT]):
         self.inputs: Final = buffers.views(self.num_tokens, self.num_reqs)  # the graph's keyword arguments
         # A PIECEWISE replay runs its eager breaks for real, and they may read the forward context.
         self.context: Final = ForwardContext(mode, descriptor) if mode is CUDAGraphMode.PIECEWISE else None
+        #: The captured graph (``keep``), which replays itself; ``None``: not captured.
         self.entry: GraphEntry[OutputT] | None = None
         self.replays = 0
         # The last (entry, num_tokens, num_reqs, cut): steps of one row count reuse the cut.
         self.last_cut: tuple[GraphEntry[OutputT], int, int, object] | None = None
 
+    def keep(self, entry: GraphEntry[OutputT]) -> None:
+        """Store a checked entry: the key is captured, and replays from the serving thread's next step."""
+        self.last_cut = None
+        self.entry = entry  # last, one assignment: the serving thread sees uncaptured or captured
+
     def cut(
-        self, entry: GraphEntry[OutputT], layout: OutputLayout, num_tokens: int, num_reqs: int
+        self, entry: GraphEntry[OutputT], layout: OutputLayout | None, num_tokens: int, num_reqs: int
     ) -> OutputT:
-        """The entry's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs)."""
+        """The entry's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs).
+
+        ``layout`` is set by the capture of every captured key (``None`` only before any).
+        """
+        assert layout is not None
         last = self.last_cut
         if last is not None and last[0] is entry and last[1] == num_tokens and last[2] == num_reqs:
             cut = last[3]

@@ -50,7 +50,7 @@ class CaptureReport:
     or process allocated on the device meanwhile. Not counted: the static
     buffers (allocated with the manager), and the shared pool's anchor graph
     when the first capture of the process created it before the phase.
-    ``not_captured`` says why nothing was captured where graphs cannot be
+    ``no_graphs`` says why nothing was captured where graphs cannot be
     (a manager on a device without CUDA graphs); ``None`` otherwise.
     ``resolution`` is the configured mode resolved against the model's
     attention support (``ModeResolution``: the mode the graphs follow, and
@@ -64,7 +64,7 @@ class CaptureReport:
     graphs: tuple[CapturedGraph, ...]
     seconds: float
     reserved_bytes: int
-    not_captured: str | None = None
+    no_graphs: str | None = None
     compiles: int | None = None
     device_bytes: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
@@ -84,8 +84,8 @@ class CaptureReport:
         return sum(g.pool_bytes for g in self.graphs)
 
     def __str__(self) -> str:
-        if self.not_captured is not None:
-            return f"Captured no CUDA graphs: {self.not_captured}"
+        if self.no_graphs is not None:
+            return f"Captured no CUDA graphs: {self.no_graphs}"
         header = (
             f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}, "
@@ -134,7 +134,7 @@ class MemoryEstimate:
     ``driver_bytes`` (the graphs' executables, outside torch's allocator).
     ``num_graphs`` keys were estimated from ``probes``, the captures measured
     (and freed again); ``seconds`` is the estimate's wall time.
-    ``not_estimated`` says why the estimate is 0 where nothing will be
+    ``no_graphs`` says why the estimate is 0 where nothing will be
     captured (no CUDA graphs on the device); ``None`` otherwise.
     """
 
@@ -145,11 +145,11 @@ class MemoryEstimate:
     num_graphs: int
     probes: tuple[CapturedGraph, ...]
     seconds: float
-    not_estimated: str | None = None
+    no_graphs: str | None = None
 
     def __str__(self) -> str:
-        if self.not_estimated is not None:
-            return f"No CUDA graphs to estimate: {self.not_estimated}"
+        if self.no_graphs is not None:
+            return f"No CUDA graphs to estimate: {self.no_graphs}"
         return (
             f"{self.num_graphs} CUDA graph(s) will cost the device about {format_bytes(self.total_bytes)}: "
             f"warm-ups {format_bytes(self.warmup_bytes)}, pool {format_bytes(self.pool_bytes)}, "

@@ -270,21 +270,7 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
         max_num_seqs=config.max_num_seqs,
     )
     decoder = Decoder.build(config, args.attention, args.page_size, device)
-    layout = decoder.layout
-    cache = (
-        f"{config.max_num_seqs}+1 x {config.max_seq_len} positions"
-        if layout is None
-        else f"{layout.num_pages} pages of {layout.page_size}, {args.attention} attention"
-    )
-    print(
-        f"decoder: {config.num_layers} layers, d={config.hidden_size}, {config.num_heads} heads, "
-        f"ffn {config.intermediate_size}, {str(config.dtype).removeprefix('torch.')}, KV cache "
-        f"{cache}, on {device}"
-    )
-    print(
-        f"graphs: {dispatch_config.mode.name} over {len(dispatch_config.capture_sizes)} sizes "
-        f"up to {dispatch_config.capture_sizes.max}"
-    )
+    _print_setup(decoder, dispatch_config, args.attention, device)
     manager = _capture(decoder, dispatch_config, device)
     dispatcher = manager.dispatcher
     generator = torch.Generator().manual_seed(args.seed)
@@ -320,6 +306,28 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
         f"OK: all {len(results)} {what} (max relative error {worst:.2e} <= {tolerance:.0e}); {elapsed:.1f} s"
     )
     return 0
+
+
+def _print_setup(
+    decoder: Decoder, dispatch_config: DispatchConfig, attention: str, device: torch.device
+) -> None:
+    """The model, its KV cache and the graphs planned, in two lines."""
+    config = decoder.model.config
+    layout = decoder.layout
+    cache = (
+        f"{config.max_num_seqs}+1 x {config.max_seq_len} positions"
+        if layout is None
+        else f"{layout.num_pages} pages of {layout.page_size}, {attention} attention"
+    )
+    print(
+        f"decoder: {config.num_layers} layers, d={config.hidden_size}, {config.num_heads} heads, "
+        f"ffn {config.intermediate_size}, {str(config.dtype).removeprefix('torch.')}, KV cache "
+        f"{cache}, on {device}"
+    )
+    print(
+        f"graphs: {dispatch_config.mode.name} over {len(dispatch_config.capture_sizes)} sizes "
+        f"up to {dispatch_config.capture_sizes.max}"
+    )
 
 
 def _capture(

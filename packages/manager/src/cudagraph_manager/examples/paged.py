@@ -32,7 +32,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar, Final, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
@@ -50,6 +50,9 @@ from cudagraph_dispatch import (
 from cudagraph_manager import StaticInput
 
 from .reference import DecoderConfig, ReferenceDecoder, request_lengths, rotary_cos_sin
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 #: Step inputs of ``PagedDecoder.forward``, in order.
 PAGED_INPUT_NAMES: Final[tuple[str, ...]] = (
@@ -405,34 +408,10 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     def attend(
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        kv_num_blocks: torch.Tensor,
-        kv_indices: torch.Tensor,
-        owner: torch.Tensor,
-        page_shift: torch.Tensor,
-        slot_page: torch.Tensor,
-        query_req: torch.Tensor,
-        query_pos: torch.Tensor,
+        queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *metadata: torch.Tensor
     ) -> torch.Tensor:
-        def visible(
-            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-        ) -> torch.Tensor:
-            # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
-            # division by the page size failed to generate in inductor 2.11).
-            page = slot_page[kv_idx]
-            same_request = owner[page] == query_req[b, q_idx]
-            return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
-
-        block_mask = BlockMask.from_kv_blocks(
-            kv_num_blocks,
-            kv_indices,
-            BLOCK_SIZE=(_Q_TILE, page_size),
-            mask_mod=visible,
-            seq_lengths=(queries.shape[2], keys.shape[2]),
-            compute_q_blocks=False,
-        )
+        # metadata: kv_num_blocks, kv_indices, owner, page_shift, slot_page, query_req, query_pos
+        block_mask = _block_mask(BlockMask, page_size, (queries.shape[2], keys.shape[2]), *metadata)
         scale = queries.shape[-1] ** -0.5
         options = _KERNEL_OPTIONS if (compiled if fused is None else fused) else None
         return flex_attention(
@@ -460,6 +439,40 @@ def paged_flex(page_size: int, *, compiled: bool, fused: bool | None = None) -> 
             return compiled_attend(*args)
 
     return attend_compiled
+
+
+def _block_mask(
+    mask_type: type[BlockMask],
+    page_size: int,
+    seq_lengths: tuple[int, int],
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    owner: torch.Tensor,
+    page_shift: torch.Tensor,
+    slot_page: torch.Tensor,
+    query_req: torch.Tensor,
+    query_pos: torch.Tensor,
+) -> BlockMask:
+    """The step's block mask, from tensors only (``paged_flex``): each query sees its request's past.
+
+    ``mask_type`` is torch's ``BlockMask``, imported by the caller (this module imports it lazily).
+    """
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
+        # division by the page size failed to generate in inductor 2.11).
+        page = slot_page[kv_idx]
+        same_request = owner[page] == query_req[b, q_idx]
+        return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
+
+    return mask_type.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        BLOCK_SIZE=(_Q_TILE, page_size),
+        mask_mod=visible,
+        seq_lengths=seq_lengths,
+        compute_q_blocks=False,
+    )
 
 
 class _GatherMetadata(NamedTuple):

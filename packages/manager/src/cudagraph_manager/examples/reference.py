@@ -33,11 +33,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Final, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Final, NamedTuple, TypeAlias
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
-from torch import nn
+from torch import Tensor, nn
 
 from cudagraph_capture import eager_break_during_capture
 from cudagraph_manager import StaticInput
@@ -254,28 +255,18 @@ def cached_attention(
     out.copy_(result.squeeze(2))
 
 
-class AttentionOp(Protocol):
-    """The attention a layer calls: ``cached_attention``'s arguments and effects.
-
-    Writes the step's K/V into ``kv_cache`` and the attention into ``out``,
-    returns nothing. ``breakable_cached_attention`` and
-    ``traced_cached_attention`` are ``cached_attention`` behind a break point
-    and as a tracer's op; another engine's break decorator around it is one too.
-    """
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_ids: torch.Tensor,
-        key_index: torch.Tensor,
-        value_index: torch.Tensor,
-        mask: torch.Tensor,
-        out: torch.Tensor,
-        /,
-    ) -> None: ...
+#: The attention a layer calls: ``cached_attention``'s arguments, passed
+#: positionally in its order (``q, k, v, kv_cache, slot_ids, key_index,
+#: value_index, mask, out``), and its effects: it writes the step's K/V into
+#: ``kv_cache`` and the attention into ``out``, and returns nothing.
+#: ``breakable_cached_attention`` and ``traced_cached_attention`` are
+#: ``cached_attention`` behind a break point and as a tracer's op; another
+#: engine's break decorator around it is one too. A callable type rather
+#: than a Protocol restating ``cached_attention``'s signature: the op is
+#: called positionally, so parameter names would add nothing to the type.
+AttentionOp: TypeAlias = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], None
+]
 
 
 #: The attention op as an eager break: a breakable (PIECEWISE) capture runs it

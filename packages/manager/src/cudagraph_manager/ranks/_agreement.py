@@ -89,29 +89,7 @@ class RankAgreement:
         device: torch.device | str | int | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        given_group: object = group
-        if given_group is not None and not isinstance(given_group, dist.ProcessGroup):
-            raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r}")
-        given_backend: object = backend
-        if given_backend is not None and given_backend not in _BACKENDS:
-            raise ValueError(f"backend: expected 'gloo', 'nccl', 'shm' or None, got {backend!r}")
-        unsupported = shared_memory_supported() if backend == "shm" else None
-        if unsupported is not None:
-            raise ValueError(f"backend: 'shm' is not offered here: {unsupported}; use 'gloo' or 'nccl'")
-        given_timeout: object = timeout
-        if given_timeout is not None and (
-            not isinstance(given_timeout, datetime.timedelta) or given_timeout.total_seconds() <= 0
-        ):
-            raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
-        if backend is None and timeout is not None:
-            raise ValueError(
-                f"timeout: backend=None uses the group as it is, with its own timeout; got {timeout!r}"
-            )
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "RankAgreement: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group on every rank first"
-            )
+        _check_arguments(group, backend, timeout)
         if backend is None:
             if group is None:
                 group = dist.group.WORLD
@@ -220,42 +198,35 @@ class RankAgreement:
         return staged
 
     def agree_step(
-        self,
-        dispatcher: CUDAGraphDispatcher,
-        request: RankRequest,
-        *,
-        invalid_modes: frozenset[CUDAGraphMode],
-        can_replay: bool,
+        self, dispatcher: CUDAGraphDispatcher, request: RankRequest, *, can_replay: bool
     ) -> Dispatch:
         """The decision every rank runs this step (one exchange).
 
-        ``agree_across_ranks`` over every rank's request, with the union of
-        the ranks' ``invalid_modes`` (a mode off on one rank is off on all),
+        ``agree_across_ranks`` over every rank's request, whose
+        ``invalid_modes`` it unites (a mode off on one rank is off on all),
         and eager on all (unpadded, the largest count) when any rank cannot
         replay (``can_replay=False``: its graphs are not all captured), idle
         ranks included: they would replay the agreed graph too.
         """
         mask = 0
-        for mode in invalid_modes:
+        for mode in request.invalid_modes:
             mask |= 1 << _MODES.index(mode)
         rows = self.exchange(
             (request.num_tokens, int(request.uniform_decode), request.num_active_loras, mask, int(can_replay))
         )
-        requests = [RankRequest(n, bool(u), loras) for n, u, loras, _, _ in rows]
         if not all(ok for *_, ok in rows):
             return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
-        union = 0
-        for *_, bits, _ in rows:
-            union |= bits
-        modes = frozenset(m for i, m in enumerate(_MODES) if union >> i & 1)
-        return agree_across_ranks(dispatcher, requests, invalid_modes=modes)
+        requests = [
+            RankRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
+            for n, u, loras, bits, _ in rows
+        ]
+        return agree_across_ranks(dispatcher, requests)
 
     def route_step(
         self,
         dispatcher: CUDAGraphDispatcher,
         request: RankRequest,
         *,
-        invalid_modes: frozenset[CUDAGraphMode],
         can_replay: bool,
     ) -> tuple[Route, bool]:
         """This rank's route for a step every rank runs alike (one exchange), and whether it pads along.
@@ -272,9 +243,9 @@ class RankAgreement:
             request.num_tokens,
             uniform_decode=request.uniform_decode,
             num_active_loras=request.num_active_loras,
-            invalid_modes=invalid_modes,
+            invalid_modes=request.invalid_modes,
         )
-        agreed = self.agree_step(dispatcher, request, invalid_modes=invalid_modes, can_replay=can_replay)
+        agreed = self.agree_step(dispatcher, request, can_replay=can_replay)
         idle = request.num_tokens == 0
         if agreed.mode is not _NONE:
             return agreed, idle
@@ -315,23 +286,23 @@ class RankAgreement:
         return result  # type: ignore[return-value]  # set: attempt() returned without raising
 
     def agree_plan(
-        self, plan: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], *, can_capture: str | None
+        self, plan: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], *, no_graphs: str | None
     ) -> None:
         """Raise ``RanksDisagreeError`` on every rank unless all would capture ``plan``, in order.
 
-        ``can_capture`` is ``None`` when this rank can capture, else why not;
-        ranks that all cannot (no CUDA anywhere) agree. One exchange of a
-        digest of the plan, its length and that flag.
+        ``no_graphs`` is why this rank captures nothing, or ``None`` when it
+        captures; ranks that all capture nothing (no CUDA anywhere) agree.
+        One exchange of a digest of the plan, its length and that flag.
         """
         digest = zlib.crc32(repr([(m.name, d) for m, d in plan]).encode())
-        rows = self.exchange((digest, len(plan), int(can_capture is None)))
+        rows = self.exchange((digest, len(plan), int(no_graphs is None)))
         if len({ok for *_, ok in rows}) > 1:
-            unable = [r for r, (*_, ok) in enumerate(rows) if not ok]
-            mine = f"; here (rank {self._rank}): {can_capture}" if can_capture is not None else ""
+            without = [r for r, (*_, ok) in enumerate(rows) if not ok]
+            mine = f"; here (rank {self._rank}): {no_graphs}" if no_graphs is not None else ""
             raise RanksDisagreeError(
                 "whether to capture",
                 ["cannot capture" if not ok else "can capture" for *_, ok in rows],
-                f": rank(s) {unable} cannot capture CUDA graphs{mine}",
+                f": rank(s) {without} cannot capture CUDA graphs{mine}",
             )
         if len({(d, n) for d, n, _ in rows}) > 1:
             raise RanksDisagreeError(
@@ -346,3 +317,25 @@ class RankAgreement:
 
     def __repr__(self) -> str:
         return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"
+
+
+def _check_arguments(group: object, backend: object, timeout: object) -> None:
+    """``RankAgreement``'s arguments, each checked (``ValueError`` naming it), and torch.distributed up."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r}")
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend: expected 'gloo', 'nccl', 'shm' or None, got {backend!r}")
+    unsupported = shared_memory_supported() if backend == "shm" else None
+    if unsupported is not None:
+        raise ValueError(f"backend: 'shm' is not offered here: {unsupported}; use 'gloo' or 'nccl'")
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
+    if backend is None and timeout is not None:
+        raise ValueError(
+            f"timeout: backend=None uses the group as it is, with its own timeout; got {timeout!r}"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "RankAgreement: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group on every rank first"
+        )

@@ -1,0 +1,50 @@
+"""One step's batch, as the dispatcher, the ranks and an eager step see it.
+
+``StepRequest`` is the one value for "what this step asks of the graphs":
+``dispatch``'s arguments, checked. The dispatcher's hot path takes the same
+fields as plain arguments (a step builds no object); everything slower
+(``explain``, the ranks' agreement, a step without a graph) takes this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+from ._checks import check_bool, check_int
+from ._modes import CUDAGraphMode
+
+#: The modes ``invalid_modes`` may name: the two that have graphs.
+GRAPH_MODES: Final = frozenset({CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
+_NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One step's batch: its token count, whether it is a uniform decode, its adapters, the modes it forbids.
+
+    A bad field raises ``ValueError`` naming it; an ``IntEnum`` count is
+    stored as ``int``.
+    ``invalid_modes`` turns graphs of those modes off for this step (cascade
+    attention turns FULL off).
+    """
+
+    num_tokens: int
+    uniform_decode: bool = False
+    num_active_loras: int = 0
+    invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES
+
+    def __post_init__(self) -> None:
+        # Normalized in place: the dataclass is frozen to its users, not to its own checks.
+        object.__setattr__(self, "num_tokens", int(check_int("num_tokens", self.num_tokens, minimum=0)))
+        check_bool("uniform_decode", self.uniform_decode)
+        loras = int(check_int("num_active_loras", self.num_active_loras, minimum=0))
+        object.__setattr__(self, "num_active_loras", loras)
+        modes: object = self.invalid_modes
+        if not isinstance(modes, frozenset) or not modes <= GRAPH_MODES:
+            raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {modes!r}")
+        object.__setattr__(self, "invalid_modes", frozenset(modes))  # a subclass's instance made plain
+
+
+#: The name the data-parallel agreement gives one rank's request (docs/design.md, "Ranks").
+RankRequest = StepRequest

@@ -1,0 +1,36 @@
+"""What the parts of one manager share: built once, read by its eager steps and its captures."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Generic
+
+import torch
+
+from cudagraph_dispatch import CUDAGraphDispatcher
+
+from ._buffers import StaticBuffers
+from ._outputs import LayoutCell
+from ._protocols import OutputT
+from ._report import StepCounts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManagerParts(Generic[OutputT]):
+    """A manager's model, dispatcher, static buffers, outputs' layout and counters, and its settings.
+
+    ``no_graphs``: why the manager captures nothing (``None``: it captures);
+    ``strict``: steps without a graph raise; ``world_size``: its ranks'
+    (``None``: no ranks).
+    """
+
+    model: Callable[..., OutputT]
+    dispatcher: CUDAGraphDispatcher
+    buffers: StaticBuffers
+    layout: LayoutCell
+    counts: StepCounts
+    device: torch.device
+    no_graphs: str | None
+    strict: bool
+    world_size: int | None

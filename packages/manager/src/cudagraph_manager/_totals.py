@@ -1,0 +1,46 @@
+"""A capture phase's totals, measured around it: ``capture()`` and the background capture alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import ModeResolution
+
+from ._compiled import compiles_since, dynamo_compiles
+from ._memory import free_bytes, reserved_bytes
+from ._report import CapturedGraph, CaptureReport
+
+
+class CaptureTotals:
+    """Started when built; ``report()`` reads the wall time, memory and compiles since then.
+
+    The phase's caller synchronizes its stream before ``report()`` where the
+    device's work must count in the seconds (``capture()`` does).
+    """
+
+    __slots__ = ("_compiled", "_device", "_free", "_reserved", "_resolution", "_start")
+
+    def __init__(self, device: torch.device, resolution: ModeResolution | None) -> None:
+        self._device: Final = device
+        self._resolution: Final = resolution  # the mode the graphs follow, for the report
+        self._compiled: Final = dynamo_compiles()
+        self._reserved: Final = reserved_bytes(device)
+        self._free: Final = free_bytes(device)
+        self._start: Final = time.perf_counter()
+
+    def report(self, graphs: Sequence[CapturedGraph], no_graphs: str | None = None) -> CaptureReport:
+        """The phase's report: ``graphs`` and the totals since construction."""
+        seconds = time.perf_counter() - self._start
+        return CaptureReport(
+            tuple(graphs),
+            seconds,
+            reserved_bytes(self._device) - self._reserved,
+            no_graphs,
+            compiles_since(self._compiled),
+            self._free - free_bytes(self._device),
+            self._resolution,
+        )

@@ -1,0 +1,125 @@
+"""The package code's shape, checked on its syntax trees: short functions, no private reads across modules.
+
+- No function or method is longer than ``MAX_FUNCTION_LINES``; the manager's
+  step function is at most ``MAX_STEP_LINES`` and ``CUDAGraphManager`` at
+  most ``MAX_MANAGER_LINES`` (docs/design.md, "Conventions").
+- A ``._name`` read names the private state of an object of the same module
+  (a class defined there sets or declares it) or of torch (its private API,
+  where no public one exists). Reading another module's private state couples
+  the two modules to a shape neither states; a public accessor says what is
+  shared.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+SOURCES: Final = sorted((ROOT / "packages").glob("*/src/**/*.py"))
+MAX_FUNCTION_LINES: Final = 60
+MAX_STEP_LINES: Final = 40
+MAX_MANAGER_LINES: Final = 350
+#: Private names of torch objects read without a ``torch.`` prefix: (file name, attribute) -> why.
+TORCH_PRIVATE: Final = {
+    ("_weights.py", "_parameters"): "nn.Module's own parameters, without the named_parameters() walk",
+}
+
+
+def _trees() -> Iterator[tuple[Path, ast.Module]]:
+    for path in SOURCES:
+        yield path, ast.parse(path.read_text(), str(path))
+
+
+def _lines(node: ast.AST) -> int:
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    assert node.end_lineno is not None
+    return node.end_lineno - node.lineno + 1
+
+
+def test_the_sources_are_found() -> None:
+    assert len(SOURCES) > 40, SOURCES
+
+
+def test_no_function_is_longer_than_the_limit() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_lines(node)} lines)"
+        for path, tree in _trees()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _manager_class() -> ast.ClassDef:
+    path = ROOT / "packages/manager/src/cudagraph_manager/_manager.py"
+    tree = ast.parse(path.read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CUDAGraphManager")
+
+
+def test_the_step_and_the_manager_stay_small() -> None:
+    manager = _manager_class()
+    step = next(n for n in manager.body if isinstance(n, ast.FunctionDef) and n.name == "_step")
+    assert _lines(step) <= MAX_STEP_LINES, _lines(step)
+    assert _lines(manager) <= MAX_MANAGER_LINES, _lines(manager)
+
+
+def _own_private_names(tree: ast.Module) -> set[str]:
+    """Private names the module's own classes and functions define: attributes, slots, members."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)  # self._x = ..., obj._x = ...
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names |= {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def _private_reads(path: Path, tree: ast.Module) -> list[str]:
+    own = _own_private_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = ast.unparse(node.value)
+        if base in ("self", "cls") or base.split(".")[0] == "torch" or node.attr in own:
+            continue
+        if (path.name, node.attr) in TORCH_PRIVATE:
+            continue
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_state() -> None:
+    reads = [read for path, tree in _trees() for read in _private_reads(path, tree)]
+    assert not reads, reads
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("class A:\n    __slots__ = ('_x',)\ndef f(a: A) -> int:\n    return a._x\n", 0),
+        ("def f(buffers: object) -> object:\n    return buffers._bounds\n", 1),
+        ("import torch\nx = torch._C._foo\n", 0),
+        ("def f(self: object) -> object:\n    return self._y\n", 0),
+    ],
+)
+def test_the_private_read_check_tells_own_state_from_anothers(source: str, expected: int) -> None:
+    path = ROOT / "packages/example.py"
+    assert len(_private_reads(path, ast.parse(source))) == expected
