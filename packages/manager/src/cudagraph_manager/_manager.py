@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Final, Generic, cast
+from typing import Final, Generic, TypeAlias, cast
 
 import torch
 
@@ -53,7 +53,8 @@ from ._static import StaticInput
 from ._weights import WeightWatch, watched_module
 from .ranks import RankAgreement
 
-_NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
+_Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's invalid modes
+_NO_MODES: Final[_Modes] = frozenset()
 
 
 class CUDAGraphManager(Generic[OutputT]):
@@ -310,41 +311,39 @@ class CUDAGraphManager(Generic[OutputT]):
         return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
 
     def _step(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        uniform_decode: bool,
-        num_active_loras: int,
-        invalid_modes: frozenset[CUDAGraphMode],
+        self, inputs: Mapping[str, torch.Tensor], uniform: bool, loras: int, invalid: _Modes
     ) -> OutputT:
         """The step: check -> route -> copy in -> replay -> count and cut; or ``_without_graph``."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:
-            num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
-            request = (num_tokens, uniform_decode, num_active_loras, invalid_modes)
+            num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform)
             if self._ranks is not None:  # one exchange: every rank takes the same route
-                route, pads_along = self._agreed_route(StepRequest(*request))
+                route, pads_along = self._agreed_route(StepRequest(num_tokens, uniform, loras, invalid))
             elif num_tokens == 0:
                 return self._eager.idle(inputs)
             else:
-                route, pads_along = self._dispatcher.route(*request), False
+                route, pads_along = self._dispatcher.route(num_tokens, uniform, loras, invalid), False
             key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None  # the one look-up
             entry = None if key is None else key.entry
             if key is None or entry is None:
-                return self._without_graph(inputs, StepRequest(*request), num_reqs, route, key, pads_along)
+                request = StepRequest(num_tokens, uniform, loras, invalid)
+                return self._without_graph(inputs, request, num_reqs, route, key, pads_along)
             if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
                 self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
             self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad)
-            # A PIECEWISE replay runs its eager breaks, which may read the forward context.
-            token = None if key.context is None else FORWARD_CONTEXT_VAR.set(key.context)
-            try:
+            if key.context is None:
                 entry.replay()
-            finally:
-                if token is not None:
+            else:  # a PIECEWISE replay runs its eager breaks, which may read the forward context
+                token = FORWARD_CONTEXT_VAR.set(key.context)
+                try:
+                    entry.replay()
+                finally:
                     FORWARD_CONTEXT_VAR.reset(token)
             key.replays += 1
             self._counts.padded_tokens += key.num_tokens - num_tokens
-            self._counts.dummy_steps += pads_along
+            if pads_along:
+                self._counts.dummy_steps += 1
             out = key.cut(entry, self._layout.layout, num_tokens, num_reqs)
             return out if self._guard is None else cast(OutputT, self._guard.replayed(key.descriptor, out))
         finally:
