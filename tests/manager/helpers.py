@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Final, Generic, TypeVar, cast
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.functional import linear
 
-from cudagraph_capture import CaptureOptions, eager_break_during_capture
+from cudagraph_capture import CaptureOptions, RecordSeconds, eager_break_during_capture
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -183,9 +184,11 @@ class FakeEntry(Generic[R]):
         descriptor: BatchDescriptor,
         inputs: dict[str, torch.Tensor],
         output: R,
+        seconds: RecordSeconds,
     ) -> None:
         self._engine = engine
         self.descriptor = descriptor
+        self.seconds = seconds  # the model's call stands for the recording; nothing to instantiate
         self._inputs = inputs  # a graph reads fixed addresses: the manager copies the step into them
         self._output = output
 
@@ -231,9 +234,10 @@ class FakeGraphEngine(Generic[R]):
         assert get_forward_context() is None, "the manager calls the engine directly, without a context"
         self.on_capture()
         kept = {name: as_tensor(value) for name, value in inputs.items()}
+        start = time.perf_counter()
         with set_forward_context(self.mode, descriptor):  # as the real engines run the capture
             output = self.model(**kept)
-        entry = FakeEntry(self, descriptor, kept, output)
+        entry = FakeEntry(self, descriptor, kept, output, RecordSeconds(time.perf_counter() - start, 0.0))
         self._alive.add(entry)
         return entry
 

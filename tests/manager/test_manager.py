@@ -376,7 +376,7 @@ def test_capture_follows_the_plan_and_reports_each_graph(backend: Backend) -> No
     assert plan[0] == (PIECEWISE, BatchDescriptor(max(SIZES)))
     assert all(g.seconds >= 0.0 and g.pool_bytes >= 0 for g in report.graphs)
     assert report.seconds >= max(g.seconds for g in report.graphs)
-    assert len(str(report).splitlines()) == 3 + len(plan) + 1  # title, header, rule, rows, total
+    assert len(str(report).splitlines()) == 4 + len(plan) + 1  # title, phases, header, rule, rows, total
     again = manager.capture()
     assert again.num_graphs == 0
     assert manager.num_captured == len(plan)
@@ -480,13 +480,16 @@ def test_tuple_and_list_outputs_are_cut_by_index() -> None:
 
 def test_report_prints_an_aligned_table() -> None:
     graphs = (
-        CapturedGraph(FULL, BatchDescriptor(512, 256), 0.0123, 3 * 2**20, 4 * 2**20),
+        CapturedGraph(FULL, BatchDescriptor(512, 256), 0.0123, 3 * 2**20, 4 * 2**20, 0.004, 0.006, 0.002),
         CapturedGraph(
             FULL,
             BatchDescriptor(8, 8, uniform=True, has_lora=True, num_active_loras=2),
             0.001,
             1536,
             2 * 2**20,
+            0.0,
+            0.0006,
+            0.0003,
         ),
         CapturedGraph(PIECEWISE, BatchDescriptor(1), 0.0005, 0),
     )
@@ -495,16 +498,66 @@ def test_report_prints_an_aligned_table() -> None:
     assert lines[0] == (
         "Captured 3 CUDA graph(s) in 0.250 s; pool 3.0 MiB, reserved 5.0 GiB, device 5.0 GiB (driver 6.0 MiB)"
     )
-    table = lines[1:]
-    assert table[0].split() == ["mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool", "driver"]
+    # The phases: the graphs' sums, and what the capture's wall time spent besides.
+    assert lines[1] == "warm-up 0.004 s, recording 0.007 s, instantiation 0.002 s, rest 0.237 s"
+    table = lines[2:]
+    assert table[0].split() == [
+        "mode",
+        "tokens",
+        "reqs",
+        "uniform",
+        "loras",
+        "seconds",
+        "warm-up",
+        "record",
+        "instantiate",
+        "pool",
+        "driver",
+    ]
     assert len({len(line) for line in table}) == 1  # every column aligned, the last right-aligned
-    assert table[2].split() == ["FULL", "512", "256", "no", "0", "0.0123", "3.0", "MiB", "4.0", "MiB"]
-    assert table[3].split() == ["FULL", "8", "8", "yes", "2", "0.0010", "1.5", "KiB", "2.0", "MiB"]
-    assert table[4].split() == ["PIECEWISE", "1", "-", "no", "0", "0.0005", "0", "B", "0", "B"]
-    assert table[5].split() == ["total", "0.0138", "3.0", "MiB", "6.0", "MiB"]
+    assert table[2].split() == [
+        "FULL",
+        "512",
+        "256",
+        "no",
+        "0",
+        "0.0123",
+        "0.0040",
+        "0.0060",
+        "0.0020",
+        "3.0",
+        "MiB",
+        "4.0",
+        "MiB",
+    ]
+    assert table[3].split()[:9] == ["FULL", "8", "8", "yes", "2", "0.0010", "0.0000", "0.0006", "0.0003"]
+    assert table[4].split()[:6] == ["PIECEWISE", "1", "-", "no", "0", "0.0005"]
+    assert table[5].split() == ["total", "0.0138", "0.0040", "0.0066", "0.0023", "3.0", "MiB", "6.0", "MiB"]
     assert report.pool_bytes == 3 * 2**20 + 1536
     assert report.driver_bytes == 6 * 2**20
     assert report.num_graphs == 3
+    assert graphs[0].rest_seconds == pytest.approx(0.0123 - 0.004 - 0.006 - 0.002)
+    phases = report.phases
+    assert phases.warmup + phases.recording + phases.instantiation + phases.rest == pytest.approx(0.25)
+
+
+def test_a_fake_capture_splits_its_seconds_into_phases() -> None:
+    """Each key's seconds add up from its warm-up, recording, instantiation and rest, all >= 0."""
+    manager = CUDAGraphManager(
+        ToyModel(torch.device("cpu")),
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        engine_factory=FakeEngines(),
+    )
+    report = manager.capture(progress=False)
+    assert report.num_graphs > 1
+    for graph in report.graphs:
+        assert graph.warmup_seconds > 0  # the fake runs the model in both
+        assert graph.recording_seconds > 0
+        assert graph.instantiation_seconds == 0.0  # the fake builds nothing
+        assert graph.rest_seconds >= 0
+    assert report.phases.rest >= 0
 
 
 def test_stats_snapshot_sums_by_mode() -> None:

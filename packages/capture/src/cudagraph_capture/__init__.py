@@ -27,6 +27,7 @@ from ._pool import release_graph_memory as release_graph_memory
 from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
 from ._protocols import GraphEntry as GraphEntry
+from ._protocols import RecordSeconds as RecordSeconds
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 from ._wrapper import BreakableCUDAGraphWrapper as BreakableCUDAGraphWrapper
 from ._wrapper import CUDAGraphWrapper as CUDAGraphWrapper
@@ -41,6 +42,7 @@ __all__ = [
     "CaptureError",
     "CaptureOptions",
     "GraphEngine",
+    "RecordSeconds",
     "GraphEntry",
     "GraphPool",
     "OutputGuard",

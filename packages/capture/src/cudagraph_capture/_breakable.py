@@ -36,7 +36,7 @@ from ._enabled import check_capture_enabled
 from ._errors import CaptureError
 from ._gc import collect_before_capture
 from ._pool import GraphPool, capture_stream, check_pool, check_stream, shared_pool
-from ._segment import THREAD, abort_segment, begin_segment, end_segment
+from ._segment import THREAD, abort_segment, begin_segment, end_segment, instantiate_segment, new_graph
 from ._weakref import contains_cuda_tensor, weak_ref_tensors
 
 P = ParamSpec("P")
@@ -70,6 +70,7 @@ class BreakableCUDAGraphCapture:
         "_graph",
         "_graphs",
         "_in_eager",
+        "_instantiation",
         "_num_breaks",
         "_pool",
         "_state",
@@ -104,6 +105,7 @@ class BreakableCUDAGraphCapture:
         self._caller: torch.cuda.Stream | None = None
         self._stream_ctx: torch.cuda.StreamContext | None = None
         self._num_breaks = 0
+        self._instantiation = 0.0  # host seconds building the segments' executables
         self._in_eager = False
         self._state = "new"  # -> "capturing" -> "captured" | "failed"
 
@@ -122,6 +124,11 @@ class BreakableCUDAGraphCapture:
     def num_eager_breaks(self) -> int:
         """Eager ops recorded between segments."""
         return self._num_breaks
+
+    @property
+    def instantiation_seconds(self) -> float:
+        """Host seconds spent building the segments' executables (``cudaGraphInstantiate``)."""
+        return self._instantiation
 
     def __enter__(self) -> BreakableCUDAGraphCapture:
         if THREAD.breakable is not None:
@@ -215,7 +222,7 @@ class BreakableCUDAGraphCapture:
             step()
 
     def _begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
+        graph = new_graph()
         assert self._pool is not None
         begin_segment(graph, self._pool)
         self._graph = graph
@@ -225,6 +232,7 @@ class BreakableCUDAGraphCapture:
         assert graph is not None
         assert self._pool is not None
         if end_segment(graph, self._pool, self._descriptor):
+            self._instantiation += instantiate_segment(graph)
             self._graphs.append(graph)
             step = graph.replay
             self._tail.append(step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
@@ -10,6 +11,19 @@ import torch
 from cudagraph_dispatch import BatchDescriptor
 
 R_co = TypeVar("R_co", covariant=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordSeconds:
+    """What recording one graph cost the host, in seconds.
+
+    ``recording``: from the capture's start to its end (the model's calls,
+    the segments' eager breaks included); ``instantiation``: building the
+    executables (``cudaGraphInstantiate``), which a replay otherwise pays.
+    """
+
+    recording: float
+    instantiation: float
 
 
 class GraphEntry(Protocol[R_co]):
@@ -26,6 +40,11 @@ class GraphEntry(Protocol[R_co]):
     @property
     def output(self) -> R_co:
         """The outputs the capture returned: aliases of graph memory, rewritten by every replay."""
+        ...
+
+    @property
+    def seconds(self) -> RecordSeconds:
+        """What its recording cost the host (the recording and the instantiation)."""
         ...
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import ClassVar, Final, Generic, TypeVar
@@ -30,7 +31,16 @@ from ._errors import CaptureError
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
-from ._segment import THREAD, abort_segment, begin_segment, end_segment, on_side_stream
+from ._protocols import RecordSeconds
+from ._segment import (
+    THREAD,
+    abort_segment,
+    begin_segment,
+    end_segment,
+    instantiate_segment,
+    new_graph,
+    on_side_stream,
+)
 from ._weakref import weak_ref_tensors
 
 R = TypeVar("R")
@@ -47,6 +57,7 @@ class Recording(Generic[R]):
     ``executed``: the recording also ran the work (a breakable capture that
     executes its segments), so the outputs hold this call's results.
     ``recorded_work``: it recorded any device work or eager break at all.
+    ``instantiation``: host seconds building the executables.
     """
 
     owner: GraphOwner
@@ -54,6 +65,7 @@ class Recording(Generic[R]):
     output: R
     executed: bool
     recorded_work: bool
+    instantiation: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,7 +83,7 @@ class _Call:
 class Entry(Generic[R]):
     """One captured graph: how to replay it, what it returns, what it expects (a ``GraphEntry``)."""
 
-    __slots__ = ("addresses", "output", "owner", "replay")
+    __slots__ = ("addresses", "output", "owner", "replay", "seconds")
 
     def __init__(
         self,
@@ -79,11 +91,13 @@ class Entry(Generic[R]):
         replay: Callable[[], object],
         output: R,
         addresses: tuple[tuple[str, int], ...] | None,
+        seconds: RecordSeconds,
     ) -> None:
         self.owner: Final = owner  # owns the graph(s): freed with the entry
         self.replay: Final = replay
         self.output: Final = output
         self.addresses: Final = addresses  # (argument path, data pointer), with check_input_addresses
+        self.seconds: Final = seconds  # what the recording cost the host
 
 
 class GraphRecorder(Generic[R]):
@@ -152,7 +166,9 @@ class GraphRecorder(Generic[R]):
                 if execute and self.options.warmup_runs:
                     self._warm_up(descriptor, stream, args, kwargs, extra)
                 call = _Call(descriptor, pool, stream, args, kwargs, execute)
+                start = time.perf_counter()
                 recording: Recording[R] | None = self._record(call)
+                recorded_s = time.perf_counter() - start
                 assert recording is not None
                 if not recording.recorded_work:
                     # Freed now, under the capture lock, not whenever the traceback goes: torch's
@@ -176,7 +192,8 @@ class GraphRecorder(Generic[R]):
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None
         output = recording.output
         kept = weak_ref_tensors(output) if self.options.weak_ref_output else output
-        return Entry(recording.owner, recording.replay, kept, addresses), output
+        seconds = RecordSeconds(recorded_s - recording.instantiation, recording.instantiation)
+        return Entry(recording.owner, recording.replay, kept, addresses, seconds), output
 
     def _stream(self, device: int) -> torch.cuda.Stream:
         return capture_stream(device) if self.options.stream is None else self.options.stream
@@ -205,7 +222,7 @@ class MonolithicRecorder(GraphRecorder[R]):
     __slots__ = ()
 
     def _record(self, call: _Call) -> Recording[R]:
-        graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
+        graph: torch.cuda.CUDAGraph | None = new_graph()
         assert graph is not None
         collect_before_capture(self.options.gc_disable)
         try:
@@ -217,10 +234,11 @@ class MonolithicRecorder(GraphRecorder[R]):
                     abort_segment(graph, call.pool)
                     raise
                 recorded_work = end_segment(graph, call.pool, call.descriptor)
+            instantiation = instantiate_segment(graph) if recorded_work else 0.0
         except BaseException:
             graph = None  # freed now, under the capture lock (see GraphRecorder.capture)
             raise
-        return Recording(graph, graph.replay, output, executed=False, recorded_work=recorded_work)
+        return Recording(graph, graph.replay, output, False, recorded_work, instantiation)
 
 
 class BreakableRecorder(GraphRecorder[R]):
@@ -244,7 +262,8 @@ class BreakableRecorder(GraphRecorder[R]):
             output = self.runnable(*call.args, **call.kwargs)
         recorded_work = capture.num_graphs > 0 or capture.num_eager_breaks > 0
         # Executed: the segments ran as they were captured.
-        return Recording(capture, capture.replay, output, executed=call.execute, recorded_work=recorded_work)
+        instantiation = capture.instantiation_seconds
+        return Recording(capture, capture.replay, output, call.execute, recorded_work, instantiation)
 
 
 def addresses_of(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:

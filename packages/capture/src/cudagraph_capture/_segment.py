@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Final
@@ -65,6 +66,22 @@ def on_side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
             yield
     finally:
         caller.wait_stream(stream)  # what the caller does next sees the body's work
+
+
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A graph whose ``capture_end`` only records: ``instantiate_segment`` then builds its executable.
+
+    Two calls instead of one, so a capture can say what each cost (torch's
+    ``keep_graph=True``; the template graph is host memory, freed with it).
+    """
+    return torch.cuda.CUDAGraph(keep_graph=True)
+
+
+def instantiate_segment(graph: torch.cuda.CUDAGraph) -> float:
+    """Build the executable of a recorded ``graph`` (``cudaGraphInstantiate``); its host seconds."""
+    start = time.perf_counter()
+    graph.instantiate()
+    return time.perf_counter() - start
 
 
 def begin_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:

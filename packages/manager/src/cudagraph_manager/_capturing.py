@@ -86,8 +86,9 @@ class Capturer(Generic[OutputT]):
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
             mode: factory(parts.model, mode, options) for mode in modes
         }
-        #: Keys warmed up once: lazy initialization, compiles and autotuning are done for them.
-        self._warmed: Final[set[BatchDescriptor]] = set()
+        #: Keys warmed up once (lazy initialization, compiles and autotuning are done for them),
+        #: with the seconds of a warm-up not yet counted in a report.
+        self._warmed: Final[dict[BatchDescriptor, float]] = {}
 
     def foreground(
         self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
@@ -183,17 +184,26 @@ class Capturer(Generic[OutputT]):
             key.entry = key.last_cut = None
 
     def _warm_up(self, descriptor: BatchDescriptor) -> None:
+        """The background capture's warm-up of ``descriptor``, timed for its key's report."""
+        start = time.perf_counter()
         key = self.keys[descriptor]
         key.warm_up(self._engines[key.mode], self._buffers)
-        self._warmed.add(descriptor)
+        self._warmed[descriptor] = time.perf_counter() - start
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         key = self.keys[descriptor]
+        earlier = 0.0 if warm else self._warmed.get(descriptor, 0.0)
         record = capture_key(
-            key, self._engines[key.mode], self._buffers, self._layout, self._device, warm=warm
+            key,
+            self._engines[key.mode],
+            self._buffers,
+            self._layout,
+            self._device,
+            warm=warm,
+            warmed_seconds=earlier,
         )
-        if warm:
-            self._warmed.add(descriptor)
+        if warm or descriptor in self._warmed:
+            self._warmed[descriptor] = 0.0  # warmed up, and its warm-up counted in a report
         return record
 
 
@@ -205,17 +215,20 @@ def capture_key(
     device: torch.device,
     *,
     warm: bool,
+    warmed_seconds: float = 0.0,
 ) -> CapturedGraph:
     """Warm the key up (``warm``), record its graph, check its outputs, store the entry on the key.
 
-    ``CaptureError`` from the engine, or ``ValueError`` naming an output that
-    cannot be cut, leaves the key uncaptured.
+    ``warmed_seconds``: a warm-up of this key run earlier (the background
+    capture's), counted in its seconds. ``CaptureError`` from the engine, or
+    ``ValueError`` naming an output that cannot be cut, leaves the key uncaptured.
     """
-    start = time.perf_counter()
+    start = time.perf_counter() - warmed_seconds
     check_capture_enabled(key.descriptor)  # before the warm-up: a disabled capture runs nothing
     if warm:
         key.warm_up(engine, buffers)
-    entry, captured = key.record(engine, device, start)
+    warmup = time.perf_counter() - start if warm else warmed_seconds
+    entry, captured = key.record(engine, device, start, warmup)
     layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
     key.keep(entry)  # last: the serving thread replays the key from its next step
     return captured

@@ -185,7 +185,7 @@ def _probe(
     start = time.perf_counter()
     if warm:
         key.warm_up(engine, buffers)
-    entry, captured = key.record(engine, device, start)
+    entry, captured = key.record(engine, device, start, time.perf_counter() - start if warm else 0.0)
     entries.append(entry)
     return captured
 

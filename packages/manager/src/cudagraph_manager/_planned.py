@@ -100,21 +100,31 @@ class PlannedKey(Generic[OutputT]):
             ) from error
 
     def record(
-        self, engine: GraphEngine[OutputT], device: torch.device, start: float
+        self, engine: GraphEngine[OutputT], device: torch.device, start: float, warmup_seconds: float
     ) -> tuple[GraphEntry[OutputT], CapturedGraph]:
         """Record the graph (nothing runs on the device); the entry, and what it cost since ``start``.
 
         ``pool_bytes`` is the growth of reserved memory over the recording
         alone (a warm-up's eager blocks are not the pool's); ``driver_bytes``
         the rest of the drop of free memory (the graph's executable). The
-        entry is not stored: the caller checks it first.
+        seconds count from ``start``, ``warmup_seconds`` of them the key's
+        warm-up. The entry is not stored: the caller checks it first.
         """
         reserved, free = reserved_bytes(device), free_bytes(device)
         entry = engine.record(self.descriptor, self.inputs)
         pool_bytes = reserved_bytes(device) - reserved
         driver_bytes = free - free_bytes(device) - pool_bytes
-        seconds = time.perf_counter() - start
-        return entry, CapturedGraph(self.mode, self.descriptor, seconds, pool_bytes, driver_bytes)
+        spent = entry.seconds
+        return entry, CapturedGraph(
+            self.mode,
+            self.descriptor,
+            time.perf_counter() - start,
+            pool_bytes,
+            driver_bytes,
+            warmup_seconds,
+            spent.recording,
+            spent.instantiation,
+        )
 
 
 def replays_by_size(keys: Iterable[PlannedKey[OutputT]]) -> dict[tuple[CUDAGraphMode, int], int]:

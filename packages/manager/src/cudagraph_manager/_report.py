@@ -17,7 +17,11 @@ class CapturedGraph:
     """One captured graph: its key, what it cost in host time and in device memory.
 
     ``seconds`` is host time of the warm-up and the capture (the device is not
-    synchronized per graph). ``pool_bytes`` is the growth of the device's
+    synchronized per graph), split into ``warmup_seconds`` (the eager runs
+    before it, where the key had one), ``recording_seconds`` (the capture's
+    begin to end, the model's calls included), ``instantiation_seconds``
+    (building the executable) and ``rest_seconds`` (the checks and the
+    bookkeeping around them). ``pool_bytes`` is the growth of the device's
     reserved memory during the recording: the new memory this graph needed
     from the shared pool (torch's allocator). Graphs captured later (smaller)
     mostly reuse the pool, so their share is often 0. ``driver_bytes`` is
@@ -33,6 +37,30 @@ class CapturedGraph:
     seconds: float
     pool_bytes: int
     driver_bytes: int = 0
+    warmup_seconds: float = 0.0
+    recording_seconds: float = 0.0
+    instantiation_seconds: float = 0.0
+
+    @property
+    def rest_seconds(self) -> float:
+        """``seconds`` not spent warming up, recording or instantiating."""
+        return self.seconds - self.warmup_seconds - self.recording_seconds - self.instantiation_seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CapturePhases:
+    """A capture's host seconds by phase: what the floor (recording, instantiation) is, and what is not."""
+
+    warmup: float
+    recording: float
+    instantiation: float
+    rest: float
+
+    def __str__(self) -> str:
+        return (
+            f"warm-up {self.warmup:.3f} s, recording {self.recording:.3f} s, "
+            f"instantiation {self.instantiation:.3f} s, rest {self.rest:.3f} s"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +111,16 @@ class CaptureReport:
         """The memory the graphs took from the pool: the sum of their shares."""
         return sum(g.pool_bytes for g in self.graphs)
 
+    @property
+    def phases(self) -> CapturePhases:
+        """``seconds`` split: the graphs' warm-ups, recordings and instantiations, and the rest."""
+        warmup = sum(g.warmup_seconds for g in self.graphs)
+        recording = sum(g.recording_seconds for g in self.graphs)
+        instantiation = sum(g.instantiation_seconds for g in self.graphs)
+        return CapturePhases(
+            warmup, recording, instantiation, self.seconds - warmup - recording - instantiation
+        )
+
     def __str__(self) -> str:
         if self.no_graphs is not None:
             return f"Captured no CUDA graphs: {self.no_graphs}"
@@ -91,6 +129,7 @@ class CaptureReport:
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}, "
             f"device {format_bytes(self.device_bytes)} (driver {format_bytes(self.driver_bytes)})"
         )
+        header += f"\n{self.phases}"
         if self.compiles:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
         if self.resolution is not None and self.resolution.downgraded:
@@ -103,6 +142,9 @@ class CaptureReport:
                 "yes" if g.descriptor.uniform else "no",
                 str(g.descriptor.num_active_loras),
                 f"{g.seconds:.4f}",
+                f"{g.warmup_seconds:.4f}",
+                f"{g.recording_seconds:.4f}",
+                f"{g.instantiation_seconds:.4f}",
                 format_bytes(g.pool_bytes),
                 format_bytes(g.driver_bytes),
             )
@@ -115,11 +157,26 @@ class CaptureReport:
             "",
             "",
             f"{sum(g.seconds for g in self.graphs):.4f}",
+            f"{self.phases.warmup:.4f}",
+            f"{self.phases.recording:.4f}",
+            f"{self.phases.instantiation:.4f}",
             format_bytes(self.pool_bytes),
             format_bytes(sum(g.driver_bytes for g in self.graphs)),
         )
-        headers = ("mode", "tokens", "reqs", "uniform", "loras", "seconds", "pool", "driver")
-        right = frozenset({1, 2, 4, 5, 6, 7})
+        headers = (
+            "mode",
+            "tokens",
+            "reqs",
+            "uniform",
+            "loras",
+            "seconds",
+            "warm-up",
+            "record",
+            "instantiate",
+            "pool",
+            "driver",
+        )
+        right = frozenset({1, 2, *range(4, 11)})
         return "\n".join([header, *format_table(headers, [*rows, total], right=right)])
 
 
