@@ -161,5 +161,12 @@ if __name__ == "__main__":
     parser.add_argument("--model", choices=sorted(MODELS), default="reference")
     parser.add_argument("--mode", choices=["FULL", "FULL_AND_PIECEWISE"], default="FULL")
     parser.add_argument("--cold", action="store_true")
+    parser.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="turn torch's cuDNN attention off (it builds a plan per new shape: a first-use cost per size)",
+    )
     args = parser.parse_args()
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     print(json.dumps(main(args.model, args.mode, cold=args.cold)))

@@ -315,3 +315,44 @@ def test_the_manager_readme_compiled_example_runs() -> None:
     ]
     with highest_fp32_matmul_precision():
         exec(compile(block, "packages/manager/README.md", "exec"), {"__name__": "readme_example"})
+
+
+def _size_specialized(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ x.T) @ x  # [n, 64]: one compile per size (dynamic=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recapture", ["clear", "release"])
+def test_a_model_compiled_per_size_recaptures_without_compiling_and_replays_like_eager(
+    recapture: str,
+) -> None:
+    """A model that compiles once per size is compiled in the first capture's warm-ups, one per key.
+
+    A recapture warms up only the smallest key (``_needs_warm_up``) and
+    compiles nothing: a compile inside a recording would fail, so a size the
+    first warm-ups had not compiled would show here. Every replay is
+    compared with eager on fresh random inputs, before and after.
+    """
+    torch._dynamo.reset()
+    compiled = torch.compile(_size_specialized, dynamic=False)
+    sizes = CaptureSizes([1, 2, 4, 8])  # under dynamo's default recompile limit of 8
+    manager = CUDAGraphManager(
+        compiled,
+        {"x": StaticInput(shape=(64,), dtype=torch.float32, rows="tokens")},
+        DispatchConfig(CUDAGraphMode.FULL, sizes, max_num_seqs=8),
+    )
+    with highest_fp32_matmul_precision():
+        first = manager.capture(progress=False)
+        assert first.compiles is not None
+        assert first.compiles >= len(sizes)  # one per size, in the warm-ups
+        getattr(manager, recapture)()
+        again = manager.capture(progress=False)
+        assert again.compiles == 0, "the recapture compiled: a size's compile was not in the first warm-ups"
+        assert [g.descriptor.num_tokens for g in again.graphs if g.warmup_seconds > 0] == [1]
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        for num_tokens in (1, 2, 3, 5, 8):
+            x = torch.randn(num_tokens, 64, device="cuda", generator=generator)
+            out = manager.run(x=x)
+            assert rel_err(out, _size_specialized(x)) < TOL, num_tokens
+    assert manager.stats.eager_runs == 0

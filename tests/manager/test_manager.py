@@ -684,3 +684,31 @@ def test_captures_the_51_default_sizes() -> None:
         assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
     assert report.num_graphs == manager.num_captured == 51
     assert manager.stats.replays == {(FULL, 304): 1}
+
+
+@pytest.mark.parametrize("mode", [FULL, CUDAGraphMode.FULL_AND_PIECEWISE])
+def test_a_recapture_warms_up_only_the_smallest_key_of_each_mode(mode: CUDAGraphMode) -> None:
+    """A key's first capture warms it up; a recapture (clear(), release()) warms one key per mode.
+
+    The keys' compiles and plans were made by their first warm-up; the
+    smallest key of each mode is warmed again for the capturing thread.
+    Every replay after the recapture still matches eager.
+    """
+    engines = FakeEngines()
+    model = ToyModel(torch.device("cpu"))
+    manager = CUDAGraphManager(model, INPUTS, config_for(mode), device="cpu", engine_factory=engines)
+    first = manager.capture(progress=False)
+    plan = manager.dispatcher.capture_plan()
+    assert sum(e.warm_ups for e in engines.engines.values()) == first.num_graphs  # every first use
+    assert all(g.warmup_seconds > 0 for g in first.graphs)
+    for recapture in (manager.clear, manager.release):
+        recapture()
+        before = {m: e.warm_ups for m, e in engines.engines.items()}
+        report = manager.capture(progress=False)
+        assert {m: e.warm_ups - before[m] for m, e in engines.engines.items()} == {m: 1 for m, _ in plan}
+        warmed = [g.descriptor for g in report.graphs if g.warmup_seconds > 0]
+        assert warmed == [keys[-1] for _, keys in plan]  # the smallest of each mode
+        for num_tokens in (1, 3, max(SIZES)):
+            batch = make_batch(num_tokens, min(num_tokens, 2), torch.device("cpu"), seed=num_tokens)
+            assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+    assert manager.stats.eager_runs == 0

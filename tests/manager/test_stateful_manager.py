@@ -127,6 +127,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self.model, INPUTS, self.config, device=CPU, strict=strict, engine_factory=self.engines
         )
         self.plan = [key for _, keys in self.manager.dispatcher.capture_plan() for key in keys]
+        self.modes = {key: mode for mode, keys in self.manager.dispatcher.capture_plan() for key in keys}
+        self.warmed: set[BatchDescriptor] = (
+            set()
+        )  # keys warmed up or captured: their first use is behind them
         assert self.plan, "every mode drawn here has graphs"
         if capture_first:
             self._capture(None)
@@ -167,17 +171,21 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert report.no_graphs is None
         finally:
             self.fail_at = None
-        # Each key captured in order, two model runs each (its warm-up, its recording); a key whose
-        # recording failed (the machine's switch or a planted failure) ran its warm-up only.
+        # Each key captured in order: its warm-up where one is needed (its first capture, or the
+        # smallest pending key of its mode), then its recording; a key whose recording failed (the
+        # machine's switch or a planted failure) ran its warm-up only.
         seen = [
             (None if context is None else context.batch_descriptor, rows)
             for context, rows in self.model.calls
         ]
-        runs = [(key, key.num_tokens) for key in expected for _ in range(2)]
+        smallest = {self.modes[key]: key for key in pending}  # the last of each mode: plans are largest first
+        warm = {key for key in pending if key not in self.warmed or smallest[self.modes[key]] == key}
+        runs = [(key, key.num_tokens) for key in expected for _ in range(1 + (key in warm))]
         if failing:
             assert fail_at is not None
-            runs.append((pending[fail_at], pending[fail_at].num_tokens))
+            runs += [(pending[fail_at], pending[fail_at].num_tokens)] * (pending[fail_at] in warm)
         assert seen == runs
+        self.warmed.update(expected)
         self.captured.update(expected)
         self.layout_known = self.layout_known or bool(expected)
 
@@ -209,6 +217,10 @@ class ManagerMachine(RuleBasedStateMachine):
         """
         pending = self._pending()
         self.fail_at, self.captures_in_call = (0 if fail_first else None), 0
+        # The thread's warm-ups: the largest pending key of each mode not warmed yet, and the smallest.
+        for mode in dict.fromkeys(self.modes[key] for key in pending):
+            of_mode = [key for key in pending if self.modes[key] is mode]
+            self.warmed.update({of_mode[0], of_mode[-1]})
         try:
             handle = self.manager.start_capture()
             report = handle.wait(60)
@@ -224,6 +236,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert handle.errors == ()
             assert handle.retries == int(fail_first)
             self.captured.update(pending)
+            self.warmed.update(pending)  # a recording is a first use too
             self.layout_known = True
         else:
             event("background: capture off, every key given up")

@@ -93,16 +93,20 @@ class Capturer(Generic[OutputT]):
     def foreground(
         self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
-        """Capture ``pending`` in order on this thread (each key kept by every rank, or by none)."""
+        """Capture ``pending`` in order on this thread (each key kept by every rank, or by none).
+
+        A key is warmed up where that is needed (``_needs_warm_up``).
+        """
         if self._no_graphs is not None:
             return CaptureReport((), 0.0, 0, self._no_graphs, resolution=self._resolution)
+        warm = self._needs_warm_up(pending, ranks)
         device = self._device
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
             totals = CaptureTotals(device, self._resolution)
             for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                attempt = functools.partial(self._capture, key.descriptor, warm=True)
+                attempt = functools.partial(self._capture, key.descriptor, warm=key.descriptor in warm)
                 if ranks is None:
                     records.append(attempt())
                 else:
@@ -143,11 +147,34 @@ class Capturer(Generic[OutputT]):
         session.start()
         return session
 
+    def _needs_warm_up(
+        self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None
+    ) -> set[BatchDescriptor]:
+        """The keys a foreground capture warms up: each one's first use, and the smallest of each mode.
+
+        A key's first use precedes its recording: a compile for its size (a
+        compile inside a recording fails), library plans for its shapes
+        (cuDNN's attention builds one per shape, slower inside a capture),
+        its eager allocator blocks. A key this manager warmed before (a
+        recapture: ``clear()``, ``release()`` and a wake, new weights) has
+        them all; only the smallest of each mode is warmed again, for the
+        capturing thread's cuBLAS handles and a recompile that new weights
+        may cause (one compile serves every size of a dynamic graph). With
+        ``ranks``, every key (a tensor-parallel warm-up holds collectives, so
+        every rank must run the same ones, whatever each one warmed before).
+        """
+        if ranks is not None:
+            return {key.descriptor for key in pending}
+        warm = {key.descriptor for key in pending if key.descriptor not in self._warmed}
+        for mode in dict.fromkeys(key.mode for key in pending):
+            warm.add([key.descriptor for key in pending if key.mode is mode][-1])  # largest first
+        return warm
+
     def pending(self) -> list[PlannedKey[OutputT]]:
         """The keys not captured yet, in capture order."""
         return [key for key in self.keys.values() if key.entry is None]
 
-    def estimate(self) -> MemoryEstimate:
+    def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
         """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
         pending = self.pending()
         if self._no_graphs is not None or not pending or self._device.type != "cuda":
@@ -156,7 +183,12 @@ class Capturer(Generic[OutputT]):
                 or ("every key is captured" if not pending else f"the device is {self._device}")
             )
         return estimate_memory(
-            pending, self._probe_engine, self._buffers, self._device, self._options.gc_disable
+            pending,
+            self._probe_engine,
+            self._buffers,
+            self._device,
+            self._options.gc_disable,
+            self._needs_warm_up(pending, ranks),
         )
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
@@ -202,8 +234,7 @@ class Capturer(Generic[OutputT]):
             warm=warm,
             warmed_seconds=earlier,
         )
-        if warm or descriptor in self._warmed:
-            self._warmed[descriptor] = 0.0  # warmed up, and its warm-up counted in a report
+        self._warmed[descriptor] = 0.0  # its first use is behind it; its warm-up counted in a report
         return record
 
 

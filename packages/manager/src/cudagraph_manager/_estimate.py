@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final, TypeVar
 
 import torch
@@ -26,7 +26,7 @@ from cudagraph_capture import (
     collector_paused,
     drop_cublas_workspaces,
 )
-from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from ._buffers import StaticBuffers
 from ._memory import reserved_bytes
@@ -100,8 +100,13 @@ def estimate_memory(
     buffers: StaticBuffers,
     device: torch.device,
     gc_disable: bool,
+    warmed: Collection[BatchDescriptor],
 ) -> MemoryEstimate:
-    """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream."""
+    """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream.
+
+    ``warmed``: the keys the capture will warm up; the largest of each mode
+    sets what the warm-ups leave in torch's cache.
+    """
     start = time.perf_counter()
     check_capture_enabled(None)
     by_mode: dict[CUDAGraphMode, list[PlannedKey[OutputT]]] = {}
@@ -115,9 +120,12 @@ def estimate_memory(
     pool_total = driver_total = 0
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
-            warmup = measure_warm_ups(
-                [(keys[0], engines[mode]) for mode, keys in by_mode.items()], buffers, device
-            )
+            largest_warmed = [
+                (next(key for key in keys if key.descriptor in warmed), engines[mode])
+                for mode, keys in by_mode.items()
+                if any(key.descriptor in warmed for key in keys)
+            ]
+            warmup = measure_warm_ups(largest_warmed, buffers, device)
             for mode, keys in by_mode.items():
                 measured = [
                     _probe(

@@ -234,7 +234,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         with self._exclusive("estimate_memory"):
             agree_plan(self._ranks, self._capturer.pending(), self._no_graphs)
-            return self._capturer.estimate()
+            return self._capturer.estimate(self._ranks)
 
     def start_capture(self) -> BackgroundCapture:
         """Capture the plan's pending keys in a thread while ``run()`` keeps serving.
