@@ -28,8 +28,9 @@ from cudagraph_capture import (
     GraphEntry,
     capture_lock,
 )
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
+from tests.benchmarks.startup import key_views
 
 MIB: Final = 2**20
 SAMPLES: Final = 2
@@ -48,7 +49,6 @@ def vllm_style_estimate(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # vLLM empties the cache once, at the start of its capture phase
     options = CaptureOptions(pool=torch.cuda.graph_pool_handle())
-    max_num_seqs = manager.dispatcher.config.max_num_seqs
     entries: list[GraphEntry[torch.Tensor]] = []
     first: list[int] = []
     further = 0
@@ -62,7 +62,7 @@ def vllm_style_estimate(
                 )
                 samples = []
                 for key in keys[:SAMPLES]:
-                    views = _padded_views(manager, inputs, key, max_num_seqs)
+                    views = key_views(manager, inputs, key)
                     torch.cuda.synchronize(device)
                     free = torch.cuda.mem_get_info(device)[0]
                     engine.warm_up(key, views)
@@ -78,22 +78,3 @@ def vllm_style_estimate(
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     return max(first) + further if first else 0
-
-
-def _padded_views(
-    manager: CUDAGraphManager[torch.Tensor],
-    inputs: Mapping[str, StaticInput],
-    key: BatchDescriptor,
-    max_num_seqs: int,
-) -> dict[str, torch.Tensor]:
-    """The key's rows of each static buffer, filled with the input's pad value (as a capture's warm-up)."""
-    num_reqs = key.num_reqs if key.num_reqs is not None else min(key.num_tokens, max_num_seqs)
-    rows = {"tokens": key.num_tokens, "reqs": num_reqs}
-    views: dict[str, torch.Tensor] = {}
-    for name, buffer in manager.static_buffers.items():
-        spec = inputs[name]
-        view = buffer if spec.rows is None else buffer[: rows[spec.rows]]
-        if spec.rows is not None:
-            view.fill_(spec.pad_value)
-        views[name] = view
-    return views
