@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ from cudagraph_dispatch import BatchDescriptor, ModeResolution
 
 from ._report import CapturedGraph, CaptureReport
 from ._totals import CaptureTotals
+from ._worker import run_capture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -86,6 +88,7 @@ class BackgroundCapture:
         "_lock",
         "_misses",
         "_no_graphs",
+        "_owner",
         "_pending",
         "_records",
         "_report",
@@ -106,10 +109,13 @@ class BackgroundCapture:
         capture_one: Callable[[BatchDescriptor], CapturedGraph],
         device: torch.device,
         gc_disable: bool,
-        no_graphs: str | None = None,
-        resolution: ModeResolution | None = None,
+        no_graphs: str | None,
+        resolution: ModeResolution | None,
+        owner: object,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
+        #: Whose captures these are (the manager's ``Capturer``): the worker lives while it does.
+        self._owner: Final = owner
         self._no_graphs: Final = no_graphs  # why nothing can be captured, for the report
         self._resolution: Final = resolution  # the mode the graphs follow, for the report
         self._warm_keys: Final = tuple(warm_keys)
@@ -195,13 +201,9 @@ class BackgroundCapture:
         if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
             raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
         warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
-        thread = threading.Thread(
-            target=self._run,
-            args=(serving, own, warm_ups_done),
-            name="cudagraph-background-capture",
-            daemon=True,
-        )
-        thread.start()
+        # The device's capture worker, whose handles and plans outlive this session (``_worker``).
+        job = functools.partial(self._run, serving, own, warm_ups_done)
+        run_capture(self._device, job, self._owner, "cudagraph-background-capture")
         self._warm_ups_queued.wait()
         if serving is not None and warm_ups_done is not None:
             serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Sequence
 from typing import Final, Generic
@@ -35,6 +36,7 @@ from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
+from ._compiled import dynamo_compiles
 from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell
 from ._parts import ManagerParts
@@ -50,6 +52,7 @@ class Capturer(Generic[OutputT]):
     """A manager's captures: every pending key in the foreground, or in a background thread."""
 
     __slots__ = (
+        "__weakref__",  # the capture worker lives while a capturer that used it does
         "_buffers",
         "_device",
         "_engines",
@@ -59,6 +62,7 @@ class Capturer(Generic[OutputT]):
         "_no_graphs",
         "_options",
         "_resolution",
+        "_thread_state",
         "_warmed",
         "keys",
     )
@@ -86,6 +90,8 @@ class Capturer(Generic[OutputT]):
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
             mode: factory(parts.model, mode, options) for mode in modes
         }
+        #: Per thread: whether a warm-up of this manager ran on it (its library handles exist).
+        self._thread_state: Final = threading.local()
         #: Keys warmed up once (lazy initialization, compiles and autotuning are done for them),
         #: with the seconds of a warm-up not yet counted in a report.
         self._warmed: Final[dict[BatchDescriptor, float]] = {}
@@ -125,24 +131,30 @@ class Capturer(Generic[OutputT]):
         The thread warms up the largest and the smallest pending key of each
         mode; the largest only if no earlier capture of this manager warmed
         it up (a wake after ``release()``: its compiles, autotuning and
-        allocator blocks stay). The smallest always: it creates the new
-        thread's cuBLAS handles, which a recording cannot (tried: a wake
-        without it fails with ``CUBLAS_STATUS_NOT_INITIALIZED``).
+        allocator blocks stay). The smallest creates a new thread's cuBLAS
+        handles, which a recording cannot (tried: a wake without it fails with
+        ``CUBLAS_STATUS_NOT_INITIALIZED``); on the capture worker, which kept
+        them from a capture of this manager before, it is skipped where no
+        model is compiled (a recompile after new weights would need it).
         """
         warm: dict[BatchDescriptor, None] = {}
+        for_thread: set[BatchDescriptor] = set()  # warmed for the thread's handles only
         for mode in dict.fromkeys(key.mode for key in pending):
             of_mode = [key.descriptor for key in pending if key.mode is mode]
             largest = () if of_mode[0] in self._warmed else (of_mode[0],)
             warm |= dict.fromkeys((*largest, of_mode[-1]))
+            if of_mode[-1] not in largest:
+                for_thread.add(of_mode[-1])
         session = BackgroundCapture(
             [key.descriptor for key in pending],
             list(warm),
-            self._warm_up,
+            functools.partial(self._warm_up, for_thread=frozenset(for_thread)),
             functools.partial(self._capture, warm=False),
             self._device,
             self._options.gc_disable,
             self._no_graphs,
             self._resolution,
+            self,
         )
         session.start()
         return session
@@ -215,12 +227,21 @@ class Capturer(Generic[OutputT]):
         with capture_lock(self._device) if cuda else contextlib.nullcontext():
             key.entry = key.last_cut = None
 
-    def _warm_up(self, descriptor: BatchDescriptor) -> None:
-        """The background capture's warm-up of ``descriptor``, timed for its key's report."""
+    def _warm_up(self, descriptor: BatchDescriptor, *, for_thread: frozenset[BatchDescriptor]) -> None:
+        """The background capture's warm-up of ``descriptor``, timed for its key's report.
+
+        A key in ``for_thread`` is skipped on a thread that warmed up for this
+        manager before (the capture worker: its handles exist), unless dynamo
+        is loaded (a compiled model may recompile after new weights).
+        """
+        thread = self._thread_state
+        if descriptor in for_thread and getattr(thread, "warmed", False) and dynamo_compiles() is None:
+            return
         start = time.perf_counter()
         key = self.keys[descriptor]
         key.warm_up(self._engines[key.mode], self._buffers)
         self._warmed[descriptor] = time.perf_counter() - start
+        thread.warmed = True
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         key = self.keys[descriptor]

@@ -1,0 +1,139 @@
+"""One capture thread per device that outlives the background captures, so a wake starts warm.
+
+A thread's first use of a shape costs more than its capture: library
+handles and plans belong to the thread (cuDNN builds an attention plan per
+shape, 5 ms a call the first time on an H100), so a background capture on a
+new thread pays them again for every size. ``CaptureWorker`` is a thread
+per device that runs the background captures one after another and keeps
+that state between them: after ``release()``, ``start_capture()`` hands it
+the keys and the first served step costs an eager step plus the enqueue.
+
+A session that finds the worker busy (a second manager's capture on the
+device) runs on a thread of its own, as before. The worker stops once no
+manager that used it is alive, and at interpreter exit; it never holds a
+session after running it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Final
+
+_logger: Final = logging.getLogger("cudagraph_manager")
+_JOIN_AT_EXIT_S: Final = 5.0
+
+Job = Callable[[], None]
+
+
+class CaptureWorker:
+    """A daemon thread that runs capture jobs one at a time (``try_run``) until ``stop``."""
+
+    __slots__ = ("_busy", "_jobs", "_lock", "_stopped", "_thread", "_users")
+
+    def __init__(self, name: str) -> None:
+        self._jobs: Final[queue.SimpleQueue[Job | None]] = queue.SimpleQueue()
+        # _busy, _stopped, _users; reentrant: a user's finalizer may run inside try_run (a GC there).
+        self._lock: Final = threading.RLock()
+        self._busy = False
+        self._stopped = False
+        #: The owners (a manager's ``Capturer``) that used the worker; it stops when none is alive.
+        self._users: Final[weakref.WeakSet[object]] = weakref.WeakSet()
+        self._thread: Final = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
+    def alive(self) -> bool:
+        with self._lock:
+            return not self._stopped and self._thread.is_alive()
+
+    def try_run(self, job: Job, user: object) -> bool:
+        """Queue ``job`` and return ``True``, unless the worker is busy or stopped (``False``)."""
+        with self._lock:
+            if self._busy or self._stopped:
+                return False
+            self._busy = True
+            if user not in self._users:
+                self._users.add(user)
+                weakref.finalize(user, self._user_gone)
+        self._jobs.put(job)
+        return True
+
+    def stop(self) -> None:
+        """Let the thread end after the job it runs, if any (any thread; never waits)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (after ``stop``)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _user_gone(self) -> None:
+        # May run on any thread, this one included: stop without waiting. Iterating yields the
+        # live users only (the dead one may not have left the set yet).
+        with self._lock:
+            idle = next(iter(self._users), None) is None
+        if idle:
+            self.stop()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # a job reports its own errors; never let the worker die silently
+                _logger.exception("capture worker: a job raised")
+            finally:
+                job = None  # hold nothing of the session between jobs
+                with self._lock:
+                    self._busy = False
+
+
+_workers: Final[dict[str, CaptureWorker]] = {}
+_workers_lock: Final = threading.Lock()
+
+
+def capture_worker(device: object) -> CaptureWorker:
+    """The device's worker, started (again) if it has none alive."""
+    key = str(device)
+    with _workers_lock:
+        worker = _workers.get(key)
+        if worker is None or not worker.alive:
+            worker = _workers[key] = CaptureWorker(f"cudagraph-capture-worker-{key}")
+        return worker
+
+
+def run_capture(device: object, job: Job, user: object, name: str) -> threading.Thread:
+    """Run ``job`` on the device's worker, or on a new thread if the worker is busy; its thread."""
+    worker = capture_worker(device)
+    if worker.try_run(job, user):
+        return worker.thread
+    thread = threading.Thread(target=job, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit: every worker ends after its job (a capture in flight gets a few seconds)."""
+    with _workers_lock:
+        workers = list(_workers.values())
+        _workers.clear()
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.join(_JOIN_AT_EXIT_S)

@@ -1,0 +1,130 @@
+"""The capture worker: background captures of a device run on one thread that outlives them.
+
+On the CPU with the fake engines, which record on whatever thread the
+session runs: the thread of every recording is observed. GPU wakes are
+covered by the sleep and background tests, which run on the worker too.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager._worker import capture_worker
+from tests.capture.test_lean_import_capture import run_fresh
+
+from .helpers import INPUTS, TOL, FakeEngines, FirstRecordingGate, ToyModel, config_for, make_batch, rel_err
+
+CPU: Final = torch.device("cpu")
+WAIT_S: Final = 30.0
+
+
+class _Threads:
+    """An ``on_capture`` hook that notes the thread of each recording."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self) -> None:
+        self.seen.append(threading.get_ident())
+
+
+def _manager(hook: _Threads, model: ToyModel | None = None) -> CUDAGraphManager[torch.Tensor]:
+    model = ToyModel(CPU) if model is None else model
+    return CUDAGraphManager(
+        model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(hook)
+    )
+
+
+def test_a_wake_records_on_the_thread_of_the_capture_before_it() -> None:
+    threads = _Threads()
+    model = ToyModel(CPU)
+    manager = _manager(threads, model)
+    manager.start_capture().wait(WAIT_S)
+    first = set(threads.seen)
+    manager.release()
+    threads.seen.clear()
+    manager.start_capture().wait(WAIT_S)
+    assert set(threads.seen) == first == {capture_worker(CPU).thread.ident}
+    assert threading.get_ident() not in first
+    batch = make_batch(5, 3, CPU, seed=0)
+    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
+    assert manager.stats.eager_runs == 0
+
+
+def test_a_second_managers_capture_does_not_wait_for_a_busy_worker() -> None:
+    gate = FirstRecordingGate(WAIT_S)
+    busy = gate.manager_on_cpu(ToyModel(CPU))
+    held = busy.start_capture()
+    assert gate.entered.wait(WAIT_S)  # the worker is inside the first manager's recording
+    threads = _Threads()
+    other = _manager(threads)
+    report = other.start_capture().wait(WAIT_S)  # done while the worker is still held
+    assert report.num_graphs == len(other.dispatcher.keys(CUDAGraphMode.FULL))
+    assert capture_worker(CPU).thread.ident not in set(threads.seen)
+    assert not held.done
+    gate.open()
+    assert held.wait(WAIT_S).num_graphs == report.num_graphs
+
+
+def test_the_worker_stops_once_no_manager_that_used_it_is_alive() -> None:
+    manager = _manager(_Threads())
+    manager.start_capture().wait(WAIT_S)
+    worker = capture_worker(CPU)
+    assert worker.alive
+    del manager
+    gc.collect()
+    worker.thread.join(WAIT_S)
+    assert not worker.thread.is_alive()
+    assert capture_worker(CPU) is not worker  # a new one for the next capture
+
+
+def test_the_worker_ends_cleanly_at_interpreter_exit() -> None:
+    code = (
+        "import torch\n"
+        "from tests.manager.test_capture_worker import _Threads, _manager\n"
+        "manager = _manager(_Threads())\n"
+        "print(manager.start_capture().wait(30).num_graphs)\n"
+    )
+    out = run_fresh("-W", "error", "-c", code, timeout=120)
+    assert int(out.strip().splitlines()[-1]) > 0
+
+
+def _wake_warm_ups() -> tuple[int, int, float]:
+    """(warm-ups of the first background capture, of the wake's, a replay's error): for a fresh process."""
+    engines = FakeEngines()
+    model = ToyModel(CPU)
+    manager = CUDAGraphManager(
+        model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=engines
+    )
+    manager.start_capture().wait(WAIT_S)
+    first = engines.engines[CUDAGraphMode.FULL].warm_ups
+    manager.release()
+    manager.start_capture().wait(WAIT_S)
+    wake = engines.engines[CUDAGraphMode.FULL].warm_ups - first
+    batch = make_batch(5, 3, CPU, seed=1)
+    return first, wake, rel_err(manager.run_batch(batch), model.eager(batch))
+
+
+def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled() -> None:
+    """The worker kept its handles and every key was warmed: the wake queues its recordings at once.
+
+    In a fresh process, where dynamo was never loaded (with it, the smallest
+    key is warmed again for a recompile that new weights may cause).
+    """
+    code = (
+        "import json, sys\n"
+        "from tests.manager.test_capture_worker import _wake_warm_ups\n"
+        "first, wake, err = _wake_warm_ups()\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "print(json.dumps([first, wake, err]))\n"
+    )
+    first, wake, err = json.loads(run_fresh("-c", code, timeout=120).strip().splitlines()[-1])
+    assert (first, wake) == (1, 0)  # the largest (the thread's handles come with it), then none
+    assert err < TOL
