@@ -16,7 +16,7 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._worker import capture_worker
+from cudagraph_manager._worker import CaptureWorker, capture_worker
 from tests.capture.test_lean_import_capture import run_fresh
 
 from .helpers import INPUTS, TOL, FakeEngines, FirstRecordingGate, ToyModel, config_for, make_batch, rel_err
@@ -86,14 +86,41 @@ def test_the_worker_stops_once_no_manager_that_used_it_is_alive() -> None:
 
 
 def test_the_worker_ends_cleanly_at_interpreter_exit() -> None:
+    """At exit the worker's thread ends (checked by a hook that runs after the worker's own)."""
     code = (
-        "import torch\n"
+        "import atexit, threading\n"
+        "def check():\n"  # registered first, so it runs last
+        "    alive = [t.name for t in threading.enumerate() if 'capture-worker' in t.name]\n"
+        "    print('alive at exit:', alive)\n"
+        "atexit.register(check)\n"
         "from tests.manager.test_capture_worker import _Threads, _manager\n"
         "manager = _manager(_Threads())\n"
         "print(manager.start_capture().wait(30).num_graphs)\n"
     )
-    out = run_fresh("-W", "error", "-c", code, timeout=120)
-    assert int(out.strip().splitlines()[-1]) > 0
+    lines = run_fresh("-W", "error", "-c", code, timeout=120).strip().splitlines()
+    assert int(lines[-2]) > 0
+    assert lines[-1] == "alive at exit: []"
+
+
+def test_a_worker_stopped_while_a_job_is_handed_to_it_refuses_the_job() -> None:
+    """A finalizer that a collection runs inside ``try_run`` may stop the worker: the job is refused.
+
+    Refused, not queued behind the stop where no thread would run it (the
+    caller then runs it on a thread of its own). The user's ``__hash__``
+    stands for the collection.
+    """
+    worker = CaptureWorker("cudagraph-capture-worker-test")
+
+    class StopsWhenHashed:
+        def __hash__(self) -> int:
+            worker.stop()
+            return 0
+
+    ran = threading.Event()
+    assert not worker.try_run(ran.set, StopsWhenHashed(), lambda: None)
+    worker.join(WAIT_S)
+    assert not worker.thread.is_alive()
+    assert not ran.is_set()
 
 
 def _wake_warm_ups() -> tuple[int, int, float]:

@@ -192,6 +192,7 @@ class BackgroundCapture:
         """
         if not self._pending:
             self._finish(CaptureTotals(self._device, self._resolution))
+            self._done.set()
             return
         cuda = self._device.type == "cuda"
         serving = torch.cuda.current_stream(self._device) if cuda else None
@@ -203,7 +204,7 @@ class BackgroundCapture:
         warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
         # The device's capture worker, whose handles and plans outlive this session (``_worker``).
         job = functools.partial(self._run, serving, own, warm_ups_done)
-        run_capture(self._device, job, self._owner, "cudagraph-background-capture")
+        run_capture(self._device, job, self._owner, "cudagraph-background-capture", self._done.set)
         self._warm_ups_queued.wait()
         if serving is not None and warm_ups_done is not None:
             serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device
@@ -300,4 +301,4 @@ class BackgroundCapture:
             if why is None and self._pending:
                 why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
             self._report = totals.report(self._records, why)
-        self._done.set()
+        # ``done`` is set by the thread's runner once it is free again (``run_capture``).

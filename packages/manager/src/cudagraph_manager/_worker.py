@@ -36,7 +36,7 @@ class CaptureWorker:
     __slots__ = ("_busy", "_jobs", "_lock", "_stopped", "_thread", "_users")
 
     def __init__(self, name: str) -> None:
-        self._jobs: Final[queue.SimpleQueue[Job | None]] = queue.SimpleQueue()
+        self._jobs: Final[queue.SimpleQueue[tuple[Job, Job] | None]] = queue.SimpleQueue()
         # _busy, _stopped, _users; reentrant: a user's finalizer may run inside try_run (a GC there).
         self._lock: Final = threading.RLock()
         self._busy = False
@@ -55,25 +55,30 @@ class CaptureWorker:
         with self._lock:
             return not self._stopped and self._thread.is_alive()
 
-    def try_run(self, job: Job, user: object) -> bool:
-        """Queue ``job`` and return ``True``, unless the worker is busy or stopped (``False``)."""
+    def try_run(self, job: Job, user: object, after: Job) -> bool:
+        """Queue ``job`` and return ``True``, unless the worker is busy or stopped (``False``).
+
+        ``after`` runs on the worker once the job is done and the worker is
+        free again. All under the lock: the queue's order always matches the
+        flags, even where a finalizer runs in here (a collection) and stops
+        the worker; ``try_run`` then returns ``False``.
+        """
         with self._lock:
-            if self._busy or self._stopped:
-                return False
-            self._busy = True
             if user not in self._users:
                 self._users.add(user)
                 weakref.finalize(user, self._user_gone)
-        self._jobs.put(job)
+            if self._busy or self._stopped:
+                return False
+            self._busy = True
+            self._jobs.put((job, after))
         return True
 
     def stop(self) -> None:
         """Let the thread end after the job it runs, if any (any thread; never waits)."""
         with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._jobs.put(None)
+            if not self._stopped:
+                self._stopped = True
+                self._jobs.put(None)
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the thread to end (after ``stop``)."""
@@ -84,23 +89,26 @@ class CaptureWorker:
         # May run on any thread, this one included: stop without waiting. Iterating yields the
         # live users only (the dead one may not have left the set yet).
         with self._lock:
-            idle = next(iter(self._users), None) is None
-        if idle:
-            self.stop()
+            if next(iter(self._users), None) is None:
+                self.stop()
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            queued = self._jobs.get()
+            if queued is None:
                 return
-            try:
-                job()
-            except BaseException:  # a job reports its own errors; never let the worker die silently
-                _logger.exception("capture worker: a job raised")
-            finally:
-                job = None  # hold nothing of the session between jobs
-                with self._lock:
-                    self._busy = False
+            self._run_one(*queued)
+            del queued  # hold nothing of the session between jobs
+
+    def _run_one(self, job: Job, after: Job) -> None:
+        try:
+            job()
+        except BaseException:  # a job reports its own errors; never let the worker die silently
+            _logger.exception("capture worker: a job raised")
+        finally:
+            with self._lock:
+                self._busy = False
+        after()  # free first: a capture started right after this one finds the worker idle
 
 
 _workers: Final[dict[str, CaptureWorker]] = {}
@@ -117,14 +125,18 @@ def capture_worker(device: object) -> CaptureWorker:
         return worker
 
 
-def run_capture(device: object, job: Job, user: object, name: str) -> threading.Thread:
-    """Run ``job`` on the device's worker, or on a new thread if the worker is busy; its thread."""
-    worker = capture_worker(device)
-    if worker.try_run(job, user):
-        return worker.thread
-    thread = threading.Thread(target=job, name=name, daemon=True)
-    thread.start()
-    return thread
+def run_capture(device: object, job: Job, user: object, name: str, after: Job) -> None:
+    """Run ``job``, then ``after``, on the device's worker, or on a new thread if the worker is busy."""
+    if capture_worker(device).try_run(job, user, after):
+        return
+
+    def run() -> None:
+        try:
+            job()
+        finally:
+            after()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 @atexit.register
