@@ -12,6 +12,7 @@ import json
 import threading
 from typing import Final
 
+import pytest
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
@@ -139,19 +140,24 @@ def _wake_warm_ups() -> tuple[int, int, float]:
     return first, wake, rel_err(manager.run_batch(batch), model.eager(batch))
 
 
-def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled() -> None:
+@pytest.mark.parametrize("dynamo", [False, True], ids=["nothing_compiled", "dynamo_loaded"])
+def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled(dynamo: bool) -> None:
     """The worker kept its handles and every key was warmed: the wake queues its recordings at once.
 
-    In a fresh process, where dynamo was never loaded (with it, the smallest
-    key is warmed again for a recompile that new weights may cause).
+    In a fresh process, where dynamo was never loaded. Where it was, the
+    smallest key is warmed again, for a recompile that new weights may cause.
     """
     code = (
         "import json, sys\n"
-        "from tests.manager.test_capture_worker import _wake_warm_ups\n"
+        + ("import torch._dynamo.utils\n" if dynamo else "")
+        + "from tests.manager.test_capture_worker import _wake_warm_ups\n"
         "first, wake, err = _wake_warm_ups()\n"
-        "assert 'torch._dynamo' not in sys.modules\n"
+        "assert ('torch._dynamo' in sys.modules) is " + str(dynamo) + "\n"
         "print(json.dumps([first, wake, err]))\n"
     )
     first, wake, err = json.loads(run_fresh("-c", code, timeout=120).strip().splitlines()[-1])
-    assert (first, wake) == (1, 0)  # the largest (the thread's handles come with it), then none
+    assert first == (
+        2 if dynamo else 1
+    )  # the largest, whose warm-up makes the thread's handles; the smallest
+    assert wake == (1 if dynamo else 0)
     assert err < TOL
