@@ -1,16 +1,19 @@
 """Capture in a thread beside the serving steps: graphs switch in as they become ready.
 
 ``CUDAGraphManager.start_capture()`` returns a ``BackgroundCapture``: one
-object that owns everything the capture needs (its thread, its stream, the
-event that orders its warm-ups with the serving stream, the keys steps
-missed, its retries, its garbage-collection policy) and reports on it.
+object that owns everything the capture needs (its stream, the event that
+orders its warm-ups with the serving stream, the keys steps missed, its
+retries, its garbage-collection policy) and reports on it. It runs on the
+device's capture worker (``_worker``), a thread that outlives the sessions,
+or on a thread of its own where the worker is busy.
 
 How it stays out of the serving steps' way, on the device and on the host:
 
 - **Warm-ups first, ordered both ways.** Before recording anything the
-  thread warms the model up (the largest and the smallest pending key of
-  each mode: lazy initialization, compilation and library handles of the
-  capture thread happen here, never inside a capture). They run on the
+  thread warms the model up where needed (the largest pending key of each
+  mode not warmed before, and the smallest on a thread new to this manager:
+  lazy initialization, compilation and library handles of the capture
+  thread happen here, never inside a capture). They run on the
   thread's stream after everything the serving stream had queued when
   ``start_capture()`` was called, and the serving stream waits for them on
   the device: ``start_capture()`` returns once they are queued (host time
@@ -184,7 +187,7 @@ class BackgroundCapture:
             self._misses.append(key)
 
     def start(self) -> None:
-        """Start the thread; return once its warm-ups are queued, the calling stream ordered after them.
+        """Hand the capture to its thread; return once its warm-ups are queued, the stream ordered after them.
 
         Call from the serving thread, on the stream steps run on: the
         warm-ups wait on the device for what it queued so far, and it waits
