@@ -22,6 +22,7 @@ from ._outputs import OutputRows as OutputRows
 from ._protocols import GraphEngineFactory as GraphEngineFactory
 from ._protocols import ModelOutput as ModelOutput
 from ._report import CapturedGraph as CapturedGraph
+from ._report import CapturePhases as CapturePhases
 from ._report import CaptureReport as CaptureReport
 from ._report import ManagerStats as ManagerStats
 from ._report import MemoryEstimate as MemoryEstimate
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackgroundCapture",
     "CUDAGraphManager",
+    "CapturePhases",
     "CaptureReport",
     "CapturedGraph",
     "CompiledModel",

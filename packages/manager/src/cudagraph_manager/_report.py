@@ -129,7 +129,8 @@ class CaptureReport:
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}, "
             f"device {format_bytes(self.device_bytes)} (driver {format_bytes(self.driver_bytes)})"
         )
-        header += f"\n{self.phases}"
+        phases = self.phases
+        header += f"\n{phases}"
         if self.compiles:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
         if self.resolution is not None and self.resolution.downgraded:
@@ -157,9 +158,9 @@ class CaptureReport:
             "",
             "",
             f"{sum(g.seconds for g in self.graphs):.4f}",
-            f"{self.phases.warmup:.4f}",
-            f"{self.phases.recording:.4f}",
-            f"{self.phases.instantiation:.4f}",
+            f"{phases.warmup:.4f}",
+            f"{phases.recording:.4f}",
+            f"{phases.instantiation:.4f}",
             format_bytes(self.pool_bytes),
             format_bytes(sum(g.driver_bytes for g in self.graphs)),
         )
