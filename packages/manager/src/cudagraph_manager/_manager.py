@@ -381,8 +381,11 @@ class CUDAGraphManager(Generic[OutputT]):
             elif self._released:
                 reason = EagerReason.RELEASED
             elif key is not None and session is not None and not session.done:
-                session.missed(key.descriptor)
-                return self._eager.run(inputs, request, num_reqs, reason, key, allowed=True)
+                session.missed(key.descriptor)  # captured next; the first recording waits for served()
+                try:
+                    return self._eager.run(inputs, request, num_reqs, reason, key, allowed=True)
+                finally:
+                    session.served()
         return self._eager.run(inputs, request, num_reqs, reason, key)
 
 
