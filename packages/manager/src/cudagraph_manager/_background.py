@@ -35,9 +35,10 @@ How it stays out of the serving steps' way, on the device and on the host:
 - **The first step goes first on the host.** Recordings and eager steps
   share the GIL, and an eager step beside a recording takes two to three
   times as long. So the thread holds its first recording until the serving
-  thread's first step after ``start_capture()`` is done on the host
-  (``served()``; at most ``FIRST_STEP_WAIT_S``, or until ``wait()`` or
-  ``stop()``): the wake's first step costs an eager step plus the enqueue.
+  thread's first step after ``start_capture()`` is served and its outputs
+  are ready on the device (``served()``; at most ``FIRST_STEP_WAIT_S`` for
+  the step, or until ``wait()`` or ``stop()``): the wake's first step costs
+  an eager step plus the enqueue.
   Later steps share the host with the recordings. Holding every recording
   for the eager steps in flight was measured too: it left the wake's later
   steps quicker but its graphs ready later (1.4 to 1.9x a foreground
@@ -60,6 +61,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -82,6 +84,12 @@ MISSES_KEPT: Final = 64
 #: How long the first recording waits for the serving thread's first step after ``start_capture()``
 #: (the wake's first step then runs alone on the host: an eager step plus the enqueue).
 FIRST_STEP_WAIT_S: Final = 0.05
+#: Then how long it waits for that step's device work (its outputs ready), polling every
+#: ``_POLL_S``, and how long after it (the serving thread, woken by the same completion, reads the
+#: outputs without the recording's share of the GIL).
+FIRST_OUTPUTS_WAIT_S: Final = 1.0
+FIRST_OUTPUTS_GRACE_S: Final = 0.001
+_POLL_S: Final = 0.0002
 
 
 class BackgroundCapture:
@@ -100,6 +108,7 @@ class BackgroundCapture:
         "_done",
         "_errors",
         "_finished",
+        "_first_outputs",
         "_first_step",
         "_gc_disable",
         "_lock",
@@ -146,6 +155,7 @@ class BackgroundCapture:
         #: Over ``_lock``: the first recording waits on it for the first step (``served``).
         self._steps: Final = threading.Condition(self._lock)
         self._first_step = True  # no step served, no wait() or stop() yet since start_capture()
+        self._first_outputs: torch.cuda.Event | None = None  # recorded after the first step's work
         self._done: Final = threading.Event()
         self._warm_ups_queued: Final = threading.Event()  # on the device, not necessarily run
         self._stop: Final = threading.Event()  # stop(): record no further key
@@ -207,7 +217,11 @@ class BackgroundCapture:
             self._misses.append(key)
 
     def served(self) -> None:
-        """The eager step ``missed()`` announced is done on the host (its device work may still run)."""
+        """The eager step ``missed()`` announced is queued (on the current stream, the serving one)."""
+        if self._first_step and self._device.type == "cuda":  # only the first: one event per session
+            outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            outputs.record()
+            self._first_outputs = outputs  # before the flag below: the worker reads it after the flag
         self._no_step_coming()
 
     def _no_step_coming(self) -> None:
@@ -293,14 +307,22 @@ class BackgroundCapture:
             self._warm_ups_queued.set()
 
     def _after_first_step(self) -> None:
-        """The first step after ``start_capture()`` goes first: wait until it is served (bounded).
+        """The first step after ``start_capture()`` goes first: wait until its outputs are ready (bounded).
 
         Holds no lock a step takes while waiting (the condition releases
         ``_lock``), nor the capture lock. ``served()``, ``wait()`` and
-        ``stop()`` end the wait; else ``FIRST_STEP_WAIT_S`` does.
+        ``stop()`` end the wait for the step; else ``FIRST_STEP_WAIT_S``
+        does. After ``served()``, its device work is waited for too.
         """
         with self._steps:
             self._steps.wait_for(lambda: not self._first_step, FIRST_STEP_WAIT_S)
+            outputs = self._first_outputs
+        if outputs is None:
+            return
+        deadline = time.monotonic() + FIRST_OUTPUTS_WAIT_S
+        while not outputs.query() and time.monotonic() < deadline:  # type: ignore[no-untyped-call]  # stubs
+            time.sleep(_POLL_S)  # polled, not synchronized: the wait stays bounded
+        time.sleep(FIRST_OUTPUTS_GRACE_S)
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""
