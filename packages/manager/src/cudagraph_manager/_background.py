@@ -320,9 +320,11 @@ class BackgroundCapture:
         if outputs is None:
             return
         deadline = time.monotonic() + FIRST_OUTPUTS_WAIT_S
-        while not outputs.query() and time.monotonic() < deadline:  # type: ignore[no-untyped-call]  # stubs
-            time.sleep(_POLL_S)  # polled, not synchronized: the wait stays bounded
-        time.sleep(FIRST_OUTPUTS_GRACE_S)
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            if outputs.query():  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                time.sleep(FIRST_OUTPUTS_GRACE_S)
+                return
+            time.sleep(_POLL_S)  # polled, not synchronized: the wait stays bounded, and stop() ends it
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""
