@@ -25,6 +25,9 @@ CPU: Final = torch.device("cpu")
 WAIT_S: Final = 30.0
 #: How long a test watches for a recording that must not start.
 QUIET_S: Final = 0.2
+#: How soon a capture let go must finish (its fake recordings take microseconds; the patched waits
+#: are ``WAIT_S`` and longer, so a capture that only timed out fails this).
+SOON_S: Final = 10.0
 
 
 class HeldSteps(ToyModel):
@@ -96,7 +99,8 @@ def test_the_first_recording_waits_for_the_first_step(monkeypatch: pytest.Monkey
     assert recordings.count == 0
     model.release.set()
     thread.join(WAIT_S)
-    assert _done_soon(handle, WAIT_S), "the step is done: the capture must go on"
+    # Well before the patched wait ends: the step's end, not the timeout, let the recordings go.
+    assert _done_soon(handle, SOON_S), "the step is done: the capture must go on"
     assert recordings.count == len(manager.dispatcher.keys(CUDAGraphMode.FULL)) == handle.progress[1]
     model.serving = None
     assert rel_err(outputs[0], model.eager(make_batch(5, 2, CPU, seed=0))) < TOL

@@ -35,7 +35,8 @@ How it stays out of the serving steps' way, on the device and on the host:
 - **The first step goes first on the host.** Recordings and eager steps
   share the GIL, and an eager step beside a recording takes two to three
   times as long. So the thread holds its first recording until the serving
-  thread's first step after ``start_capture()`` is served and its outputs
+  thread's first step after ``start_capture()`` that runs eagerly for a
+  pending key (after a wake, the first step) is served and its outputs
   are ready on the device (``served()``; at most ``FIRST_STEP_WAIT_S`` for
   the step, or until ``wait()`` or ``stop()``): the wake's first step costs
   an eager step plus the enqueue.
@@ -89,7 +90,7 @@ FIRST_STEP_WAIT_S: Final = 0.05
 #: outputs without the recording's share of the GIL).
 FIRST_OUTPUTS_WAIT_S: Final = 1.0
 FIRST_OUTPUTS_GRACE_S: Final = 0.001
-_POLL_S: Final = 0.0002
+_POLL_S: Final = 0.0005
 
 
 class BackgroundCapture:
@@ -217,12 +218,22 @@ class BackgroundCapture:
             self._misses.append(key)
 
     def served(self) -> None:
-        """The eager step ``missed()`` announced is queued (on the current stream, the serving one)."""
-        if self._first_step and self._device.type == "cuda":  # only the first: one event per session
-            outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-            outputs.record()
-            self._first_outputs = outputs  # before the flag below: the worker reads it after the flag
-        self._no_step_coming()
+        """The eager step ``missed()`` announced is over on the host (queued on the serving stream).
+
+        Never raises: it runs in the step's ``finally``, where it must not
+        replace the step's own error (a failed event only costs the wait).
+        """
+        try:
+            if self._first_step and self._device.type == "cuda":  # the first only: one event a session
+                outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                outputs.record(
+                    torch.cuda.current_stream(self._device)
+                )  # the session's device, not the current
+                self._first_outputs = outputs  # before the flag: the worker reads it after the flag
+        except Exception:  # a sticky CUDA error of the step itself, most likely: the step reports it
+            _logger.debug("background capture: no event after the first step", exc_info=True)
+        finally:
+            self._no_step_coming()
 
     def _no_step_coming(self) -> None:
         with self._steps:
@@ -316,6 +327,7 @@ class BackgroundCapture:
         """
         with self._steps:
             self._steps.wait_for(lambda: not self._first_step, FIRST_STEP_WAIT_S)
+            self._first_step = False  # waited once: a later step makes no event
             outputs = self._first_outputs
         if outputs is None:
             return
