@@ -20,7 +20,7 @@ from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._reasons import EagerReason
-from ._request import GRAPH_MODES, StepRequest
+from ._request import GRAPH_MODES, NO_MODES, StepRequest
 from ._support import AttentionSupport, ModeResolution, resolve_mode
 
 _LOG: Final = logging.getLogger("cudagraph_dispatch")
@@ -28,10 +28,9 @@ _LOG: Final = logging.getLogger("cudagraph_dispatch")
 _NONE: Final = CUDAGraphMode.NONE
 _PIECEWISE: Final = CUDAGraphMode.PIECEWISE
 _FULL: Final = CUDAGraphMode.FULL
-_NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 #: Every value ``invalid_modes`` may take; each gets its tables up front, so a
 #: first step with cascade attention (FULL invalid) does not build anything.
-_INVALID_MODE_SETS: Final = (_NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), GRAPH_MODES)
+_INVALID_MODE_SETS: Final = (NO_MODES, frozenset({_PIECEWISE}), frozenset({_FULL}), GRAPH_MODES)
 
 
 class Dispatch(NamedTuple):
@@ -180,7 +179,7 @@ class CUDAGraphDispatcher:
         *,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> Dispatch:
         """The graph to run ``num_tokens`` tokens with: ``(mode, key)``.
 
@@ -205,7 +204,7 @@ class CUDAGraphDispatcher:
         num_tokens: int,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> Route:
         """``dispatch`` for a runner's step path: the graph's decision, or why the batch has none.
 
@@ -247,7 +246,7 @@ class CUDAGraphDispatcher:
         *,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> str:
         """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
         request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)
@@ -311,7 +310,7 @@ class CUDAGraphDispatcher:
         if graphs.mixed_piecewise and _PIECEWISE not in invalid_modes:
             return graphs.mixed_piecewise[size_index], _WHY_GRAPH
         allowed = (
-            self._decide(num_tokens, uniform_decode, num_active_loras, _NO_MODES) if invalid_modes else None
+            self._decide(num_tokens, uniform_decode, num_active_loras, NO_MODES) if invalid_modes else None
         )
         if allowed is not None and isinstance(allowed[0], Dispatch):
             return EagerReason.INVALID_MODES, _WHY_NO_GRAPH  # a graph the step's invalid_modes turned off

@@ -16,7 +16,7 @@ from ._modes import CUDAGraphMode
 
 #: The modes ``invalid_modes`` may name: the two that have graphs.
 GRAPH_MODES: Final = frozenset({CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
-_NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
+NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,7 +32,7 @@ class StepRequest:
     num_tokens: int
     uniform_decode: bool = False
     num_active_loras: int = 0
-    invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES
+    invalid_modes: frozenset[CUDAGraphMode] = NO_MODES
 
     def __post_init__(self) -> None:
         # Normalized in place: the dataclass is frozen to its users, not to its own checks.

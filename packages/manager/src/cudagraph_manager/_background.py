@@ -110,7 +110,7 @@ class BackgroundCapture:
         "_errors",
         "_finished",
         "_first_outputs",
-        "_first_step",
+        "_first_served",
         "_gc_disable",
         "_lock",
         "_misses",
@@ -121,7 +121,6 @@ class BackgroundCapture:
         "_report",
         "_resolution",
         "_retries",
-        "_steps",
         "_stop",
         "_total",
         "_warm_keys",
@@ -153,9 +152,9 @@ class BackgroundCapture:
         self._gc_disable: Final = gc_disable
         self._total: Final = len(pending)
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
-        #: Over ``_lock``: the first recording waits on it for the first step (``served``).
-        self._steps: Final = threading.Condition(self._lock)
-        self._first_step = True  # no step served, no wait() or stop() yet since start_capture()
+        #: The first recording waits for it: set by the first step served, ``wait()``, ``stop()``,
+        #: or the worker itself once it waited.
+        self._first_served: Final = threading.Event()
         self._first_outputs: torch.cuda.Event | None = None  # recorded after the first step's work
         self._done: Final = threading.Event()
         self._warm_ups_queued: Final = threading.Event()  # on the device, not necessarily run
@@ -195,7 +194,7 @@ class BackgroundCapture:
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
         ):
             raise ValueError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
-        self._no_step_coming()  # the caller waits: the first recording need not wait for its step
+        self._first_served.set()  # the caller waits: the first recording need not wait for its step
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
         assert self._report is not None
@@ -208,7 +207,7 @@ class BackgroundCapture:
         calls it. Any thread.
         """
         self._stop.set()
-        self._no_step_coming()
+        self._first_served.set()
 
     # -- the serving thread's side --
 
@@ -223,22 +222,17 @@ class BackgroundCapture:
         Never raises: it runs in the step's ``finally``, where it must not
         replace the step's own error (a failed event only costs the wait).
         """
+        if self._first_served.is_set():  # every later step: nothing to do
+            return
         try:
-            if self._first_step and self._device.type == "cuda":  # the first only: one event a session
+            if self._device.type == "cuda":
                 outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                outputs.record(
-                    torch.cuda.current_stream(self._device)
-                )  # the session's device, not the current
+                outputs.record(torch.cuda.current_stream(self._device))  # the session's device's stream
                 self._first_outputs = outputs  # before the flag: the worker reads it after the flag
         except Exception:  # a sticky CUDA error of the step itself, most likely: the step reports it
             _logger.debug("background capture: no event after the first step", exc_info=True)
         finally:
-            self._no_step_coming()
-
-    def _no_step_coming(self) -> None:
-        with self._steps:
-            self._first_step = False
-            self._steps.notify_all()
+            self._first_served.set()
 
     def start(self) -> None:
         """Hand the capture to its thread; return once its warm-ups are queued, the stream ordered after them.
@@ -320,15 +314,14 @@ class BackgroundCapture:
     def _after_first_step(self) -> None:
         """The first step after ``start_capture()`` goes first: wait until its outputs are ready (bounded).
 
-        Holds no lock a step takes while waiting (the condition releases
-        ``_lock``), nor the capture lock. ``served()``, ``wait()`` and
-        ``stop()`` end the wait for the step; else ``FIRST_STEP_WAIT_S``
-        does. After ``served()``, its device work is waited for too.
+        Holds no lock while waiting, nor the capture lock. ``served()``,
+        ``wait()`` and ``stop()`` end the wait for the step; else
+        ``FIRST_STEP_WAIT_S`` does. After ``served()``, its device work is
+        waited for too.
         """
-        with self._steps:
-            self._steps.wait_for(lambda: not self._first_step, FIRST_STEP_WAIT_S)
-            self._first_step = False  # waited once: a later step makes no event
-            outputs = self._first_outputs
+        self._first_served.wait(FIRST_STEP_WAIT_S)
+        self._first_served.set()  # waited once: a later step makes no event
+        outputs = self._first_outputs
         if outputs is None:
             return
         deadline = time.monotonic() + FIRST_OUTPUTS_WAIT_S

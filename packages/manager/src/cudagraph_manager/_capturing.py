@@ -139,8 +139,7 @@ class Capturer(Generic[OutputT]):
         """
         warm: dict[BatchDescriptor, None] = {}
         for_thread: set[BatchDescriptor] = set()  # warmed for the thread's handles only
-        for mode in dict.fromkeys(key.mode for key in pending):
-            of_mode = [key.descriptor for key in pending if key.mode is mode]
+        for of_mode in _by_mode(pending):
             largest = () if of_mode[0] in self._warmed else (of_mode[0],)
             warm |= dict.fromkeys((*largest, of_mode[-1]))
             if of_mode[-1] not in largest:
@@ -178,8 +177,7 @@ class Capturer(Generic[OutputT]):
         if ranks is not None:
             return {key.descriptor for key in pending}
         warm = {key.descriptor for key in pending if key.descriptor not in self._warmed}
-        for mode in dict.fromkeys(key.mode for key in pending):
-            warm.add([key.descriptor for key in pending if key.mode is mode][-1])  # largest first
+        warm.update(of_mode[-1] for of_mode in _by_mode(pending))  # the smallest of each mode
         return warm
 
     def pending(self) -> list[PlannedKey[OutputT]]:
@@ -293,3 +291,11 @@ def agree_plan(
     if ranks is not None:
         why = no_graphs or capture_disabled_reason()
         ranks.agree_plan([(key.mode, key.descriptor) for key in pending], no_graphs=why)
+
+
+def _by_mode(pending: Sequence[PlannedKey[OutputT]]) -> list[list[BatchDescriptor]]:
+    """The pending keys' descriptors, one list per mode, each in capture order (largest first)."""
+    by_mode: dict[CUDAGraphMode, list[BatchDescriptor]] = {}
+    for key in pending:
+        by_mode.setdefault(key.mode, []).append(key.descriptor)
+    return list(by_mode.values())
