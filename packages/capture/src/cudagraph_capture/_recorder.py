@@ -261,8 +261,8 @@ class BreakableRecorder(GraphRecorder[R]):
         with capture:
             output = self.runnable(*call.args, **call.kwargs)
         recorded_work = capture.num_graphs > 0 or capture.num_eager_breaks > 0
-        # Executed: the segments ran as they were captured.
         instantiation = capture.instantiation_seconds
+        # executed = call.execute: an executing capture ran its segments as it recorded them.
         return Recording(capture, capture.replay, output, call.execute, recorded_work, instantiation)
 
 

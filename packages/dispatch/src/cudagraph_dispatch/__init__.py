@@ -20,6 +20,7 @@ from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._protocols import GraphDispatcher as GraphDispatcher
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
+from ._request import NO_MODES as NO_MODES
 from ._request import RankRequest as RankRequest
 from ._request import StepRequest as StepRequest
 from ._sizes import MAX_CAPTURE_SIZE as MAX_CAPTURE_SIZE
@@ -48,6 +49,7 @@ __all__ = [
     "GraphSupport",
     "ModeNotSupportedError",
     "ModeResolution",
+    "NO_MODES",
     "RankRequest",
     "Route",
     "StepRequest",

@@ -14,14 +14,14 @@ from ._descriptor import BatchDescriptor
 from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
 from ._protocols import GraphDispatcher
-from ._request import RankRequest
+from ._request import NO_MODES, RankRequest
 
 
 def agree_across_ranks(
     dispatcher: GraphDispatcher,
     requests: Sequence[RankRequest],
     *,
-    invalid_modes: frozenset[CUDAGraphMode] = frozenset(),
+    invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
 ) -> Dispatch:
     """The decision every rank runs this step.
 

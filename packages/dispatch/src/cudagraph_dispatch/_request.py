@@ -16,6 +16,7 @@ from ._modes import CUDAGraphMode
 
 #: The modes ``invalid_modes`` may name: the two that have graphs.
 GRAPH_MODES: Final = frozenset({CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
+#: No mode turned off: the default ``invalid_modes`` of a step.
 NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 
 

@@ -40,7 +40,7 @@ from ._compiled import dynamo_compiles
 from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell
 from ._parts import ManagerParts
-from ._planned import PlannedKey
+from ._planned import PlannedKey, by_mode
 from ._progress import progress as progress_bar
 from ._protocols import GraphEngineFactory, OutputT
 from ._report import CapturedGraph, CaptureReport, MemoryEstimate
@@ -139,11 +139,12 @@ class Capturer(Generic[OutputT]):
         """
         warm: dict[BatchDescriptor, None] = {}
         for_thread: set[BatchDescriptor] = set()  # warmed for the thread's handles only
-        for of_mode in _by_mode(pending):
-            largest = () if of_mode[0] in self._warmed else (of_mode[0],)
-            warm |= dict.fromkeys((*largest, of_mode[-1]))
-            if of_mode[-1] not in largest:
-                for_thread.add(of_mode[-1])
+        for of_mode in by_mode(pending).values():
+            first, last = of_mode[0].descriptor, of_mode[-1].descriptor
+            largest = () if first in self._warmed else (first,)
+            warm |= dict.fromkeys((*largest, last))
+            if last not in largest:
+                for_thread.add(last)
         session = BackgroundCapture(
             [key.descriptor for key in pending],
             list(warm),
@@ -177,7 +178,7 @@ class Capturer(Generic[OutputT]):
         if ranks is not None:
             return {key.descriptor for key in pending}
         warm = {key.descriptor for key in pending if key.descriptor not in self._warmed}
-        warm.update(of_mode[-1] for of_mode in _by_mode(pending))  # the smallest of each mode
+        warm.update(of_mode[-1].descriptor for of_mode in by_mode(pending).values())  # each mode's smallest
         return warm
 
     def pending(self) -> list[PlannedKey[OutputT]]:
@@ -291,11 +292,3 @@ def agree_plan(
     if ranks is not None:
         why = no_graphs or capture_disabled_reason()
         ranks.agree_plan([(key.mode, key.descriptor) for key in pending], no_graphs=why)
-
-
-def _by_mode(pending: Sequence[PlannedKey[OutputT]]) -> list[list[BatchDescriptor]]:
-    """The pending keys' descriptors, one list per mode, each in capture order (largest first)."""
-    by_mode: dict[CUDAGraphMode, list[BatchDescriptor]] = {}
-    for key in pending:
-        by_mode.setdefault(key.mode, []).append(key.descriptor)
-    return list(by_mode.values())

@@ -30,7 +30,7 @@ from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from ._buffers import StaticBuffers
 from ._memory import reserved_bytes
-from ._planned import PlannedKey
+from ._planned import PlannedKey, by_mode
 from ._protocols import OutputT
 from ._report import CapturedGraph, MemoryEstimate
 
@@ -109,12 +109,10 @@ def estimate_memory(
     """
     start = time.perf_counter()
     check_capture_enabled(None)
-    by_mode: dict[CUDAGraphMode, list[PlannedKey[OutputT]]] = {}
-    for key in pending:
-        by_mode.setdefault(key.mode, []).append(key)
+    grouped = by_mode(pending)
     stream = torch.cuda.current_stream(device)
     pool: GraphPool = torch.cuda.graph_pool_handle()  # the probes' own: freed with them
-    engines = {mode: make_engine(mode, pool) for mode in by_mode}
+    engines = {mode: make_engine(mode, pool) for mode in grouped}
     entries: list[GraphEntry[OutputT]] = []  # alive until the end: they keep the pool usable
     probes: list[CapturedGraph] = []
     pool_total = driver_total = 0
@@ -122,11 +120,11 @@ def estimate_memory(
         try:
             largest_warmed = [
                 (next(key for key in keys if key.descriptor in warmed), engines[mode])
-                for mode, keys in by_mode.items()
+                for mode, keys in grouped.items()
                 if any(key.descriptor in warmed for key in keys)
             ]
             warmup = measure_warm_ups(largest_warmed, buffers, device)
-            for mode, keys in by_mode.items():
+            for mode, keys in grouped.items():
                 measured = [
                     _probe(
                         key, engines[mode], buffers, entries, device, warm=key is keys[-1] and len(keys) > 1

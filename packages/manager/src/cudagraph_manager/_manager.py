@@ -27,6 +27,7 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
+    NO_MODES,
     AttentionSupport,
     CUDAGraphDispatcher,
     CUDAGraphMode,
@@ -54,7 +55,6 @@ from ._weights import WeightWatch, watched_module
 from .ranks import RankAgreement
 
 _Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's invalid modes
-_NO_MODES: Final[_Modes] = frozenset()
 
 
 class CUDAGraphManager(Generic[OutputT]):
@@ -280,7 +280,7 @@ class CUDAGraphManager(Generic[OutputT]):
         *,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
         **inputs: torch.Tensor,
     ) -> OutputT:
         """Run one step: replay its graph on the padded batch, or run the model eagerly.
@@ -300,7 +300,7 @@ class CUDAGraphManager(Generic[OutputT]):
         *,
         uniform_decode: bool = False,
         num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = _NO_MODES,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> OutputT:
         """``run`` with the inputs in one mapping (mypy rejects ``run(**batch)`` of a dict)."""
         given: object = inputs

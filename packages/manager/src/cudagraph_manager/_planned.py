@@ -127,6 +127,14 @@ class PlannedKey(Generic[OutputT]):
         )
 
 
+def by_mode(keys: Iterable[PlannedKey[OutputT]]) -> dict[CUDAGraphMode, list[PlannedKey[OutputT]]]:
+    """``keys`` grouped by mode, each group in the order given (a plan's: largest first)."""
+    grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]] = {}
+    for key in keys:
+        grouped.setdefault(key.mode, []).append(key)
+    return grouped
+
+
 def replays_by_size(keys: Iterable[PlannedKey[OutputT]]) -> dict[tuple[CUDAGraphMode, int], int]:
     """Replays per (mode, num_tokens) over ``keys`` (keys of one size differ by requests or LoRAs)."""
     replays: dict[tuple[CUDAGraphMode, int], int] = {}
