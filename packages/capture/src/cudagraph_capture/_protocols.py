@@ -61,8 +61,9 @@ class GraphEngine(Protocol[R_co]):
         """Run the model eagerly (``options.warmup_runs`` times) on the capture stream.
 
         Ordered after the caller's stream and before its next work, under the
-        forward context ``(NONE, descriptor)``: what lazy initialization a
-        capture must not meet (library handles, compilation) happens here.
+        forward context ``(NONE, descriptor)`` with the extras of the caller's
+        forward context: what lazy initialization a capture must not meet
+        (library handles, compilation) happens here.
         """
         ...
 
@@ -74,7 +75,8 @@ class GraphEngine(Protocol[R_co]):
         without being called (they return ``None`` during it). So the capture
         writes no memory: not the pool (which may hold outputs a caller still
         reads), not the model's buffers. The outputs' values are undefined
-        until the first ``replay``. A failure raises ``CaptureError`` naming
-        ``descriptor``.
+        until the first ``replay``. The runnable runs under the forward context
+        ``(mode, descriptor)`` with the extras of the caller's. A failure raises
+        ``CaptureError`` naming ``descriptor``.
         """
         ...

@@ -22,7 +22,7 @@ from typing import ClassVar, Final, Generic, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMode, set_forward_context
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
@@ -100,6 +100,12 @@ class Entry(Generic[R]):
         self.seconds: Final = seconds  # what the recording cost the host
 
 
+def _callers_extra() -> Mapping[str, object]:
+    """The extras of the caller's forward context (attention metadata, say), carried into the runnable's."""
+    context = FORWARD_CONTEXT_VAR.get()
+    return _NO_EXTRA if context is None else context.extra
+
+
 class GraphRecorder(Generic[R]):
     """Captures ``runnable`` under the forward-context mode ``mode``, with ``options``.
 
@@ -126,11 +132,11 @@ class GraphRecorder(Generic[R]):
         if self.options.warmup_runs:
             device = torch.cuda.current_device()
             with capture_lock(device):
-                self._warm_up(descriptor, self._stream(device), (), dict(inputs), _NO_EXTRA)
+                self._warm_up(descriptor, self._stream(device), (), dict(inputs), _callers_extra())
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> Entry[R]:
         """Capture without running anything on the device; the caller owns the entry (``GraphEngine``)."""
-        with set_forward_context(self.mode, descriptor):
+        with set_forward_context(self.mode, descriptor, **_callers_extra()):
             entry, _ = self.capture(descriptor, (), dict(inputs), execute=False)
         return entry
 

@@ -13,12 +13,19 @@ the reference decoder and the demo live in ``cudagraph_manager.examples``.
 
 from cudagraph_dispatch import EagerReason as EagerReason
 
+from ._attention import BatchShape as BatchShape
+from ._attention import StepBatch as StepBatch
+from ._attention import attention_metadata as attention_metadata
+from ._attention import metadata_extra as metadata_extra
+from ._attention import pad_offsets as pad_offsets
+from ._attention import pad_rows as pad_rows
 from ._background import BackgroundCapture as BackgroundCapture
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._outputs import OutputRows as OutputRows
+from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._protocols import GraphEngineFactory as GraphEngineFactory
 from ._protocols import ModelOutput as ModelOutput
 from ._report import CapturedGraph as CapturedGraph
@@ -35,7 +42,9 @@ from .ranks import RanksDisagreeError as RanksDisagreeError
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMetadataBuilder",
     "BackgroundCapture",
+    "BatchShape",
     "CUDAGraphManager",
     "CapturePhases",
     "CaptureReport",
@@ -52,6 +61,11 @@ __all__ = [
     "RanksDisagreeError",
     "Rows",
     "StaticInput",
+    "StepBatch",
     "WeightsReplacedError",
+    "attention_metadata",
     "compile_for_capture",
+    "metadata_extra",
+    "pad_offsets",
+    "pad_rows",
 ]

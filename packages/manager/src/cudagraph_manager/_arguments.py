@@ -17,6 +17,7 @@ from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchCo
 
 from ._buffers import check_inputs_spec
 from ._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
+from ._protocols import AttentionMetadataBuilder
 from ._static import StaticInput
 from .ranks import RankAgreement
 
@@ -32,6 +33,8 @@ class Arguments:
     device: torch.device
     #: Why the manager captures nothing (``None``: it captures).
     no_graphs: str | None
+    #: The attention's metadata builder, called on every path (``None``: the model needs none).
+    builder: AttentionMetadataBuilder[object] | None
 
 
 def check_arguments(
@@ -48,6 +51,7 @@ def check_arguments(
     ranks: RankAgreement | None,
     attention: AttentionSupport | None = None,
     strict_attention: bool = False,
+    metadata_builder: object = None,
 ) -> Arguments:
     """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one)."""
     if not callable(model):
@@ -59,7 +63,8 @@ def check_arguments(
     if given_ranks is not None and not isinstance(given_ranks, RankAgreement):
         raise ValueError(f"ranks: expected a RankAgreement or None, got {ranks!r:.80}")
     check_bool("strict_attention", strict_attention)
-    support = attention if attention is not None else declared_support(model)
+    builder = check_builder(metadata_builder)
+    support = attention if attention is not None else declared_support(model, builder)
     # Checks config and attention, and resolves the mode against the attention (ModeNotSupportedError
     # if strict).
     dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=strict_attention)
@@ -69,6 +74,11 @@ def check_arguments(
     rows = check_output_rows(output_rows)
     if uses_reqs(rows) and not any(spec.rows == "reqs" for spec in checked.values()):
         raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
+    if builder is not None and not any(spec.rows == "reqs" for spec in checked.values()):
+        raise ValueError(
+            "metadata_builder: an attention's metadata is per request, but no input has rows='reqs' "
+            "to count the requests"
+        )
     resolved = resolve_device(device)
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -77,16 +87,37 @@ def check_arguments(
     )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
-    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs)
+    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder)
 
 
-def declared_support(model: object) -> AttentionSupport | None:
-    """What the model declares its attention can graph: its ``graph_support()``, or ``None``.
+def check_builder(builder: object) -> AttentionMetadataBuilder[object] | None:
+    """``builder`` if it is ``None`` or has the protocol's methods; ``ValueError`` naming what it lacks."""
+    if builder is None:
+        return None
+    lacks = [
+        f"{name}()" for name in ("build", "build_for_capture") if not callable(getattr(builder, name, None))
+    ]
+    if not isinstance(getattr(builder, "support", None), AttentionSupport):
+        lacks.append("a support of type AttentionSupport")
+    if lacks:
+        raise ValueError(
+            f"metadata_builder: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
+            f"which lacks {', '.join(lacks)}"
+        )
+    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
 
-    Looked up on the model, then on the object of a bound method (a model
-    passed as ``decoder.step``). A model with several backends returns
-    ``AttentionSupport.weakest`` of them.
+
+def declared_support(
+    model: object, builder: AttentionMetadataBuilder[object] | None = None
+) -> AttentionSupport | None:
+    """What the attention declares it can graph: the builder's ``support``, else the model's, else ``None``.
+
+    The model's ``graph_support()`` is looked up on the model, then on the
+    object of a bound method (a model passed as ``decoder.step``). A model
+    with several backends returns ``AttentionSupport.weakest`` of them.
     """
+    if builder is not None:
+        return builder.support
     for owner in (model, getattr(model, "__self__", None)):
         declare = getattr(owner, "graph_support", None)
         if declare is None:

@@ -81,7 +81,7 @@ class Capturer(Generic[OutputT]):
         max_num_seqs = parts.dispatcher.config.max_num_seqs
         #: Every key of the plan, in capture order; its entry says whether it is captured.
         self.keys: Final = {
-            key: PlannedKey[OutputT](mode, key, parts.buffers, max_num_seqs)
+            key: PlannedKey[OutputT](mode, key, parts.buffers, max_num_seqs, parts.builder)
             for mode, keys in parts.dispatcher.capture_plan()
             for key in keys
         }

@@ -23,6 +23,7 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
+from ._attention import BatchShape, StepBatch, metadata_extra
 from ._errors import NoGraphError
 from ._parts import ManagerParts
 from ._planned import PlannedKey
@@ -71,7 +72,11 @@ class EagerSteps(Generic[OutputT]):
         # The batch as it is: an attention may lay out a uniform batch per request.
         uniform = request.uniform_decode and num_reqs > 0
         descriptor = BatchDescriptor(num_tokens, num_reqs, True) if uniform else BatchDescriptor(num_tokens)
-        with torch.no_grad(), set_forward_context(_NONE, descriptor):
+        batch = StepBatch(num_tokens, num_reqs, inputs)
+        with (
+            torch.no_grad(),
+            self._context(descriptor, batch, BatchShape.eager(num_tokens, num_reqs, uniform)),
+        ):
             out = setup.model(**inputs)
         # The outputs of an eager step are checked as a capture's are (rows, structure):
         # a wrong output never reaches the caller silently. Eager steps only.
@@ -88,7 +93,8 @@ class EagerSteps(Generic[OutputT]):
         setup.counts.idle_steps += 1
         layout = setup.layout.layout
         if layout is None:
-            with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(0)):
+            batch = StepBatch(0, 0, inputs)
+            with torch.no_grad(), self._context(BatchDescriptor(0), batch, BatchShape.eager(0, 0, False)):
                 out = setup.model(**inputs)
             setup.layout.of(out).check(out, 0, 0)
             return out
@@ -104,7 +110,8 @@ class EagerSteps(Generic[OutputT]):
             raise NoGraphError(0, f"the other ranks of the {setup.world_size} run this step eagerly")
         setup.counts.dummy_steps += 1
         setup.buffers.fill_padding(1, 1)
-        with torch.no_grad(), set_forward_context(_NONE, BatchDescriptor(1)):
+        padding = StepBatch.padding()
+        with torch.no_grad(), self._context(BatchDescriptor(1), padding, BatchShape.eager(1, 1, False)):
             out = setup.model(**setup.buffers.views(1, 1))
         layout = setup.layout.of(out)
         layout.check(out, 1, 1)
@@ -115,13 +122,26 @@ class EagerSteps(Generic[OutputT]):
     ) -> OutputT:
         """No CUDA graphs here: the step ``key``'s graph would replay, run on the padded static buffers."""
         setup = self._setup
-        with torch.no_grad(), set_forward_context(_NONE, key.descriptor):  # no_grad: the copies too
+        batch = StepBatch(num_tokens, num_reqs, inputs)
+        with (
+            torch.no_grad(),
+            self._context(key.descriptor, batch, key.eager_shape),
+        ):  # no_grad: the copies too
             setup.buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs)
             padded = setup.model(**key.inputs)
         layout = setup.layout.of(padded)
         layout.check(padded, key.num_tokens, key.num_reqs)
         setup.counts.padded_tokens += key.num_tokens - num_tokens
         return cast(OutputT, layout.cut(padded, num_tokens, num_reqs))
+
+    def _context(
+        self, descriptor: BatchDescriptor, batch: StepBatch, shape: BatchShape
+    ) -> set_forward_context:
+        """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``."""
+        builder = self._setup.builder
+        if builder is None:
+            return set_forward_context(_NONE, descriptor)
+        return set_forward_context(_NONE, descriptor, **metadata_extra(builder, builder.build(batch, shape)))
 
     def _why(self, reason: EagerReason, key: PlannedKey[OutputT] | None, request: StepRequest) -> str:
         """A step's eager reason in words (for logs and errors)."""

@@ -40,6 +40,7 @@ from cudagraph_dispatch import (
 )
 
 from ._arguments import Arguments, check_arguments
+from ._attention import StepBatch
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._capturing import Capturer, agree_plan
@@ -48,7 +49,7 @@ from ._engines import default_engine_factory
 from ._outputs import LayoutCell, OutputRows
 from ._parts import ManagerParts
 from ._planned import PlannedKey, replays_by_size
-from ._protocols import GraphEngineFactory, OutputT
+from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from ._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
 from ._static import StaticInput
 from ._weights import WeightWatch, watched_module
@@ -75,8 +76,12 @@ class CUDAGraphManager(Generic[OutputT]):
     while another thread is inside a method of this manager raises
     ``RuntimeError``. ``ranks`` makes data- or tensor-parallel ranks capture
     the same plan and take the same route at every step (README, "Several
-    GPUs"). ``attention`` (default: the model's ``graph_support()``) is
-    what the attention can graph; the mode is resolved against it (README).
+    GPUs"). ``metadata_builder`` builds the attention's metadata for the
+    batch each forward runs as, on every path (README, "The attention
+    seam"); the model reads it with ``attention_metadata(builder)``.
+    ``attention`` (default: the builder's ``support``, else the model's
+    ``graph_support()``) is what the attention can graph; the mode is
+    resolved against it (README).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class CUDAGraphManager(Generic[OutputT]):
         ranks: RankAgreement | None = None,
         attention: AttentionSupport | None = None,
         strict_attention: bool = False,
+        metadata_builder: AttentionMetadataBuilder[object] | None = None,
     ) -> None:
         checked = check_arguments(
             model,
@@ -108,6 +114,7 @@ class CUDAGraphManager(Generic[OutputT]):
             ranks=ranks,
             attention=attention,
             strict_attention=strict_attention,
+            metadata_builder=metadata_builder,
         )
         parts = _parts(model, checked, config, strict, ranks)
         self._dispatcher: Final = parts.dispatcher
@@ -331,11 +338,16 @@ class CUDAGraphManager(Generic[OutputT]):
                 return self._without_graph(inputs, request, num_reqs, route, key, pads_along)
             if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
                 self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
+            # The attention's metadata for the padded key, into the buffers the graph reads (first: a
+            # builder that refuses the batch does so before a static buffer is touched).
+            context = (
+                key.context if key.builder is None else key.build(StepBatch(num_tokens, num_reqs, inputs))
+            )
             self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad)
-            if key.context is None:
+            if context is None:
                 entry.replay()
-            else:  # a PIECEWISE replay runs its eager breaks, which may read the forward context
-                token = FORWARD_CONTEXT_VAR.set(key.context)
+            else:  # a PIECEWISE replay runs its eager breaks, which read the forward context
+                token = FORWARD_CONTEXT_VAR.set(context)
                 try:
                     entry.replay()
                 finally:
@@ -421,6 +433,7 @@ def _parts(
         checked.no_graphs,
         strict,
         None if ranks is None else ranks.world_size,
+        checked.builder,
     )
 
 

@@ -12,7 +12,7 @@ from cudagraph_dispatch import CUDAGraphDispatcher
 
 from ._buffers import StaticBuffers
 from ._outputs import LayoutCell
-from ._protocols import OutputT
+from ._protocols import AttentionMetadataBuilder, OutputT
 from ._report import StepCounts
 
 
@@ -22,7 +22,8 @@ class ManagerParts(Generic[OutputT]):
 
     ``no_graphs``: why the manager captures nothing (``None``: it captures);
     ``strict``: steps without a graph raise; ``world_size``: its ranks'
-    (``None``: no ranks).
+    (``None``: no ranks); ``builder``: the attention's metadata builder
+    (``None``: the model builds its metadata itself).
     """
 
     model: Callable[..., OutputT]
@@ -34,3 +35,4 @@ class ManagerParts(Generic[OutputT]):
     no_graphs: str | None
     strict: bool
     world_size: int | None
+    builder: AttentionMetadataBuilder[object] | None

@@ -11,19 +11,23 @@ and the estimate's probes alike.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Final, Generic, cast
 
 import torch
 
 from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext, set_forward_context
 
+from ._attention import BatchShape, StepBatch, metadata_extra
 from ._buffers import StaticBuffers
 from ._memory import free_bytes, reserved_bytes
 from ._outputs import OutputLayout
-from ._protocols import OutputT
+from ._protocols import AttentionMetadataBuilder, OutputT
 from ._report import CapturedGraph
 
 
@@ -31,8 +35,10 @@ class PlannedKey(Generic[OutputT]):
     """A planned graph: its mode and key, its row counts, its input views, its entry and counters."""
 
     __slots__ = (
+        "builder",
         "context",
         "descriptor",
+        "eager_shape",
         "entry",
         "inputs",
         "last_cut",
@@ -40,10 +46,16 @@ class PlannedKey(Generic[OutputT]):
         "num_reqs",
         "num_tokens",
         "replays",
+        "shape",
     )
 
     def __init__(
-        self, mode: CUDAGraphMode, descriptor: BatchDescriptor, buffers: StaticBuffers, max_num_seqs: int
+        self,
+        mode: CUDAGraphMode,
+        descriptor: BatchDescriptor,
+        buffers: StaticBuffers,
+        max_num_seqs: int,
+        builder: AttentionMetadataBuilder[object] | None = None,
     ) -> None:
         self.mode: Final = mode
         self.descriptor: Final = descriptor
@@ -53,6 +65,10 @@ class PlannedKey(Generic[OutputT]):
             descriptor.num_reqs if descriptor.num_reqs is not None else min(self.num_tokens, max_num_seqs)
         )
         self.inputs: Final = buffers.views(self.num_tokens, self.num_reqs)  # the graph's keyword arguments
+        #: The attention's view of the graph's batch, and of the same batch run eagerly (no CUDA).
+        self.shape: Final = BatchShape.of_key(mode, descriptor, self.num_reqs)
+        self.eager_shape: Final = dataclasses.replace(self.shape, mode=CUDAGraphMode.NONE)
+        self.builder: Final = builder
         # A PIECEWISE replay runs its eager breaks for real, and they may read the forward context.
         self.context: Final = ForwardContext(mode, descriptor) if mode is CUDAGraphMode.PIECEWISE else None
         #: The captured graph (``keep``), which replays itself; ``None``: not captured.
@@ -60,6 +76,20 @@ class PlannedKey(Generic[OutputT]):
         self.replays = 0
         # The last (entry, num_tokens, num_reqs, cut): steps of one row count reuse the cut.
         self.last_cut: tuple[GraphEntry[OutputT], int, int, object] | None = None
+
+    def build(self, batch: StepBatch) -> ForwardContext | None:
+        """The attention's metadata of ``batch`` padded to this key; the context its replay runs under.
+
+        FULL: ``None`` (the graph reads the builder's buffers). PIECEWISE: the
+        key's context carrying the metadata, which the eager attention reads.
+        """
+        builder = self.builder
+        assert builder is not None
+        metadata = builder.build(batch, self.shape)
+        context = self.context
+        if context is None:
+            return None
+        return context._replace(extra=MappingProxyType(metadata_extra(builder, metadata)))
 
     def keep(self, entry: GraphEntry[OutputT]) -> None:
         """Store a checked entry: the key is captured, and replays from the serving thread's next step."""
@@ -91,7 +121,15 @@ class PlannedKey(Generic[OutputT]):
         """
         try:
             buffers.fill_padding(self.num_tokens, self.num_reqs)
-            engine.warm_up(self.descriptor, self.inputs)
+            builder = self.builder
+            if builder is None:
+                engine.warm_up(self.descriptor, self.inputs)
+            else:  # an all-padding batch's metadata, on the stream the warm-up is ordered after
+                metadata = builder.build(StepBatch.padding(), self.shape)
+                with set_forward_context(
+                    CUDAGraphMode.NONE, self.descriptor, **metadata_extra(builder, metadata)
+                ):
+                    engine.warm_up(self.descriptor, self.inputs)
         except CaptureError:
             raise
         except Exception as error:
@@ -111,7 +149,8 @@ class PlannedKey(Generic[OutputT]):
         warm-up. The entry is not stored: the caller checks it first.
         """
         reserved, free = reserved_bytes(device), free_bytes(device)
-        entry = engine.record(self.descriptor, self.inputs)
+        with self._capture_metadata():
+            entry = engine.record(self.descriptor, self.inputs)
         pool_bytes = reserved_bytes(device) - reserved
         driver_bytes = free - free_bytes(device) - pool_bytes
         spent = entry.seconds
@@ -125,6 +164,21 @@ class PlannedKey(Generic[OutputT]):
             spent.recording,
             spent.instantiation,
         )
+
+    def _capture_metadata(self) -> contextlib.AbstractContextManager[object]:
+        """The forward context that hands the recording its metadata (``build_for_capture``: host only)."""
+        builder = self.builder
+        if builder is None:
+            return contextlib.nullcontext()
+        try:
+            metadata = builder.build_for_capture(self.shape)
+        except Exception as error:
+            raise CaptureError(
+                f"the attention's build_for_capture({self.shape}) failed with "
+                f"{type(error).__name__}: {error}",
+                self.descriptor,
+            ) from error
+        return set_forward_context(CUDAGraphMode.NONE, self.descriptor, **metadata_extra(builder, metadata))
 
 
 def by_mode(keys: Iterable[PlannedKey[OutputT]]) -> dict[CUDAGraphMode, list[PlannedKey[OutputT]]]:

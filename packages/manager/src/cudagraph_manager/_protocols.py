@@ -1,4 +1,4 @@
-"""The seams of this package, as types: the model's outputs and the engine factory.
+"""The seams of this package, as types: the model's outputs, the engine factory, the attention's builder.
 
 The manager reaches the capture layer only through ``GraphEngineFactory`` and
 the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
@@ -14,7 +14,9 @@ from typing import Protocol, TypeAlias, TypeVar
 import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
-from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch import AttentionSupport, CUDAGraphMode
+
+from ._attention import BatchShape, StepBatch
 
 #: What a model may return: a tensor, or a flat tuple, list or dict of tensors.
 ModelOutput: TypeAlias = (
@@ -24,6 +26,7 @@ ModelOutput: TypeAlias = (
 #: The output type of one manager's model (``run`` returns the same structure).
 OutputT = TypeVar("OutputT", bound=ModelOutput)
 R = TypeVar("R")
+M_co = TypeVar("M_co", covariant=True)
 
 
 class GraphEngineFactory(Protocol):
@@ -38,3 +41,32 @@ class GraphEngineFactory(Protocol):
     def __call__(
         self, model: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions
     ) -> GraphEngine[R]: ...
+
+
+class AttentionMetadataBuilder(Protocol[M_co]):
+    """An attention backend's per-step metadata, built for the batch a forward runs as.
+
+    vLLM's ``AttentionMetadataBuilder[M]``, SGLang's capture/replay pair:
+    ``M`` is the backend's own metadata type, which the model reads back
+    with ``attention_metadata(builder)``. The builder owns persistent
+    buffers sized once for the largest batch; whatever a graph reads lives
+    there, at fixed addresses, and ``build`` refills it in place.
+
+    ``support``: the batches a FULL graph of this attention replays
+    correctly; the manager resolves its mode against it.
+    ``build(batch, shape)``: the metadata of ``batch`` (real rows) padded to
+    ``shape`` (``BatchShape``), written on the current stream with no host
+    synchronization where ``shape.mode`` is FULL or PIECEWISE. Host values
+    in the result (a query-length bound, a split count) may depend on
+    ``shape`` alone where ``shape.mode`` is FULL: the graph bakes them.
+    ``build_for_capture(shape)``: the metadata a graph of ``shape`` records
+    with: the same buffers and host values as ``build`` returns for it, and
+    host work only (the recording runs nothing on the device).
+    """
+
+    @property
+    def support(self) -> AttentionSupport: ...
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> M_co: ...
+
+    def build_for_capture(self, shape: BatchShape, /) -> M_co: ...
