@@ -185,9 +185,13 @@ class FakeEntry(Generic[R]):
         inputs: dict[str, torch.Tensor],
         output: R,
         seconds: RecordSeconds,
+        extra: Mapping[str, object],
     ) -> None:
         self._engine = engine
         self.descriptor = descriptor
+        # A FULL graph replays what its capture saw (an attention's metadata: its buffers and host
+        # values); a PIECEWISE replay's eager breaks read the step's context, which the manager sets.
+        self._extra = extra
         self.seconds = seconds  # the model's call stands for the recording; nothing to instantiate
         self._inputs = inputs  # a graph reads fixed addresses: the manager copies the step into them
         self._output = output
@@ -201,7 +205,12 @@ class FakeEntry(Generic[R]):
         return self._replay
 
     def _replay(self) -> None:
-        fresh = self._engine.model(**self._inputs)
+        engine = self._engine
+        if engine.mode is CUDAGraphMode.FULL:
+            with set_forward_context(CUDAGraphMode.FULL, self.descriptor, **self._extra):
+                fresh = engine.model(**self._inputs)
+        else:
+            fresh = engine.model(**self._inputs)
         for dst, src in zip(_leaves(self._output), _leaves(fresh), strict=True):
             dst.copy_(src)
         self._engine.replays += 1
@@ -225,25 +234,38 @@ class FakeGraphEngine(Generic[R]):
         self._alive: weakref.WeakSet[FakeEntry[R]] = weakref.WeakSet()
 
     def warm_up(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
-        assert get_forward_context() is None, "the manager calls the engine directly, without a context"
-        with set_forward_context(CUDAGraphMode.NONE, descriptor):
+        extra = _callers_extra(descriptor)
+        with set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
             self.model(**inputs)
         self.warm_ups += 1
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> FakeEntry[R]:
-        assert get_forward_context() is None, "the manager calls the engine directly, without a context"
+        extra = _callers_extra(descriptor)
         self.on_capture()
         kept = {name: as_tensor(value) for name, value in inputs.items()}
         start = time.perf_counter()
-        with set_forward_context(self.mode, descriptor):  # as the real engines run the capture
+        with set_forward_context(self.mode, descriptor, **extra):  # as the real engines run the capture
             output = self.model(**kept)
-        entry = FakeEntry(self, descriptor, kept, output, RecordSeconds(time.perf_counter() - start, 0.0))
+        seconds = RecordSeconds(time.perf_counter() - start, 0.0)
+        entry = FakeEntry(self, descriptor, kept, output, seconds, extra)
         self._alive.add(entry)
         return entry
 
     def captured(self) -> frozenset[BatchDescriptor]:
         """The keys of the entries still alive: the manager freed the others."""
         return frozenset(entry.descriptor for entry in self._alive)
+
+
+def _callers_extra(descriptor: BatchDescriptor) -> Mapping[str, object]:
+    """The extras of the manager's context around a warm-up or recording (the attention's metadata).
+
+    The manager calls the engine without a context, or with ``(NONE, descriptor, **extras)``.
+    """
+    context = get_forward_context()
+    if context is None:
+        return {}
+    assert context.runtime_mode is CUDAGraphMode.NONE and context.batch_descriptor == descriptor
+    return context.extra
 
 
 def _leaves(output: object) -> list[torch.Tensor]:
