@@ -35,6 +35,11 @@ from ._report import ManagerStats as ManagerStats
 from ._report import MemoryEstimate as MemoryEstimate
 from ._static import Rows as Rows
 from ._static import StaticInput as StaticInput
+from ._support_check import BatchKind as BatchKind
+from ._support_check import KindCheck as KindCheck
+from ._support_check import SupportCheck as SupportCheck
+from ._support_check import SupportLevelError as SupportLevelError
+from ._support_check import check_attention_support as check_attention_support
 from ._weights import WeightsReplacedError as WeightsReplacedError
 from .ranks import RankAgreement as RankAgreement
 from .ranks import RanksDisagreeError as RanksDisagreeError
@@ -44,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionMetadataBuilder",
     "BackgroundCapture",
+    "BatchKind",
     "BatchShape",
     "CUDAGraphManager",
     "CapturePhases",
@@ -52,6 +58,7 @@ __all__ = [
     "CompiledModel",
     "EagerReason",
     "GraphEngineFactory",
+    "KindCheck",
     "ManagerStats",
     "MemoryEstimate",
     "ModelOutput",
@@ -62,8 +69,11 @@ __all__ = [
     "Rows",
     "StaticInput",
     "StepBatch",
+    "SupportCheck",
+    "SupportLevelError",
     "WeightsReplacedError",
     "attention_metadata",
+    "check_attention_support",
     "compile_for_capture",
     "metadata_extra",
     "pad_offsets",
