@@ -1,0 +1,332 @@
+"""The varlen and split-decode paged kernels and backends against a float64 per-request oracle.
+
+Random paged layouts: pages shuffled, ragged lengths, block-table entries
+past a request's length holding random pages, prefill chunks mixed with
+decodes. CPU tests run the kernels in float32 (the varlen stand-in on the
+CPU) and the backends through their metadata; GPU tests run the real
+kernels in bfloat16 and inside a ``torch.cuda.CUDAGraph`` whose metadata is
+refilled between replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Final
+
+import pytest
+import torch
+
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    GraphSupport,
+    resolve_mode,
+    set_forward_context,
+)
+from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+from cudagraph_manager.examples.paged.layout import PagedLayout
+from cudagraph_manager.examples.paged.split_decode import (
+    SplitDecodeAttention,
+    planned_attention,
+    split_count,
+    split_decode_attention,
+)
+from cudagraph_manager.examples.paged.varlen import (
+    PAGED_VARLEN,
+    VarlenPagedAttention,
+    gathered_key_slots,
+    varlen_paged_attention,
+)
+from tests.torch_support import highest_fp32_matmul_precision, rel_err
+
+M: Final = CUDAGraphMode
+HEADS: Final = 2
+HEAD_DIM: Final = 16
+#: Query lengths of the batches drawn: decodes, prefill chunks mixed with decodes, one long prefill.
+MIXES: Final = ((1, 1, 1, 1, 1), (7, 1, 1, 12, 1, 3), (1,), (29,))
+PATHS: Final = (False, True) if PAGED_VARLEN else (False,)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One random step on a random paged cache: the kernels' arguments, and the backends' inputs."""
+
+    q: torch.Tensor  # [T, heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_pages, page_size, heads, head_dim]: this step's K/V already in place
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    inputs: dict[str, torch.Tensor]  # the six paged inputs (batch.PAGED_INPUT_NAMES)
+
+    @property
+    def k(self) -> torch.Tensor:  # [T, heads, head_dim]: what this step writes (already there)
+        return _flat(self.kv_cache)[0][self.inputs["slot_mapping"]]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return _flat(self.kv_cache)[1][self.inputs["slot_mapping"]]
+
+    def batch(self) -> StepBatch:
+        return StepBatch(self.q.shape[0], len(self.inputs["seq_lens"]), self.inputs)
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(2, -1, HEADS, HEAD_DIM)  # [2, num_pages * page_size, heads, head_dim]
+
+
+def random_step(
+    layout: PagedLayout, query_lens: tuple[int, ...], *, seed: int, dtype: torch.dtype = torch.float32
+) -> Step:
+    """Requests of ``query_lens`` tokens at random places in their sequences, on shuffled pages."""
+    g = torch.Generator().manual_seed(seed)
+    page_size, width = layout.page_size, layout.pages_per_seq
+    ends = [int(torch.randint(n, layout.max_seq_len + 1, (), generator=g)) for n in query_lens]
+    pool = (torch.randperm(layout.num_pages - 1, generator=g) + 1).tolist()  # every page but scratch
+    table = torch.randint(1, layout.num_pages, (len(query_lens), width), generator=g, dtype=torch.int32)
+    positions = []
+    for r, (n, end) in enumerate(zip(query_lens, ends, strict=True)):
+        used = -(-end // page_size)
+        table[r, :used] = torch.tensor(pool[:used], dtype=torch.int32)
+        del pool[:used]
+        positions.append(torch.arange(end - n, end))
+    position = torch.cat(positions)  # [T]
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    req = torch.repeat_interleave(torch.arange(len(query_lens)), lens.long())  # [T]
+    slots = table[req, position // page_size].long() * page_size + position % page_size  # [T]
+    shape = (2, layout.num_pages, layout.page_size, HEADS, HEAD_DIM)
+    inputs = {
+        "input_ids": torch.zeros_like(position),
+        "positions": position,
+        "slot_mapping": slots,
+        "query_lens": lens,
+        "seq_lens": torch.tensor(ends, dtype=torch.int32),
+        "block_table": table,
+    }
+    q = torch.randn(len(position), HEADS, HEAD_DIM, generator=g).to(dtype)
+    kv_cache = torch.randn(shape, generator=g).to(dtype)
+    starts = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
+    return Step(q, kv_cache, starts, inputs)
+
+
+def oracle(step: Step) -> torch.Tensor:
+    """Each token over its request's keys up to its position, in float64, one request at a time."""
+    inputs, page_size = step.inputs, step.kv_cache.shape[2]
+    out = torch.empty(step.q.shape, dtype=torch.float64)
+    keys, values = _flat(step.kv_cache.cpu().double())
+    starts = step.query_start_loc.tolist()
+    for r, end in enumerate(inputs["seq_lens"].tolist()):
+        logical = torch.arange(end)
+        slots = inputs["block_table"][r].cpu().long()[logical // page_size] * page_size + logical % page_size
+        first, last = starts[r], starts[r + 1]
+        q = step.q[first:last].cpu().double()  # [n, heads, head_dim]
+        scores = torch.einsum("nhd,lhd->hnl", q, keys[slots]) * HEAD_DIM**-0.5  # [heads, n, L]
+        hidden = logical[None, :] > torch.arange(end - (last - first), end)[:, None]  # [n, L]
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out[first:last] = torch.einsum("hnl,lhd->nhd", weights, values[slots])
+    return out
+
+
+def _to(step: Step, device: torch.device, dtype: torch.dtype) -> Step:
+    inputs = {name: value.to(device) for name, value in step.inputs.items()}
+    return Step(
+        step.q.to(device, dtype), step.kv_cache.to(device, dtype), step.query_start_loc.to(device), inputs
+    )
+
+
+# --- the kernels, as functions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("paged", PATHS)
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("query_lens", MIXES)
+def test_varlen_kernel_equals_the_oracle(paged: bool, page_size: int, query_lens: tuple[int, ...]) -> None:
+    layout = PagedLayout(page_size, num_pages=80, pages_per_seq=64 // page_size + 1)
+    step = random_step(layout, query_lens, seed=page_size * 31 + len(query_lens))
+    inputs = step.inputs
+    with highest_fp32_matmul_precision():
+        out = varlen_paged_attention(
+            step.q,
+            step.kv_cache,
+            step.query_start_loc,
+            inputs["seq_lens"],
+            inputs["block_table"],
+            max(query_lens),
+            layout.max_seq_len,
+            paged=paged,
+        )
+    assert rel_err(out, oracle(step)) < 1e-5
+
+
+def test_gathered_key_slots_map_packed_rows_through_the_block_table() -> None:
+    seq_lens = torch.tensor([3, 1], dtype=torch.int32)
+    table = torch.tensor([[7, 2], [5, 9]], dtype=torch.int32)  # page size 2: request 0 reads 7, then 2
+    cu_seq_k, slots = gathered_key_slots(seq_lens, table, page_size=2, max_k=4)
+    assert cu_seq_k.tolist() == [0, 3, 4]
+    # request 0: slots 14, 15, 4; request 1: slot 10; the rows past the total read the scratch slot.
+    assert slots.tolist() == [14, 15, 4, 10, 0, 0, 0, 0]
+
+
+def test_varlen_padding_requests_leave_real_rows_alone_and_make_no_nan() -> None:
+    """A padded mixed batch: the first padding request holds every padding token over one scratch key."""
+    layout = PagedLayout(16, num_pages=40, pages_per_seq=4)
+    step = random_step(layout, (5, 1, 3), seed=3)
+    real, padded, reqs = 9, 16, 5
+    q = torch.cat((step.q, torch.randn(padded - real, HEADS, HEAD_DIM)))
+    starts = torch.tensor([*step.query_start_loc.tolist(), padded, padded], dtype=torch.int32)
+    seq_lens = torch.cat((step.inputs["seq_lens"], torch.ones(reqs - 3, dtype=torch.int32)))
+    table = torch.cat((step.inputs["block_table"], torch.zeros(reqs - 3, 4, dtype=torch.int32)))
+    for paged in PATHS:
+        out = varlen_paged_attention(q, step.kv_cache, starts, seq_lens, table, padded, 64, paged=paged)
+        assert not out.isnan().any()
+        assert rel_err(out[:real], oracle(step)) < 1e-5
+        assert out[real : padded - 1].abs().max() == 0  # rows that see no key: zeros, as FlashAttention's
+
+
+def test_varlen_stand_in_checks_the_bounds_the_kernel_trusts() -> None:
+    layout = PagedLayout(16, num_pages=40, pages_per_seq=4)
+    step = random_step(layout, (5, 1), seed=4)
+    args = (step.q, step.kv_cache, step.query_start_loc, step.inputs["seq_lens"], step.inputs["block_table"])
+    with pytest.raises(ValueError, match="exceed max_q=4"):
+        varlen_paged_attention(*args, 4, 64, paged=False)
+
+
+def test_split_count_is_a_power_of_two_that_falls_as_requests_grow() -> None:
+    counts = [split_count(r, 32) for r in range(1, 300)]
+    assert counts[0] == 32
+    assert counts[-1] == 1
+    assert all(a >= b for a, b in itertools.pairwise(counts))
+    assert all(c & (c - 1) == 0 for c in counts)
+    assert split_count(1, 5) == 4  # never more than the row's pages
+    assert split_count(1, 1) == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("page_size", [16, 3])
+def test_split_decode_kernel_equals_the_oracle(num_splits: int, page_size: int) -> None:
+    layout = PagedLayout(page_size, num_pages=200, pages_per_seq=96 // page_size)
+    step = random_step(layout, (1,) * 7, seed=num_splits + page_size)
+    inputs = step.inputs
+    with highest_fp32_matmul_precision():
+        out = split_decode_attention(
+            step.q, step.kv_cache, inputs["seq_lens"], inputs["block_table"], num_splits
+        )
+    assert rel_err(out, oracle(step)) < 1e-5
+
+
+@pytest.mark.parametrize("query_lens", MIXES)
+def test_planned_path_equals_the_oracle(query_lens: tuple[int, ...]) -> None:
+    layout = PagedLayout(16, num_pages=80, pages_per_seq=4)
+    step = random_step(layout, query_lens, seed=len(query_lens))
+    inputs = step.inputs
+    with highest_fp32_matmul_precision():
+        out = planned_attention(
+            step.q, step.kv_cache, step.query_start_loc.tolist(), inputs["seq_lens"], inputs["block_table"]
+        )
+    assert rel_err(out, oracle(step)) < 1e-5
+
+
+# --- the backends, through their metadata -------------------------------------------------------
+
+Backend = VarlenPagedAttention | SplitDecodeAttention
+
+
+def attend(backend: Backend, step: Step, metadata: object, shape: BatchShape) -> torch.Tensor:
+    """``backend.attend`` of ``step`` padded to ``shape``, under a forward context holding ``metadata``."""
+    pad = shape.num_tokens - step.q.shape[0]
+    q = torch.cat((step.q, step.q.new_zeros(pad, HEADS, HEAD_DIM)))
+    k, v = (torch.cat((t, t.new_zeros(pad, HEADS, HEAD_DIM))) for t in (step.k, step.v))
+    slots = torch.cat((step.inputs["slot_mapping"], step.q.new_zeros(pad, dtype=torch.int64)))
+    out = torch.full_like(q, float("nan"))
+    key = BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform)
+    with set_forward_context(shape.mode, key, **metadata_extra(backend, metadata)):
+        backend.attend(q, k, v, step.kv_cache, slots, out)
+    return out[: step.q.shape[0]]
+
+
+def _layout() -> PagedLayout:
+    return PagedLayout(16, num_pages=120, pages_per_seq=5)
+
+
+@pytest.mark.parametrize("paged", PATHS)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        BatchShape(21, 8, None, M.FULL),  # mixed, padded: 3 padding requests
+        BatchShape(21, 5, None, M.NONE),  # the real batch, eager
+        BatchShape(32, 8, None, M.PIECEWISE),
+    ],
+)
+def test_varlen_backend_equals_the_oracle(paged: bool, shape: BatchShape) -> None:
+    layout = _layout()
+    backend = VarlenPagedAttention(layout, max_tokens=32, max_reqs=8, paged=paged)
+    assert backend.support.level is GraphSupport.ALWAYS
+    step = random_step(layout, (7, 1, 1, 11, 1), seed=shape.num_tokens + shape.num_reqs)
+    meta = backend.build(step.batch(), shape)
+    captured = backend.build_for_capture(shape)
+    assert captured.paged.seq_lens.data_ptr() == meta.paged.seq_lens.data_ptr()
+    if not paged:  # the gathered path's key map lives in the backend's buffers, at fixed addresses
+        assert captured.key_slots is not None
+        assert meta.key_slots is not None
+        assert captured.key_slots.data_ptr() == meta.key_slots.data_ptr()
+    with highest_fp32_matmul_precision():
+        assert rel_err(attend(backend, step, meta, shape), oracle(step)) < 1e-5
+
+
+def test_varlen_backend_decodes_as_a_uniform_shape() -> None:
+    layout = _layout()
+    backend = VarlenPagedAttention(layout, max_tokens=32, max_reqs=8, paged=False)
+    step = random_step(layout, (1,) * 6, seed=11)
+    shape = BatchShape(8, 8, 1, M.FULL)
+    meta = backend.build(step.batch(), shape)
+    assert meta.paged.max_query_len == 1
+    with highest_fp32_matmul_precision():
+        assert rel_err(attend(backend, step, meta, shape), oracle(step)) < 1e-5
+
+
+def test_split_decode_declares_decodes_only_and_the_manager_keeps_mixed_batches_out_of_full_graphs() -> None:
+    backend = SplitDecodeAttention(_layout(), max_tokens=32, max_reqs=8)
+    assert backend.support.level is GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    config = DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([8, 16]), max_num_seqs=8)
+    assert resolve_mode(config, backend.support).mode is M.FULL_AND_PIECEWISE  # FULL decodes, PIECEWISE rest
+    full = dataclasses.replace(config, mode=M.FULL)
+    assert resolve_mode(full, backend.support).mode is M.FULL_AND_PIECEWISE
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "shape", "splits"),
+    [
+        ((1,) * 6, BatchShape(8, 8, 1, M.FULL), split_count(8, 5)),  # the decode kernel, padded
+        ((1,) * 2, BatchShape(2, 2, 1, M.NONE), split_count(2, 5)),
+        ((7, 1, 1, 11, 1), BatchShape(21, 5, None, M.NONE), None),  # planned: eager
+        ((7, 1, 1, 11, 1), BatchShape(32, 8, None, M.PIECEWISE), None),
+    ],
+)
+def test_split_decode_backend_equals_the_oracle(
+    query_lens: tuple[int, ...], shape: BatchShape, splits: int | None
+) -> None:
+    layout = _layout()
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8)
+    step = random_step(layout, query_lens, seed=len(query_lens) + shape.num_tokens)
+    meta = backend.build(step.batch(), shape)
+    assert meta.num_splits == splits
+    with highest_fp32_matmul_precision():
+        assert rel_err(attend(backend, step, meta, shape), oracle(step)) < 1e-5
+        again = attend(backend, step, meta, shape)  # a second layer: the plan read once per step
+    assert len(meta.read) == (0 if splits else 1)
+    assert rel_err(again, oracle(step)) < 1e-5
+
+
+def test_split_decode_over_declared_bakes_the_capture_plan_into_a_full_mixed_graph() -> None:
+    """``declare=ALWAYS``: a FULL mixed key's plan is its shape's (all tokens in request 0): wrong."""
+    layout = _layout()
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, declare=GraphSupport.ALWAYS)
+    assert backend.support.level is GraphSupport.ALWAYS
+    shape = BatchShape(21, 8, None, M.FULL)
+    captured = backend.build_for_capture(shape)
+    assert captured.plan == (0, *[21] * 8)
+    step = random_step(layout, (7, 1, 1, 11, 1), seed=5)
+    meta = backend.build(step.batch(), shape)  # the replay's buffers; the graph keeps the capture's plan
+    assert meta.plan == captured.plan
+    with highest_fp32_matmul_precision():
+        assert rel_err(attend(backend, step, captured, shape), oracle(step)) > 0.1
