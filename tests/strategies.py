@@ -10,6 +10,7 @@ Hypothesis most of a second to set up on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import random
@@ -247,3 +248,77 @@ attention_supports: Final = st.builds(
     piecewise=st.booleans(),
     name=st.sampled_from(("flash", "flex", "mla")),
 )
+
+
+# -- attention metadata of a padded batch --
+
+
+@st.composite
+def padded_query_lens(draw: st.DrawFn) -> tuple[list[int], int, int]:
+    """Real query lengths, and the request count and token total of the batch a graph pads them to."""
+    lens = draw(st.lists(st.integers(min_value=1, max_value=16), max_size=12))
+    padded_reqs = len(lens) + draw(st.integers(min_value=0, max_value=4))
+    padded_total = sum(lens) + draw(st.integers(min_value=0, max_value=32))
+    return lens, padded_reqs, padded_total
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedStepCase:
+    """A valid step on a small paged cache, as plain Python, and the shape a graph pads it to.
+
+    Per request: ``query_lens``, ``seq_lens`` (at least its query length)
+    and a ``block_table`` row (its used pages distinct and never the scratch
+    page 0, the rest of the row anything). ``query_len`` is every request's
+    when ``uniform``; ``shape_tokens`` and ``shape_reqs`` are the padded batch's.
+    """
+
+    page_size: int
+    pages_per_seq: int
+    num_pages: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: list[list[int]]
+    uniform: bool
+    query_len: int
+    shape_tokens: int
+    shape_reqs: int
+
+
+@st.composite
+def paged_steps(draw: st.DrawFn) -> PagedStepCase:
+    """A ``PagedStepCase``: pages of 1 to 16 slots, 0 to 6 requests, up to 3 padding requests."""
+    page_size = draw(st.sampled_from((1, 2, 4, 16)))
+    pages_per_seq = draw(st.integers(min_value=1, max_value=4))
+    max_seq_len = page_size * pages_per_seq
+    uniform = draw(st.booleans())
+    num_reqs = draw(st.integers(min_value=0, max_value=6))
+    query_len = draw(st.integers(min_value=1, max_value=max_seq_len))
+    query_lens = [
+        query_len if uniform else draw(st.integers(min_value=1, max_value=max_seq_len))
+        for _ in range(num_reqs)
+    ]
+    seq_lens = [draw(st.integers(min_value=q, max_value=max_seq_len)) for q in query_lens]
+    used = [-(-s // page_size) for s in seq_lens]
+    num_pages = 1 + sum(used) + draw(st.integers(min_value=0, max_value=3))
+    pages = draw(st.permutations(range(1, num_pages)))
+    rows, start = [], 0
+    for count in used:
+        unused = pages_per_seq - count
+        rest = draw(st.lists(st.integers(0, num_pages - 1), min_size=unused, max_size=unused))
+        rows.append([*pages[start : start + count], *rest])
+        start += count
+    shape_reqs = max(num_reqs + draw(st.integers(min_value=0, max_value=3)), 1)
+    extra_tokens = draw(st.integers(min_value=0, max_value=8))
+    shape_tokens = shape_reqs * query_len if uniform else max(sum(query_lens) + extra_tokens, shape_reqs)
+    return PagedStepCase(
+        page_size,
+        pages_per_seq,
+        num_pages,
+        query_lens,
+        seq_lens,
+        rows,
+        uniform,
+        query_len,
+        shape_tokens,
+        shape_reqs,
+    )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Final
 
 import pytest
+import torch
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 
@@ -43,3 +44,21 @@ def test_the_manager_readmes_first_example_runs() -> None:
     first = python_blocks(ROOT / "packages/manager/README.md")[0]
     assert "manager.run(input_ids=ids)" in first
     _run(first, "packages/manager/README.md")
+
+
+def test_the_manager_readmes_seam_example_runs_and_pads_offsets_with_the_padded_total() -> None:
+    """On a GPU a FULL graph of 8 tokens replays it; on a CPU it runs eagerly; both equal the rule."""
+    blocks = python_blocks(ROOT / "packages/manager/README.md")
+    (block,) = [b for b in blocks if "metadata_builder=builder" in b]
+    namespace: dict[str, object] = {"__name__": "__main__"}  # a script's: its dataclass finds its module
+    exec(compile(block, "packages/manager/README.md", "exec", dont_inherit=True), namespace)
+    ids, out, table = namespace["ids"], namespace["out"], namespace["table"]
+    assert isinstance(ids, torch.Tensor)
+    assert isinstance(out, torch.Tensor)
+    assert callable(table)
+    builder = namespace["builder"]
+    # Padded to the key of 8 tokens and 8 requests (a replay, or without CUDA the same batch eagerly).
+    assert builder.padded.tolist() == [0, 3, 5, 8, 8, 8, 8, 8, 8]  # type: ignore[attr-defined]  # the example's
+    first = torch.tensor([0, 0, 0, 3, 3], device=ids.device)  # requests of 3 and 2 tokens
+    with torch.no_grad():
+        torch.testing.assert_close(out, table(ids) + table(ids[first]))
