@@ -299,7 +299,7 @@ def paged_steps(draw: st.DrawFn) -> PagedStepCase:
     ]
     seq_lens = [draw(st.integers(min_value=q, max_value=max_seq_len)) for q in query_lens]
     used = [-(-s // page_size) for s in seq_lens]
-    num_pages = 1 + sum(used) + draw(st.integers(min_value=0, max_value=3))
+    num_pages = 2 + sum(used) + draw(st.integers(min_value=0, max_value=3))  # scratch, and one page at least
     pages = draw(st.permutations(range(1, num_pages)))
     rows, start = [], 0
     for count in used:
