@@ -382,19 +382,18 @@ def _counts(
     holds two), at most ``max_num_seqs`` (the key's own request rows).
     """
     drawn: list[tuple[int, int, BatchDescriptor]] = []
-    previous = BatchDescriptor(0, 0)
+    previous_tokens = previous_reqs = 0
     for key in keys:
         key_reqs = key.num_reqs or 1
         for _ in range(run.trials):
             if kind is BatchKind.MIXED:
-                num_tokens = _draw(run.generator, max(previous.num_tokens + 1, 2), key.num_tokens)
+                num_tokens = _draw(run.generator, max(previous_tokens + 1, 2), key.num_tokens)
                 num_reqs = _draw(run.generator, 1, min(num_tokens - 1, key_reqs))
             else:
-                q = key.num_tokens // key_reqs
-                num_reqs = _draw(run.generator, (previous.num_reqs or 0) + 1, key_reqs)
-                num_tokens = num_reqs * q
+                num_reqs = _draw(run.generator, previous_reqs + 1, key_reqs)
+                num_tokens = num_reqs * (key.num_tokens // key_reqs)
             drawn.append((num_tokens, num_reqs, key))
-        previous = key
+        previous_tokens, previous_reqs = key.num_tokens, key_reqs
     return drawn
 
 
