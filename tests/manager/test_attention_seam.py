@@ -36,7 +36,7 @@ from cudagraph_manager import (
     metadata_extra,
     pad_rows,
 )
-from tests.manager.helpers import FakeEngines, assert_unchanged, config_for, snapshot
+from tests.manager.helpers import BACKENDS, Backend, assert_unchanged, config_for, snapshot
 
 M: Final = CUDAGraphMode
 DIM: Final = 8
@@ -56,9 +56,9 @@ class ToyMetadata:
 class ToyBuilder:
     """Copies the real ``scale`` into its own buffer, padded with 1; logs every call."""
 
-    def __init__(self, support: AttentionSupport | None = None) -> None:
+    def __init__(self, support: AttentionSupport | None = None, device: str = "cpu") -> None:
         self.support = support or AttentionSupport(GraphSupport.ALWAYS, name="toy")
-        self.buffer = torch.ones(MAX_REQS)  # fixed address: what a graph reads
+        self.buffer = torch.ones(MAX_REQS, device=device)  # fixed address: what a graph reads
         self.calls: list[tuple[str, int, int, BatchShape]] = []
         self.built: list[ToyMetadata] = []
         self.refuse = False
@@ -87,7 +87,7 @@ class SeamModel(nn.Module):
     def __init__(self, builder: ToyBuilder) -> None:
         super().__init__()
         self.builder = builder
-        self.weight = nn.Parameter(torch.randn(DIM, DIM), requires_grad=False)
+        self.weight = nn.Parameter(torch.randn(DIM, DIM, device=builder.buffer.device), requires_grad=False)
         self.seen: list[ToyMetadata] = []
         self._attend = eager_break_during_capture(self._scale)
 
@@ -112,50 +112,61 @@ def _reference(model: SeamModel, batch: Mapping[str, torch.Tensor]) -> torch.Ten
     return h @ model.weight
 
 
-def _batch(num_tokens: int, num_reqs: int, seed: int) -> dict[str, torch.Tensor]:
+def _batch(num_tokens: int, num_reqs: int, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(num_tokens, DIM, generator=g), "scale": torch.rand(num_reqs, generator=g) + 2.0}
+    batch = {"x": torch.randn(num_tokens, DIM, generator=g), "scale": torch.rand(num_reqs, generator=g) + 2.0}
+    return {name: t.to(device) for name, t in batch.items()}
 
 
 def _manager(
-    mode: CUDAGraphMode, builder: ToyBuilder, attention: AttentionSupport | None = None
+    mode: CUDAGraphMode,
+    builder: ToyBuilder,
+    attention: AttentionSupport | None = None,
+    backend: Backend | None = None,
 ) -> tuple[CUDAGraphManager[torch.Tensor], SeamModel]:
+    """A manager of a ``SeamModel`` on ``backend`` (default: the CPU with fake engines)."""
+    backend = backend or Backend.of("cpu")
     model = SeamModel(builder)
     config = config_for(mode, sizes=(1, 2, 4, 8), max_num_seqs=MAX_REQS)
     manager = CUDAGraphManager(
         model,
         INPUTS,
         config,
-        device="cpu",
-        engine_factory=FakeEngines(),
+        device=backend.device,
+        engine_factory=backend.factory,
         metadata_builder=builder,
         attention=attention,
     )
     return manager, model
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
-def test_a_replay_builds_for_its_padded_key_and_equals_eager(mode: CUDAGraphMode) -> None:
-    builder = ToyBuilder()
-    manager, model = _manager(mode, builder)
+def test_a_replay_builds_for_its_padded_key_and_equals_eager(mode: CUDAGraphMode, backend_name: str) -> None:
+    backend = Backend.of(backend_name)
+    builder = ToyBuilder(device=backend.device.type)
+    manager, model = _manager(mode, builder, backend=backend)
     manager.capture()
-    for seed, (tokens, reqs) in enumerate([(3, 2), (5, 5), (1, 1), (7, 3)]):
+    for seed, (tokens, reqs) in enumerate([(3, 2), (5, 5), (1, 1), (7, 3), (2, 2), (8, 8)]):
         builder.calls.clear()
-        batch = _batch(tokens, reqs, seed)
+        batch = _batch(tokens, reqs, seed, backend.device.type)
         out = manager.run_batch(batch)
         padded = next(size for size in (1, 2, 4, 8) if size >= tokens)
         num_reqs = padded if mode is M.FULL else min(padded, MAX_REQS)
         assert builder.calls == [("build", tokens, reqs, BatchShape(padded, num_reqs, None, mode))]
         torch.testing.assert_close(out, _reference(model, batch))
-    assert sum(manager.stats.replays.values()) == 4
+    assert sum(manager.stats.replays.values()) == 6
+    assert manager.stats.eager_runs == 0
 
 
-def test_a_piecewise_replay_hands_the_eager_attention_the_steps_metadata() -> None:
-    builder = ToyBuilder()
-    manager, model = _manager(M.PIECEWISE, builder)
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_piecewise_replay_hands_the_eager_attention_the_steps_metadata(backend_name: str) -> None:
+    backend = Backend.of(backend_name)
+    builder = ToyBuilder(device=backend.device.type)
+    manager, model = _manager(M.PIECEWISE, builder, backend=backend)
     manager.capture()
     model.seen.clear()
-    manager.run_batch(_batch(3, 2, 0))
+    manager.run_batch(_batch(3, 2, 0, backend.device.type))
     assert model.seen == [builder.built[-1]]  # the very object build() returned for this step
 
 
@@ -202,22 +213,26 @@ def test_an_eager_step_builds_for_the_real_batch() -> None:
     assert builder.calls == [("build", 2, 2, BatchShape(2, 2, 1, M.NONE))]
 
 
-def test_released_and_woken_steps_build_on_every_path() -> None:
-    builder = ToyBuilder()
-    manager, model = _manager(M.FULL, builder)
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_released_and_woken_steps_build_on_every_path(backend_name: str) -> None:
+    backend = Backend.of(backend_name)
+    device = backend.device.type
+    builder = ToyBuilder(device=device)
+    manager, model = _manager(M.FULL, builder, backend=backend)
     manager.capture()
     manager.release()
     builder.calls.clear()
-    batch = _batch(3, 3, 3)
+    batch = _batch(3, 3, 3, device)
     torch.testing.assert_close(manager.run_batch(batch), _reference(model, batch))
     assert builder.calls == [("build", 3, 3, BatchShape(3, 3, None, M.NONE))]
     assert manager.stats.eager_reasons == {EagerReason.RELEASED.value: 1}
     session = manager.start_capture()
     session.wait()
     builder.calls.clear()
-    batch = _batch(3, 3, 4)
+    batch = _batch(3, 3, 4, device)
     torch.testing.assert_close(manager.run_batch(batch), _reference(model, batch))
     assert builder.calls == [("build", 3, 3, BatchShape(4, 4, None, M.FULL))]
+    assert manager.stats.replays_of(M.FULL) == 1
 
 
 def test_an_idle_ranks_dummy_step_builds_for_one_padding_row() -> None:
@@ -228,15 +243,17 @@ def test_an_idle_ranks_dummy_step_builds_for_one_padding_row() -> None:
     assert model.seen[-1].scale.tolist() == [1.0]
 
 
-def test_the_builders_support_resolves_the_mode_and_steps_are_counted() -> None:
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_the_builders_support_resolves_the_mode_and_steps_are_counted(backend_name: str) -> None:
+    backend = Backend.of(backend_name)
     decode_only = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, piecewise=True, name="toy")
-    builder = ToyBuilder(decode_only)
-    manager, model = _manager(M.FULL, builder)
+    builder = ToyBuilder(decode_only, device=backend.device.type)
+    manager, model = _manager(M.FULL, builder, backend=backend)
     resolution = manager.stats.resolution
     assert resolution is not None
     assert resolution.mode is M.FULL_AND_PIECEWISE
     manager.capture()
-    mixed, decode = _batch(3, 2, 5), _batch(3, 3, 6)
+    mixed, decode = _batch(3, 2, 5, backend.device.type), _batch(3, 3, 6, backend.device.type)
     torch.testing.assert_close(manager.run_batch(mixed), _reference(model, mixed))
     torch.testing.assert_close(manager.run_batch(decode, uniform_decode=True), _reference(model, decode))
     assert dict(manager.stats.replays) == {(M.PIECEWISE, 4): 1, (M.FULL, 4): 1}
