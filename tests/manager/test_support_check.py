@@ -52,6 +52,7 @@ from cudagraph_manager import (
     attention_metadata,
     check_attention_support,
 )
+from tests.test_readmes import ROOT, python_blocks
 from tests.torch_support import as_tensor, highest_fp32_matmul_precision
 
 R = TypeVar("R")
@@ -498,3 +499,35 @@ def test_the_report_types_are_frozen() -> None:
     assert isinstance(check.kinds[0], KindCheck)
     assert issubclass(SupportLevelError, ValueError)
     assert [kind.level for kind in BatchKind] == [SINGLE, UNIFORM_BATCH, ALWAYS]
+
+
+# ---------------------------------------------------------------------------
+# The README's example: the seam example's builder, checked
+# ---------------------------------------------------------------------------
+
+
+def _readme_check(*, baking: bool) -> SupportCheck:
+    blocks = python_blocks(ROOT / "packages/manager/README.md")
+    (seam,) = [block for block in blocks if "metadata_builder=builder" in block]
+    (example,) = [block for block in blocks if "check_attention_support(" in block]
+    if baking:  # the graphs' stand-in, which needs no GPU
+        example = example.replace(
+            "max_num_seqs=MAX_REQS", "max_num_seqs=MAX_REQS, engine_factory=BakingEngines()"
+        )
+    namespace: dict[str, object] = {"__name__": "__main__", "BakingEngines": BakingEngines}
+    exec(compile(seam + "\n" + example, "packages/manager/README.md", "exec", dont_inherit=True), namespace)
+    check = namespace["check"]
+    assert isinstance(check, SupportCheck)
+    return check
+
+
+def test_the_readme_example_verifies_the_seam_examples_builder() -> None:
+    check = _readme_check(baking=True)
+    assert (check.declared, check.verified) == (ALWAYS, ALWAYS)
+    assert all(kind.held and kind.batches > 0 for kind in check.kinds)
+
+
+@pytest.mark.gpu
+def test_the_readme_example_runs_as_written() -> None:
+    check = _readme_check(baking=False)
+    assert (check.declared, check.verified) == (ALWAYS, ALWAYS)
