@@ -26,7 +26,8 @@ from cudagraph_dispatch import (
     resolve_mode,
     set_forward_context,
 )
-from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
+from cudagraph_manager.examples.paged.batch import paged_static_inputs
 from cudagraph_manager.examples.paged.layout import PagedLayout
 from cudagraph_manager.examples.paged.split_decode import (
     SplitDecodeAttention,
@@ -38,13 +39,15 @@ from cudagraph_manager.examples.paged.varlen import (
     PAGED_VARLEN,
     VarlenPagedAttention,
     gathered_key_slots,
+    paged_kernel_accepts,
     varlen_paged_attention,
 )
+from tests.manager.helpers import FakeEngines
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 M: Final = CUDAGraphMode
 HEADS: Final = 2
-HEAD_DIM: Final = 16
+HEAD_DIM: Final = 64  # FlashAttention's: a multiple of 8
 #: Query lengths of the batches drawn: decodes, prefill chunks mixed with decodes, one long prefill.
 MIXES: Final = ((1, 1, 1, 1, 1), (7, 1, 1, 12, 1, 3), (1,), (29,))
 PATHS: Final = (False, True) if PAGED_VARLEN else (False,)
@@ -330,3 +333,209 @@ def test_split_decode_over_declared_bakes_the_capture_plan_into_a_full_mixed_gra
     assert meta.plan == captured.plan
     with highest_fp32_matmul_precision():
         assert rel_err(attend(backend, step, captured, shape), oracle(step)) > 0.1
+
+
+# --- through the manager (CPU, fake graph engines): the downgrade end to end ---------------------------
+
+
+class _AttentionModel(torch.nn.Module):
+    """One attention layer over a paged cache: q, k, v from embeddings of the tokens."""
+
+    def __init__(self, backend: Backend, vocab: int = 50) -> None:
+        super().__init__()
+        layout = backend.layout
+        self.backend = backend
+        self.embed = torch.nn.Parameter(torch.randn(vocab, 3 * HEADS * HEAD_DIM))
+        self.kv_cache = torch.randn(2, layout.num_pages, layout.page_size, HEADS, HEAD_DIM)
+
+    def qkv(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.nn.functional.embedding(input_ids, self.embed).view(-1, 3, HEADS, HEAD_DIM).unbind(1)
+
+    def forward(self, input_ids: torch.Tensor, slot_mapping: torch.Tensor, **_: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(input_ids)  # [T, heads, head_dim] each
+        out = torch.empty_like(q)
+        self.backend.attend(q, k, v, self.kv_cache, slot_mapping, out)
+        return out.flatten(1)  # [T, heads * head_dim]
+
+
+def _manager_run(
+    declare: GraphSupport, mode: CUDAGraphMode
+) -> tuple[CUDAGraphManager[torch.Tensor], list[float]]:
+    """A decode step, then a mixed one, through a captured manager; each step's error vs the oracle."""
+    layout = _layout()
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, declare=declare)
+    model = _AttentionModel(backend)
+    config = DispatchConfig(mode, CaptureSizes([8, 16, 32]), max_num_seqs=8)
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        config,
+        device="cpu",
+        engine_factory=FakeEngines(),
+        metadata_builder=backend,
+    )
+    manager.capture()
+    errors = []
+    for seed, query_lens in enumerate(((1,) * 5, (7, 1, 1, 11, 1))):
+        step = random_step(layout, query_lens, seed=seed)
+        step.inputs["input_ids"] = torch.randint(0, 50, step.inputs["input_ids"].shape)
+        with torch.no_grad(), highest_fp32_matmul_precision():
+            out = manager.run_batch(step.inputs, uniform_decode=len(set(query_lens)) == 1)
+            q = model.qkv(step.inputs["input_ids"])[0]
+        expected = oracle(Step(q, model.kv_cache, step.query_start_loc, step.inputs))
+        errors.append(rel_err(out.view(-1, HEADS, HEAD_DIM), expected))
+    return manager, errors
+
+
+def test_split_decode_through_the_manager_full_for_decodes_piecewise_for_mixed_batches() -> None:
+    manager, errors = _manager_run(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, M.FULL)
+    stats = manager.stats
+    assert stats.resolution is not None
+    assert stats.resolution.mode is M.FULL_AND_PIECEWISE  # FULL asked, downgraded for mixed batches
+    assert dict(stats.replays) == {(M.FULL, 8): 1, (M.PIECEWISE, 32): 1}
+    assert max(errors) < 1e-5
+
+
+def test_split_decode_over_declared_through_the_manager_replays_batches_wrong() -> None:
+    """FULL with ``ALWAYS`` declared: mixed keys only, each baking its capture's plan (padding's)."""
+    manager, errors = _manager_run(GraphSupport.ALWAYS, M.FULL)
+    stats = manager.stats
+    assert stats.resolution is not None
+    assert not stats.resolution.downgraded
+    assert dict(stats.replays) == {(M.FULL, 8): 1, (M.FULL, 32): 1}  # the decode too: FULL has no decode keys
+    assert min(errors) > 0.1
+
+
+# --- on CUDA: the real kernels in bfloat16, and in a CUDA graph refilled between replays --------------
+
+
+def _cuda_paths(page_size: int) -> list[bool]:
+    """The gathered path, and the paged one where the installed ``varlen_attn`` reads these pages."""
+    return [
+        False,
+        *([True] if PAGED_VARLEN and paged_kernel_accepts(page_size, torch.device("cuda")) else []),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_lens", MIXES)
+def test_varlen_kernel_on_cuda_equals_the_oracle(query_lens: tuple[int, ...]) -> None:
+    layout = PagedLayout(16, num_pages=80, pages_per_seq=5)
+    step = _to(random_step(layout, query_lens, seed=len(query_lens)), torch.device("cuda"), torch.bfloat16)
+    inputs = step.inputs
+    for paged in _cuda_paths(layout.page_size):
+        out = varlen_paged_attention(
+            step.q,
+            step.kv_cache,
+            step.query_start_loc,
+            inputs["seq_lens"],
+            inputs["block_table"],
+            max(query_lens),
+            layout.max_seq_len,
+            paged=paged,
+        )
+        assert rel_err(out, oracle(step)) < 2e-2, f"paged={paged}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_split_decode_kernel_on_cuda_equals_the_oracle(num_splits: int) -> None:
+    layout = PagedLayout(16, num_pages=80, pages_per_seq=5)
+    step = _to(random_step(layout, (1,) * 7, seed=num_splits), torch.device("cuda"), torch.bfloat16)
+    inputs = step.inputs
+    out = split_decode_attention(step.q, step.kv_cache, inputs["seq_lens"], inputs["block_table"], num_splits)
+    assert rel_err(out, oracle(step)) < 2e-2
+
+
+class _Static:
+    """A graph's inputs and output at fixed addresses, sized for ``shape``; ``load`` copies a step in."""
+
+    def __init__(self, layout: PagedLayout, shape: BatchShape) -> None:
+        cuda, dtype = torch.device("cuda"), torch.bfloat16
+        self.q = torch.zeros(shape.num_tokens, HEADS, HEAD_DIM, device=cuda, dtype=dtype)  # [T, h, d]
+        self.k, self.v, self.out = (
+            torch.zeros_like(self.q),
+            torch.zeros_like(self.q),
+            torch.zeros_like(self.q),
+        )
+        self.slots = torch.zeros(shape.num_tokens, dtype=torch.int64, device=cuda)  # padding: scratch slot
+        cache = (2, layout.num_pages, layout.page_size, HEADS, HEAD_DIM)
+        self.kv_cache = torch.zeros(cache, device=cuda, dtype=dtype)
+
+    def load(self, step: Step) -> None:
+        real = step.q.shape[0]
+        self.kv_cache.copy_(step.kv_cache)
+        for static, value in ((self.q, step.q), (self.k, step.k), (self.v, step.v)):
+            static.zero_()
+            static[:real].copy_(value)
+        self.slots.zero_()
+        self.slots[:real].copy_(step.inputs["slot_mapping"])
+
+    def attend(self, backend: Backend, metadata: object, shape: BatchShape) -> None:
+        key = BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform)
+        with set_forward_context(shape.mode, key, **metadata_extra(backend, metadata)):
+            backend.attend(self.q, self.k, self.v, self.kv_cache, self.slots, self.out)
+
+
+def graph_errors(backend: Backend, shape: BatchShape, steps: list[Step]) -> list[float]:
+    """Capture ``backend.attend`` for ``shape``, then per step: load, build, replay; each error vs the oracle.
+
+    The graph records with ``build_for_capture``'s metadata, as the manager
+    records; every replay's metadata is refilled in place by ``build``.
+    """
+    static = _Static(backend.layout, shape)
+    static.load(steps[0])
+    static.attend(backend, backend.build(steps[0].batch(), shape), shape)  # the warm-up, eager
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    capture = backend.build_for_capture(shape)
+    with torch.cuda.graph(graph):
+        static.attend(backend, capture, shape)
+    errors = []
+    for step in steps:
+        static.load(step)
+        backend.build(step.batch(), shape)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not static.out.isnan().any()  # padding rows included
+        errors.append(rel_err(static.out[: step.q.shape[0]], oracle(step)))
+    return errors
+
+
+def _cuda_steps(layout: PagedLayout, mixes: tuple[tuple[int, ...], ...]) -> list[Step]:
+    return [
+        _to(random_step(layout, query_lens, seed=i), torch.device("cuda"), torch.bfloat16)
+        for i, query_lens in enumerate(mixes)
+    ]
+
+
+@pytest.mark.gpu
+def test_varlen_full_graph_replays_any_batch_of_its_key_on_cuda() -> None:
+    layout = PagedLayout(16, num_pages=120, pages_per_seq=5)
+    shape = BatchShape(48, 8, None, M.FULL)  # mixed, padded: requests and tokens of padding
+    mixes = ((7, 1, 1, 12, 1, 3), (29,), (1, 1, 1, 1, 1), (5, 16, 2, 1, 1, 1, 9))
+    for paged in _cuda_paths(layout.page_size):
+        backend = VarlenPagedAttention(layout, max_tokens=48, max_reqs=8, device="cuda", paged=paged)
+        errors = graph_errors(backend, shape, _cuda_steps(layout, mixes))
+        assert max(errors) < 2e-2, f"paged={paged}: {errors}"
+
+
+@pytest.mark.gpu
+def test_split_decode_full_graph_replays_decodes_on_cuda() -> None:
+    layout = PagedLayout(16, num_pages=120, pages_per_seq=5)
+    backend = SplitDecodeAttention(layout, max_tokens=8, max_reqs=8, device="cuda")
+    shape = BatchShape(8, 8, 1, M.FULL)
+    errors = graph_errors(backend, shape, _cuda_steps(layout, ((1,) * 8, (1,) * 5, (1,) * 7)))
+    assert max(errors) < 2e-2, errors
+
+
+@pytest.mark.gpu
+def test_split_decode_over_declared_full_mixed_graph_replays_wrong_on_cuda() -> None:
+    """``declare=ALWAYS`` lets a FULL graph hold a mixed key: it replays its capture's plan, wrong."""
+    layout = PagedLayout(16, num_pages=120, pages_per_seq=5)
+    backend = SplitDecodeAttention(
+        layout, max_tokens=48, max_reqs=8, device="cuda", declare=GraphSupport.ALWAYS
+    )
+    shape = BatchShape(48, 8, None, M.FULL)
+    errors = graph_errors(backend, shape, _cuda_steps(layout, ((7, 1, 1, 12, 1, 3), (5, 16, 2, 1, 1, 1, 9))))
+    assert min(errors) > 0.1, errors
