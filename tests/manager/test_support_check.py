@@ -531,3 +531,59 @@ def test_the_readme_example_verifies_the_seam_examples_builder() -> None:
 def test_the_readme_example_runs_as_written() -> None:
     check = _readme_check(baking=False)
     assert (check.declared, check.verified) == (ALWAYS, ALWAYS)
+
+
+# ---------------------------------------------------------------------------
+# A paged example backend: split_decode serves single-token decodes only
+# ---------------------------------------------------------------------------
+
+
+def _split_decode_check(backend: str, declare: GraphSupport) -> SupportCheck:
+    """The check over ``SplitDecodeAttention`` in the one-layer model of ``test_paged_kernels``."""
+    from cudagraph_manager.examples.paged.batch import paged_static_inputs
+    from cudagraph_manager.examples.paged.split_decode import SplitDecodeAttention
+    from tests.manager.test_paged_kernels import _AttentionModel, _layout, random_step
+
+    device = torch.device("cpu") if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    layout = _layout()
+    attention = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, device=device, declare=declare)
+    torch.manual_seed(0)
+    model = _AttentionModel(attention).to(device)
+    model.kv_cache = model.kv_cache.to(device)
+
+    def make(kind: BatchKind, num_tokens: int, num_reqs: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+        longest = num_tokens - num_reqs + 1 if kind is BatchKind.MIXED else num_tokens // num_reqs
+        lens = (longest,) + (num_tokens // num_reqs if kind is not BatchKind.MIXED else 1,) * (num_reqs - 1)
+        step = random_step(layout, lens, seed=int(torch.randint(2**31, (), generator=g)))
+        inputs = dict(step.inputs, input_ids=torch.randint(0, 50, (num_tokens,), generator=g))
+        return {name: t.to(device) for name, t in inputs.items()}
+
+    with highest_fp32_matmul_precision():
+        return check_attention_support(
+            model,
+            paged_static_inputs(layout),
+            attention,
+            make,
+            sizes=(1, 2, 4, 8, 16, 32),
+            max_num_seqs=8,
+            device=device,
+            engine_factory=BakingEngines() if backend == "cpu" else None,
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_decode_is_verified_at_its_level_or_above(backend: str) -> None:
+    check = _split_decode_check(backend, SINGLE)
+    # Its FULL uniform graphs of q > 1 hold too: a uniform key's shape plan is every uniform batch's plan.
+    assert (check.declared, check.verified, check.overdeclared) == (SINGLE, UNIFORM_BATCH, False)
+    assert check.kind(BatchKind.UNIFORM_SINGLE_TOKEN).worst_error < 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_decode_over_declared_is_caught(backend: str) -> None:
+    with pytest.raises(
+        SupportLevelError,
+        match=r"'split_decode' declares ALWAYS.*only up to UNIFORM_BATCH; mixed: relative error",
+    ) as raised:
+        _split_decode_check(backend, ALWAYS)
+    assert raised.value.check.kind(BatchKind.MIXED).worst_error > 0.1
