@@ -338,16 +338,13 @@ class CUDAGraphManager(Generic[OutputT]):
                 return self._without_graph(inputs, request, num_reqs, route, key, pads_along)
             if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
                 self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
-            # The attention's metadata for the padded key, into the buffers the graph reads (first: a
-            # builder that refuses the batch does so before a static buffer is touched).
-            context = (
-                key.context if key.builder is None else key.build(StepBatch(num_tokens, num_reqs, inputs))
-            )
+            # The attention's metadata first: a builder refuses a batch before a static buffer is touched.
+            ctx = key.context if key.builder is None else key.build(StepBatch(num_tokens, num_reqs, inputs))
             self._buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs, requires_grad)
-            if context is None:
+            if ctx is None:
                 entry.replay()
             else:  # a PIECEWISE replay runs its eager breaks, which read the forward context
-                token = FORWARD_CONTEXT_VAR.set(context)
+                token = FORWARD_CONTEXT_VAR.set(ctx)
                 try:
                     entry.replay()
                 finally:

@@ -89,7 +89,9 @@ class PlannedKey(Generic[OutputT]):
         context = self.context
         if context is None:
             return None
-        return context._replace(extra=MappingProxyType(metadata_extra(builder, metadata)))
+        return ForwardContext(
+            context.runtime_mode, self.descriptor, MappingProxyType(metadata_extra(builder, metadata))
+        )
 
     def keep(self, entry: GraphEntry[OutputT]) -> None:
         """Store a checked entry: the key is captured, and replays from the serving thread's next step."""
