@@ -106,12 +106,9 @@ import torch
 from cudagraph_capture import resolve_device
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, EagerReason
-from cudagraph_manager.examples.reference import (
-    DecoderConfig,
-    ReferenceDecoder,
-    make_step_inputs,
-    static_inputs,
-)
+from cudagraph_manager.examples.config import DecoderConfig
+from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from cudagraph_manager.examples.testing import make_step_inputs
 
 _NONE: Final = CUDAGraphMode.NONE
 _FULL: Final = CUDAGraphMode.FULL

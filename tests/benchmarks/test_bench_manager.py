@@ -50,14 +50,10 @@ from cudagraph_dispatch import (
 from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, StaticInput
 from cudagraph_manager._compiled import dynamo_compiles
 from cudagraph_manager.examples.compiled import compile_decoder
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import run_graph
-from cudagraph_manager.examples.reference import (
-    INPUT_NAMES,
-    DecoderConfig,
-    ReferenceDecoder,
-    make_step_inputs,
-    static_inputs,
-)
+from cudagraph_manager.examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
+from cudagraph_manager.examples.testing import make_step_inputs
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.manager.reference_support import pad_step_inputs
 from tests.torch_support import rel_err
@@ -163,9 +159,9 @@ def compiled() -> _Compiled:
     # Same seed as `decoder`: the same weights and initial cache.
     torch.manual_seed(0)
     model = ReferenceDecoder(DecoderConfig(), device="cuda", breakable=False)
-    for layer in model.decoder_layers:
+    for cache in model.caches:
         # Mutated in place every step: a static address keeps it a graph input.
-        torch._dynamo.mark_static_address(layer.kv_cache)
+        torch._dynamo.mark_static_address(cache)
     return _Compiled(model)
 
 

@@ -37,17 +37,17 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.paged import (
     BACKENDS,
-    FlexPagedAttention,
-    GatherPagedAttention,
+    PagedBackend,
     PagedDecoder,
     PagedLayout,
-    make_paged_inputs,
+    make_backend,
     paged_static_inputs,
 )
-from cudagraph_manager.examples.reference import DecoderConfig
+from cudagraph_manager.examples.testing import make_paged_inputs
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.torch_support import rel_err
 
@@ -85,7 +85,9 @@ def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.T
     built: dict[str, CUDAGraphManager[torch.Tensor]] = {}
     for name, mode in _MODES.items():
         config = DispatchConfig(mode, _SIZES, max_num_seqs=model.config.max_num_seqs)
-        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
+        manager = CUDAGraphManager(
+            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+        )
         with torch.no_grad():
             manager.capture(progress=False)
         built[name] = manager
@@ -109,12 +111,26 @@ def _eager(model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool) 
     return step
 
 
+def _shape(key: BatchDescriptor, mode: CUDAGraphMode) -> BatchShape:
+    assert key.num_reqs is not None
+    return BatchShape.of_key(mode, key, key.num_reqs)
+
+
+def _refill(
+    backend: PagedBackend[object], inputs: dict[str, torch.Tensor], shape: BatchShape
+) -> dict[str, object]:
+    """The backend's metadata of ``inputs`` as ``shape`` (buffers refilled), as forward-context extras."""
+    batch = StepBatch(inputs["input_ids"].shape[0], inputs["query_lens"].shape[0], inputs)
+    return metadata_extra(backend, backend.build(batch, shape))
+
+
 def _hand_written(
     model: PagedDecoder, inputs: dict[str, torch.Tensor], key: BatchDescriptor
 ) -> tuple[Callable[[], None], torch.Tensor]:
-    """One ``torch.cuda.CUDAGraph`` recorded under ``key``'s forward context: copy the inputs in, replay."""
+    """One ``torch.cuda.CUDAGraph`` recorded as ``key``: copy the inputs in, refill the metadata, replay."""
     static = {name: t.clone() for name, t in inputs.items()}
-    with torch.no_grad(), set_forward_context(M.NONE, key):
+    shape = _shape(key, M.FULL)
+    with torch.no_grad(), set_forward_context(M.NONE, key, **_refill(model.backend, static, shape)):
         model(**static)  # warm-up: compiles, allocator blocks
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -125,35 +141,47 @@ def _hand_written(
     def step() -> None:
         for dst, src in pairs:
             dst.copy_(src)
+        _refill(model.backend, static, shape)  # the metadata buffers the graph reads
         graph.replay()
 
     return step, out
 
 
 def _reduce_overhead(
-    model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool, *, traced: bool
+    model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool
 ) -> Callable[[], torch.Tensor]:
-    """``torch.compile(mode="reduce-overhead")`` of the model with the same attention.
+    """``torch.compile(mode="reduce-overhead")`` of the model with the same attention, inlined (not a break).
 
-    ``traced``: the attention traced into the model's graph; else it stays
-    the backend's own compiled function, which dynamo runs as it is.
+    The metadata is built outside the compiled call, into the backend's
+    buffers, as the manager builds it.
     """
-    backend = (
-        FlexPagedAttention(model.layout, breakable=False, traced=traced)
-        if _BACKEND == "flex"
-        else GatherPagedAttention(model.layout, model.config.dtype, breakable=False)
+    config = model.config
+    backend = make_backend(
+        _BACKEND,
+        model.layout,
+        config.dtype,
+        max_tokens=config.max_num_seqs * model.layout.max_seq_len,
+        max_reqs=config.max_num_seqs,
+        device="cuda",
+        breakable=False,
     )
     twin = model.with_backend(backend)
     for cache in twin.kv_caches():
         torch._dynamo.mark_static_address(cache)  # mutated in place every step: a graph input
     compiled = torch.compile(twin, mode="reduce-overhead", dynamic=False)
-    query_len = 1 if uniform else 0  # said, not read from the forward context inside the trace
+    num_tokens, num_reqs = inputs["input_ids"].shape[0], inputs["query_lens"].shape[0]
+    key = BatchDescriptor(num_tokens, num_reqs, uniform)
+    shape = BatchShape.eager(num_tokens, num_reqs, uniform)
 
     def step() -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # untyped in torch
-        with torch.no_grad(), warnings.catch_warnings():
+        with (
+            torch.no_grad(),
+            warnings.catch_warnings(),
+            set_forward_context(M.NONE, key, **_refill(backend, inputs, shape)),
+        ):
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
-            out = compiled(**inputs, query_len=query_len)
+            out = compiled(**inputs)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -208,23 +236,17 @@ def test_paged_8b_step(
         assert rel_err(out, expected) < _TOLERANCE, label
         candidates[label] = step
     info = benchmark.extra_info
-    for traced in (True, False):  # the first that compiles (2.11's inductor failed the traced one)
-        try:
-            with warnings.catch_warnings():
-                # cudagraph trees record a partition with no kernel (around a graph break) as an empty graph
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
-                compiled = _reduce_overhead(model, inputs, uniform, traced=traced)
-                for _ in range(3):
-                    compiled()
-                assert rel_err(compiled(), expected) < _TOLERANCE, "reduce-overhead"
-        except Exception as error:  # a baseline that cannot run is reported, not hidden
-            info[f"reduce_overhead_{'traced' if traced else 'inner'}_error"] = (
-                f"{type(error).__name__}: {error}"[:400]
-            )
-            continue
+    try:
+        with warnings.catch_warnings():
+            # cudagraph trees record a partition with no kernel (around a graph break) as an empty graph
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty", category=UserWarning)
+            compiled = _reduce_overhead(model, inputs, uniform)
+            for _ in range(3):
+                compiled()
+            assert rel_err(compiled(), expected) < _TOLERANCE, "reduce-overhead"
         candidates["reduce_overhead"] = compiled
-        info["reduce_overhead_attention"] = "traced" if traced else "inner compiled function"
-        break
+    except Exception as error:  # a baseline that cannot run is reported, not hidden
+        info["reduce_overhead_error"] = f"{type(error).__name__}: {error}"[:400]
     benchmark.group = f"8B-like paged {_BACKEND}, {'decode' if uniform else 'mixed'} {num_tokens} tokens"
     benchmark.pedantic(_repeat(candidates["manager_full_and_piecewise"]), rounds=_ROUNDS, warmup_rounds=1)
     timed = interleave(candidates, rounds=_ROUNDS, calls_per_round=_STEPS_PER_CALL)
@@ -249,7 +271,9 @@ def test_paged_8b_capture_and_estimate(benchmark: BenchmarkFixture, model: Paged
     figures: dict[str, float] = {}
 
     def capture_once() -> None:
-        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
+        manager = CUDAGraphManager(
+            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+        )
         with torch.no_grad():
             estimate = manager.estimate_memory()
             report = manager.capture(progress=False)

@@ -6,10 +6,10 @@ from typing import Final
 
 import torch
 
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.reference import (
     INPUT_NAMES,
     AttentionMetadata,
-    DecoderConfig,
     ReferenceDecoder,
     static_inputs,
 )

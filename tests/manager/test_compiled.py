@@ -37,13 +37,10 @@ from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dis
 from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
 from cudagraph_manager._compiled import dynamo_compiles
 from cudagraph_manager.examples.compiled import compile_decoder, compiled_cached_attention
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import run_graph
-from cudagraph_manager.examples.reference import (
-    DecoderConfig,
-    ReferenceDecoder,
-    make_step_inputs,
-    static_inputs,
-)
+from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from cudagraph_manager.examples.testing import make_step_inputs
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import FakeEngines
 from tests.manager.reference_support import GPU_STEPS

@@ -20,25 +20,22 @@ import torch
 
 from cudagraph_dispatch import (
     AttentionSupport,
-    BatchDescriptor,
     CaptureSizes,
     CUDAGraphMode,
     DispatchConfig,
     GraphSupport,
     ModeNotSupportedError,
-    set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder
 from cudagraph_manager.examples.paged import (
     FlexPagedAttention,
     PagedDecoder,
     PagedLayout,
-    dense_reference,
-    make_paged_inputs,
     paged_static_inputs,
     tile_unions,
 )
-from cudagraph_manager.examples.reference import DecoderConfig
+from cudagraph_manager.examples.testing import dense_reference, make_paged_inputs
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 M: Final = CUDAGraphMode
@@ -53,21 +50,10 @@ def _eager_flex_is_expected() -> Iterator[None]:
         yield
 
 
-def _descriptor(num_tokens: int, uniform: bool, query_len: int) -> BatchDescriptor:
-    return (
-        BatchDescriptor(num_tokens, num_tokens // query_len, True) if uniform else BatchDescriptor(num_tokens)
-    )
-
-
-def _eager(
-    model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool, query_len: int = 1
-) -> torch.Tensor:
+def _eager(model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool) -> torch.Tensor:
     """The model run eagerly, told (as the manager tells it) whether the batch is uniform."""
-    with (
-        torch.no_grad(),
-        set_forward_context(M.NONE, _descriptor(inputs["positions"].shape[0], uniform, query_len)),
-    ):
-        return model.step(inputs)
+    with torch.no_grad():
+        return model.step(inputs, uniform_decode=uniform)
 
 
 @pytest.mark.parametrize("backend", ["gather", "flex"])
@@ -87,7 +73,7 @@ def test_each_backend_equals_the_per_request_oracle_on_random_pages(
             SMALL, layout, num_tokens, uniform_decode=uniform, query_len=query_len, generator=generator
         )
         expected = dense_reference(model, inputs)
-        assert rel_err(_eager(model, inputs, uniform, query_len), expected) < 1e-5
+        assert rel_err(_eager(model, inputs, uniform), expected) < 1e-5
 
 
 def test_unused_block_table_entries_and_other_requests_pages_are_never_read() -> None:
@@ -123,12 +109,19 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
     model = PagedDecoder(SMALL, layout=layout, backend="gather")
     config = DispatchConfig(M.FULL, CaptureSizes.default(16), max_num_seqs=16, uniform_decode_query_len=3)
     assert model.graph_support().level is GraphSupport.ALWAYS
-    kept = CUDAGraphManager(model, paged_static_inputs(layout), config, device="cpu")
+    kept = CUDAGraphManager(
+        model, paged_static_inputs(layout), config, device="cpu", metadata_builder=model.backend
+    )
     assert kept.dispatcher.resolution.mode is M.FULL
     declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only")
     with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
         manager = CUDAGraphManager(
-            model, paged_static_inputs(layout), config, attention=declared, device="cpu"
+            model,
+            paged_static_inputs(layout),
+            config,
+            attention=declared,
+            device="cpu",
+            metadata_builder=model.backend,
         )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     assert len(caplog.records) == 2
@@ -146,6 +139,7 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
             attention=declared,
             strict_attention=True,
             device="cpu",
+            metadata_builder=model.backend,
         )
 
 
@@ -178,7 +172,10 @@ def test_a_resized_cache_serves_the_same_static_inputs() -> None:
     )
     assert rel_err(_eager(model, inputs, False), dense_reference(model, inputs)) < 1e-5
     assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4 + 8 * 4
-    assert torch.equal(model.slot_page, torch.arange(8 * (layout.num_pages + 40), dtype=torch.int32) // 8)
+    assert isinstance(model.backend, FlexPagedAttention)
+    assert model.backend.layout == model.layout
+    slot_page = model.backend.slot_page
+    assert torch.equal(slot_page, torch.arange(8 * (layout.num_pages + 40), dtype=torch.int32) // 8)
     with pytest.raises(ValueError, match=r"num_pages: expected an integer >= 2"):
         model.allocate_kv_cache(1)
 
@@ -215,6 +212,67 @@ def test_warm_up_writes_only_the_scratch_page(backend: str) -> None:
         model.warm_up(8, query_len=0)
 
 
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: PagedDecoder("small"), "config"),  # type: ignore[arg-type]
+        (lambda: PagedDecoder(SMALL, breakable="no"), "breakable"),  # type: ignore[arg-type]
+        (lambda: PagedDecoder(SMALL, backend=None), "backend"),  # type: ignore[arg-type]
+        (lambda: PagedDecoder(SMALL, backend="sdpa"), "backend"),
+        (lambda: PagedDecoder(SMALL, layout=16), "layout"),  # type: ignore[arg-type]
+        (lambda: ReferenceDecoder(SMALL, attention="sdpa"), "attention"),  # type: ignore[arg-type]
+        (lambda: ReferenceDecoder(SMALL, breakable="no"), "breakable"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_wrong_argument_is_named_where_the_model_is_built(build: object, named: str) -> None:
+    assert callable(build)
+    with pytest.raises(ValueError, match=rf"^{named}: "):
+        build()
+
+
+def test_a_backend_of_another_layout_is_refused_by_name() -> None:
+    other = PagedLayout.for_config(SMALL, page_size=16)
+    backend = FlexPagedAttention(other, max_tokens=64, max_reqs=16)
+    with pytest.raises(ValueError, match=r"^backend: its layout"):
+        PagedDecoder(SMALL, layout=PagedLayout.for_config(SMALL, page_size=8), backend=backend)
+    model = PagedDecoder(SMALL, layout=other, backend=backend)
+    model.allocate_kv_cache(other.num_pages + 1)  # the backend given is resized, the same object
+    assert model.backend is backend
+    assert backend.layout == model.layout == dataclasses.replace(other, num_pages=other.num_pages + 1)
+
+
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+@pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.NONE])
+def test_the_manager_builds_the_backends_metadata_on_the_cpu(backend: str, mode: CUDAGraphMode) -> None:
+    """Through the seam (``metadata_builder=model.backend``), padded steps equal the oracle."""
+    layout = PagedLayout.for_config(SMALL, page_size=8)
+    model = PagedDecoder(SMALL, layout=layout, backend=backend)
+    config = DispatchConfig(mode, CaptureSizes.default(32), max_num_seqs=16)
+    manager = CUDAGraphManager(
+        model, paged_static_inputs(layout), config, device="cpu", metadata_builder=model.backend
+    )
+    generator = torch.Generator().manual_seed(4)
+    for num_tokens, uniform in ((5, True), (13, False), (1, False), (16, True)):
+        inputs = make_paged_inputs(SMALL, layout, num_tokens, uniform_decode=uniform, generator=generator)
+        with torch.no_grad():
+            served = manager.run_batch(inputs, uniform_decode=uniform).clone()
+        assert served.shape == (num_tokens, SMALL.hidden_size)
+        assert rel_err(served, dense_reference(model, inputs)) < 1e-5
+
+
+def test_a_bad_step_is_refused_by_the_backend_naming_the_input() -> None:
+    layout = PagedLayout.for_config(SMALL, page_size=8)
+    model = PagedDecoder(SMALL, layout=layout, backend="gather")
+    inputs = make_paged_inputs(
+        SMALL, layout, 6, uniform_decode=False, generator=torch.Generator().manual_seed(2)
+    )
+    inputs["block_table"][0, 0] = layout.num_pages  # a page out of range
+    with pytest.raises(ValueError, match=r"^block_table: "):
+        model.step(inputs)
+    with pytest.raises(ValueError, match=r"^uniform_decode: "):
+        model.step(make_paged_inputs(SMALL, layout, 7, uniform_decode=False), uniform_decode=True)
+
+
 # -- GPU: every mode x backend replay equals eager --
 
 DEVICE_CONFIG: Final = DecoderConfig(num_layers=2, max_num_seqs=32, max_seq_len=512)
@@ -243,7 +301,13 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
     dispatch = DispatchConfig(mode, CaptureSizes.default(96), max_num_seqs=config.max_num_seqs)
     # FULL_DECODE_ONLY runs mixed batches eagerly by design: strict everywhere else.
     eager_mixed = mode.mixed_mode() is M.NONE
-    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=not eager_mixed)
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        dispatch,
+        strict=not eager_mixed,
+        metadata_builder=model.backend,
+    )
     with torch.no_grad():
         report = manager.capture()
     assert report.num_graphs == len(list(manager.dispatcher.keys(M.FULL))) + len(
@@ -294,7 +358,7 @@ def test_the_compiled_kernel_equals_the_per_request_oracle(
             device="cuda",
         )
         with highest_fp32_matmul_precision():
-            assert rel_err(_eager(model, inputs, uniform, query_len), dense_reference(model, inputs)) < 1e-3
+            assert rel_err(_eager(model, inputs, uniform), dense_reference(model, inputs)) < 1e-3
 
 
 @pytest.mark.gpu
@@ -304,11 +368,16 @@ def test_spec_decode_under_a_single_token_level_never_replays_full() -> None:
     layout = PagedLayout.for_config(config, page_size=128)
     torch.manual_seed(13)
     declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only_flex")
-    model = PagedDecoder(
-        config, layout=layout, backend=_Declared(FlexPagedAttention(layout), declared), device="cuda"
-    )
+    model = PagedDecoder(config, layout=layout, backend="flex", device="cuda")
     dispatch = DispatchConfig(M.FULL, CaptureSizes.default(96), max_num_seqs=32, uniform_decode_query_len=3)
-    manager = CUDAGraphManager(model, paged_static_inputs(layout), dispatch, strict=True)
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        dispatch,
+        strict=True,
+        attention=declared,  # the flex kernel, declared at a decode-only kernel's level
+        metadata_builder=model.backend,
+    )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     with torch.no_grad():
         manager.capture()
@@ -325,18 +394,6 @@ def test_spec_decode_under_a_single_token_level_never_replays_full() -> None:
                 device="cuda",
             )
             replayed = manager.run_batch(inputs, uniform_decode=True).clone()
-            assert rel_err(replayed, _eager(model, inputs, True, 3)) < 3e-2
+            assert rel_err(replayed, _eager(model, inputs, True)) < 3e-2
     assert manager.stats.replays_of(M.FULL) == 0
     assert manager.stats.replays_of(M.PIECEWISE) == 4
-
-
-class _Declared:
-    """A backend as another one runs it, declaring a lower level (a decode-only kernel's)."""
-
-    def __init__(self, inner: FlexPagedAttention, support: AttentionSupport) -> None:
-        self.inner: Final = inner
-        self.support: Final = support
-        self.attend: Final = inner.attend
-
-    def prepare(self, step: object) -> object:
-        return self.inner.prepare(step)  # type: ignore[arg-type]

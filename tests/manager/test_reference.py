@@ -25,18 +25,18 @@ from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager.examples import demo
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import main as demo_main
 from cudagraph_manager.examples.demo import run_graph, schedule
 from cudagraph_manager.examples.reference import (
     INPUT_NAMES,
-    DecoderConfig,
     ReferenceDecoder,
     breakable_cached_attention,
     cached_attention,
-    make_step_inputs,
     static_inputs,
     traced_cached_attention,
 )
+from cudagraph_manager.examples.testing import make_step_inputs
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.reference_support import GPU_STEPS, StaticStep, pad_step_inputs
 from tests.torch_support import rel_err
@@ -94,27 +94,28 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
     heads, head_dim = config.num_heads, config.head_dim
     ids, positions, slots = (inputs[name].tolist() for name in INPUT_NAMES)
     num_tokens = len(ids)
-    x = model.embed[torch.tensor(ids)]  # [T, hidden]
-    for layer in model.decoder_layers:
+    body = model.body
+    x = body.embed[torch.tensor(ids)]  # [T, hidden]
+    for layer, (k_cache, v_cache) in zip(body.layers, model.kv_caches(), strict=True):
         h = _rms_norm(x, layer.input_norm)
         qkv = h @ layer.qkv_weight  # [T, 3 * hidden]
         q, k, v = (part.reshape(num_tokens, heads, head_dim) for part in qkv.chunk(3, dim=-1))
         q = torch.stack([_rope(q[t], positions[t]) for t in range(num_tokens)])
         k = torch.stack([_rope(k[t], positions[t]) for t in range(num_tokens)])
         for t in range(num_tokens):
-            layer.k_cache[slots[t], positions[t]] = k[t]
-            layer.v_cache[slots[t], positions[t]] = v[t]
+            k_cache[slots[t], positions[t]] = k[t]
+            v_cache[slots[t], positions[t]] = v[t]
         attn = torch.empty(num_tokens, heads, head_dim)
         for t in range(num_tokens):
-            keys = layer.k_cache[slots[t], : positions[t] + 1]  # [n, heads, head_dim]
-            values = layer.v_cache[slots[t], : positions[t] + 1]
+            keys = k_cache[slots[t], : positions[t] + 1]  # [n, heads, head_dim]
+            values = v_cache[slots[t], : positions[t] + 1]
             scores = torch.einsum("hd,nhd->hn", q[t], keys) / math.sqrt(head_dim)
             attn[t] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
         x = x + attn.reshape(num_tokens, -1) @ layer.o_weight
         h = _rms_norm(x, layer.post_norm)
         gate, up = (h @ layer.gate_up_weight).chunk(2, dim=-1)
         x = x + (torch.nn.functional.silu(gate) * up) @ layer.down_weight
-    return _rms_norm(x, model.final_norm)
+    return _rms_norm(x, body.final_norm)
 
 
 def _assert_caches_close(a: ReferenceDecoder, b: ReferenceDecoder, *, atol: float = 1e-5) -> None:
@@ -294,9 +295,7 @@ def test_injected_attention_is_what_every_layer_runs(inject: str) -> None:
     default = _model(seed=9)  # the same weights and caches, the default attention
     inputs = _inputs(17, uniform=False, seed=9)
     out = model.step(inputs)
-    assert [cache.data_ptr() for cache in recorder.caches] == [
-        layer.kv_cache.data_ptr() for layer in model.decoder_layers
-    ]
+    assert [cache.data_ptr() for cache in recorder.caches] == [cache.data_ptr() for cache in model.caches]
     torch.testing.assert_close(out, default.step(inputs), atol=0, rtol=0)
     _assert_caches_close(model, default, atol=0)
     # An op that attends to nothing changes the output and leaves the caches alone.
@@ -316,8 +315,9 @@ def test_with_attention_shares_weights_and_caches() -> None:
     assert dict(twin.named_parameters()).keys() == dict(model.named_parameters()).keys()
     for (name, mine), (_, theirs) in zip(twin.named_parameters(), model.named_parameters(), strict=True):
         assert mine is theirs, name
-    for layer, twin_layer in zip(model.decoder_layers, twin.decoder_layers, strict=True):
-        assert twin_layer is layer
+    assert twin.body is model.body
+    for cache, twin_cache in zip(model.caches, twin.caches, strict=True):
+        assert twin_cache is cache
     before = copy.deepcopy(model)
     inputs = _inputs(6, uniform=True, seed=10)
     out = twin.step(inputs)  # writes the step's K/V into the shared caches

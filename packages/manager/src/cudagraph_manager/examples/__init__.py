@@ -1,15 +1,19 @@
-"""Examples built on the manager: the reference decoder and the demo.
+"""Examples built on the manager: the reference decoders and the demo.
 
 Imported only on purpose (``import cudagraph_manager`` does not load this
 package): the reference decoder registers a ``torch.library`` custom op, and
 neither it nor the demo belongs to the library's import path. ``compiled``
 (the decoder compiled for capture; it registers a second op) is not imported
-here either: import it on its own.
+here either: import it on its own. Neither is ``testing`` (random step
+inputs and the paged oracle): tests and demos import it on purpose.
+
+- ``config``: ``DecoderConfig``; ``body``: the weights every decoder shares.
+- ``reference``: ``ReferenceDecoder``, a KV cache row per request.
+- ``paged``: ``PagedDecoder`` and its attention backends, on the attention seam.
 """
 
-from .reference import DecoderConfig as DecoderConfig
+from .config import DecoderConfig as DecoderConfig
 from .reference import ReferenceDecoder as ReferenceDecoder
-from .reference import make_step_inputs as make_step_inputs
 from .reference import static_inputs as static_inputs
 
-__all__ = ["DecoderConfig", "ReferenceDecoder", "make_step_inputs", "static_inputs"]
+__all__ = ["DecoderConfig", "ReferenceDecoder", "static_inputs"]

@@ -4,8 +4,9 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, compile_for_capture
-from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs
+from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder, static_inputs
 from cudagraph_manager.examples.compiled import compiled_cached_attention
+from cudagraph_manager.examples.testing import make_step_inputs
 
 if not torch.cuda.is_available():  # this example captures CUDA graphs; `make demo` has a CPU path
     raise SystemExit("This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU.")

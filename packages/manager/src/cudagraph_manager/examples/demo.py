@@ -1,19 +1,16 @@
 """Capture and replay the reference decoder, check it against eager, time both.
 
 ``python -m cudagraph_manager.demo`` (what ``make demo`` runs). On a GPU it
-builds the 8-layer reference decoder (d=1024, bf16), captures every graph of
-``FULL_AND_PIECEWISE`` over ``CaptureSizes.default(256)``, prints the capture
-report, then runs a loop of steps with varying batch sizes (uniform decode
-batches, mixed prefill/decode batches, one batch above the largest size),
-checks each step's output against an eager run of the same step, and prints
-eager and graph step times side by side. It exits non-zero when any step's
-relative error exceeds the tolerance.
+builds the 8-layer paged decoder (d=1024, bf16), captures every graph of
+``FULL_AND_PIECEWISE`` over ``CaptureSizes.default(256)``, prints the report,
+runs steps of varying batches (uniform decodes, mixed prefill/decode, one
+above the largest size), checks each against an eager run of the same step,
+prints both times, and exits non-zero when an error exceeds the tolerance.
 
-Without CUDA (or with ``--cpu``) it says so on its first line, builds a small
-float32 decoder on the CPU and a manager on the CPU, which captures nothing:
-each step goes through the same checks, dispatch, static buffers and padding,
-then runs eagerly. The table shows which graph each step would have replayed,
-and each padded step is checked against the same step run unpadded.
+Without CUDA (or with ``--cpu``) it says so on its first line and runs a
+small float32 decoder under a manager on the CPU, which captures nothing:
+each step goes through the same checks, dispatch, static buffers, padding
+and attention metadata, then runs eagerly, checked against it unpadded.
 """
 
 from __future__ import annotations
@@ -28,31 +25,19 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import (
-    BatchDescriptor,
-    CaptureSizes,
-    CUDAGraphMode,
-    Dispatch,
-    DispatchConfig,
-)
+from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
-from .paged import BACKENDS, PagedDecoder, PagedLayout, make_paged_inputs, paged_static_inputs
-from .reference import DecoderConfig, ReferenceDecoder, make_step_inputs, static_inputs
+from .config import DecoderConfig
+from .paged import BACKENDS, PagedDecoder, PagedLayout, paged_static_inputs
+from .reference import ReferenceDecoder, static_inputs
+from .testing import make_paged_inputs, make_step_inputs
 
-_DTYPES: Final[dict[str, torch.dtype]] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+_DTYPES: Final = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Graph vs eager: the same kernels, but a padded batch may pick other GEMM
 # tilings, so the results differ by rounding. A real bug (a stale input, a
 # padding row leaking into a request) gives errors of order 1.
-_TOLERANCE: Final[dict[torch.dtype, float]] = {
-    torch.bfloat16: 3e-2,
-    torch.float16: 1e-2,
-    torch.float32: 1e-4,
-}
+_TOLERANCE: Final[dict[torch.dtype, float]] = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 # Decode batch sizes (requests of one token) and mixed batch sizes (tokens),
 # interleaved two decode steps to one mixed step; the loop ends with a batch
 # above the largest capture size, which runs eagerly.
@@ -95,9 +80,8 @@ class Decoder:
         )
 
     def num_reqs(self, inputs: dict[str, torch.Tensor]) -> int:
-        if self.layout is None:
-            return len(set(inputs["slot_ids"].tolist()))
-        return int(inputs["seq_lens"].shape[0])
+        paged = self.layout is not None
+        return int(inputs["query_lens"].shape[0]) if paged else len(set(inputs["slot_ids"].tolist()))
 
     def eager(self, inputs: dict[str, torch.Tensor], uniform: bool) -> torch.Tensor:
         """The step run eagerly, the attention told whether the batch is uniform (as the manager tells it)."""
@@ -166,11 +150,6 @@ def _time_ms(fn: Callable[[], object], *, iters: int, warmup: int, cuda: bool) -
     return (time.perf_counter() - start) * 1e3 / iters
 
 
-def _intermediate_size(hidden: int) -> int:
-    """~2.75 x hidden, rounded up to a multiple of 32 (2816 for d=1024)."""
-    return -(-(hidden * 11 // 4) // 32) * 32
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m cudagraph_manager.demo",
@@ -196,14 +175,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=None, help="max relative error (default by dtype)")
     parser.add_argument("--cpu", action="store_true", help="take the CPU path even where CUDA is available")
-    args = parser.parse_args(argv)
-    for name in ("max_size", "steps", "iters"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    if args.page_size is not None and args.page_size < 1:
-        parser.error(f"--page-size must be >= 1, got {args.page_size}")
+    return _checked(parser, parser.parse_args(argv))
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` checked and completed (defaults by path, the model's config); errors through ``parser``."""
+    for name, low in (("max_size", 1), ("steps", 1), ("iters", 1), ("warmup", 0), ("page_size", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if args.tolerance is not None and not args.tolerance > 0:
         parser.error(f"--tolerance must be > 0, got {args.tolerance}")
     args.cpu_path = args.cpu or not torch.cuda.is_available()
@@ -233,12 +213,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _config(args: argparse.Namespace, *, cpu: bool) -> DecoderConfig:
     base = DecoderConfig.small() if cpu else DecoderConfig(dtype=_DTYPES[args.dtype])
     hidden = base.hidden_size if args.hidden is None else args.hidden
+    ffn = -(-(hidden * 11 // 4) // 32) * 32  # ~2.75 x hidden, a multiple of 32 (2816 for d=1024)
     return dataclasses.replace(
         base,
         num_layers=base.num_layers if args.layers is None else args.layers,
         hidden_size=hidden,
         num_heads=base.num_heads if args.heads is None else args.heads,
-        intermediate_size=base.intermediate_size if args.hidden is None else _intermediate_size(hidden),
+        intermediate_size=base.intermediate_size if args.hidden is None else ffn,
         max_seq_len=base.max_seq_len if args.max_seq_len is None else args.max_seq_len,
         max_num_seqs=args.max_size,
     )
@@ -312,8 +293,7 @@ def _print_setup(
     decoder: Decoder, dispatch_config: DispatchConfig, attention: str, device: torch.device
 ) -> None:
     """The model, its KV cache and the graphs planned, in two lines."""
-    config = decoder.model.config
-    layout = decoder.layout
+    config, layout = decoder.model.config, decoder.layout
     cache = (
         f"{config.max_num_seqs}+1 x {config.max_seq_len} positions"
         if layout is None
@@ -334,7 +314,10 @@ def _capture(
     decoder: Decoder, dispatch_config: DispatchConfig, device: torch.device
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager over the model with every graph of ``dispatch_config`` captured; prints the report."""
-    manager = CUDAGraphManager(decoder.model.forward, decoder.inputs, dispatch_config, device=device)
+    builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
+    manager = CUDAGraphManager(
+        decoder.model.forward, decoder.inputs, dispatch_config, device=device, metadata_builder=builder
+    )
     report = manager.capture()  # without CUDA: captures nothing and says why
     print(report)
     return manager
@@ -357,11 +340,9 @@ def _step(
 ) -> StepResult:
     """One step through the manager, checked against the same step run eagerly, and timed.
 
-    The manager first, then eager on the same inputs: writing K/V is
-    idempotent, so both see the same cache. The manager's output aliases graph
-    memory until the next run: it is cloned before anything else runs.
-    Without CUDA the manager runs the step eagerly on its static buffers,
-    padded as a replay would be; only eager is timed then.
+    The manager first, then eager on the same inputs (writing K/V is
+    idempotent); the manager's output aliases graph memory until the next
+    run, so it is cloned first. Without CUDA only eager is timed.
     """
     cuda = manager.device.type == "cuda"
     managed_out = run_graph(manager, uniform, inputs).clone()  # [T, hidden]

@@ -27,13 +27,10 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, MemoryEstimate
-from cudagraph_manager.examples.paged import BACKENDS, PagedDecoder, make_paged_inputs, paged_static_inputs
-from cudagraph_manager.examples.reference import (
-    DecoderConfig,
-    ReferenceDecoder,
-    make_step_inputs,
-    static_inputs,
-)
+from cudagraph_manager.examples.config import DecoderConfig
+from cudagraph_manager.examples.paged import BACKENDS, PagedDecoder, paged_static_inputs
+from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from cudagraph_manager.examples.testing import make_paged_inputs, make_step_inputs
 
 #: What stays free after the capture: eager steps above the largest size, other allocations.
 DEFAULT_MARGIN_MIB: Final = 512
@@ -130,7 +127,9 @@ def main(argv: list[str]) -> KvSizing:
         manager = CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True)
     else:
         model = PagedDecoder(decoder, backend=attention, device="cuda")
-        manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True)
+        manager = CUDAGraphManager(
+            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+        )
     with torch.no_grad():
         sizing = start_up(manager, model, margin_mib * 2**20)
         print(sizing)

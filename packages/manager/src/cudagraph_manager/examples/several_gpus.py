@@ -25,13 +25,10 @@ from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, RankAgreement
-from cudagraph_manager.examples.reference import (
-    DecoderConfig,
-    ReferenceDecoder,
-    make_step_inputs,
-    static_inputs,
-)
+from cudagraph_manager.examples.config import DecoderConfig
+from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
 from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder, check_shards
+from cudagraph_manager.examples.testing import make_step_inputs
 from cudagraph_manager.ranks import Backend
 
 

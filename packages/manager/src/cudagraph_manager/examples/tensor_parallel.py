@@ -24,16 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
-from .reference import (
-    _RMS_EPS,
-    AttentionMetadata,
-    AttentionOp,
-    DecoderConfig,
-    DecoderLayer,
-    ReferenceDecoder,
-    _rotate,
-    build_attention_metadata,
-)
+from .body import DecoderLayer, rms_norm, rotate
+from .config import DecoderConfig
+from .reference import AttentionMetadata, AttentionOp, ReferenceDecoder, build_attention_metadata
 
 
 def check_shards(config: DecoderConfig, world_size: int) -> None:
@@ -55,7 +48,12 @@ class TensorParallelLayer(nn.Module):
     kv_cache: torch.Tensor
 
     def __init__(
-        self, full: DecoderLayer, group: dist.ProcessGroup | None, rank: int, world_size: int
+        self,
+        full: DecoderLayer,
+        kv_cache: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
     ) -> None:
         super().__init__()
         config = full.config
@@ -76,21 +74,21 @@ class TensorParallelLayer(nn.Module):
         )  # [d, 2 * f / world_size]
         self.down_weight = nn.Parameter(_shard(full.down_weight.detach(), 0, rank, world_size))  # [f / ws, d]
         # [rows, 2, max_seq_len, heads, head_dim] -> this rank's heads
-        self.register_buffer("kv_cache", _shard(full.kv_cache, 3, rank, world_size), persistent=False)
+        self.register_buffer("kv_cache", _shard(kv_cache, 3, rank, world_size), persistent=False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, attention: AttentionOp) -> torch.Tensor:
         """``x [T, hidden] -> [T, hidden]``, the same on every rank after the all-reduces."""
-        num_tokens, d = x.shape
-        h = F.rms_norm(x, (d,), self.input_norm, _RMS_EPS)
+        num_tokens = x.shape[0]
+        h = rms_norm(x, self.input_norm)
         qkv = torch.mm(h, self.qkv_weight).view(num_tokens, 3, self.num_heads, self.head_dim)
-        q, k = _rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, local heads, head_dim] each
+        q, k = rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, local heads, head_dim] each
         v = qkv[:, 2]
         attn = torch.empty((num_tokens, self.num_heads, self.head_dim), device=x.device, dtype=x.dtype)
         attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
         o = torch.mm(attn.view(num_tokens, -1), self.o_weight)  # [T, d]: this rank's partial sum
         dist.all_reduce(o, group=self.group)
         x = x + o
-        h = F.rms_norm(x, (d,), self.post_norm, _RMS_EPS)
+        h = rms_norm(x, self.post_norm)
         gate, up = torch.mm(h, self.gate_up_weight).chunk(2, dim=-1)  # [T, f / world_size] each
         down = torch.mm(F.silu(gate) * up, self.down_weight)  # [T, d]: partial
         dist.all_reduce(down, group=self.group)
@@ -119,12 +117,16 @@ class TensorParallelDecoder(nn.Module):
         self.config: Final = config
         self.num_heads: Final = config.num_heads // world_size
         self.attention: AttentionOp = full.attention
-        self.embed = nn.Parameter(full.embed.detach().clone())
-        layers = [TensorParallelLayer(layer, group, rank, world_size) for layer in full.decoder_layers]
+        body = full.body
+        self.embed = nn.Parameter(body.embed.detach().clone())
+        layers = [
+            TensorParallelLayer(layer, cache, group, rank, world_size)
+            for layer, cache in zip(body.layers, full.caches, strict=True)
+        ]
         self.layers = nn.ModuleList(layers)
         self.decoder_layers: Final = tuple(layers)
-        self.final_norm = nn.Parameter(full.final_norm.detach().clone())
-        self.register_buffer("rotary", full.rotary.clone(), persistent=False)  # [max_seq_len, 2, head_dim]
+        self.final_norm = nn.Parameter(body.final_norm.detach().clone())
+        self.register_buffer("rotary", body.rotary.clone(), persistent=False)  # [max_seq_len, 2, head_dim]
         self.register_buffer("key_positions", full.key_positions.clone(), persistent=False)
         self.requires_grad_(False)
 
@@ -136,4 +138,4 @@ class TensorParallelDecoder(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for layer in self.decoder_layers:
             x = layer.forward(x, meta, self.attention)
-        return F.rms_norm(x, (self.config.hidden_size,), self.final_norm, _RMS_EPS)  # [T, hidden]
+        return rms_norm(x, self.final_norm)  # [T, hidden]

@@ -1,0 +1,54 @@
+"""The reference decoder on a paged KV cache, with attention backends on the attention seam.
+
+One module per concern:
+
+- ``layout``: how the cache is paged (``PagedLayout``, the scratch page).
+- ``batch``: the step's inputs (``PAGED_INPUT_NAMES``, ``paged_static_inputs``)
+  and the metadata every backend builds from them (``PagedMetadata`` in
+  ``PagedBuffers``), the ``PagedBackend`` protocol.
+- ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends.
+- ``model``: ``PagedDecoder`` and ``make_backend`` (``BACKENDS`` by name).
+
+Random inputs and the float64 oracle are in ``examples.testing``.
+
+    model = PagedDecoder(config, backend="gather")
+    manager = CUDAGraphManager(
+        model, paged_static_inputs(model.layout), dispatch, metadata_builder=model.backend
+    )
+"""
+
+from .batch import PAD_REQUEST as PAD_REQUEST
+from .batch import PAGED_INPUT_NAMES as PAGED_INPUT_NAMES
+from .batch import PagedBackend as PagedBackend
+from .batch import PagedBuffers as PagedBuffers
+from .batch import PagedMetadata as PagedMetadata
+from .batch import paged_static_inputs as paged_static_inputs
+from .flex import FlexMetadata as FlexMetadata
+from .flex import FlexPagedAttention as FlexPagedAttention
+from .flex import tile_unions as tile_unions
+from .gather import GatherMetadata as GatherMetadata
+from .gather import GatherPagedAttention as GatherPagedAttention
+from .layout import PagedLayout as PagedLayout
+from .layout import slot_pages as slot_pages
+from .model import BACKENDS as BACKENDS
+from .model import PagedDecoder as PagedDecoder
+from .model import make_backend as make_backend
+
+__all__ = [
+    "BACKENDS",
+    "PAD_REQUEST",
+    "PAGED_INPUT_NAMES",
+    "FlexMetadata",
+    "FlexPagedAttention",
+    "GatherMetadata",
+    "GatherPagedAttention",
+    "PagedBackend",
+    "PagedBuffers",
+    "PagedDecoder",
+    "PagedLayout",
+    "PagedMetadata",
+    "make_backend",
+    "paged_static_inputs",
+    "slot_pages",
+    "tile_unions",
+]

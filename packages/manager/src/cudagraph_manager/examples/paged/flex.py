@@ -1,0 +1,339 @@
+"""torch's FlexAttention over the pages, on the attention seam: a block mask built from tensors.
+
+Uniform shapes (``shape.query_len`` set: every request, padding included,
+has ``q`` tokens) attend as ``[R, heads, q, head_dim]`` queries, one batch
+row per request, whose block-mask row is the request's block table: each
+request reads its own pages and nothing else (the decode kernel). Other
+shapes attend as one packed sequence of ``T`` queries; each tile of 16
+queries reads the union of its tokens' pages, and the mask keeps each token
+to its own request's keys up to its position.
+
+The metadata (``FlexMetadata``) is ``PagedMetadata`` as ``PagedBuffers``
+fills it, and the cache's slot-to-page table. What the block mask needs
+(page owners, tile unions) is derived from it inside the forward, once per
+step (the first layer's attention), with capturable ops: a FULL graph
+rebuilds it on every replay, at no host cost; and since the mask is built
+from fixed-shape tensors, a FULL graph serves any batch: ``ALWAYS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+import torch
+
+from cudagraph_capture import eager_break_during_capture
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+
+from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
+from .gather import token_pages
+from .layout import PagedLayout, slot_pages, write_kv
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+#: The block mask's query tile: it lists the pages each tile of this many query rows reads. Small,
+#: so that a packed tile of decode tokens reads few requests' pages.
+_Q_TILE: Final = 16
+#: FlexAttention's kernel on CUDA: the general kernel with 16-row query and 64-key blocks. Measured
+#: on an H100 (attention alone, graph replays, 16 heads of 64, pages of 128): decode of 256
+#: requests 97 us against 1217 us with the defaults under dynamic shapes (flex decoding) and
+#: 131 us with static shapes; a packed 512-token mixed batch 42 us against 174 us. The key block
+#: is why pages hold a multiple of 64 keys on CUDA: a block-mask entry is one page, and the
+#: fused kernel requires the mask's key block to be a multiple of its own (``BLOCK_N``). A
+#: smaller ``BLOCK_N`` for small pages is possible but unmeasured; pages of 16 are served by
+#: ``gather``, ``varlen`` and ``split_decode``.
+_KEY_BLOCK: Final = 64
+_KERNEL_OPTIONS: Final[dict[str, bool | int]] = {
+    "FORCE_USE_FLEX_ATTENTION": True,
+    "BLOCK_M": _Q_TILE,
+    "BLOCK_N": _KEY_BLOCK,
+}
+#: How often the compiled FlexAttention may specialize (shapes, layouts) before dynamo gives up.
+_RECOMPILE_LIMIT: Final = 32
+
+
+class _FlexPlan(NamedTuple):
+    """What the block mask reads, derived from ``PagedMetadata`` once per forward."""
+
+    kv_num_blocks: torch.Tensor  # [B, 1, tiles] int32: pages each query tile reads
+    kv_indices: torch.Tensor  # [B, 1, tiles, width] int32: which (the first kv_num_blocks)
+    owner: torch.Tensor  # [num_pages] int64: the request that owns each page, PAD_REQUEST if none
+    page_shift: torch.Tensor  # [num_pages] int64: a slot's position in its request, minus the slot
+    slot_page: torch.Tensor  # [num_pages * page_size] int32: each slot's page
+    query_req: torch.Tensor  # [B, Q]: each query's request
+    query_pos: torch.Tensor  # [B, Q]: each query's position
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlexMetadata:
+    """``FlexPagedAttention``'s metadata: the step's ``PagedMetadata``, the cache's slot-to-page table.
+
+    ``derived`` holds the block mask's inputs once the first layer built
+    them, for the other layers of the same forward (a new value per build).
+    """
+
+    paged: PagedMetadata
+    slot_page: torch.Tensor  # [num_pages * page_size] int32 (``slot_pages``)
+    derived: list[_FlexPlan] = dataclasses.field(default_factory=list, compare=False)
+
+
+def page_owners(layout: PagedLayout, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each page's owner request and its place in the owner's block-table row, ``[num_pages]`` int64 each.
+
+    Capturable ops (scatters, no host sync). Only the entries a request uses
+    (``i * page_size < seq_len``) claim a page; the rest of a row is
+    ignored, whatever it holds. The scratch page belongs to no request, at
+    index 0, so padding tokens read its first slot.
+    """
+    block_table, seq_lens = meta.block_table, meta.seq_lens
+    num_reqs, width = block_table.shape
+    device = block_table.device
+    columns = torch.arange(width, device=device)  # [M]
+    used = columns[None, :] * layout.page_size < seq_lens[:, None]  # [R, M]
+    # Unused entries scatter into one extra, dropped element.
+    target = torch.where(used, block_table.long(), layout.num_pages).flatten()  # [R * M]
+    owner = torch.full((layout.num_pages + 1,), PAD_REQUEST, dtype=torch.int64, device=device)
+    owner.scatter_(0, target, torch.arange(num_reqs, device=device).repeat_interleave(width))
+    page_index = torch.zeros(layout.num_pages + 1, dtype=torch.int64, device=device)
+    page_index.scatter_(0, target, columns.repeat(num_reqs))
+    # Fills of a slice, which a capture records (a setitem of a Python number would copy from
+    # the host).
+    scratch = slice(layout.scratch_page, layout.scratch_page + 1)
+    owner, page_index = owner[: layout.num_pages], page_index[: layout.num_pages]
+    owner[scratch].fill_(PAD_REQUEST)
+    page_index[scratch].fill_(0)
+    return owner, page_index
+
+
+def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query tile's distinct pages, first, and how many: ``[1, 1, tiles]``, ``[1, 1, tiles, 16 * M]``.
+
+    ``pages [T, M]`` are the tokens' pages. Sorted per tile, a page equal to
+    the one before it is a repeat; repeats are moved to the end (sorted
+    again under a key past every page) and not counted. Fixed shapes, no
+    host sync: the width is the tile's tokens times their pages, never the
+    cache's page count.
+    """
+    num_tokens, width = pages.shape
+    tiles = -(-num_tokens // _Q_TILE)
+    padded = torch.full((tiles * _Q_TILE, width), scratch, dtype=pages.dtype, device=pages.device)
+    padded[:num_tokens] = pages
+    ordered = padded.view(tiles, _Q_TILE * width).sort(dim=-1).values  # [tiles, 16 * M]
+    repeat = torch.cat(
+        (torch.zeros_like(ordered[:, :1], dtype=torch.bool), ordered[:, 1:] == ordered[:, :-1]), -1
+    )
+    past = torch.iinfo(torch.int32).max
+    distinct = torch.where(repeat, past, ordered).sort(dim=-1).values  # [tiles, 16 * M]: distinct, then past
+    kv_indices = torch.where(distinct == past, scratch, distinct).int()
+    kv_num_blocks = (~repeat).sum(-1, dtype=torch.int32)
+    return kv_num_blocks[None, None], kv_indices[None, None]
+
+
+class FlexPagedAttention:
+    """torch's FlexAttention over the pages, its block mask built in the forward from ``PagedMetadata``.
+
+    Arguments:
+        layout: the cache's paging; on CUDA its page size must be a multiple
+            of 64 (the kernel's key block, ``_KEY_BLOCK``).
+        max_tokens, max_reqs: the largest batch its metadata buffers hold.
+        device: where they (and the slot-to-page table) live.
+        compile: run the fused Triton kernels (default: on CUDA); eager
+            FlexAttention is a slow reference for CPU tests.
+        breakable: ``attend`` is an eager break (a PIECEWISE capture runs it
+            between segments); False records it inline in every capture.
+        validate: check each real batch (one host synchronization per step).
+    """
+
+    def __init__(
+        self,
+        layout: PagedLayout,
+        *,
+        max_tokens: int,
+        max_reqs: int,
+        device: torch.device | str | None = None,
+        compile: bool | None = None,
+        breakable: bool = True,
+        validate: bool = True,
+    ) -> None:
+        check_bool("breakable", breakable)
+        if compile is not None:
+            check_bool("compile", compile)
+        #: The cache's paging (``resize`` changes its page count).
+        self.layout = layout
+        self.support: Final = AttentionSupport(
+            GraphSupport.ALWAYS, piecewise=breakable, name="flex_attention"
+        )
+        #: Metadata buffers of a layout, sized for the largest batch.
+        self._new_buffers: Final = functools.partial(
+            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+        )
+        self.buffers = self._new_buffers(layout)
+        #: Each slot's page (``slot_pages``): the mask reads a key's page from it.
+        self.slot_page = slot_pages(layout, device)
+        #: Whether ``attend`` runs the fused (compiled) kernel.
+        self.compiled: Final = self.slot_page.is_cuda if compile is None else compile
+        if self.compiled and layout.page_size % _KEY_BLOCK:
+            raise ValueError(
+                f"page_size: FlexAttention's fused kernel reads keys in blocks of {_KEY_BLOCK}, so its "
+                f"pages hold a multiple of {_KEY_BLOCK} keys; got {layout.page_size} (pages of any size: "
+                "the gather, varlen or split_decode backends)"
+            )
+        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
+
+    def resize(self, num_pages: int) -> None:
+        """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
+        self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
+        self.slot_page = torch.empty(0, dtype=torch.int32, device=self.slot_page.device)  # freed first
+        self.slot_page = slot_pages(self.layout, self.slot_page.device)
+        self.buffers = self._new_buffers(self.layout)
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> FlexMetadata:
+        return FlexMetadata(self.buffers.fill(batch, shape), self.slot_page)
+
+    def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
+        return FlexMetadata(self.buffers.views(shape), self.slot_page)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, H, D]``)."""
+        self._run(q, k, v, kv_cache, slot_mapping, out)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        meta = attention_metadata(self)
+        if not meta.derived:
+            meta.derived.append(self._plan(meta))
+        write_kv(kv_cache, slot_mapping, k, v)
+        num_tokens, heads, head_dim = q.shape
+        keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
+        values = kv_cache[1].view(1, -1, heads, head_dim).transpose(1, 2)
+        query_len = meta.paged.shape.query_len
+        if query_len is None:
+            queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]
+        else:
+            queries = q.view(-1, query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
+        attend = paged_flex(self.layout.page_size, compiled=self.compiled)
+        result = attend(queries, keys, values, *meta.derived[0])  # [B, heads, Q, head_dim]
+        out.copy_(result.transpose(1, 2).reshape(num_tokens, heads, head_dim))
+
+    def _plan(self, meta: FlexMetadata) -> _FlexPlan:
+        """The block mask's inputs for the step (capturable ops; nothing sized by the cache's pages)."""
+        layout, paged = self.layout, meta.paged
+        page_size, query_len = layout.page_size, paged.shape.query_len
+        if query_len is not None:  # one batch row per request: its block-table row, its used pages
+            num_reqs = paged.block_table.shape[0]
+            tiles = -(-query_len // _Q_TILE)
+            counts = (paged.seq_lens.clamp(min=1) + page_size - 1) // page_size  # [R]
+            kv_num_blocks = counts.int()[:, None, None].expand(num_reqs, 1, tiles)  # [R, 1, tiles]
+            kv_indices = paged.block_table[:, None, None, :].expand(
+                num_reqs, 1, tiles, -1
+            )  # [R, 1, tiles, M]
+            rows = (-1, query_len)
+        else:  # one packed sequence: each query tile reads the union of its tokens' pages
+            kv_num_blocks, kv_indices = tile_unions(token_pages(layout, paged), layout.scratch_page)
+            rows = (1, paged.positions.shape[0])
+        owner, page_index = page_owners(layout, paged)
+        pages = torch.arange(owner.shape[0], device=owner.device)  # [num_pages]
+        return _FlexPlan(
+            kv_num_blocks.contiguous(),
+            kv_indices.contiguous(),
+            owner,
+            (page_index - pages) * page_size,  # a key's position is this (of its page) + its slot
+            meta.slot_page,
+            paged.req_ids.view(rows),  # [B, Q]
+            paged.positions.view(rows),  # [B, Q]
+        )
+
+
+@functools.cache
+def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]:
+    """FlexAttention over pages of ``page_size``: ``f(queries, keys, values, *_FlexPlan)``.
+
+    ``queries [B, heads, Q, head_dim]``; ``keys``, ``values [1, heads, S,
+    head_dim]`` (every slot of every page); query ``(b, q)`` is the token of
+    request ``query_req[b, q]`` at ``query_pos[b, q]``, and it sees the keys
+    of its request's pages at positions up to its own. The block mask is
+    made inside the function from tensors only, so one compiled function
+    (``compiled``: ``torch.compile``, dynamic shapes, the fused kernel's
+    options) serves every step; a mask closure made outside would be a new
+    object per step for the compiler to guard on.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    def attend(
+        queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *metadata: torch.Tensor
+    ) -> torch.Tensor:
+        block_mask = _block_mask(BlockMask, page_size, (queries.shape[2], keys.shape[2]), *metadata)
+        return flex_attention(
+            queries,
+            keys,
+            values,
+            block_mask=block_mask,
+            scale=queries.shape[-1] ** -0.5,
+            kernel_options=_KERNEL_OPTIONS if compiled else None,  # type: ignore[arg-type]  # a TypedDict in torch's stubs
+        )
+
+    if not compiled:
+        return attend
+    compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
+
+    def attend_compiled(*args: torch.Tensor) -> torch.Tensor:
+        # Up to 8 specializations are expected (packed or per request; 1, under 128 or more
+        # queries; one request or more), which meets dynamo's default limit of 8.
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return compiled_attend(*args)
+
+    return attend_compiled
+
+
+def _block_mask(
+    mask_type: type[BlockMask],
+    page_size: int,
+    seq_lengths: tuple[int, int],
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    owner: torch.Tensor,
+    page_shift: torch.Tensor,
+    slot_page: torch.Tensor,
+    query_req: torch.Tensor,
+    query_pos: torch.Tensor,
+) -> BlockMask:
+    """The step's block mask, from tensors only (``paged_flex``): each query sees its request's past.
+
+    ``mask_type`` is torch's ``BlockMask``, imported by the caller (this module imports it lazily).
+    """
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
+        # division by the page size failed to generate in inductor 2.11).
+        page = slot_page[kv_idx]
+        same_request = owner[page] == query_req[b, q_idx]
+        return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
+
+    return mask_type.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        BLOCK_SIZE=(_Q_TILE, page_size),
+        mask_mod=visible,
+        seq_lengths=seq_lengths,
+        compute_q_blocks=False,
+    )

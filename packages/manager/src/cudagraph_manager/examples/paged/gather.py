@@ -1,0 +1,139 @@
+"""Gather + SDPA over the pages: each token's pages read whole, then SDPA with a mask (runs anywhere).
+
+The toy attention of ``reference.py``, on pages: every token reads
+``pages_per_seq`` pages (those past its position replaced by the scratch
+page and masked), so the shapes are fixed and a FULL graph serves any batch
+(``ALWAYS``). Its metadata (``GatherMetadata``) is ``PagedMetadata`` as
+``PagedBuffers`` fills it; the per-token page table and mask are derived
+from it inside the forward, once per step (the first layer's attention),
+with capturable ops: a FULL graph rebuilds them on every replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Final, NamedTuple
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch idiom
+
+from cudagraph_capture import eager_break_during_capture
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+
+from .batch import PagedBuffers, PagedMetadata
+from .layout import PagedLayout, write_kv
+
+
+def token_pages(layout: PagedLayout, meta: PagedMetadata) -> torch.Tensor:
+    """``[T, pages_per_seq]`` int64: each token's pages up to its position, the scratch page elsewhere."""
+    width = meta.block_table.shape[1]
+    rows = meta.block_table[meta.req_ids.clamp(min=0)].long()  # [T, M]
+    columns = torch.arange(width, device=rows.device)  # [M]
+    visible = (meta.req_ids >= 0)[:, None] & (columns[None, :] * layout.page_size <= meta.positions[:, None])
+    return torch.where(visible, rows, layout.scratch_page)
+
+
+class _GatherPlan(NamedTuple):
+    pages: torch.Tensor  # [T, pages_per_seq] int64: each token's pages, scratch beyond its position
+    mask: torch.Tensor  # [T, 1, 1, pages_per_seq * page_size] additive
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatherMetadata:
+    """``GatherPagedAttention``'s metadata: the step's ``PagedMetadata`` and what the forward derives.
+
+    ``derived`` holds the page table and mask once the first layer built
+    them, for the other layers of the same forward (a new value per build).
+    """
+
+    paged: PagedMetadata
+    derived: list[_GatherPlan] = dataclasses.field(default_factory=list, compare=False)
+
+
+class GatherPagedAttention:
+    """Each token's pages gathered whole, then SDPA with a mask: the toy attention, on pages.
+
+    Arguments:
+        layout: the cache's paging.
+        dtype: the model's (the mask's: SDPA adds it as is).
+        max_tokens, max_reqs: the largest batch its metadata buffers hold.
+        device: where they live.
+        breakable: ``attend`` is an eager break (a PIECEWISE capture runs it
+            between segments); False records it inline in every capture.
+        validate: check each real batch (one host synchronization per step).
+    """
+
+    def __init__(
+        self,
+        layout: PagedLayout,
+        dtype: torch.dtype,
+        *,
+        max_tokens: int,
+        max_reqs: int,
+        device: torch.device | str | None = None,
+        breakable: bool = True,
+        validate: bool = True,
+    ) -> None:
+        check_bool("breakable", breakable)
+        #: The cache's paging (``resize`` changes its page count).
+        self.layout = layout
+        self.dtype: Final = dtype
+        self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="gather_sdpa")
+        #: Metadata buffers of a layout, sized for the largest batch.
+        self._new_buffers: Final = functools.partial(
+            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+        )
+        self.buffers = self._new_buffers(layout)
+        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
+
+    def resize(self, num_pages: int) -> None:
+        """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
+        self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
+        self.buffers = self._new_buffers(self.layout)
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> GatherMetadata:
+        return GatherMetadata(self.buffers.fill(batch, shape))
+
+    def build_for_capture(self, shape: BatchShape, /) -> GatherMetadata:
+        return GatherMetadata(self.buffers.views(shape))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, H, D]``)."""
+        self._run(q, k, v, kv_cache, slot_mapping, out)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        meta = attention_metadata(self)
+        if not meta.derived:
+            meta.derived.append(self._plan(meta.paged))
+        pages, mask = meta.derived[0]
+        write_kv(kv_cache, slot_mapping, k, v)
+        num_tokens, heads, head_dim = q.shape
+        rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
+        rows = rows.view(2, num_tokens, -1, heads, head_dim).transpose(2, 3)  # [2, T, heads, M * page, dim]
+        result = F.scaled_dot_product_attention(q.unsqueeze(2), rows[0], rows[1], attn_mask=mask)
+        out.copy_(result.squeeze(2))  # [T, heads, head_dim]
+
+    def _plan(self, meta: PagedMetadata) -> _GatherPlan:
+        pages = token_pages(self.layout, meta)  # [T, M]
+        logical = torch.arange(pages.shape[1] * self.layout.page_size, device=pages.device)  # [M * page]
+        hidden = logical[None, :] > meta.positions[:, None]  # [T, M * page]
+        mask = hidden.to(self.dtype).mul_(torch.finfo(self.dtype).min)
+        return _GatherPlan(pages, mask[:, None, None, :])

@@ -1,0 +1,291 @@
+"""The reference decoder's body over a paged KV cache, attending through any ``PagedBackend``.
+
+``PagedDecoder`` owns the weights (``DecoderBody``) and one paged cache per
+layer, ``[2, num_pages, page_size, heads, head_dim]``; its backend is the
+attention seam's builder (``CUDAGraphManager(..., metadata_builder=
+model.backend)``) and the op each layer calls. ``make_backend`` builds a
+backend by name (``BACKENDS``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Final, Protocol, TypeVar, cast, runtime_checkable
+
+import torch
+from torch import nn
+
+from cudagraph_dispatch import (
+    AttentionSupport,
+    BatchDescriptor,
+    CUDAGraphMode,
+    check_bool,
+    check_int,
+    set_forward_context,
+)
+from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+
+from ..body import DecoderBody, LayerCaches
+from ..config import DecoderConfig
+from .batch import PAGED_INPUT_NAMES, PagedBackend, paged_static_inputs
+from .flex import FlexPagedAttention
+from .gather import GatherPagedAttention
+from .layout import PagedLayout
+
+M_co = TypeVar("M_co", covariant=True)
+
+#: The backends by name (``--attention`` of the demo and the benchmarks); ``make_backend`` builds them.
+BACKENDS: Final = ("flex", "gather", "varlen", "split_decode")
+
+
+def make_backend(
+    name: str,
+    layout: PagedLayout,
+    dtype: torch.dtype,
+    *,
+    max_tokens: int,
+    max_reqs: int,
+    device: torch.device | str | None = None,
+    breakable: bool = True,
+) -> PagedBackend[object]:
+    """The backend called ``name`` (``BACKENDS``), its metadata buffers sized for the largest batch.
+
+    ``dtype`` is the model's (the gather's mask is in it); ``breakable``:
+    ``attend`` is an eager break. ``varlen`` and ``split_decode`` are
+    imported on first use (they need a recent torch on CUDA).
+    """
+    if name == "flex":
+        return FlexPagedAttention(
+            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+        )
+    if name == "gather":
+        return GatherPagedAttention(
+            layout, dtype, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+        )
+    if name == "varlen":
+        from .varlen import VarlenPagedAttention
+
+        return VarlenPagedAttention(
+            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+        )
+    if name == "split_decode":
+        from .split_decode import SplitDecodeAttention
+
+        return SplitDecodeAttention(
+            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+        )
+    raise ValueError(f"backend: expected one of {list(BACKENDS)} or a PagedBackend, got {name!r:.80}")
+
+
+def _check_backend(backend: object, layout: PagedLayout) -> PagedBackend[object]:
+    """``backend`` if it is a ``PagedBackend`` of ``layout``; else a ``ValueError`` naming ``backend``."""
+    methods = ("build", "build_for_capture", "attend")
+    if not all(callable(getattr(backend, name, None)) for name in methods) or not isinstance(
+        getattr(backend, "support", None), AttentionSupport
+    ):
+        raise ValueError(
+            f"backend: expected one of {list(BACKENDS)} or a PagedBackend (support, layout, build, "
+            f"build_for_capture, attend), got {backend!r:.80}"
+        )
+    if getattr(backend, "layout", None) != layout:
+        raise ValueError(
+            f"backend: its layout {getattr(backend, 'layout', None)!r} is not the model's {layout!r}"
+        )
+    return cast(PagedBackend[object], backend)
+
+
+@runtime_checkable
+class ResizablePagedBackend(PagedBackend[M_co], Protocol[M_co]):
+    """A backend that can serve another page count (``PagedDecoder.allocate_kv_cache``): new buffers."""
+
+    def resize(self, num_pages: int) -> None: ...
+
+
+class PagedDecoder(nn.Module):
+    """The reference decoder's body over a paged KV cache, attending through ``backend``.
+
+    ``forward(input_ids, positions, slot_mapping, query_lens, seq_lens,
+    block_table) -> [T, hidden]`` (``PAGED_INPUT_NAMES``; ``paged.batch``
+    says the shapes and padding). The attention reads the step's metadata
+    from the forward context: run it through a ``CUDAGraphManager`` built
+    with ``metadata_builder=model.backend``, or with ``step``.
+
+    Arguments:
+        config: the shapes (``DecoderConfig``).
+        layout: the cache's paging (default: ``PagedLayout.for_config``).
+        backend: a name of ``BACKENDS`` (built by ``make_backend`` for the
+            largest batch the config allows) or a ``PagedBackend`` of ``layout``.
+        device: where the weights, caches and metadata live.
+        breakable: a backend built by name splits PIECEWISE graphs at its
+            attention; False records it inline in every capture.
+
+    ``graph_support()`` is the backend's support, which the manager resolves
+    its mode against. The caches start random (earlier context).
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        layout: PagedLayout | None = None,
+        backend: str | PagedBackend[object] = "flex",
+        device: torch.device | str | None = None,
+        breakable: bool = True,
+    ) -> None:
+        given: object = config
+        if not isinstance(given, DecoderConfig):
+            raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
+        check_bool("breakable", breakable)
+        layout = PagedLayout.for_config(config) if layout is None else layout
+        if not isinstance(layout, PagedLayout):
+            raise ValueError(f"layout: expected a PagedLayout or None, got {layout!r:.80}")
+        super().__init__()
+        self.config: Final = config
+        self.body: Final = DecoderBody(config, device=device)
+        dev = self.body.device
+        if isinstance(backend, str):
+            backend = make_backend(
+                backend,
+                layout,
+                config.dtype,
+                max_tokens=config.max_num_seqs * layout.max_seq_len,
+                max_reqs=config.max_num_seqs,
+                device=dev,
+                breakable=breakable,
+            )
+        #: The attention backend: the metadata builder the manager calls, the op each layer calls.
+        self.backend: PagedBackend[object] = _check_backend(backend, layout)
+        shape = (2, layout.num_pages, layout.page_size, config.num_heads, config.head_dim)
+        self.caches: Final = LayerCaches(
+            [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
+        )
+
+    @property
+    def layout(self) -> PagedLayout:
+        """The cache's paging (the backend's; ``allocate_kv_cache`` changes its page count)."""
+        return self.backend.layout
+
+    def graph_support(self) -> AttentionSupport:
+        """What FULL graphs of this model can replay: its attention backend's support."""
+        return self.backend.support
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step -> final hidden states ``[T, hidden]``.
+
+        ``query_lens``, ``seq_lens`` and ``block_table`` reach the attention
+        through its metadata (built by the backend from the step's inputs),
+        not through this call: they are inputs so that the manager checks them.
+        """
+        del query_lens, seq_lens, block_table  # the backend's metadata holds them, padded
+        backend, caches = self.backend, self.caches
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+            backend.attend(q, k, v, caches[index], slot_mapping, out)
+
+        cos, sin = self.body.cos_sin(positions)
+        return self.body.run(input_ids, cos, sin, attend)
+
+    def step(self, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False) -> torch.Tensor:
+        """``forward`` on one step's inputs (``PAGED_INPUT_NAMES``) run eagerly, its metadata built here.
+
+        ``uniform_decode``: every request has the same number of tokens (the
+        backend may lay the batch out per request), as ``run`` is told it.
+        """
+        num_tokens, num_reqs = inputs["input_ids"].shape[0], inputs["query_lens"].shape[0]
+        if uniform_decode and (num_reqs == 0 or num_tokens % num_reqs):
+            raise ValueError(
+                f"uniform_decode: {num_tokens} tokens do not split evenly over {num_reqs} requests"
+            )
+        shape = BatchShape.eager(num_tokens, num_reqs, uniform_decode)
+        return self._forward_as(StepBatch(num_tokens, num_reqs, inputs), shape, inputs)
+
+    def _forward_as(
+        self, batch: StepBatch, shape: BatchShape, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``forward`` on ``inputs`` with the backend's metadata of ``batch`` as ``shape``, in its context."""
+        metadata = self.backend.build(batch, shape)
+        key = BatchDescriptor(shape.num_tokens, shape.num_reqs, shape.uniform)
+        with set_forward_context(CUDAGraphMode.NONE, key, **metadata_extra(self.backend, metadata)):
+            return self.forward(*(inputs[name] for name in PAGED_INPUT_NAMES))
+
+    def with_backend(self, backend: PagedBackend[object]) -> PagedDecoder:
+        """This model attending through ``backend`` (of its layout): the same weights and caches, shared."""
+        twin = copy.copy(self)
+        twin.backend = _check_backend(backend, self.layout)
+        return twin
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every layer's paged cache, ``[2, pages, page_size, heads, head_dim]``: the mutable state."""
+        return list(self.caches)
+
+    def warm_up(self, max_tokens: int, *, query_len: int = 1) -> None:
+        """Run each shape class the attention specializes on once, on padding (an engine's warm-up).
+
+        FlexAttention is compiled with dynamic shapes but specializes on
+        sizes 1 and 2, on multiples of its 16-query tile, and on the layout
+        (packed or per request): one step of each, up to ``max_tokens``
+        tokens, compiles them all before memory is profiled, estimated or
+        captured, so none compiles later inside a capture. Only the scratch
+        page is written.
+        """
+        check_int("max_tokens", max_tokens, minimum=1)
+        check_int("query_len", query_len, minimum=1)
+        max_reqs = min(self.config.max_num_seqs, max_tokens // query_len)
+        packed = sorted({n for n in (1, 2, 16, 17, max_tokens) if n <= max_tokens})
+        uniform = sorted({r for r in (1, 2, 16, 17, max_reqs) if 1 <= r <= max_reqs})
+        shapes = [BatchShape(n, min(n, self.config.max_num_seqs), None, CUDAGraphMode.NONE) for n in packed]
+        shapes += [BatchShape(r * query_len, r, query_len, CUDAGraphMode.NONE) for r in uniform]
+        with torch.no_grad():
+            for shape in shapes:
+                self._forward_as(StepBatch.padding(), shape, self._padding(shape))
+
+    def _padding(self, shape: BatchShape) -> dict[str, torch.Tensor]:
+        """An all-padding step of ``shape``: every input at its ``pad_value``."""
+        device = self.body.device
+        return {
+            name: torch.full(
+                (shape.num_reqs if spec.rows == "reqs" else shape.num_tokens, *spec.shape),
+                spec.pad_value,
+                dtype=spec.dtype,
+                device=device,
+            )
+            for name, spec in paged_static_inputs(self.layout).items()
+        }
+
+    def kv_page_bytes(self) -> int:
+        """The bytes of one page (its keys and values over all layers, its slots' page table)."""
+        config, layout = self.config, self.layout
+        per_layer = 2 * layout.page_size * config.num_heads * config.head_dim * config.dtype.itemsize
+        return config.num_layers * per_layer + layout.page_size * torch.int32.itemsize
+
+    def allocate_kv_cache(self, num_pages: int) -> None:
+        """Give every layer a cache of ``num_pages`` pages (scratch included), freeing the old ones first.
+
+        One uninitialized allocation for all layers, as an engine sizes its
+        cache from the memory left (``examples.kv_sizing``). The backend
+        (a ``ResizablePagedBackend``: the same object, so a manager built
+        with it keeps it) takes new metadata buffers for the new page count.
+        The static inputs' padding does not change (the scratch page is page
+        0). Call it before capturing: graphs read the caches and the
+        buffers at their addresses.
+        """
+        check_int("num_pages", num_pages, minimum=2)
+        backend = self.backend
+        if not isinstance(backend, ResizablePagedBackend):
+            raise ValueError(
+                f"num_pages: this model's backend {backend!r:.80} cannot serve another page count "
+                "(it has no resize(num_pages))"
+            )
+        config, page_size = self.config, self.layout.page_size
+        shape = (config.num_layers, 2, num_pages, page_size, config.num_heads, config.head_dim)
+        device = self.body.device
+        backend.resize(num_pages)
+        self.caches.replace(lambda: torch.empty(shape, device=device, dtype=config.dtype).unbind(0))

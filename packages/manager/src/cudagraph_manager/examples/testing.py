@@ -1,0 +1,224 @@
+"""Random step inputs and a float64 oracle for the example models: imported on purpose, by tests and demos.
+
+Not imported by ``cudagraph_manager.examples``: like ``trio.testing``, test
+helpers load only where they are used.
+
+- ``make_step_inputs``: a random step of ``ReferenceDecoder`` (``slot_ids``).
+- ``make_paged_inputs``: a random step of ``PagedDecoder`` on a randomly
+  paged cache (``PAGED_INPUT_NAMES``).
+- ``request_lengths``: the tokens of each request of a random step.
+- ``dense_reference``: a paged step computed one request at a time in
+  float64, without paging tricks (slow): the oracle of the paged backends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import AttentionSupport, GraphSupport
+from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+
+from .config import DecoderConfig
+from .paged import PagedBuffers, PagedDecoder, PagedLayout, PagedMetadata
+from .paged.layout import write_kv
+
+
+def make_step_inputs(
+    config: DecoderConfig,
+    num_tokens: int,
+    *,
+    uniform_decode: bool,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of one step with ``num_tokens`` tokens (``[T]`` int64 each).
+
+    ``uniform_decode``: one token per request, each in its own cache row, at a
+    random position. Otherwise a mixed batch: the first request is a prefill
+    chunk of at least 2 tokens (when ``num_tokens >= 2``), the others chunks
+    or single decode tokens; each request has its own row and consecutive
+    positions. Drawn on the CPU with ``generator``, then moved to ``device``.
+    """
+    g = generator
+    lengths = request_lengths(config, num_tokens, uniform_decode=uniform_decode, generator=g)
+
+    def randint(low: int, high: int) -> int:  # uniform in [low, high]
+        return int(torch.randint(low, high + 1, (), generator=g))
+
+    slots = torch.randperm(config.max_num_seqs, generator=g)[: len(lengths)]
+    positions: list[torch.Tensor] = []
+    slot_rows: list[torch.Tensor] = []
+    for length, slot in zip(lengths, slots.tolist(), strict=True):
+        start = randint(0, config.max_seq_len - length)
+        positions.append(torch.arange(start, start + length))
+        slot_rows.append(torch.full((length,), slot, dtype=torch.int64))
+    input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=g)
+    return {
+        "input_ids": input_ids.to(device),  # [T]
+        "positions": torch.cat(positions).to(device),  # [T]
+        "slot_ids": torch.cat(slot_rows).to(device),  # [T]
+    }
+
+
+def request_lengths(
+    config: DecoderConfig,
+    num_tokens: int,
+    *,
+    uniform_decode: bool,
+    query_len: int = 1,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The tokens of each request of a random step (``make_step_inputs``): they add up to ``num_tokens``.
+
+    ``uniform_decode``: ``query_len`` each. Otherwise the first request is a
+    prefill chunk of at least 2 tokens (when ``num_tokens >= 2``), the others
+    chunks or single decode tokens, at most ``max_seq_len`` each.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
+    limit = config.max_num_seqs * (query_len if uniform_decode else config.max_seq_len)
+    if num_tokens > limit:
+        raise ValueError(f"num_tokens: at most {limit} fit the KV cache here, got {num_tokens!r}")
+    if uniform_decode:
+        if num_tokens % query_len:
+            raise ValueError(
+                f"num_tokens: a uniform batch has a multiple of {query_len} tokens, got {num_tokens}"
+            )
+        return [query_len] * (num_tokens // query_len)
+
+    def randint(low: int, high: int) -> int:  # uniform in [low, high]
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    lengths: list[int] = []
+    remaining = num_tokens
+    while remaining:
+        # Every length lies in [shortest, longest]: the rest always fits the rows left.
+        shortest = -(-remaining // (config.max_num_seqs - len(lengths)))
+        longest = min(remaining, config.max_seq_len)
+        if not lengths and num_tokens >= 2:  # the prefill chunk that makes the batch mixed
+            low = min(max(shortest, 2), longest)
+            length = randint(low, min(longest, max(low, num_tokens // 2)))
+        elif randint(0, 1):  # a decode token, unless the rows run short
+            length = shortest
+        else:
+            length = randint(shortest, min(longest, max(shortest, num_tokens // 4)))
+        lengths.append(length)
+        remaining -= length
+    return lengths
+
+
+def make_paged_inputs(
+    config: DecoderConfig,
+    layout: PagedLayout,
+    num_tokens: int,
+    *,
+    uniform_decode: bool,
+    query_len: int = 1,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Random inputs of one step on a randomly paged cache (``PAGED_INPUT_NAMES``).
+
+    Requests as ``make_step_inputs`` draws them (``query_len`` tokens each
+    when ``uniform_decode``), each at a random place in its sequence, its
+    pages drawn without replacement from a shuffled pool; the block-table
+    entries past a request's length hold random pages, which the attention
+    must ignore. Drawn on the CPU with ``generator``, then moved to ``device``.
+    """
+    g = generator
+    lengths = request_lengths(
+        config, num_tokens, uniform_decode=uniform_decode, query_len=query_len, generator=g
+    )
+    page_size, width = layout.page_size, layout.pages_per_seq
+    limit = min(config.max_seq_len, layout.max_seq_len)
+    ends = [int(torch.randint(length, limit + 1, (), generator=g)) for length in lengths]  # seq_lens
+    needed = sum(-(-end // page_size) for end in ends)
+    if needed > layout.num_pages - 1:
+        raise ValueError(f"num_tokens: this step needs {needed} pages, the cache has {layout.num_pages - 1}")
+    pool = (torch.randperm(layout.num_pages - 1, generator=g) + 1).tolist()  # every page but scratch
+    table = torch.randint(1, layout.num_pages, (len(lengths), width), generator=g, dtype=torch.int32)
+    positions: list[torch.Tensor] = []
+    for r, (length, end) in enumerate(zip(lengths, ends, strict=True)):
+        used = -(-end // page_size)
+        table[r, :used] = torch.tensor(pool[:used], dtype=torch.int32)
+        del pool[:used]
+        positions.append(torch.arange(end - length, end))
+    position = torch.cat(positions)  # [T]
+    query_lens = torch.tensor(lengths, dtype=torch.int32)  # [R]
+    req_ids = torch.repeat_interleave(torch.arange(len(lengths)), query_lens.long())  # [T]
+    pages = table[req_ids, position // page_size].long()  # [T]
+    return {
+        "input_ids": torch.randint(0, config.vocab_size, (num_tokens,), generator=g).to(device),
+        "positions": position.to(device),
+        "slot_mapping": (pages * page_size + position % page_size).to(device),
+        "query_lens": query_lens.to(device),
+        "seq_lens": torch.tensor(ends, dtype=torch.int32).to(device),  # [R]
+        "block_table": table.to(device),  # [R, pages_per_seq]
+    }
+
+
+def dense_reference(
+    model: PagedDecoder, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False
+) -> torch.Tensor:
+    """The step computed without paging tricks: each token's keys gathered in order, float64 attention.
+
+    An oracle for tests (slow: a Python loop over tokens). Same weights and
+    caches as ``model``; the cache is written as ``model`` would write it.
+    """
+    num_tokens, num_reqs = inputs["input_ids"].shape[0], inputs["query_lens"].shape[0]
+    oracle = PerRequestAttention(
+        model.layout, max_tokens=num_tokens, max_reqs=num_reqs, device=model.body.device
+    )
+    return model.with_backend(oracle).step(inputs, uniform_decode=uniform_decode)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OracleMetadata:
+    paged: PagedMetadata
+
+
+class PerRequestAttention:
+    """Attention one token at a time over its request's logical keys, in float64: the tests' oracle.
+
+    A ``PagedBackend`` that no graph may hold (``NEVER``, no PIECEWISE split).
+    """
+
+    support: Final = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="per_request")
+
+    def __init__(
+        self, layout: PagedLayout, *, max_tokens: int, max_reqs: int, device: torch.device | str | None
+    ) -> None:
+        self.layout: Final = layout
+        self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device)
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> _OracleMetadata:
+        return _OracleMetadata(self.buffers.fill(batch, shape))
+
+    def build_for_capture(self, shape: BatchShape, /) -> _OracleMetadata:
+        return _OracleMetadata(self.buffers.views(shape))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        write_kv(kv_cache, slot_mapping, k, v)
+        meta = attention_metadata(self).paged
+        page_size, scratch = self.layout.page_size, self.layout.scratch_page
+        keys_all, values_all = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [slots, heads, dim]
+        for t in range(q.shape[0]):
+            r, position = int(meta.req_ids[t]), int(meta.positions[t])
+            row = meta.block_table[max(r, 0)].long()
+            pages = row if r >= 0 else torch.full_like(row, scratch)
+            logical = torch.arange(position + 1, device=q.device)
+            slots = pages[logical // page_size] * page_size + logical % page_size  # [position + 1]
+            keys, values = keys_all[slots].double(), values_all[slots].double()  # [L, heads, head_dim]
+            scores = torch.einsum("hd,lhd->hl", q[t].double(), keys) * q.shape[-1] ** -0.5
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(out.dtype)
