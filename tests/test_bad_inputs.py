@@ -58,8 +58,9 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput, compile_for_capture
+from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import main as demo_main
-from cudagraph_manager.examples.reference import DecoderConfig, ReferenceDecoder
+from cudagraph_manager.examples.reference import ReferenceDecoder
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
