@@ -264,7 +264,8 @@ def _callers_extra(descriptor: BatchDescriptor) -> Mapping[str, object]:
     context = get_forward_context()
     if context is None:
         return {}
-    assert context.runtime_mode is CUDAGraphMode.NONE and context.batch_descriptor == descriptor
+    assert context.runtime_mode is CUDAGraphMode.NONE
+    assert context.batch_descriptor == descriptor
     return context.extra
 
 

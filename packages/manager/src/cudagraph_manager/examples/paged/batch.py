@@ -158,7 +158,7 @@ class PagedBuffers:
         return meta
 
     def fill(self, batch: StepBatch, shape: BatchShape) -> PagedMetadata:
-        """The metadata of ``batch`` padded to ``shape``, written in place; ``ValueError`` names a bad input."""
+        """The metadata of ``batch`` padded to ``shape``, in place; ``ValueError`` names a bad input."""
         num_tokens, num_reqs, inputs = batch
         if self.validate and num_tokens:
             check_paged_batch(self.layout, batch)
