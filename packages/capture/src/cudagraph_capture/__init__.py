@@ -9,6 +9,7 @@ capture on a side stream. Importing this package does not initialize CUDA.
 
 from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
 from ._breakable import eager_break_during_capture as eager_break_during_capture
+from ._conditional import LoopFallback as LoopFallback
 from ._cublas import drop_cublas_workspaces as drop_cublas_workspaces
 from ._device import resolve_device as resolve_device
 from ._enabled import capture_disabled_reason as capture_disabled_reason
@@ -19,6 +20,9 @@ from ._errors import CaptureDisabledError as CaptureDisabledError
 from ._errors import CaptureError as CaptureError
 from ._gc import collector_paused as collector_paused
 from ._guard import OutputGuard as OutputGuard
+from ._loop import DeviceLoop as DeviceLoop
+from ._loop import LoopKind as LoopKind
+from ._loop import loop_fallback_counts as loop_fallback_counts
 from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
 from ._pool import capture_lock as capture_lock
@@ -41,10 +45,13 @@ __all__ = [
     "CaptureDisabledError",
     "CaptureError",
     "CaptureOptions",
+    "DeviceLoop",
     "GraphEngine",
     "RecordSeconds",
     "GraphEntry",
     "GraphPool",
+    "LoopFallback",
+    "LoopKind",
     "OutputGuard",
     "capture_disabled_reason",
     "capture_enabled",
@@ -53,6 +60,7 @@ __all__ = [
     "capture_stream",
     "collector_paused",
     "drop_cublas_workspaces",
+    "loop_fallback_counts",
     "eager_break_during_capture",
     "release_graph_memory",
     "resolve_device",
