@@ -473,6 +473,18 @@ def test_demo_cpu_path_prints_what_each_step_would_replay(capsys: pytest.Capture
     assert lines[-1].startswith("OK: all 6")
 
 
+def test_demo_shows_a_backend_that_declares_less_downgraded(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mode FULL`` with the split-KV decode kernel: FULL for decodes, PIECEWISE for mixed batches."""
+    args = ["--cpu", "--steps", "6", "--max-size", "32", "--iters", "1"]
+    status = demo_main([*args, "--mode", "FULL", "--attention", "split_decode"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 0
+    assert any(line.startswith("graphs: FULL -> FULL_AND_PIECEWISE (split_decode supports") for line in lines)
+    rows = [line.split() for line in lines if line[:4].strip().isdigit()]
+    assert {row[3]: row[4] for row in rows[:-1]} == {"decode": "FULL", "mixed": "PIECEWISE"}
+    assert lines[-1].startswith("OK: all 6")
+
+
 def test_demo_fails_loudly_above_tolerance(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

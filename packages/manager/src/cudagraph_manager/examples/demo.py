@@ -2,10 +2,10 @@
 
 ``python -m cudagraph_manager.demo`` (what ``make demo`` runs). On a GPU it
 builds the 8-layer paged decoder (d=1024, bf16), captures every graph of
-``FULL_AND_PIECEWISE`` over ``CaptureSizes.default(256)``, prints the report,
-runs steps of varying batches (uniform decodes, mixed prefill/decode, one
-above the largest size), checks each against an eager run of the same step,
-prints both times, and exits non-zero when an error exceeds the tolerance.
+``--mode`` (``FULL_AND_PIECEWISE``) over ``CaptureSizes.default(256)``,
+prints the report (``--mode FULL --attention split_decode``: a downgrade),
+runs steps of varying batches, checks each against eager, prints both times,
+and exits non-zero when an error exceeds the tolerance.
 
 Without CUDA (or with ``--cpu``) it says so on its first line and runs a
 small float32 decoder under a manager on the CPU, which captures nothing:
@@ -169,6 +169,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "gathered, then SDPA (CPU default); rows: the reference decoder's cache of one row per request",
     )
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (GPU 128, CPU 16)")
+    parser.add_argument("--mode", choices=[m.name for m in CUDAGraphMode], default="FULL_AND_PIECEWISE")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="GPU dtype")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per step (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
@@ -246,13 +247,14 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
     config: DecoderConfig = args.model_config
     tolerance = _TOLERANCE[config.dtype] if args.tolerance is None else args.tolerance
     dispatch_config = DispatchConfig(
-        mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        mode=CUDAGraphMode[args.mode],
         capture_sizes=CaptureSizes.default(args.max_size),
         max_num_seqs=config.max_num_seqs,
     )
     decoder = Decoder.build(config, args.attention, args.page_size, device)
-    _print_setup(decoder, dispatch_config, args.attention, device)
-    manager = _capture(decoder, dispatch_config, device)
+    manager = _manager(decoder, dispatch_config, device)
+    _print_setup(decoder, manager, args.attention, device)
+    print(manager.capture())  # without CUDA: captures nothing and says why
     dispatcher = manager.dispatcher
     generator = torch.Generator().manual_seed(args.seed)
     results: list[StepResult] = []
@@ -290,9 +292,9 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
 
 
 def _print_setup(
-    decoder: Decoder, dispatch_config: DispatchConfig, attention: str, device: torch.device
+    decoder: Decoder, manager: CUDAGraphManager[torch.Tensor], attention: str, device: torch.device
 ) -> None:
-    """The model, its KV cache and the graphs planned, in two lines."""
+    """The model, its KV cache and the graphs planned (the mode resolved against the attention)."""
     config, layout = decoder.model.config, decoder.layout
     cache = (
         f"{config.max_num_seqs}+1 x {config.max_seq_len} positions"
@@ -304,23 +306,18 @@ def _print_setup(
         f"ffn {config.intermediate_size}, {str(config.dtype).removeprefix('torch.')}, KV cache "
         f"{cache}, on {device}"
     )
-    print(
-        f"graphs: {dispatch_config.mode.name} over {len(dispatch_config.capture_sizes)} sizes "
-        f"up to {dispatch_config.capture_sizes.max}"
-    )
+    sizes = manager.dispatcher.config.capture_sizes
+    print(f"graphs: {manager.dispatcher.resolution} over {len(sizes)} sizes up to {sizes.max}")
 
 
-def _capture(
+def _manager(
     decoder: Decoder, dispatch_config: DispatchConfig, device: torch.device
 ) -> CUDAGraphManager[torch.Tensor]:
-    """A manager over the model with every graph of ``dispatch_config`` captured; prints the report."""
+    """A manager over the model (its attention's builder, where it has one), not captured yet."""
     builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
-    manager = CUDAGraphManager(
+    return CUDAGraphManager(
         decoder.model.forward, decoder.inputs, dispatch_config, device=device, metadata_builder=builder
     )
-    report = manager.capture()  # without CUDA: captures nothing and says why
-    print(report)
-    return manager
 
 
 def run_graph(
