@@ -129,6 +129,16 @@ def token_counts(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> int:
     )
 
 
+def step_count(config: DispatchConfig, num_tokens: int, uniform_decode: bool) -> int:
+    """``num_tokens`` as a step of that kind has it: a uniform decode batch's, a multiple of q (rounded up).
+
+    Every request of a uniform decode batch has ``uniform_decode_query_len``
+    tokens; the dispatcher refuses any other count.
+    """
+    query_len = config.uniform_decode_query_len
+    return -(-num_tokens // query_len) * query_len if uniform_decode else num_tokens
+
+
 @st.composite
 def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, int]:
     """A dispatcher and a token count drawn around its own sizes."""
@@ -174,20 +184,14 @@ forward_context_extras: Final = st.dictionaries(
 
 # -- data parallelism --
 
-rank_requests: Final = st.builds(
-    RankRequest,
-    num_tokens=st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE + 64),
-    uniform_decode=st.booleans(),
-    num_active_loras=active_lora_counts,
-)
-
 
 @st.composite
 def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankRequest:
     """One rank's request with a token count drawn around ``dispatcher``'s sizes."""
+    uniform_decode = draw(st.booleans())
     return RankRequest(
-        num_tokens=draw(token_counts(dispatcher)),
-        uniform_decode=draw(st.booleans()),
+        num_tokens=step_count(dispatcher.config, draw(token_counts(dispatcher)), uniform_decode),
+        uniform_decode=uniform_decode,
         num_active_loras=draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts),
     )
 

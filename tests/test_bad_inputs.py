@@ -80,6 +80,10 @@ M: Final = CUDAGraphMode
 SIZES: Final = CaptureSizes([1, 8])
 DISPATCHER: Final = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, SIZES, 8))
 KEY: Final = BatchDescriptor(8)
+#: Uniform decode batches of 2 tokens per request (one speculative token).
+QUERY_LEN_2: Final = CUDAGraphDispatcher(
+    DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4, 8]), 4, 2)
+)
 CPU: Final = torch.device("cpu")
 
 NO_CUDA: Final = pytest.mark.skipif(
@@ -255,6 +259,24 @@ BAD_INPUTS: Final = [
         call(DISPATCHER.dispatch, 3, invalid_modes="FULL"),
         r"invalid_modes.*'FULL'",
     ),
+    # Issue 33: a uniform batch of 5 tokens with q=2 got the 8-token, 4-request graph.
+    *(
+        row(
+            f"{name}-uniform-not-a-multiple-of-q",
+            call(method, 5, uniform_decode=True),
+            r"^num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len=2 .*got 5$",
+        )
+        for name, method in (
+            ("dispatch", QUERY_LEN_2.dispatch),
+            ("route", QUERY_LEN_2.route),
+            ("explain", QUERY_LEN_2.explain),
+        )
+    ),
+    row(
+        "dispatch-uniform-above-sizes-not-a-multiple-of-q",
+        call(QUERY_LEN_2.dispatch, 11, uniform_decode=True),
+        r"^num_tokens: .*uniform_decode_query_len=2 .*got 11$",
+    ),
     row("explain-negative", call(DISPATCHER.explain, -1), r"num_tokens.*-1"),
     row("explain-string-uniform", call(DISPATCHER.explain, 3, uniform_decode="no"), r"uniform_decode.*'no'"),
     # -- set_forward_context --
@@ -282,6 +304,16 @@ BAD_INPUTS: Final = [
         "ranks-invalid_modes-string",
         call(agree_across_ranks, DISPATCHER, [RankRequest(3)], invalid_modes="FULL"),
         r"invalid_modes.*'FULL'",
+    ),
+    row(
+        "ranks-uniform-not-a-multiple-of-q",
+        call(agree_across_ranks, QUERY_LEN_2, [RankRequest(4, True), RankRequest(0), RankRequest(5, True)]),
+        r"^requests\[2\]\.num_tokens: .*uniform_decode_query_len=2 .*got 5$",
+    ),
+    row(  # checked even where another rank already sends every rank eager (1000 tokens: no graph)
+        "ranks-uniform-not-a-multiple-of-q-after-an-eager-rank",
+        call(agree_across_ranks, QUERY_LEN_2, [RankRequest(1000), RankRequest(5, True)]),
+        r"^requests\[1\]\.num_tokens: .*got 5$",
     ),
     # -- the shared checks --
     row("check_int-bool", call(check_int, "size", True, minimum=0), r"size.*True"),
@@ -791,6 +823,28 @@ def test_bad_run_raises_before_touching_a_buffer(backend: Backend, make: BadRun)
         assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
     assert_unchanged(before, manager.static_buffers)
     assert manager.stats == stats
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_uniform_step_without_request_rows_is_a_multiple_of_q(backend: Backend) -> None:
+    """Issue 33: no "reqs" input to count the requests, so the dispatcher's route refuses 5 tokens at q=2."""
+    config = config_for(M.FULL_AND_PIECEWISE, query_len=2)
+    manager = CUDAGraphManager(
+        _double, {"x": StaticInput((DIM,))}, config, device=backend.device, engine_factory=backend.factory
+    )
+    manager.capture()
+    manager.run(x=torch.randn(8, DIM, device=backend.device))  # real data in the buffers
+    before = snapshot(manager.static_buffers)
+    stats = manager.stats
+    with pytest.raises(ValueError, match=r"^num_tokens: .*uniform_decode_query_len=2 .*got 5$"):
+        manager.run(x=torch.randn(5, DIM, device=backend.device), uniform_decode=True)
+    assert_unchanged(before, manager.static_buffers)
+    assert manager.stats == stats
+    x = torch.randn(6, DIM, device=backend.device)
+    torch.testing.assert_close(manager.run(x=x, uniform_decode=True), x * 2)  # 3 requests of 2 tokens
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from tests.strategies import (
     dispatchers,
     dispatchers_with_token_counts,
     invalid_mode_sets,
+    step_count,
 )
 
 M: Final = CUDAGraphMode
@@ -162,10 +163,12 @@ def test_uniform_keys_stop_at_q_times_max_num_seqs() -> None:
         DispatchConfig(M.FULL_DECODE_ONLY, sizes, max_num_seqs=4, uniform_decode_query_len=2)
     )
     assert {k.num_tokens for k in dispatcher.keys(M.FULL)} == {2, 4, 8}
-    assert dispatcher.dispatch(3, uniform_decode=True) == Dispatch(
-        M.FULL, BatchDescriptor(4, 2, uniform=True)
+    assert dispatcher.dispatch(6, uniform_decode=True) == Dispatch(
+        M.FULL, BatchDescriptor(8, 4, uniform=True)
     )
     assert dispatcher.dispatch(10, uniform_decode=True) == Dispatch(M.NONE, BatchDescriptor(10))
+    with pytest.raises(ValueError, match=r"num_tokens: .* got 3"):  # a uniform batch has a multiple of q
+        dispatcher.dispatch(3, uniform_decode=True)
 
 
 @given(
@@ -182,6 +185,7 @@ def test_dispatch_matches_the_spec_model(
 ) -> None:
     """The table-driven dispatch gives the same decision as the spec's rules applied by linear scans."""
     dispatcher, n = case
+    n = step_count(dispatcher.config, n, uniform_decode)
     got = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )
@@ -197,6 +201,7 @@ def test_dispatch_properties(
 ) -> None:
     """A graph decision names a captured key, never an invalid mode, and never pads below the batch."""
     dispatcher, n = case
+    n = step_count(dispatcher.config, n, uniform_decode)
     mode, key = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )
@@ -221,6 +226,7 @@ def test_padding_is_to_the_smallest_captured_size(
 ) -> None:
     """A non-uniform graph decision pads to exactly capture_sizes.pad(n), not to any larger size."""
     dispatcher, n = case
+    n = step_count(dispatcher.config, n, uniform_decode)
     mode, key = dispatcher.dispatch(n, uniform_decode=uniform_decode, num_active_loras=num_active_loras)
     if mode is not M.NONE and not key.uniform:
         assert key.num_tokens == dispatcher.config.capture_sizes.pad(n)
@@ -231,7 +237,7 @@ def test_above_the_largest_size_runs_eagerly(
     dispatcher: CUDAGraphDispatcher, excess: int, uniform_decode: bool
 ) -> None:
     """A batch above the largest captured size has no graph: NONE with the real, unpadded count."""
-    n = dispatcher.config.capture_sizes.max + excess
+    n = step_count(dispatcher.config, dispatcher.config.capture_sizes.max + excess, uniform_decode)
     assert dispatcher.dispatch(n, uniform_decode=uniform_decode) == Dispatch(M.NONE, BatchDescriptor(n))
 
 
@@ -250,7 +256,8 @@ def test_both_graph_modes_invalid_means_eager(dispatcher: CUDAGraphDispatcher) -
     both = frozenset({M.PIECEWISE, M.FULL})
     for n in dispatcher.config.capture_sizes.sizes:
         for uniform in (False, True):
-            assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=both).mode is M.NONE
+            count = step_count(dispatcher.config, n, uniform)
+            assert dispatcher.dispatch(count, uniform_decode=uniform, invalid_modes=both).mode is M.NONE
 
 
 @given(dispatchers_with_token_counts(), st.lists(invalid_mode_sets, max_size=4))
@@ -260,13 +267,14 @@ def test_dispatch_does_not_depend_on_history(
     """Earlier calls, with other invalid_modes, never change a later answer: dispatch keeps no history."""
     dispatcher, n = case
     fresh = CUDAGraphDispatcher(dispatcher.config)
+    uniform_n = step_count(dispatcher.config, n, True)
     for invalid in earlier:
-        dispatcher.dispatch(n, invalid_modes=invalid, uniform_decode=True)
+        dispatcher.dispatch(uniform_n, invalid_modes=invalid, uniform_decode=True)
     for invalid in [frozenset(), *earlier]:
-        for uniform in (False, True):
-            assert dispatcher.dispatch(n, uniform_decode=uniform, invalid_modes=invalid) == fresh.dispatch(
-                n, uniform_decode=uniform, invalid_modes=invalid
-            )
+        for uniform, count in ((False, n), (True, uniform_n)):
+            assert dispatcher.dispatch(
+                count, uniform_decode=uniform, invalid_modes=invalid
+            ) == fresh.dispatch(count, uniform_decode=uniform, invalid_modes=invalid)
 
 
 @given(dispatchers_with_token_counts(), active_lora_counts)
@@ -447,6 +455,7 @@ def test_route_is_dispatch_with_the_reason_beside_it(
 ) -> None:
     """``route`` gives dispatch's graph, or the reason the batch has none, derived here from the rules."""
     dispatcher, n = case
+    n = step_count(dispatcher.config, n, uniform_decode)
     decision = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )

@@ -25,7 +25,6 @@ from tests.strategies import (
     dispatchers,
     dispatchers_with_rank_requests,
     invalid_mode_sets,
-    rank_requests,
     separate_routine_dispatchers,
 )
 
@@ -134,9 +133,10 @@ def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> N
     assert agree_across_ranks(dispatcher, padded) == agree_across_ranks(dispatcher, requests)
 
 
-@given(dispatchers, rank_requests)
-def test_a_single_rank_dispatches_as_usual(dispatcher: CUDAGraphDispatcher, request: RankRequest) -> None:
+@given(dispatchers_with_rank_requests())
+def test_a_single_rank_dispatches_as_usual(case: Case) -> None:
     """With one rank there is nobody to agree with: the decision is that rank's own dispatch."""
+    dispatcher, (request, *_) = case
     assert agree_across_ranks(dispatcher, [request]) == _own(dispatcher, request)
 
 

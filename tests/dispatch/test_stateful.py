@@ -28,6 +28,7 @@ from tests.strategies import (
     forward_context_args,
     forward_context_extras,
     invalid_mode_sets,
+    step_count,
 )
 
 MAX_DEPTH: Final = 12
@@ -86,6 +87,7 @@ class ForwardContextMachine(RuleBasedStateMachine):
         """An engine step: dispatch (which must leave the context alone), then enter its decision."""
         assert self.dispatcher is not None
         before = get_forward_context()
+        num_tokens = step_count(self.dispatcher.config, num_tokens, uniform_decode)
         mode, key = self.dispatcher.dispatch(
             num_tokens,
             uniform_decode=uniform_decode,

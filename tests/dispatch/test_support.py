@@ -27,7 +27,7 @@ from cudagraph_dispatch import (
     ModeNotSupportedError,
     resolve_mode,
 )
-from tests.strategies import active_lora_counts, attention_supports, dispatch_configs
+from tests.strategies import active_lora_counts, attention_supports, dispatch_configs, step_count
 
 M: Final = CUDAGraphMode
 L: Final = GraphSupport
@@ -115,7 +115,8 @@ def full_routes_it_cannot_serve(
     """
     bad: list[Dispatch] = []
     for uniform in (False, True):
-        decision = dispatcher.dispatch(num_tokens, uniform_decode=uniform, num_active_loras=num_active_loras)
+        count = step_count(dispatcher.config, num_tokens, uniform)  # a uniform batch: a multiple of q
+        decision = dispatcher.dispatch(count, uniform_decode=uniform, num_active_loras=num_active_loras)
         if decision.mode is M.PIECEWISE and not splits and level is not L.ALWAYS:
             bad.append(decision)
         if decision.mode is not M.FULL:

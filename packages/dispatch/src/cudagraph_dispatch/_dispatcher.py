@@ -106,6 +106,7 @@ class CUDAGraphDispatcher:
         "_lora_cases",
         "_mode",
         "_num_dense_slots",
+        "_query_len",
         "_resolution",
         "_sizes",
         "_tables",
@@ -135,6 +136,7 @@ class CUDAGraphDispatcher:
         self._mode: Final = config.mode
         self._sizes: Final = capture_sizes.sizes
         self._lora_cases: Final = (0, *config.lora_counts)
+        self._query_len: Final = config.uniform_decode_query_len
         self._decode_sizes: Final = _decode_sizes(config)
         self._graphs: Final = tuple(
             _lora_case_graphs(config, self._decode_sizes, n) for n in self._lora_cases
@@ -187,7 +189,9 @@ class CUDAGraphDispatcher:
         exact FULL key and the relaxed PIECEWISE key, padding the count to the
         smallest captured size; modes in ``invalid_modes`` are skipped. Falls
         back to ``(NONE, BatchDescriptor(num_tokens))``. A bad argument raises
-        ``ValueError`` naming it.
+        ``ValueError`` naming it; so does a uniform decode batch whose
+        ``num_tokens`` is not a multiple of ``uniform_decode_query_len`` (its
+        requests all have that many tokens).
         """
         decision = self.route(
             num_tokens,
@@ -214,8 +218,9 @@ class CUDAGraphDispatcher:
         arguments may also be passed by position (a step path saves the keywords).
         """
         # Runs every step: one test accepts the usual arguments (plain ints,
-        # a real bool, one of the four frozensets); anything else goes the
-        # slow way, which names what is wrong or normalizes it.
+        # a real bool, one of the four frozensets, a uniform count that is a
+        # multiple of q: a mixed step pays nothing for that one); anything
+        # else goes the slow way, which names what is wrong or normalizes it.
         tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
         flag: object = uniform_decode
         if (
@@ -224,9 +229,9 @@ class CUDAGraphDispatcher:
             or num_tokens < 0
             or num_active_loras.__class__ is not int
             or num_active_loras < 0
-            or (flag is not True and flag is not False)
+            or (flag is not False and (flag is not True or num_tokens % self._query_len))
         ):
-            request = StepRequest(num_tokens, flag, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
+            request = self._request(num_tokens, flag, num_active_loras, invalid_modes)
             return self.route(
                 request.num_tokens,
                 uniform_decode=request.uniform_decode,
@@ -249,7 +254,7 @@ class CUDAGraphDispatcher:
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> str:
         """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
-        request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)
+        request = self._request(num_tokens, uniform_decode, num_active_loras, invalid_modes)
         decision, why = self._decide(
             request.num_tokens, request.uniform_decode, request.num_active_loras, request.invalid_modes
         )
@@ -264,6 +269,19 @@ class CUDAGraphDispatcher:
             batch_kind="uniform decode" if request.uniform_decode else "mixed",
             skipped=f" with invalid_modes {sorted(m.name for m in skipped)}" if skipped else "",
         )
+
+    def _request(
+        self, num_tokens: object, uniform_decode: object, num_active_loras: object, invalid_modes: object
+    ) -> StepRequest:
+        """The arguments of ``dispatch`` checked against this config: ``ValueError`` naming a bad one."""
+        request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
+        query_len = self._query_len
+        if request.uniform_decode and request.num_tokens % query_len:
+            raise ValueError(
+                f"num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len={query_len} "
+                f"tokens (each request has {query_len}), got {request.num_tokens}"
+            )
+        return request
 
     def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """What to capture: the PIECEWISE group, then FULL, each largest first."""

@@ -30,6 +30,8 @@ def agree_across_ranks(
     carries the largest count). Otherwise all pad to the dispatch of the
     largest request, uniform only if every rank with tokens is uniform. A
     mode in ``invalid_modes`` or in any rank's request is off on every rank.
+    A request the dispatcher refuses (a uniform decode count that is not a
+    multiple of ``uniform_decode_query_len``) raises ``ValueError`` naming it.
     """
     if not callable(getattr(dispatcher, "dispatch", None)):
         raise ValueError(
@@ -53,15 +55,21 @@ def agree_across_ranks(
         return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(0))
     largest = max(r.num_tokens for r in active)
     eager = Dispatch(CUDAGraphMode.NONE, BatchDescriptor(largest))
-    for r in active:
-        own = dispatcher.dispatch(
-            r.num_tokens,
-            uniform_decode=r.uniform_decode,
-            num_active_loras=r.num_active_loras,
-            invalid_modes=invalid_modes,
-        )
-        if own.mode is CUDAGraphMode.NONE:
-            return eager
+    own_modes = []  # every rank's own decision, so that every request is checked before any answer
+    for rank, r in enumerate(requests):
+        if r.num_tokens:
+            try:
+                own = dispatcher.dispatch(
+                    r.num_tokens,
+                    uniform_decode=r.uniform_decode,
+                    num_active_loras=r.num_active_loras,
+                    invalid_modes=invalid_modes,
+                )
+            except ValueError as error:  # refused by the config: a uniform count not a multiple of q
+                raise ValueError(f"requests[{rank}].{error}") from None
+            own_modes.append(own.mode)
+    if CUDAGraphMode.NONE in own_modes:
+        return eager
     joint = dispatcher.dispatch(
         largest,
         uniform_decode=all(r.uniform_decode for r in active),
