@@ -225,6 +225,11 @@ def _value(what: str, result: tuple[Status, T]) -> T:
     return value
 
 
+def _why(error: Exception) -> str:
+    """An error in words: a failed call says what failed; anything else says its type too."""
+    return str(error) if isinstance(error, _CallError) else f"{type(error).__name__}: {error}"
+
+
 def _done(what: str, result: tuple[Status]) -> None:
     """Check a ``(status,)`` result; ``_CallError`` naming ``what`` on an error."""
     if int(result[0]) != 0:
@@ -271,8 +276,8 @@ def open_conditional(
     image = compile_kernels(nvrtc, capability)
     try:
         kernels = _load_kernels(driver, image, device)
-    except _CallError as error:
-        raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, str(error)) from error
+    except Exception as error:  # an error status, or bindings whose API differs
+        raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
     return CudaConditional(driver, add_node, kernels, device)
 
 
@@ -303,8 +308,8 @@ def compile_kernels(nvrtc: _Nvrtc, capability: tuple[int, int]) -> bytes:
     for prelude in _PRELUDES:
         try:
             return _compile(nvrtc, _SOURCE.format(prelude=prelude).encode(), capability)
-        except _CallError as error:
-            errors.append(str(error))
+        except Exception as error:  # an error status, or bindings whose API differs
+            errors.append(_why(error))
     raise LoopUnavailableError(LoopFallback.NVRTC_FAILED, " | ".join(errors))
 
 
@@ -386,8 +391,8 @@ class CudaConditional:
         try:
             self._add_loop(graph, body, cells)
             graph_exec = _value("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
-        except _CallError as error:
-            raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, str(error)) from error
+        except Exception as error:  # an error status, or bindings whose API differs
+            raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
         finally:
             driver.cuGraphDestroy(graph)  # the conditional node's body graph goes with it
         return CudaWhileGraph(driver, graph_exec, self._device)

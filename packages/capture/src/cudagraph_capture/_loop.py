@@ -392,10 +392,14 @@ def _while_run(
     body: RecordedGraph | None = graphs.record(lambda: spec.body(cells.steps), instantiate=False)
     assert body is not None
     try:
-        return _WhileRun(layer.build(body, cells), body, cells.limit)
-    except LoopUnavailableError:
-        body = None  # freed now, under the session (the capture lock)
-        raise
+        graph = layer.build(body, cells)
+    except LoopUnavailableError as error:
+        # A copy without the traceback: the original's frames hold the body graph.
+        why = LoopUnavailableError(error.reason, error.detail)
+    else:
+        return _WhileRun(graph, body, cells.limit)
+    body = None  # freed now, under the session (the capture lock)
+    raise why
 
 
 def _counted(body: LoopBody, cells: LoopCells) -> Callable[[], None]:
