@@ -66,3 +66,39 @@ def probe(code: str) -> dict[str, object]:
 def test_import_does_not_initialize_cuda(module: str) -> None:
     """``import {module}`` in a fresh interpreter leaves ``torch.cuda.is_initialized()`` False."""
     assert probe(_PROBE.format(module=module)) == {"cuda_initialized": False, "loaded": True}
+
+
+_BINDINGS_PROBE = """
+import json, sys
+import torch
+
+def bindings():
+    return {m for m in sys.modules if m == "cuda.bindings" or m.startswith("cuda.bindings.")}
+
+before = bindings()  # what torch itself imported (a torch built with cuda-bindings may)
+import cudagraph_capture
+from cudagraph_capture import BreakableCUDAGraphWrapper, CUDAGraphWrapper, DeviceLoop
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+
+def forward(x):
+    return x * 2
+
+monolithic = CUDAGraphWrapper(forward, CUDAGraphMode.FULL)
+breakable = BreakableCUDAGraphWrapper(forward)
+try:
+    DeviceLoop.capture(forward, stop=torch.zeros((), dtype=torch.bool), max_steps=4)  # a CPU flag
+except ValueError:
+    pass
+if torch.cuda.is_available():  # the other engines capture and replay
+    x = torch.ones(4, device="cuda")
+    for engine in (monolithic, breakable):
+        engine.capture(BatchDescriptor(4), x)
+        engine.replay(BatchDescriptor(4))
+    torch.cuda.synchronize()
+print(json.dumps({"new": sorted(bindings() - before)}))
+"""
+
+
+def test_cuda_bindings_are_imported_only_by_a_device_loop() -> None:
+    """Neither ``import cudagraph_capture`` nor the other engines import cuda-bindings (the loop engine's)."""
+    assert probe(_BINDINGS_PROBE) == {"new": []}
