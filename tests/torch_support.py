@@ -17,7 +17,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """
     assert actual.shape == expected.shape, f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}"
     a = actual.detach().to(torch.float64)
-    b = expected.detach().to(torch.float64)
+    b = expected.detach().to(device=a.device, dtype=torch.float64)  # an oracle may be on the CPU
     denom = float(torch.linalg.vector_norm(b).item())
     assert denom > 0.0, "the reference is all zeros: the comparison would prove nothing"
     return float(torch.linalg.vector_norm(a - b).item()) / denom
