@@ -78,23 +78,26 @@ capture_sizes: Final = st.one_of(
     st.builds(CaptureSizes, size_lists),
     st.builds(CaptureSizes.default, default_max_sizes),
 )
-#: Active-adapter counts to capture besides 0, unsorted as a caller might give them.
-lora_count_tuples: Final = st.lists(
-    st.integers(min_value=1, max_value=MAX_LORA_COUNT), max_size=2, unique=True
-).map(tuple)
 
 
-def configs_with(mode: st.SearchStrategy[CUDAGraphMode]) -> st.SearchStrategy[DispatchConfig]:
-    """Valid configs whose mode is drawn from ``mode``."""
-    return st.builds(
-        DispatchConfig,
-        mode=mode,
-        capture_sizes=capture_sizes,
-        # Often below the sizes, so that num_reqs = min(size, max_num_seqs) and the
-        # uniform range [q, q * max_num_seqs] really cut.
-        max_num_seqs=st.integers(min_value=1, max_value=16) | st.integers(min_value=1, max_value=300),
-        uniform_decode_query_len=st.integers(min_value=1, max_value=4),
-        lora_counts=lora_count_tuples,
+@st.composite
+def configs_with(draw: st.DrawFn, mode: st.SearchStrategy[CUDAGraphMode]) -> DispatchConfig:
+    """Valid configs whose mode is drawn from ``mode`` (the LoRA counts depend on ``max_num_seqs``)."""
+    # Often below the sizes, so that num_reqs = min(size, max_num_seqs) and the
+    # uniform range [q, q * max_num_seqs] really cut.
+    max_num_seqs = draw(st.integers(min_value=1, max_value=16) | st.integers(min_value=1, max_value=300))
+    # Active-adapter counts to capture besides 0, unsorted as a caller might give them: at most
+    # max_num_seqs (a request runs one adapter).
+    largest_lora_count = min(MAX_LORA_COUNT, max_num_seqs)
+    lora_counts = draw(
+        st.lists(st.integers(min_value=1, max_value=largest_lora_count), max_size=2, unique=True)
+    )
+    return DispatchConfig(
+        mode=draw(mode),
+        capture_sizes=draw(capture_sizes),
+        max_num_seqs=max_num_seqs,
+        uniform_decode_query_len=draw(st.integers(min_value=1, max_value=4)),
+        lora_counts=tuple(lora_counts),
     )
 
 

@@ -45,6 +45,7 @@ from cudagraph_capture import (
     shared_pool,
 )
 from cudagraph_dispatch import (
+    AttentionSupport,
     BatchDescriptor,
     CaptureSizes,
     CUDAGraphDispatcher,
@@ -225,8 +226,42 @@ BAD_INPUTS: Final = [
     row("config-lora_counts-int", call(DispatchConfig, M.FULL, SIZES, 8, 1, 3), r"lora_counts.*3"),
     row("config-lora_counts-zero", call(DispatchConfig, M.FULL, SIZES, 8, 1, (0,)), r"lora_counts.*0"),
     row("config-lora_counts-float", call(DispatchConfig, M.FULL, SIZES, 8, 1, (1.5,)), r"lora_counts.*1\.5"),
+    # Issue 33: accepted before, a max_num_seqs no static buffer could have and a LoRA count no batch can.
+    row(
+        "config-max_num_seqs-10**12",
+        call(DispatchConfig, M.FULL, SIZES, 10**12),
+        r"^max_num_seqs: expected an integer <= 1048576, got 1000000000000$",
+    ),
+    row(
+        "config-lora_counts-10**9",
+        call(DispatchConfig, M.FULL, SIZES, 8, 1, (1, 10**9)),
+        r"^lora_counts\[1\]: expected at most max_num_seqs=8 active adapters .*got 1000000000$",
+    ),
+    row(
+        "config-lora_counts-above-max_num_seqs",
+        call(DispatchConfig, M.FULL, SIZES, 4, 1, (5,)),
+        r"^lora_counts\[0\]: expected at most max_num_seqs=4 .*got 5$",
+    ),
+    row(
+        "config-query_len-10**12",
+        call(DispatchConfig, M.FULL, SIZES, 8, 10**12),
+        r"^uniform_decode_query_len: expected an integer <= 1048576, got 1000000000000$",
+    ),
     # -- CUDAGraphDispatcher --
     row("dispatcher-no-config", call(CUDAGraphDispatcher, None), r"config.*None"),
+    row(  # issue 33: named resolve_mode's "strict" before
+        "dispatcher-strict_attention-string",
+        call(CUDAGraphDispatcher, DispatchConfig(M.FULL, SIZES, 8), strict_attention="yes"),
+        r"^strict_attention: expected True or False, got 'yes'$",
+    ),
+    row(  # issue 33: a TypeError from list(None) before
+        "weakest-none", call(AttentionSupport.weakest, None), r"^supports: expected an iterable .*got None$"
+    ),
+    row(
+        "weakest-one-support",
+        call(AttentionSupport.weakest, AttentionSupport()),
+        r"^supports: expected an iterable .*got AttentionSupport\(",
+    ),
     row("keys-string", call(DISPATCHER.keys, "FULL"), r"mode.*'FULL'"),
     row("keys-config-mode", call(DISPATCHER.keys, M.FULL_AND_PIECEWISE), r"mode.*FULL_AND_PIECEWISE"),
     row("dispatch-negative", call(DISPATCHER.dispatch, -1), r"num_tokens.*-1"),

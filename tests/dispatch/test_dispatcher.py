@@ -293,8 +293,11 @@ def test_lora_pads_to_the_smallest_captured_count(
 
 
 def test_huge_lora_counts_cost_nothing_extra() -> None:
-    """Capturing 10**6 adapters is one LoRA case: counts up to it pad to it, those above run eagerly."""
-    config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 8, lora_counts=(10**6,))
+    """Capturing 10**6 adapters is one LoRA case: counts up to it pad to it, those above run eagerly.
+
+    (A count is at most max_num_seqs: a request runs one adapter.)
+    """
+    config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 10**6, lora_counts=(10**6,))
     dispatcher, peak = built_with_peak(lambda: CUDAGraphDispatcher(config))
     assert peak < 1024 * 1024, peak  # a slot per adapter count would be 8 MB of pointers alone
     padded = BatchDescriptor(8, has_lora=True, num_active_loras=10**6)

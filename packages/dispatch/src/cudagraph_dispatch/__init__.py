@@ -7,6 +7,7 @@ agreed across ranks without a GPU.
 
 from ._checks import check_bool as check_bool
 from ._checks import check_int as check_int
+from ._config import MAX_NUM_SEQS as MAX_NUM_SEQS
 from ._config import DispatchConfig as DispatchConfig
 from ._context import FORWARD_CONTEXT_VAR as FORWARD_CONTEXT_VAR
 from ._context import ForwardContext as ForwardContext
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORWARD_CONTEXT_VAR",
     "MAX_CAPTURE_SIZE",
+    "MAX_NUM_SEQS",
     "AttentionSupport",
     "BatchDescriptor",
     "CUDAGraphDispatcher",

@@ -16,6 +16,7 @@ import logging
 from bisect import bisect_left
 from typing import Final, NamedTuple
 
+from ._checks import check_bool
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
@@ -125,6 +126,7 @@ class CUDAGraphDispatcher:
         given_attention: object = attention
         if given_attention is not None and not isinstance(given_attention, AttentionSupport):
             raise ValueError(f"attention: expected an AttentionSupport or None, got {attention!r}")
+        check_bool("strict_attention", strict_attention)  # resolve_mode would name its own "strict"
         # The keys follow the mode the attention can serve, never a mode above it.
         self._resolution: Final = resolve_mode(
             config, AttentionSupport() if attention is None else attention, strict=strict_attention

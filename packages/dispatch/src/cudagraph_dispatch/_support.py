@@ -72,7 +72,10 @@ class AttentionSupport:
         PIECEWISE graphs are available only if every backend splits them.
         No backend at all (an attention-free model) supports ``ALWAYS``.
         """
-        found = list(supports)
+        given: object = supports  # checked at run time: callers may not be typed
+        if not isinstance(given, Iterable) or isinstance(given, (str, bytes)):
+            raise ValueError(f"supports: expected an iterable of AttentionSupport, got {given!r:.80}")
+        found = list(given)
         for i, support in enumerate(found):
             if not isinstance(support, AttentionSupport):
                 raise ValueError(f"supports[{i}]: expected an AttentionSupport, got {support!r}")
