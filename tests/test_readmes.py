@@ -35,7 +35,7 @@ def _run(code: str, where: str) -> None:
 @pytest.mark.gpu
 def test_the_capture_readme_runs_top_to_bottom() -> None:
     blocks = python_blocks(ROOT / "packages/capture/README.md")
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     _run("\n".join(blocks), "packages/capture/README.md")
 
 
