@@ -371,6 +371,20 @@ BAD_INPUTS: Final = [
     row("options-warmup_runs-negative", call(CaptureOptions, warmup_runs=-1), r"warmup_runs.*-1"),
     row("options-warmup_runs-bool", call(CaptureOptions, warmup_runs=True), r"warmup_runs.*True"),
     row("options-pool-int", call(CaptureOptions, pool=3), r"pool.*3"),
+    # Issue 33: a made-up handle was accepted (a handle is a plain tuple: torch must have made it).
+    row("options-pool-made-up", call(CaptureOptions, pool=(0, 1)), r"^pool: .*\(0, 1\)", NO_CUDA),
+    row(
+        "options-pool-never-issued",
+        call(CaptureOptions, pool=(0, 2**62)),
+        r"^pool: .*\(0, 4611686018427387904\)",
+    ),
+    row("options-pool-both-ids", call(CaptureOptions, pool=(3, 4)), r"^pool: .*\(3, 4\)"),
+    row(
+        "breakable-capture-pool-made-up",
+        call(BreakableCUDAGraphCapture, pool=(0, 1)),
+        r"^pool: .*\(0, 1\)",
+        NO_CUDA,
+    ),
     row("options-stream-int", call(CaptureOptions, stream=5), r"stream.*5"),
     # -- the wrappers --
     row("wrapper-mode-none", call(CUDAGraphWrapper, _identity, M.NONE), r"runtime_mode.*NONE"),
@@ -390,6 +404,35 @@ BAD_INPUTS: Final = [
         "wrapper-capture-int-descriptor",
         call(CUDAGraphWrapper(_identity, M.FULL).capture, 8, torch.zeros(1)),
         r"descriptor.*got 8$",
+    ),
+    # Issue 33: on a CPU these said "needs a CUDA device", not what was wrong with the arguments.
+    *(
+        row(
+            f"{name}-inputs-list",
+            call(method, KEY, [torch.zeros(1)]),
+            r"^inputs: expected a mapping .*got \[",
+        )
+        for name, method in (
+            ("wrapper-warm_up", CUDAGraphWrapper(_identity, M.FULL).warm_up),
+            ("wrapper-record", CUDAGraphWrapper(_identity, M.FULL).record),
+            ("breakable-wrapper-warm_up", BreakableCUDAGraphWrapper(_identity).warm_up),
+            ("breakable-wrapper-record", BreakableCUDAGraphWrapper(_identity).record),
+        )
+    ),
+    row(
+        "wrapper-warm_up-inputs-not-tensors",
+        call(CUDAGraphWrapper(_identity, M.FULL).warm_up, KEY, {"x": [1.0, 2.0]}),
+        r"^inputs\['x'\]: expected a torch.Tensor, got list$",
+    ),
+    row(
+        "wrapper-warm_up-inputs-int-key",
+        call(CUDAGraphWrapper(_identity, M.FULL).warm_up, KEY, {0: torch.zeros(1)}),
+        r"^inputs: expected keyword names \(str\), got 0$",
+    ),
+    row(
+        "wrapper-warm_up-descriptor-before-inputs",
+        call(CUDAGraphWrapper(_identity, M.FULL).warm_up, 8, None),
+        r"^descriptor: .*got 8$",
     ),
     row(
         "breakable-wrapper-capture-int-descriptor",
@@ -412,6 +455,17 @@ BAD_INPUTS: Final = [
     row("resolve_device-bool", call(resolve_device, True), r"device.*True"),
     row("resolve_device-unknown-string", call(resolve_device, "gpu"), r"device.*'gpu'"),
     row("resolve_device-negative-index", call(resolve_device, -1), r"device.*-1"),
+    # Issue 33: a meta device was accepted, and a manager on it built buffers that hold no data.
+    row(
+        "resolve_device-meta",
+        call(resolve_device, "meta"),
+        r"^device: expected a CUDA device or the CPU, got 'meta'$",
+    ),
+    row(
+        "resolve_device-meta-device",
+        call(resolve_device, torch.device("meta")),
+        r"^device: expected a CUDA device or the CPU, got device\(type='meta'\)$",
+    ),
     row(
         "resolve_device-cuda-7-without-cuda",
         call(resolve_device, "cuda:7"),
@@ -485,6 +539,11 @@ BAD_INPUTS: Final = [
         "manager-options-dict",
         construct(options={"gc_disable": True}),
         re.escape("options: expected CaptureOptions or None, got {'gc_disable': True}"),
+    ),
+    row(
+        "manager-device-meta",
+        construct(device="meta"),
+        re.escape("device: expected a CUDA device or the CPU, got 'meta'"),
     ),
     row(
         "manager-device-unknown-string",

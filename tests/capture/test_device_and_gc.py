@@ -18,8 +18,8 @@ def test_resolve_device_without_an_argument_follows_cuda() -> None:
     assert resolve_device(None) == (expected if expected is not None else torch.device("cpu"))
 
 
-@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta"])
-def test_resolve_device_keeps_other_devices(device: object) -> None:
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_resolve_device_keeps_the_cpu(device: object) -> None:
     assert resolve_device(device) == torch.device(str(device))  # type: ignore[arg-type]  # untyped on purpose
 
 

@@ -14,12 +14,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import pytest
 import torch
 
-from cudagraph_capture import CaptureOptions, shared_pool
+from cudagraph_capture import CaptureOptions, GraphPool, shared_pool
 
 _REPO: Final = Path(__file__).resolve().parents[2]
 _SRC_DIRS: Final = [_REPO / "packages" / name / "src" for name in ("dispatch", "capture", "manager")]
@@ -248,6 +248,22 @@ def test_shared_pool_is_one_handle_per_device() -> None:
     assert shared_pool(index) == pool
     assert shared_pool(torch.device("cuda", index)) == pool
     assert shared_pool(None) == pool
+
+
+@pytest.mark.gpu
+def test_capture_options_take_the_pools_torch_made_and_refuse_the_rest() -> None:
+    """Issue 33: a handle is a plain tuple, so one torch never issued (the next number on) is refused."""
+    handle = torch.cuda.graph_pool_handle()
+    for pool in (handle, shared_pool(), torch.cuda.graph_pool_handle()):
+        assert CaptureOptions(pool=pool).pool == pool
+    graph = torch.cuda.CUDAGraph()
+    scratch = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph):  # a graph of its own pool: (k, 0)
+        scratch.add_(1)
+    assert CaptureOptions(pool=graph.pool()).pool == graph.pool()
+    not_yet = cast(GraphPool, (0, torch.cuda.graph_pool_handle()[1] + 1))
+    with pytest.raises(ValueError, match=r"^pool: .*which torch never made in this process$"):
+        CaptureOptions(pool=not_yet)
 
 
 def test_capture_options_defaults() -> None:

@@ -81,8 +81,9 @@ class _StandInStream(torch.cuda.Stream):
 
 def test_valid_construction_keeps_options_and_device() -> None:
     """The options given reach the engine factory: the manager may change warmup_runs, and nothing else."""
-    # Stand-ins for a pool and a stream, checked by identity (the fake engines never use them).
-    pool = cast(GraphPool, (1234, 5678))
+    # A pool and a stream (a stand-in without CUDA), checked by identity (the fake engines never use
+    # them). A pool handle must be one torch made, so without CUDA there is none to give.
+    pool: GraphPool | None = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
     stream = capture_stream() if torch.cuda.is_available() else _StandInStream()
     given = CaptureOptions(
         weak_ref_output=False,

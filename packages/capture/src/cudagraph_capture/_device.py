@@ -11,7 +11,9 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
     ``None`` is the current CUDA device, or the CPU where CUDA is unavailable.
     An int is a CUDA index. A CUDA device that does not exist here (no CUDA
     at all, or an index past the last device) raises ``ValueError`` naming
-    the value, as does anything that is not a device.
+    the value, as does anything that is not a device, and a device that is
+    neither CUDA nor the CPU (``meta`` holds no data to copy or compute on;
+    others have no CUDA graphs and are not supported).
     """
     if device is None:
         if torch.cuda.is_available():
@@ -26,8 +28,10 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
         raise ValueError(
             f"device: expected a torch.device, a device string or a CUDA index, got {device!r}"
         ) from error
-    if resolved.type != "cuda":
+    if resolved.type == "cpu":
         return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device or the CPU, got {device!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} is a CUDA device, but CUDA is not available here")
     index: int | None = resolved.index  # None for plain "cuda" (torch's stubs say int)

@@ -24,8 +24,10 @@ class CaptureOptions:
     - ``check_input_addresses``: debug check that every replay through a call
       (the forward-context path) gets its tensor arguments at the addresses
       seen at capture (a graph reads fixed addresses).
-    - ``pool``: the graph memory pool; ``None`` is the device's shared pool,
-      which stays usable for the life of the process. A pool of your own is
+    - ``pool``: the graph memory pool, a handle torch made in this process
+      (``torch.cuda.graph_pool_handle()``, ``shared_pool(device)``; a made-up
+      tuple raises ``ValueError`` naming ``pool``); ``None`` is the device's
+      shared pool, which stays usable for the life of the process. A pool of your own is
       usable only while some graph captured into it is alive (torch frees an
       empty pool, and the next capture into its handle fails), and not at all
       after a capture into it was invalidated: keep one graph in it (an

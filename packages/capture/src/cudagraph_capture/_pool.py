@@ -52,12 +52,37 @@ _T = TypeVar("_T")
 
 
 def check_pool(field: str, pool: object) -> None:
-    """``pool`` is ``None`` or a pool handle (``torch.cuda.graph_pool_handle()``), else ``ValueError``."""
-    if pool is not None and not (
-        isinstance(pool, tuple) and len(pool) == 2 and all(type(x) is int for x in pool)
-    ):
+    """``pool`` is ``None`` or a pool handle torch made in this process, else ``ValueError`` naming ``field``.
+
+    A handle is a plain ``(int, int)`` tuple, so its shape alone cannot tell
+    one from a made-up ``(0, 1)``; torch numbers its pools from counters, so
+    a handle is one it made when its number was already issued. A pool of
+    ``torch.cuda.graph_pool_handle()`` (or ``shared_pool``, or a
+    ``torch.cuda.MemPool``'s ``id``) is ``(0, k)``: ``k`` must be below the
+    next one, which taking a handle reads (a number, nothing allocated). A
+    graph's own pool (``CUDAGraph.pool()`` of a graph captured without one)
+    is ``(k, 0)``, ``k >= 1``. Without CUDA no handle exists.
+    """
+    if pool is None:
+        return
+    if not (isinstance(pool, tuple) and len(pool) == 2 and all(type(x) is int for x in pool)):
         raise ValueError(
             f"{field}: expected None or a handle from torch.cuda.graph_pool_handle(), got {pool!r}"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{field}: {pool!r} cannot be a graph pool handle: CUDA is not available here, so torch "
+            "made none (pass None)"
+        )
+    first, second = pool
+    if first == 0 and second >= 1:  # a user pool: issued when below the next number
+        issued = second < torch.cuda.graph_pool_handle()[1]
+    else:  # a graph's private pool
+        issued = first >= 1 and second == 0
+    if not issued:
+        raise ValueError(
+            f"{field}: expected None or a handle from torch.cuda.graph_pool_handle() (or shared_pool()), "
+            f"got {pool!r}, which torch never made in this process"
         )
 
 

@@ -111,6 +111,7 @@ class _GraphWrapper(Generic[P, R]):
         caller's stream and before its next work.
         """
         _check_descriptor(descriptor)
+        _check_inputs(inputs)
         self._recorder.warm_up(descriptor, inputs)
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> Entry[R]:
@@ -122,6 +123,7 @@ class _GraphWrapper(Generic[P, R]):
         ``CaptureError`` names the descriptor on failure.
         """
         _check_descriptor(descriptor)
+        _check_inputs(inputs)
         return self._recorder.record(descriptor, inputs)
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
@@ -245,6 +247,20 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
 def _check_descriptor(descriptor: object) -> None:
     if descriptor.__class__ is not BatchDescriptor:
         raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
+
+
+def _check_inputs(inputs: object) -> None:
+    """``inputs`` of ``warm_up``/``record``: a mapping of keyword names to tensors, else ``ValueError``.
+
+    Checked before anything asks for CUDA, so a bad argument is named as such on any machine.
+    """
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"inputs: expected a mapping of keyword names to tensors, got {inputs!r:.80}")
+    for name, value in inputs.items():
+        if not isinstance(name, str):
+            raise ValueError(f"inputs: expected keyword names (str), got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"inputs[{name!r}]: expected a torch.Tensor, got {type(value).__name__}")
 
 
 def _check_addresses(

@@ -75,7 +75,7 @@ class AttentionSupport:
         given: object = supports  # checked at run time: callers may not be typed
         if not isinstance(given, Iterable) or isinstance(given, (str, bytes)):
             raise ValueError(f"supports: expected an iterable of AttentionSupport, got {given!r:.80}")
-        found = list(given)
+        found = list(supports)
         for i, support in enumerate(found):
             if not isinstance(support, AttentionSupport):
                 raise ValueError(f"supports[{i}]: expected an AttentionSupport, got {support!r}")
