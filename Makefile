@@ -113,5 +113,11 @@ SOAK_NEEDS := $(if $(filter $(VPY),$(SOAK_PYTHON)),$(STAMP))
 soak: $(SOAK_NEEDS)  ## Soak on the GPU: 100k replayed steps vs eager, memory flat (PYTHON=python3: no installs)
 	PYTHONPATH=$(SRC_PATH):. $(SOAK_PYTHON) -m tests.soak --out $(SOAK_OUT) $(SOAK_FLAGS)
 
-clean:  ## Remove the venv and caches
-	rm -rf $(VENV) $(BUILD_VENV) .mypy_cache .pytest_cache .ruff_cache $(BENCH_DIR)
+# Everything .gitignore lists that the project makes (tests/test_makefile.py checks it): the
+# venvs, the tools' caches, Hypothesis's example database, benchmark output, build outputs,
+# and every __pycache__ and *.egg-info below the root (.git left alone).
+clean:  ## Remove the venvs, every cache and the build outputs
+	rm -rf $(VENV) $(BUILD_VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis $(BENCH_DIR) \
+	    build dist .whl
+	find . -path ./.git -prune -o -type d \( -name __pycache__ -o -name '*.egg-info' \) -prune \
+	    -exec rm -rf {} +
