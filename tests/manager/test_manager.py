@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import gc
 import random
+import re
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -255,17 +257,26 @@ def test_outputs_alias_graph_memory_until_the_next_run(backend: Backend) -> None
 
 
 def test_inputs_that_require_grad_leave_no_autograd_history(backend: Backend) -> None:
+    """The outputs are detached from inputs that require grad: said once per manager, naming them (#33)."""
     model = ToyModel(backend.device)
     manager = make_manager(backend, model)
     manager.capture()
-    for n in (5, 40):  # replayed, then eager
-        batch = make_batch(n, 3, backend.device, seed=n)
-        batch["x"].requires_grad_(True)
-        out = manager.run_batch(batch)
-        assert not out.requires_grad
-        for name, buffer in manager.static_buffers.items():
-            assert not buffer.requires_grad, name
-            assert buffer.grad_fn is None, name
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for n in (5, 40, 5):  # replayed, eager, replayed again: one warning
+            batch = make_batch(n, 3, backend.device, seed=n)
+            batch["x"].requires_grad_(True)
+            out = manager.run_batch(batch)
+            assert not out.requires_grad
+            for name, buffer in manager.static_buffers.items():
+                assert not buffer.requires_grad, name
+                assert buffer.grad_fn is None, name
+    assert [(w.category, w.filename) for w in warned] == [(UserWarning, __file__)]  # at the caller's run
+    detached = r"^CUDAGraphManager.run: input\(s\) \['x'\] require grad, but the outputs are detached"
+    assert re.search(detached, str(warned[0].message))
+    other = make_manager(Backend.of(backend.name), model)  # once per manager: another says it again
+    with pytest.warns(UserWarning, match=r"input\(s\) \['x', 'scale'\] require grad"):
+        other.run_batch({**batch, "scale": batch["scale"].requires_grad_(True)})
 
 
 # ---------------------------------------------------------------------------

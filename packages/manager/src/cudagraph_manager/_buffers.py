@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Final, Literal
 
@@ -109,7 +110,7 @@ class StaticBuffer:
 class StaticBuffers:
     """Every declared input's buffer: the step's checks across inputs, and the copy in."""
 
-    __slots__ = ("buffers", "max_num_seqs", "query_len")
+    __slots__ = ("buffers", "max_num_seqs", "query_len", "warned_grad")
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class StaticBuffers:
         )
         self.max_num_seqs: Final = max_num_seqs
         self.query_len: Final = query_len  # uniform_decode_query_len
+        self.warned_grad = False  # a step's input required grad: warned once (per manager)
 
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """What a graph of ``num_tokens`` tokens and ``num_reqs`` requests reads, by input name."""
@@ -144,7 +146,9 @@ class StaticBuffers:
         Exact names, each tensor checked by its buffer, one row count per
         kind of rows. ``num_reqs`` is 0 for a model without "reqs" inputs;
         ``requires_grad`` says whether any input requires grad (copying it
-        into a buffer would then record autograd history, unless under no_grad).
+        into a buffer would then record autograd history, unless under no_grad);
+        the first time one does, a ``UserWarning`` names it: the outputs are
+        detached from it (no gradient flows back through a graph or a static buffer).
         """
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
@@ -190,7 +194,22 @@ class StaticBuffers:
             )  # not-a-bool: dispatch names it
         ):
             self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)  # raises, naming the input
+        if requires_grad and not self.warned_grad:  # the step's one branch for it
+            self._warn_requires_grad(inputs)
         return num_tokens, num_reqs, requires_grad
+
+    def _warn_requires_grad(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Say once that outputs are detached from the inputs that require grad, naming them."""
+        self.warned_grad = True
+        names = [b.name for b in self.buffers if inputs[b.name].requires_grad]
+        warnings.warn(
+            f"CUDAGraphManager.run: input(s) {names} require grad, but the outputs are detached from "
+            "them: a step copies its inputs into static buffers (under no_grad) and replays a graph, "
+            "so no gradient flows back to them (warned once per manager; run under torch.no_grad(), "
+            "or pass tensors that do not require grad)",
+            UserWarning,
+            stacklevel=5,  # run()'s caller: _warn_requires_grad <- check <- _step <- run
+        )
 
     def copy_in(
         self,
