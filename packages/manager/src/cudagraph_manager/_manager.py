@@ -297,6 +297,9 @@ class CUDAGraphManager(Generic[OutputT]):
         valid until the next ``run`` of this manager (copy what must live
         longer). A step without a graph is counted per ``EagerReason``
         (``strict`` raises ``NoGraphError``); 0 tokens is an idle step.
+        Inputs that require grad give outputs detached from them (the step
+        copies them into static buffers under ``no_grad``; no gradient flows
+        back): the first such step warns once per manager, naming them.
         """
         return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
 
