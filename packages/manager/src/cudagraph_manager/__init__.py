@@ -22,6 +22,9 @@ from ._attention import pad_rows as pad_rows
 from ._background import BackgroundCapture as BackgroundCapture
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
+from ._decode_loop import DecodeLoop as DecodeLoop
+from ._decode_loop import LoopResult as LoopResult
+from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._outputs import OutputRows as OutputRows
@@ -56,8 +59,11 @@ __all__ = [
     "CaptureReport",
     "CapturedGraph",
     "CompiledModel",
+    "DecodeLoop",
     "EagerReason",
     "GraphEngineFactory",
+    "LoopResult",
+    "LoopState",
     "KindCheck",
     "ManagerStats",
     "MemoryEstimate",

@@ -16,6 +16,7 @@ from cudagraph_capture import CaptureOptions, resolve_device
 from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
 from ._buffers import check_inputs_spec
+from ._decode_loop import DecodeLoop
 from ._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
 from ._protocols import AttentionMetadataBuilder
 from ._static import StaticInput
@@ -52,6 +53,7 @@ def check_arguments(
     attention: AttentionSupport | None = None,
     strict_attention: bool = False,
     metadata_builder: object = None,
+    decode_loop: object = None,
 ) -> Arguments:
     """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one)."""
     if not callable(model):
@@ -74,6 +76,7 @@ def check_arguments(
     rows = check_output_rows(output_rows)
     if uses_reqs(rows) and not any(spec.rows == "reqs" for spec in checked.values()):
         raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
+    check_decode_loop(decode_loop, config, ranks)
     if builder is not None and not any(spec.rows == "reqs" for spec in checked.values()):
         raise ValueError(
             "metadata_builder: an attention's metadata is per request, but no input has rows='reqs' "
@@ -88,6 +91,21 @@ def check_arguments(
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
     return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder)
+
+
+def check_decode_loop(decode_loop: object, config: DispatchConfig, ranks: RankAgreement | None) -> None:
+    """``decode_loop`` is ``None``, or a ``DecodeLoop`` this manager can run (``ValueError`` naming it)."""
+    if decode_loop is None:
+        return
+    if not isinstance(decode_loop, DecodeLoop):
+        raise ValueError(f"decode_loop: expected a DecodeLoop or None, got {decode_loop!r:.80}")
+    if config.uniform_decode_query_len != 1:
+        raise ValueError(
+            "decode_loop: a decode loop takes one token per request, but the config's "
+            f"uniform_decode_query_len is {config.uniform_decode_query_len}"
+        )
+    if ranks is not None:
+        raise ValueError("decode_loop: ranks step together through run(); a loop would step alone")
 
 
 def check_builder(builder: object) -> AttentionMetadataBuilder[object] | None:

@@ -37,6 +37,7 @@ from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._compiled import dynamo_compiles
+from ._decode_loop import DecodeLoop, DecodeLoops
 from ._estimate import estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell
 from ._parts import ManagerParts
@@ -65,10 +66,15 @@ class Capturer(Generic[OutputT]):
         "_thread_state",
         "_warmed",
         "keys",
+        "loops",
     )
 
     def __init__(
-        self, parts: ManagerParts[OutputT], factory: GraphEngineFactory, options: CaptureOptions
+        self,
+        parts: ManagerParts[OutputT],
+        factory: GraphEngineFactory,
+        options: CaptureOptions,
+        decode_loop: DecodeLoop[OutputT] | None = None,
     ) -> None:
         self._model: Final = parts.model
         self._factory: Final = factory
@@ -92,6 +98,8 @@ class Capturer(Generic[OutputT]):
         }
         #: Per thread: whether a warm-up of this manager ran on it (its library handles exist).
         self._thread_state: Final = threading.local()
+        #: The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
+        self.loops: Final = None if decode_loop is None else DecodeLoops(parts, decode_loop, self.keys)
         #: Keys warmed up once (lazy initialization, compiles and autotuning are done for them),
         #: with the seconds of a warm-up not yet counted in a report.
         self._warmed: Final[dict[BatchDescriptor, float]] = {}
@@ -119,11 +127,20 @@ class Capturer(Generic[OutputT]):
                     records.append(
                         ranks.all_or_none(key.descriptor, attempt, functools.partial(self.drop, key))
                     )
+            records += self._capture_loops()
             if device.type == "cuda":
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
                 torch.cuda.current_stream(device).synchronize()
             return totals.report(records)
+
+    def _capture_loops(self) -> list[CapturedGraph]:
+        """The decode loop of every captured uniform key of one token per request that has none yet."""
+        loops = self.loops
+        if loops is None or self._device.type != "cuda":  # a loop is a CUDA graph (fake engines: none)
+            return []
+        keys = [key for key in self.keys.values() if key.entry is not None and loops.loopable(key)]
+        return [loops.capture(key, self._options) for key in keys if key.descriptor not in loops.loops]
 
     def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
@@ -207,7 +224,10 @@ class Capturer(Generic[OutputT]):
         return self._factory(self._model, mode, dataclasses.replace(self._options, pool=pool))
 
     def drop_all(self) -> None:
-        """Free every graph (the pool stays, for the graphs captured next)."""
+        """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
+        if self.loops is not None:
+            with capture_lock(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+                self.loops.drop_all()
         for key in self.keys.values():
             self.drop(key)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Final, Generic, cast
+from typing import TYPE_CHECKING, Final, Generic, cast
 
 import torch
 
@@ -19,6 +19,7 @@ from cudagraph_dispatch import (
     BatchDescriptor,
     CUDAGraphMode,
     EagerReason,
+    Route,
     StepRequest,
     set_forward_context,
 )
@@ -28,6 +29,9 @@ from ._errors import NoGraphError
 from ._parts import ManagerParts
 from ._planned import PlannedKey
 from ._protocols import OutputT
+
+if TYPE_CHECKING:
+    from ._background import BackgroundCapture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
@@ -82,6 +86,41 @@ class EagerSteps(Generic[OutputT]):
         # a wrong output never reaches the caller silently. Eager steps only.
         setup.layout.of(out).check(out, num_tokens, num_reqs)
         return out
+
+    def without_graph(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        request: StepRequest,
+        num_reqs: int,
+        route: Route,
+        key: PlannedKey[OutputT] | None,
+        pads_along: bool,
+        session: BackgroundCapture | None,
+        released: bool,
+    ) -> OutputT:
+        """A step that replays nothing: an idle rank's part, or an eager step for the reason decided here.
+
+        A route without a graph is its own reason; a planned key without a
+        graph is ``not_captured``, or ``no_cuda`` where nothing can be
+        captured, or ``released``; a key missed while a background capture
+        (``session``) runs is reported to it (captured next) and allowed in
+        strict mode.
+        """
+        if request.num_tokens == 0:  # an idle rank: an idle step without ranks never routes
+            return self.pad_along() if pads_along else self.idle(inputs)
+        reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
+        if reason is EagerReason.NOT_CAPTURED:
+            if self._setup.no_graphs is not None:  # the ranks' route says "not captured" for it too
+                reason = EagerReason.NO_CUDA
+            elif released:
+                reason = EagerReason.RELEASED
+            elif key is not None and session is not None and not session.done:
+                session.missed(key.descriptor)  # captured next; the first recording waits for served()
+                try:
+                    return self.run(inputs, request, num_reqs, reason, key, allowed=True)
+                finally:
+                    session.served()
+        return self.run(inputs, request, num_reqs, reason, key)
 
     def idle(self, inputs: Mapping[str, torch.Tensor]) -> OutputT:
         """A step of 0 tokens: the outputs' structure with no rows, without calling the model.

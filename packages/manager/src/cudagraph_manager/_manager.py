@@ -33,7 +33,6 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     Dispatch,
     DispatchConfig,
-    EagerReason,
     Route,
     StepRequest,
     check_bool,
@@ -44,6 +43,7 @@ from ._attention import StepBatch
 from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._capturing import Capturer, agree_plan
+from ._decode_loop import DecodeLoop, LoopResult
 from ._eager import EagerSteps
 from ._engines import default_engine_factory
 from ._outputs import LayoutCell, OutputRows
@@ -81,7 +81,8 @@ class CUDAGraphManager(Generic[OutputT]):
     seam"); the model reads it with ``attention_metadata(builder)``.
     ``attention`` (default: the builder's ``support``, else the model's
     ``graph_support()``) is what the attention can graph; the mode is
-    resolved against it (README).
+    resolved against it (README). ``decode_loop`` lets ``run_loop`` take
+    many decode steps per call (README, "Decode loops").
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class CUDAGraphManager(Generic[OutputT]):
         attention: AttentionSupport | None = None,
         strict_attention: bool = False,
         metadata_builder: AttentionMetadataBuilder[object] | None = None,
+        decode_loop: DecodeLoop[OutputT] | None = None,
     ) -> None:
         checked = check_arguments(
             model,
@@ -115,6 +117,7 @@ class CUDAGraphManager(Generic[OutputT]):
             attention=attention,
             strict_attention=strict_attention,
             metadata_builder=metadata_builder,
+            decode_loop=decode_loop,
         )
         parts = _parts(model, checked, config, strict, ranks)
         self._dispatcher: Final = parts.dispatcher
@@ -128,7 +131,7 @@ class CUDAGraphManager(Generic[OutputT]):
         self._ranks: Final = ranks
         self._eager: Final = EagerSteps(parts)
         factory = default_engine_factory if engine_factory is None else engine_factory
-        self._capturer: Final = Capturer(parts, factory, checked.options)
+        self._capturer: Final = Capturer(parts, factory, checked.options, decode_loop)
         #: Every key of the plan, in capture order; its entry says whether it is captured.
         self._keys: Final = self._capturer.keys
         self._released = False  # release() freed the graphs, and no capture started since
@@ -361,6 +364,24 @@ class CUDAGraphManager(Generic[OutputT]):
         finally:
             self._step_lock.release()
 
+    def run_loop(self, /, *, max_steps: int | None = None, **inputs: torch.Tensor) -> LoopResult:
+        """Up to ``max_steps`` decode steps of a uniform batch in one call (``decode_loop=``).
+
+        One token per request, checked as ``run`` checks. The step and the
+        advance loop on the device where ``capture()`` captured the key's
+        loop, else on the host over the same buffers. Synchronizes once (the
+        steps taken); ``LoopResult.tokens`` is valid until the next call.
+        """
+        loops = self._capturer.loops
+        if loops is None:
+            raise RuntimeError("run_loop: this manager was built without decode_loop=")
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError(_BUSY)
+        try:
+            return loops.call(inputs, max_steps, self._weights)
+        finally:
+            self._step_lock.release()
+
     def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
         """The route every rank takes (one exchange), and whether this rank pads along (``route_step``)."""
         assert self._ranks is not None
@@ -376,29 +397,9 @@ class CUDAGraphManager(Generic[OutputT]):
         key: PlannedKey[OutputT] | None,
         pads_along: bool,
     ) -> OutputT:
-        """A step that replays nothing: an idle rank's part, or an eager step for the reason decided here.
-
-        A route without a graph is its own reason; a planned key without a
-        graph is ``not_captured``, or ``no_cuda`` where nothing can be
-        captured, or ``released``; a key missed while a background capture
-        runs is reported to it (captured next) and allowed in strict mode.
-        """
-        if request.num_tokens == 0:  # an idle rank: an idle step without ranks never routes
-            return self._eager.pad_along() if pads_along else self._eager.idle(inputs)
-        reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
-        if reason is EagerReason.NOT_CAPTURED:
-            session = self._session
-            if self._no_graphs is not None:  # the ranks' route says "not captured" for it too
-                reason = EagerReason.NO_CUDA
-            elif self._released:
-                reason = EagerReason.RELEASED
-            elif key is not None and session is not None and not session.done:
-                session.missed(key.descriptor)  # captured next; the first recording waits for served()
-                try:
-                    return self._eager.run(inputs, request, num_reqs, reason, key, allowed=True)
-                finally:
-                    session.served()
-        return self._eager.run(inputs, request, num_reqs, reason, key)
+        """A step that replays nothing (``EagerSteps.without_graph``: the reason is decided there)."""
+        session, released = self._session, self._released
+        return self._eager.without_graph(inputs, request, num_reqs, route, key, pads_along, session, released)
 
 
 _BUSY: Final = (

@@ -40,6 +40,8 @@ class CapturedGraph:
     warmup_seconds: float = 0.0
     recording_seconds: float = 0.0
     instantiation_seconds: float = 0.0
+    #: A decode loop's graph (``run_loop``), beside the key's one-step graph.
+    loop: bool = False
 
     @property
     def rest_seconds(self) -> float:
@@ -137,7 +139,7 @@ class CaptureReport:
             header += f"\nmode {self.resolution}"
         rows = [
             (
-                g.mode.name,
+                g.mode.name + (" loop" if g.loop else ""),
                 str(g.descriptor.num_tokens),
                 "-" if g.descriptor.num_reqs is None else str(g.descriptor.num_reqs),
                 "yes" if g.descriptor.uniform else "no",

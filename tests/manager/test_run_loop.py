@@ -1,0 +1,176 @@
+"""``run_loop``: many decode steps per call, on the device where the loop was captured, else on the host.
+
+A toy decoder whose next token is a function of its current token and its
+request's scale (``ToyDecoder``); its advance writes the next token, clears
+a request at its end token, and sets stop when none is active. Every path
+(eager on the CPU, one-step graphs replayed by the fake engines, the device
+loop on a GPU in each ``LoopKind``) must give the tokens of a plain Python
+loop over the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraph_capture import LoopKind
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, StaticInput
+from tests.manager.helpers import BACKENDS, Backend, config_for
+
+M: Final = CUDAGraphMode
+VOCAB: Final = 97
+EOS: Final = 0
+MAX_STEPS: Final = 12
+INPUTS: Final[Mapping[str, StaticInput]] = {
+    "ids": StaticInput((), torch.int64, "tokens", pad_value=1),
+    "scale": StaticInput((), torch.int64, "reqs", pad_value=1),
+}
+
+
+class ToyDecoder(nn.Module):
+    """``logits[t, v]`` peaks at ``(ids[t] * scale[t] + 7) % VOCAB``: a deterministic next token."""
+
+    def forward(self, ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        target = (ids * scale[: ids.shape[0]] + 7) % VOCAB  # [T]
+        return torch.nn.functional.one_hot(target, VOCAB).float()  # [T, VOCAB]
+
+
+def advance(logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], state: LoopState) -> None:
+    """Greedy: the next ids; a request is done after its end token; finished requests repeat EOS."""
+    nxt = torch.where(state.active, logits.argmax(-1), EOS)  # [R]
+    state.tokens.index_copy_(0, state.step.view(1), nxt[None])
+    inputs["ids"].copy_(nxt)
+    state.active.logical_and_(nxt != EOS)
+    torch.logical_not(state.active.any(), out=state.stop)
+
+
+def python_loop(ids: list[int], scale: list[int], steps: int) -> list[list[int]]:
+    rows, active = [], [True] * len(ids)
+    for _ in range(steps):
+        nxt = [(i * s + 7) % VOCAB if a else EOS for i, s, a in zip(ids, scale, active, strict=True)]
+        rows.append(nxt)
+        active = [a and n != EOS for a, n in zip(active, nxt, strict=True)]
+        ids = nxt
+        if not any(active):
+            break
+    return rows
+
+
+def _manager(backend: Backend, kind: LoopKind | None = None) -> CUDAGraphManager[torch.Tensor]:
+    loop = DecodeLoop(advance, max_steps=MAX_STEPS, unroll=4, kind=kind)
+    return CUDAGraphManager(
+        ToyDecoder(),
+        INPUTS,
+        config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
+        device=backend.device,
+        engine_factory=backend.factory,
+        decode_loop=loop,
+    )
+
+
+def _run(
+    manager: CUDAGraphManager[torch.Tensor], ids: list[int], scale: list[int], steps: int | None
+) -> LoopResult:
+    device = manager.device
+    return manager.run_loop(
+        max_steps=steps, ids=torch.tensor(ids, device=device), scale=torch.tensor(scale, device=device)
+    )
+
+
+#: (ids, scales, max_steps): stops at different steps; one stops at step 1 (7 * 1 + ... = EOS);
+#: one never stops (hits the limit); 3 requests pad to 4.
+CASES: Final = (
+    ([5, 13, 45], [2, 3, 1], MAX_STEPS),
+    ([90], [1], MAX_STEPS),  # (90 + 7) % 97 = 0: done at step 1
+    ([1, 2, 3, 4, 5], [1, 1, 1, 1, 1], 7),  # +7 each step, never 0 within 7 steps: the limit
+    ([11, 22], [5, 6], None),
+)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize(("ids", "scale", "steps"), CASES)
+def test_run_loop_equals_the_python_loop(
+    backend_name: str, ids: list[int], scale: list[int], steps: int | None
+) -> None:
+    backend = Backend.of(backend_name)
+    manager = _manager(backend)
+    manager.capture()
+    result = _run(manager, ids, scale, steps)
+    expected = python_loop(ids, scale, steps or MAX_STEPS)
+    assert result.steps == len(expected)
+    assert result.tokens.tolist() == expected
+    if backend.name == "cuda":
+        assert result.kind is not None  # the captured loop ran
+    else:
+        assert result.kind is None  # no CUDA loop on the CPU: the host loop over the fake graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(LoopKind))
+def test_each_loop_kind_gives_the_same_tokens(kind: LoopKind) -> None:
+    manager = _manager(Backend.of("cuda"), kind)
+    report = manager.capture()
+    assert sum(g.loop for g in report.graphs) == len(manager.dispatcher.keys(M.FULL))
+    for ids, scale, steps in CASES:
+        result = _run(manager, ids, scale, steps)
+        assert result.kind is kind
+        assert result.tokens.tolist() == python_loop(ids, scale, steps or MAX_STEPS)
+
+
+@pytest.mark.gpu
+def test_a_loop_is_released_and_recaptured() -> None:
+    manager = _manager(Backend.of("cuda"))
+    manager.capture()
+    manager.release()
+    ids, scale, steps = CASES[0]
+    result = _run(manager, ids, scale, steps)
+    assert result.kind is None  # released: the host loop, eagerly
+    assert result.tokens.tolist() == python_loop(ids, scale, steps)
+    manager.capture()
+    result = _run(manager, ids, scale, steps)
+    assert result.kind is not None
+    assert result.tokens.tolist() == python_loop(ids, scale, steps)
+
+
+def test_run_loop_needs_a_decode_loop_and_checks_its_arguments() -> None:
+    plain = CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu")
+    with pytest.raises(RuntimeError, match="built without decode_loop="):
+        _run(plain, [1], [1], None)
+    manager = _manager(Backend.of("cpu"))
+    with pytest.raises(ValueError, match="max_steps: expected an integer <= 12"):
+        _run(manager, [1], [1], 13)
+    with pytest.raises(ValueError, match="uniform_decode: a uniform decode batch"):
+        manager.run_loop(ids=torch.tensor([1, 2]), scale=torch.tensor([1]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"advance": "advance", "max_steps": 4}, "advance"),
+        ({"advance": advance, "max_steps": 0}, "max_steps"),
+        ({"advance": advance, "max_steps": True}, "max_steps"),
+        ({"advance": advance, "max_steps": 4, "unroll": 0}, "unroll"),
+        ({"advance": advance, "max_steps": 4, "kind": "while"}, "kind"),
+    ],
+)
+def test_a_bad_decode_loop_is_named(kwargs: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=f"^{named}: "):
+        DecodeLoop(**kwargs)  # type: ignore[arg-type]  # the checks under test
+
+
+def test_a_decode_loop_needs_one_token_per_request() -> None:
+    with pytest.raises(ValueError, match="decode_loop: a decode loop takes one token per request"):
+        CUDAGraphManager(
+            ToyDecoder(),
+            INPUTS,
+            config_for(M.FULL, query_len=2),
+            device="cpu",
+            decode_loop=DecodeLoop(advance, max_steps=4),
+        )
+    with pytest.raises(ValueError, match="decode_loop: expected a DecodeLoop"):
+        CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu", decode_loop=advance)  # type: ignore[arg-type]
