@@ -1,0 +1,355 @@
+"""The paged decoder's decode loop (``examples.paged.loop``) against a host loop written apart from it.
+
+The reference (``host_reference``) decodes with plain Python: each step's
+inputs rebuilt from lists, the step run by ``model.step`` (its metadata built
+afresh) or by ``manager.run``, the greedy token taken on the host, requests
+stopped at the end token or the length limit. The advance under test writes
+the next step in place, the backend's metadata included.
+
+CPU: the advance looped eagerly over padded static buffers with the metadata
+built once (as a loop on the device runs it), for every backend; the
+argument checks; ``decode_batch``. GPU (``gpu``): the manager's device loop
+for every mode with FULL decode graphs and every backend, during a
+background capture too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Final
+
+import pytest
+import torch
+
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+from cudagraph_manager.examples import DecoderConfig
+from cudagraph_manager.examples.paged import (
+    PAGED_INPUT_NAMES,
+    FlexPagedAttention,
+    PagedBackend,
+    PagedDecoder,
+    PagedLayout,
+    paged_static_inputs,
+)
+from cudagraph_manager.examples.paged.loop import (
+    NO_TOKEN,
+    PagedAdvance,
+    decode_batch,
+    greedy,
+    greedy_advance,
+)
+from cudagraph_manager.examples.paged.model import make_backend
+from cudagraph_manager.examples.paged.varlen import VarlenPagedAttention
+
+CPU_CONFIG: Final = DecoderConfig.small()
+#: (backend, page size) on the CPU: flex runs eagerly (any page size), varlen's gathered path.
+CPU_CASES: Final = (("flex", 16), ("gather", 16), ("varlen", 16), ("split_decode", 16))
+
+#: A step: the decoder's inputs by name -> final hidden states ``[R, hidden]`` of the real rows.
+StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    """Eager FlexAttention warns that it is unfused (the CPU path); downgrades warn once (GPU)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*downgrad.*", category=UserWarning)
+        yield
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class State:
+    """A loop's tensors, as ``LoopState`` holds them (``[]`` step and stop, ``[R]`` active, tokens)."""
+
+    step: torch.Tensor
+    stop: torch.Tensor
+    active: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def fresh(cls, num_reqs: int, num_real: int, max_steps: int, device: torch.device) -> State:
+        active = torch.zeros(num_reqs, dtype=torch.bool, device=device)
+        active[:num_real] = True
+        return cls(
+            torch.zeros((), dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.bool, device=device),
+            active,
+            torch.full((max_steps, num_reqs), NO_TOKEN, dtype=torch.int64, device=device),
+        )
+
+
+def host_reference(
+    step: StepFn,
+    embed: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    page_size: int,
+    eos_id: int | None,
+    max_len: int,
+    max_steps: int,
+    pick: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Decoding driven from the host: ``[steps, R]`` int64 tokens (``NO_TOKEN`` once finished).
+
+    ``pick`` chooses the tokens from the float32 logits ``[R, vocab]``.
+    Each step's inputs are rebuilt from Python lists; a finished request
+    keeps its last inputs (as the device loop keeps them); the loop ends when
+    none is active or after ``max_steps``.
+    """
+    ids = batch["input_ids"].tolist()
+    lens = batch["seq_lens"].tolist()
+    table = batch["block_table"].tolist()
+    active = [True] * len(ids)
+    rows: list[list[int]] = []
+    weights = embed.float()
+    for _ in range(max_steps):
+        inputs = _inputs_of(batch, ids, lens, table, page_size)
+        hidden = step(inputs)  # [R, hidden]
+        sampled = pick(hidden.float() @ weights.T).tolist()  # the logits in float32, as the advance
+        rows.append([token if live else NO_TOKEN for token, live in zip(sampled, active, strict=True)])
+        for r, token in enumerate(sampled):
+            if active[r] and (token == eos_id or lens[r] + 1 >= max_len):
+                active[r] = False
+            elif active[r]:
+                ids[r], lens[r] = token, lens[r] + 1
+        if not any(active):
+            break
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _inputs_of(
+    batch: Mapping[str, torch.Tensor],
+    ids: Sequence[int],
+    lens: Sequence[int],
+    table: Sequence[Sequence[int]],
+    page_size: int,
+) -> dict[str, torch.Tensor]:
+    """A step's inputs from the host's lists: each request's token at position ``len - 1``."""
+    device = batch["input_ids"].device
+    positions = [length - 1 for length in lens]
+    slots = [row[p // page_size] * page_size + p % page_size for row, p in zip(table, positions, strict=True)]
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.int64, device=device),
+        "positions": torch.tensor(positions, dtype=torch.int64, device=device),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
+        "query_lens": batch["query_lens"].clone(),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device),
+        "block_table": batch["block_table"].clone(),
+    }
+
+
+def eager_loop(
+    model: PagedDecoder,
+    advance: PagedAdvance,
+    batch: Mapping[str, torch.Tensor],
+    num_padded: int,
+    max_steps: int,
+) -> torch.Tensor:
+    """The advance looped eagerly as a device loop runs it: padded static buffers, metadata built once.
+
+    Returns ``[steps, R]`` tokens of the real requests.
+    """
+    num_real = batch["input_ids"].shape[0]
+    device = batch["input_ids"].device
+    static = _padded(model, batch, num_padded)
+    shape = BatchShape(num_padded, num_padded, 1, CUDAGraphMode.NONE)
+    metadata = model.backend.build(StepBatch(num_real, num_real, dict(batch)), shape)
+    state = State.fresh(num_padded, num_real, max_steps, device)
+    key = BatchDescriptor(num_padded, num_padded, True)
+    steps = 0
+    with (
+        torch.no_grad(),
+        set_forward_context(CUDAGraphMode.NONE, key, **metadata_extra(model.backend, metadata)),
+    ):
+        for step in range(max_steps):
+            state.step.fill_(step)
+            hidden = model(*(static[name] for name in PAGED_INPUT_NAMES))
+            advance(hidden, static, state)
+            steps += 1
+            if bool(state.stop):
+                break
+    return state.tokens[:steps, :num_real].clone()
+
+
+def _padded(model: PagedDecoder, batch: Mapping[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Static-buffer-like copies of ``batch`` padded to ``rows`` with each input's pad value."""
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in paged_static_inputs(model.layout).items():
+        real = batch[name]
+        buffer = torch.full((rows, *spec.shape), spec.pad_value, dtype=spec.dtype, device=real.device)
+        buffer[: real.shape[0]] = real
+        out[name] = buffer
+    return out
+
+
+def _cpu_model(backend: str, page_size: int, seed: int = 0) -> PagedDecoder:
+    torch.manual_seed(seed)
+    layout = PagedLayout.for_config(CPU_CONFIG, page_size=page_size)
+    rows = CPU_CONFIG.max_num_seqs
+    chosen: PagedBackend[object]
+    if backend == "flex":  # eager FlexAttention: any page size
+        chosen = FlexPagedAttention(layout, max_tokens=rows, max_reqs=rows, compile=False)
+    elif backend == "varlen":  # the gathered path: the key map the advance rebuilds
+        chosen = VarlenPagedAttention(layout, max_tokens=rows, max_reqs=rows, paged=False)
+    else:
+        chosen = make_backend(backend, layout, CPU_CONFIG.dtype, max_tokens=rows, max_reqs=rows)
+    return PagedDecoder(CPU_CONFIG, layout=layout, backend=chosen)
+
+
+def runner_up(logits: torch.Tensor) -> torch.Tensor:
+    """The second most likely token: ``[R, vocab]`` -> ``[R]`` int64.
+
+    With random tied embeddings the argmax is the input token itself (the
+    hidden state is mostly its embedding), whatever the attention read; the
+    runner-up is decided by what the layers added, so a stale input or
+    metadata changes the tokens.
+    """
+    return logits.topk(2, dim=-1).indices[:, 1]
+
+
+def pick_eos(tokens: torch.Tensor, *, spare: int) -> int | None:
+    """A token that stops exactly one request at a step in [2, 6]: emitted there first by anyone.
+
+    ``tokens [steps, R]`` from a run without an end token; request ``spare``
+    (the one that must reach the loop's limit) never emits it. ``None`` if
+    no token qualifies (the lengths still stop requests at different steps).
+    """
+    for step in range(2, min(7, tokens.shape[0])):
+        for request in range(tokens.shape[1]):
+            token = int(tokens[step, request])
+            earlier = tokens[:step].flatten().tolist() + tokens[step, :request].tolist()
+            if token != NO_TOKEN and token not in earlier and token not in tokens[:, spare].tolist():
+                return token
+    return None
+
+
+def _cpu_case(backend: str, page_size: int) -> tuple[PagedDecoder, dict[str, torch.Tensor], int]:
+    """A model, a batch of 5 requests and its max_len: one stops after a token, one after 10, three run on."""
+    model = _cpu_model(backend, page_size)
+    max_len = 40
+    lens = [max_len - 1, 10, 14, 30, 12]  # all but the first cross a page boundary (pages of 16)
+    batch = decode_batch(model, lens, max_len=max_len, generator=torch.Generator().manual_seed(1))
+    return model, batch, max_len
+
+
+def finish_steps(tokens: torch.Tensor) -> list[int]:
+    """Each request's tokens before its first ``NO_TOKEN`` (the steps it ran), from ``[steps, R]``."""
+    ran = tokens != NO_TOKEN  # [steps, R]
+    return ran.int().sum(0).tolist()
+
+
+CPU_MAX_STEPS: Final = 12
+
+
+@pytest.mark.parametrize("pick", [greedy, runner_up], ids=["greedy", "runner_up"])
+@pytest.mark.parametrize(("backend", "page_size"), CPU_CASES)
+def test_the_advance_looped_on_static_buffers_equals_the_host_loop(
+    backend: str, page_size: int, pick: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    model, batch, max_len = _cpu_case(backend, page_size)
+
+    def step(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return model.step(inputs, uniform_decode=True)
+
+    def reference(eos_id: int | None) -> torch.Tensor:
+        return host_reference(
+            step,
+            model.body.embed,
+            batch,
+            page_size=page_size,
+            eos_id=eos_id,
+            max_len=max_len,
+            max_steps=CPU_MAX_STEPS,
+            pick=pick,
+        )
+
+    eos_id = pick_eos(reference(None), spare=1)
+    expected = reference(eos_id)
+    advance = PagedAdvance(model, eos_id, max_len, sample=pick)
+    actual = eager_loop(model, advance, batch, num_padded=8, max_steps=CPU_MAX_STEPS)
+    assert torch.equal(actual, expected)
+    ran = finish_steps(expected)
+    assert ran[0] == 1, ran  # one token: at the length limit
+    assert ran[1] == CPU_MAX_STEPS == expected.shape[0], ran  # the loop's limit
+    assert len(set(ran)) >= 3, ran
+    if pick is runner_up:  # a token that depends on the layers, so a stale input would show
+        assert eos_id is not None, ran
+        assert min(ran[2:]) < 7, (eos_id, ran)
+
+
+def test_a_finished_request_and_the_padding_keep_their_inputs() -> None:
+    model, batch, max_len = _cpu_case("gather", 16)
+    static = _padded(model, batch, 8)
+    before = {name: tensor.clone() for name, tensor in static.items()}
+    shape = BatchShape(8, 8, 1, CUDAGraphMode.NONE)
+    metadata = model.backend.build(StepBatch(5, 5, dict(batch)), shape)
+    state = State.fresh(8, 5, 4, torch.device("cpu"))
+    advance = greedy_advance(model, eos_id=None, max_len=max_len)
+    key = BatchDescriptor(8, 8, True)
+    with (
+        torch.no_grad(),
+        set_forward_context(CUDAGraphMode.NONE, key, **metadata_extra(model.backend, metadata)),
+    ):
+        for step in range(3):
+            state.step.fill_(step)
+            advance(model(*(static[name] for name in PAGED_INPUT_NAMES)), static, state)
+    assert state.active.tolist() == [False, True, True, True, True, False, False, False]
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        kept = [0, 5, 6, 7]  # the request stopped at step 1, the padding rows
+        assert torch.equal(static[name][kept], before[name][kept]), name
+    assert torch.equal(static["positions"][1:5], before["positions"][1:5] + 3)
+    assert torch.equal(static["seq_lens"][1:5], before["seq_lens"][1:5] + 3)
+    paged = metadata.paged  # type: ignore[attr-defined]
+    assert torch.equal(paged.seq_lens, static["seq_lens"])  # the metadata advanced with the inputs
+    assert torch.equal(paged.positions, static["positions"])
+    assert state.tokens[3:].eq(NO_TOKEN).all()  # rows of steps not run
+    assert state.tokens[1:3, 0].eq(NO_TOKEN).all()  # the finished request's
+
+
+def test_the_advance_checks_its_arguments() -> None:
+    model = _cpu_model("gather", 16)
+    reach = min(model.layout.max_seq_len, CPU_CONFIG.max_seq_len)
+    bad: list[tuple[str, Callable[[], object]]] = [
+        ("model", lambda: greedy_advance("model", eos_id=None, max_len=8)),  # type: ignore[arg-type]
+        ("eos_id", lambda: greedy_advance(model, eos_id=CPU_CONFIG.vocab_size, max_len=8)),
+        ("eos_id", lambda: greedy_advance(model, eos_id=True, max_len=8)),
+        ("max_len", lambda: greedy_advance(model, eos_id=None, max_len=1)),
+        ("max_len", lambda: greedy_advance(model, eos_id=None, max_len=reach + 1)),
+        ("sample", lambda: PagedAdvance(model, None, 8, sample="argmax")),  # type: ignore[arg-type]
+    ]
+    for name, make in bad:
+        with pytest.raises(ValueError, match=rf"^{name}:"):
+            make()
+    advance = greedy_advance(model, eos_id=None, max_len=reach)
+    assert advance.embed.dtype == torch.float32
+    assert advance.embed.data_ptr() == model.body.embed.data_ptr()  # float32 already: not copied
+    state = State.fresh(4, 4, 2, torch.device("cpu"))
+    static = _padded(model, decode_batch(model, [3, 4, 5, 6], max_len=8), 4)
+    with pytest.raises(ValueError, match=r"^outputs:"):
+        advance.step_inputs(torch.zeros(8, CPU_CONFIG.hidden_size), static, state)
+
+
+def test_decode_batch_gives_each_request_its_own_pages_up_to_max_len() -> None:
+    model = _cpu_model("gather", 16)
+    batch = decode_batch(model, [1, 16, 17, 30], max_len=40, generator=torch.Generator().manual_seed(3))
+    table = batch["block_table"]
+    used = table[:, :3]  # 40 keys: 3 pages of 16
+    assert len(set(used.flatten().tolist())) == used.numel()
+    assert (used != PagedLayout.scratch_page).all()
+    assert (table[:, 3:] == PagedLayout.scratch_page).all()
+    assert batch["positions"].tolist() == [0, 15, 16, 29]
+    with torch.no_grad():  # the paged batch's own checks (slots against the block table)
+        model.step(batch, uniform_decode=True)
+    with pytest.raises(ValueError, match=r"^seq_lens:"):
+        decode_batch(model, [41], max_len=40)
+    with pytest.raises(ValueError, match=r"^seq_lens:"):
+        decode_batch(model, [], max_len=40)
+    with pytest.raises(ValueError, match=r"^seq_lens:"):
+        decode_batch(model, [2] * (model.layout.num_pages // 3 + 1), max_len=40)
+    with pytest.raises(ValueError, match=r"^max_len:"):
+        decode_batch(model, [2], max_len=CPU_CONFIG.max_seq_len + 1)
