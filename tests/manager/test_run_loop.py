@@ -174,3 +174,15 @@ def test_a_decode_loop_needs_one_token_per_request() -> None:
         )
     with pytest.raises(ValueError, match="decode_loop: expected a DecodeLoop"):
         CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu", decode_loop=advance)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_the_estimate_counts_the_loops_it_will_capture() -> None:
+    manager = _manager(Backend.of("cuda"))
+    estimate = manager.estimate_memory()
+    report = manager.capture()
+    loops = [g for g in report.graphs if g.loop]
+    assert len(loops) == len(manager.dispatcher.keys(M.FULL))
+    assert estimate.num_graphs == report.num_graphs
+    assert any(p.loop for p in estimate.probes)
+    assert abs(estimate.total_bytes - report.device_bytes) <= max(0.015 * report.device_bytes, 32 * 2**20)

@@ -38,7 +38,7 @@ from ._background import BackgroundCapture
 from ._buffers import StaticBuffers
 from ._compiled import dynamo_compiles
 from ._decode_loop import DecodeLoop, DecodeLoops
-from ._estimate import estimate_memory, nothing_to_estimate
+from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
 from ._outputs import LayoutCell
 from ._parts import ManagerParts
 from ._planned import PlannedKey, by_mode
@@ -217,7 +217,20 @@ class Capturer(Generic[OutputT]):
             self._device,
             self._options.gc_disable,
             self._needs_warm_up(pending, ranks),
+            self._loop_probes(),
         )
+
+    def _loop_probes(self) -> LoopProbes[OutputT] | None:
+        """The decode loops ``capture()`` will add (every loopable key without one), for the estimate."""
+        loops = self.loops
+        if loops is None:
+            return None
+        keys = [k for k in self.keys.values() if loops.loopable(k) and k.descriptor not in loops.loops]
+
+        def record(key: PlannedKey[OutputT], pool: GraphPool) -> tuple[object, CapturedGraph]:
+            return loops.record(key, dataclasses.replace(self._options, pool=pool))
+
+        return LoopProbes(keys, record)
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""

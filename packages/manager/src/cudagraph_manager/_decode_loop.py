@@ -140,6 +140,12 @@ class DecodeLoops(Generic[OutputT]):
 
     def capture(self, key: PlannedKey[OutputT], options: CaptureOptions) -> CapturedGraph:
         """Capture ``key``'s loop (the forward and the advance) into ``options``' pool; what it cost."""
+        loop, captured = self.record(key, options)
+        self.loops[key.descriptor] = loop
+        return captured
+
+    def record(self, key: PlannedKey[OutputT], options: CaptureOptions) -> tuple[DeviceLoop, CapturedGraph]:
+        """``key``'s loop, not kept (the estimate's probes keep theirs apart), and what it cost."""
         start = time.perf_counter()
         device = self._parts.device
         self._parts.buffers.fill_padding(key.num_tokens, key.num_reqs)
@@ -162,10 +168,9 @@ class DecodeLoops(Generic[OutputT]):
                 descriptor=key.descriptor,
             )
         pool_bytes = reserved_bytes(device) - reserved
-        self.loops[key.descriptor] = loop
         seconds = time.perf_counter() - start
         driver = free - free_bytes(device) - pool_bytes
-        return CapturedGraph(CUDAGraphMode.FULL, key.descriptor, seconds, pool_bytes, driver, loop=True)
+        return loop, CapturedGraph(CUDAGraphMode.FULL, key.descriptor, seconds, pool_bytes, driver, loop=True)
 
     def call(
         self, inputs: Mapping[str, torch.Tensor], max_steps: int | None, weights: WeightWatch

@@ -10,10 +10,11 @@ capture".
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Final, TypeVar
+from typing import Final, Generic, TypeVar
 
 import torch
 
@@ -101,11 +102,13 @@ def estimate_memory(
     device: torch.device,
     gc_disable: bool,
     warmed: Collection[BatchDescriptor],
+    loops: LoopProbes[OutputT] | None = None,
 ) -> MemoryEstimate:
     """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream.
 
     ``warmed``: the keys the capture will warm up; the largest of each mode
-    sets what the warm-ups leave in torch's cache.
+    sets what the warm-ups leave in torch's cache. ``loops``: the decode
+    loops the capture will add, probed as a mode of their own.
     """
     start = time.perf_counter()
     check_capture_enabled(None)
@@ -114,6 +117,7 @@ def estimate_memory(
     pool: GraphPool = torch.cuda.graph_pool_handle()  # the probes' own: freed with them
     engines = {mode: make_engine(mode, pool) for mode in grouped}
     entries: list[GraphEntry[OutputT]] = []  # alive until the end: they keep the pool usable
+    kept: list[object] = []  # the loop probes, likewise
     probes: list[CapturedGraph] = []
     pool_total = driver_total = 0
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
@@ -137,16 +141,27 @@ def estimate_memory(
                 )
                 pool_total += mode_pool
                 driver_total += mode_driver
+            if loops is not None and loops.keys:
+                measured = [
+                    _probe_loop(key, loops, pool, kept) for key in probe_keys(loops.keys, _num_tokens)
+                ]
+                probes += measured
+                loop_pool, loop_driver = extrapolate(
+                    [(p.pool_bytes, p.driver_bytes) for p in measured], len(loops.keys)
+                )
+                pool_total += loop_pool
+                driver_total += loop_driver
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
                 entries.clear()
+                kept.clear()
             _empty_cache(device, stream)
     return MemoryEstimate(
         total_bytes=warmup + pool_total + driver_total,
         warmup_bytes=warmup,
         pool_bytes=pool_total,
         driver_bytes=driver_total,
-        num_graphs=len(pending),
+        num_graphs=len(pending) + (0 if loops is None else len(loops.keys)),
         probes=tuple(probes),
         seconds=time.perf_counter() - start,
     )
@@ -193,6 +208,23 @@ def _probe(
         key.warm_up(engine, buffers)
     entry, captured = key.record(engine, device, start, time.perf_counter() - start if warm else 0.0)
     entries.append(entry)
+    return captured
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoopProbes(Generic[OutputT]):
+    """The decode loops a capture will add (largest first), and how to record one into a pool."""
+
+    keys: Sequence[PlannedKey[OutputT]]
+    record: Callable[[PlannedKey[OutputT], GraphPool], tuple[object, CapturedGraph]]
+
+
+def _probe_loop(
+    key: PlannedKey[OutputT], loops: LoopProbes[OutputT], pool: GraphPool, kept: list[object]
+) -> CapturedGraph:
+    """Record ``key``'s decode loop into the probes' pool, kept in ``kept`` until the estimate frees them."""
+    loop, captured = loops.record(key, pool)
+    kept.append(loop)
     return captured
 
 
