@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def _run(code: str, where: str) -> None:
 @pytest.mark.gpu
 def test_the_capture_readme_runs_top_to_bottom() -> None:
     blocks = python_blocks(ROOT / "packages/capture/README.md")
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     _run("\n".join(blocks), "packages/capture/README.md")
 
 
@@ -62,3 +62,35 @@ def test_the_manager_readmes_seam_example_runs_and_pads_offsets_with_the_padded_
     first = torch.tensor([0, 0, 0, 3, 3], device=ids.device)  # requests of 3 and 2 tokens
     with torch.no_grad():
         torch.testing.assert_close(out, table(ids) + table(ids[first]))
+
+
+def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
+    """Issue 33: the README's custom engine, as written, is a GraphEngine a manager captures and replays with.
+
+    Its entry has exactly what the README says the manager reads (``replay``,
+    ``output``, ``seconds``); an engine written from an older README, without
+    ``seconds``, failed with an ``AttributeError`` inside ``capture()``.
+    """
+    from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, StaticInput
+
+    (code,) = [b for b in python_blocks(ROOT / "packages/capture/README.md") if "class RerunEngine" in b]
+    namespace: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(code, "packages/capture/README.md", "exec"), namespace)
+    engine_factory = cast("GraphEngineFactory", namespace["RerunEngine"])  # a class: called with 3 args
+    weight = torch.randn(8, 8)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ weight)
+
+    config = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([2, 4, 8]), max_num_seqs=8)
+    manager = CUDAGraphManager(
+        model, {"x": StaticInput((8,))}, config, device="cpu", engine_factory=engine_factory
+    )
+    report = manager.capture()
+    assert manager.num_captured == 3
+    assert report.num_graphs == 3
+    for n in (3, 8, 1):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(manager.run(x=x), model(x))
+    assert manager.stats.replays_of(CUDAGraphMode.FULL) == 3
