@@ -23,8 +23,23 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
-from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+from cudagraph_capture import LoopKind
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    set_forward_context,
+)
+from cudagraph_manager import (
+    BatchShape,
+    CUDAGraphManager,
+    DecodeLoop,
+    LoopResult,
+    LoopState,
+    StepBatch,
+    metadata_extra,
+)
 from cudagraph_manager.examples import DecoderConfig
 from cudagraph_manager.examples.paged import (
     PAGED_INPUT_NAMES,
@@ -61,25 +76,16 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class State:
-    """A loop's tensors, as ``LoopState`` holds them (``[]`` step and stop, ``[R]`` active, tokens)."""
-
-    step: torch.Tensor
-    stop: torch.Tensor
-    active: torch.Tensor
-    tokens: torch.Tensor
-
-    @classmethod
-    def fresh(cls, num_reqs: int, num_real: int, max_steps: int, device: torch.device) -> State:
-        active = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-        active[:num_real] = True
-        return cls(
-            torch.zeros((), dtype=torch.int64, device=device),
-            torch.zeros((), dtype=torch.bool, device=device),
-            active,
-            torch.full((max_steps, num_reqs), NO_TOKEN, dtype=torch.int64, device=device),
-        )
+def fresh_state(num_reqs: int, num_real: int, max_steps: int, device: torch.device) -> LoopState:
+    """A loop's state as ``run_loop`` starts it: the real rows active, stop clear."""
+    active = torch.zeros(num_reqs, dtype=torch.bool, device=device)
+    active[:num_real] = True
+    return LoopState(
+        torch.zeros((), dtype=torch.int64, device=device),
+        torch.zeros((), dtype=torch.bool, device=device),
+        active,
+        torch.full((max_steps, num_reqs), NO_TOKEN, dtype=torch.int64, device=device),
+    )
 
 
 def host_reference(
@@ -158,7 +164,7 @@ def eager_loop(
     static = _padded(model, batch, num_padded)
     shape = BatchShape(num_padded, num_padded, 1, CUDAGraphMode.NONE)
     metadata = model.backend.build(StepBatch(num_real, num_real, dict(batch)), shape)
-    state = State.fresh(num_padded, num_real, max_steps, device)
+    state = fresh_state(num_padded, num_real, max_steps, device)
     key = BatchDescriptor(num_padded, num_padded, True)
     steps = 0
     with (
@@ -288,7 +294,7 @@ def test_a_finished_request_and_the_padding_keep_their_inputs() -> None:
     before = {name: tensor.clone() for name, tensor in static.items()}
     shape = BatchShape(8, 8, 1, CUDAGraphMode.NONE)
     metadata = model.backend.build(StepBatch(5, 5, dict(batch)), shape)
-    state = State.fresh(8, 5, 4, torch.device("cpu"))
+    state = fresh_state(8, 5, 4, torch.device("cpu"))
     advance = greedy_advance(model, eos_id=None, max_len=max_len)
     key = BatchDescriptor(8, 8, True)
     with (
@@ -328,7 +334,7 @@ def test_the_advance_checks_its_arguments() -> None:
     advance = greedy_advance(model, eos_id=None, max_len=reach)
     assert advance.embed.dtype == torch.float32
     assert advance.embed.data_ptr() == model.body.embed.data_ptr()  # float32 already: not copied
-    state = State.fresh(4, 4, 2, torch.device("cpu"))
+    state = fresh_state(4, 4, 2, torch.device("cpu"))
     static = _padded(model, decode_batch(model, [3, 4, 5, 6], max_len=8), 4)
     with pytest.raises(ValueError, match=r"^outputs:"):
         advance.step_inputs(torch.zeros(8, CPU_CONFIG.hidden_size), static, state)
@@ -353,3 +359,107 @@ def test_decode_batch_gives_each_request_its_own_pages_up_to_max_len() -> None:
         decode_batch(model, [2] * (model.layout.num_pages // 3 + 1), max_len=40)
     with pytest.raises(ValueError, match=r"^max_len:"):
         decode_batch(model, [2], max_len=CPU_CONFIG.max_seq_len + 1)
+
+
+# ---------------------------------------------------------------------------
+# Through the manager: run_loop
+# ---------------------------------------------------------------------------
+
+
+def loop_manager(
+    model: PagedDecoder,
+    advance: PagedAdvance,
+    mode: CUDAGraphMode,
+    *,
+    sizes: Sequence[int],
+    max_steps: int,
+    kind: LoopKind | None = None,
+) -> CUDAGraphManager[torch.Tensor]:
+    """A manager of ``model`` whose ``run_loop`` loops ``advance``."""
+    dispatch = DispatchConfig(mode, CaptureSizes(list(sizes)), max_num_seqs=model.config.max_num_seqs)
+    return CUDAGraphManager(
+        model,
+        paged_static_inputs(model.layout),
+        dispatch,
+        device=model.body.device,
+        metadata_builder=model.backend,
+        decode_loop=DecodeLoop(advance, max_steps=max_steps, kind=kind),
+    )
+
+
+def run_loop_and_reference(
+    manager: CUDAGraphManager[torch.Tensor],
+    advance: PagedAdvance,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    max_steps: int,
+) -> tuple[LoopResult, torch.Tensor]:
+    """``run_loop`` on ``batch``, and the host loop of the same rule over ``manager.run`` steps."""
+    with torch.no_grad():
+        result = manager.run_loop(max_steps=max_steps, **batch)
+        tokens = result.tokens.clone()  # a view, valid until the next run
+        expected = host_reference(
+            lambda inputs: manager.run_batch(inputs, uniform_decode=True),
+            advance.model.body.embed,
+            batch,
+            page_size=advance.model.layout.page_size,
+            eos_id=advance.eos_id,
+            max_len=advance.max_len,
+            max_steps=max_steps,
+            pick=advance.sample,
+        )
+    return dataclasses.replace(result, tokens=tokens), expected
+
+
+def eos_from_eager_steps(
+    model: PagedDecoder, batch: Mapping[str, torch.Tensor], *, max_len: int, max_steps: int
+) -> int | None:
+    """An end token that stops one request mid-loop (``pick_eos``), from eager ``runner_up`` steps."""
+
+    def step(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return model.step(inputs, uniform_decode=True)
+
+    page_size = model.layout.page_size
+    tokens = host_reference(
+        step,
+        model.body.embed,
+        batch,
+        page_size=page_size,
+        eos_id=None,
+        max_len=max_len,
+        max_steps=max_steps,
+        pick=runner_up,
+    )
+    return pick_eos(tokens, spare=1)
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.NONE], ids=["FULL", "NONE"])
+@pytest.mark.parametrize(("backend", "page_size"), CPU_CASES)
+def test_run_loop_on_the_cpu_equals_the_host_loop(backend: str, page_size: int, mode: CUDAGraphMode) -> None:
+    model, batch, max_len = _cpu_case(backend, page_size)
+    eos_id = eos_from_eager_steps(model, batch, max_len=max_len, max_steps=CPU_MAX_STEPS)
+    advance = PagedAdvance(model, eos_id, max_len, sample=runner_up)
+    manager = loop_manager(model, advance, mode, sizes=(1, 4, 8), max_steps=CPU_MAX_STEPS)
+    manager.capture()  # without CUDA: nothing; every step runs eagerly on the static buffers
+    result, expected = run_loop_and_reference(manager, advance, batch, max_steps=CPU_MAX_STEPS)
+    assert result.kind is None
+    assert result.steps == expected.shape[0]
+    assert torch.equal(result.tokens, expected)
+    short, expected = run_loop_and_reference(manager, advance, batch, max_steps=2)  # the limit first
+    assert short.steps == 2
+    assert torch.equal(short.tokens, expected)
+
+
+def test_run_loop_checks_the_batch_before_touching_a_buffer() -> None:
+    model, batch, max_len = _cpu_case("gather", 16)
+    advance = greedy_advance(model, eos_id=None, max_len=max_len)
+    manager = loop_manager(model, advance, CUDAGraphMode.FULL, sizes=(1, 4, 8), max_steps=4)
+    wrong = dict(batch, slot_mapping=batch["slot_mapping"] + 1)
+    with pytest.raises(ValueError, match=r"^slot_mapping:"):
+        manager.run_loop(**wrong)
+    with pytest.raises(ValueError, match=r"^max_steps:"):
+        manager.run_loop(max_steps=5, **batch)
+    result = manager.run_loop(max_steps=1, **batch)  # still serves
+    assert result.steps == 1
+    assert result.tokens.shape == (1, 5)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Protocol
+from typing import Final
 
 import torch
 from torch import Tensor
 
 from cudagraph_dispatch import check_int
-from cudagraph_manager import attention_metadata
+from cudagraph_manager import LoopState, attention_metadata
 
 from .batch import PagedMetadata
 from .flex import FlexMetadata
@@ -51,22 +51,6 @@ NO_TOKEN: Final = -1
 #: Capturable: device ops only, no host sync, no torch random numbers (a WHILE launch does not
 #: advance torch's generator).
 Sampler = Callable[[Tensor], Tensor]
-
-
-class LoopStateView(Protocol):
-    """The loop state an advance reads and writes (``cudagraph_manager.LoopState`` has these fields)."""
-
-    @property
-    def step(self) -> Tensor: ...  # [] int64: this iteration's index (0 first)
-
-    @property
-    def stop(self) -> Tensor: ...  # [] bool: set once no request is active
-
-    @property
-    def active(self) -> Tensor: ...  # [num_reqs] bool: the requests still running
-
-    @property
-    def tokens(self) -> Tensor: ...  # [max_steps, num_reqs] int64: the tokens, row `step` this iteration
 
 
 def greedy(logits: Tensor) -> Tensor:
@@ -117,12 +101,12 @@ class PagedAdvance:
         # (another tiling than the real batch's) would break differently.
         object.__setattr__(self, "embed", self.model.body.embed.detach().float())
 
-    def __call__(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopStateView) -> None:
+    def __call__(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopState) -> None:
         """The whole advance: tokens, ``active``, ``stop``, the next inputs and the backend's metadata."""
         going = self.step_inputs(outputs, inputs, state)
         advance_metadata(attention_metadata(self.model.backend), going, self.model.layout.page_size)
 
-    def step_inputs(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopStateView) -> Tensor:
+    def step_inputs(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopState) -> Tensor:
         """Tokens, ``active``, ``stop`` and the next static inputs; returns ``going [num_reqs]`` bool.
 
         ``going``: the requests that take another step (``state.active`` after
