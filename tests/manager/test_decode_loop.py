@@ -457,9 +457,133 @@ def test_run_loop_checks_the_batch_before_touching_a_buffer() -> None:
     manager = loop_manager(model, advance, CUDAGraphMode.FULL, sizes=(1, 4, 8), max_steps=4)
     wrong = dict(batch, slot_mapping=batch["slot_mapping"] + 1)
     with pytest.raises(ValueError, match=r"^slot_mapping:"):
-        manager.run_loop(**wrong)
+        manager.run_loop(max_steps=4, **wrong)
     with pytest.raises(ValueError, match=r"^max_steps:"):
         manager.run_loop(max_steps=5, **batch)
     result = manager.run_loop(max_steps=1, **batch)  # still serves
     assert result.steps == 1
     assert result.tokens.shape == (1, 5)
+
+
+# ---------------------------------------------------------------------------
+# GPU: the device loop against the host loop
+# ---------------------------------------------------------------------------
+
+GPU_CONFIG: Final = DecoderConfig(num_layers=2, max_num_seqs=32, max_seq_len=256)
+GPU_MAX_LEN: Final = 96
+GPU_MAX_STEPS: Final = 24
+GPU_SIZES: Final = (1, 4, 8, 16)
+#: Real requests per batch: 1, 3 (padded to 4), 13 (padded to 16).
+GPU_BATCHES: Final = (1, 3, 13)
+#: The modes with FULL decode graphs.
+FULL_DECODE_MODES: Final = (
+    CUDAGraphMode.FULL,
+    CUDAGraphMode.FULL_DECODE_ONLY,
+    CUDAGraphMode.FULL_AND_PIECEWISE,
+)
+#: Every backend of the seam: flex with pages of 64 (its kernel's key block), the others of 16.
+GPU_CASES: Final = (("flex", 64), ("gather", 16), ("varlen", 16), ("split_decode", 16))
+
+
+def _gpu_model(backend: str, page_size: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> PagedDecoder:
+    torch.manual_seed(seed)
+    config = dataclasses.replace(GPU_CONFIG, dtype=dtype)
+    layout = PagedLayout.for_config(config, page_size=page_size)
+    return PagedDecoder(config, layout=layout, backend=backend, device="cuda")
+
+
+def _gpu_batch(model: PagedDecoder, num_reqs: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random prompts: the first stops after one token (at max_len), the rest anywhere below it."""
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, GPU_MAX_LEN - 1, (num_reqs,), generator=generator).tolist()
+    lens[0] = GPU_MAX_LEN - 1
+    if num_reqs > 2:
+        lens[2] = GPU_MAX_LEN - GPU_MAX_STEPS // 2  # stops by length mid-loop
+    return decode_batch(model, lens, max_len=GPU_MAX_LEN, generator=generator, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", FULL_DECODE_MODES, ids=lambda m: m.name)
+@pytest.mark.parametrize(("backend", "page_size"), GPU_CASES)
+def test_gpu_the_device_loop_gives_the_host_loops_tokens(
+    backend: str, page_size: int, mode: CUDAGraphMode
+) -> None:
+    seed = GPU_CASES.index((backend, page_size)) * 10 + FULL_DECODE_MODES.index(mode)
+    model = _gpu_model(backend, page_size, seed)
+    probe = _gpu_batch(model, max(GPU_BATCHES), seed + max(GPU_BATCHES))  # the largest batch below
+    eos_id = eos_from_eager_steps(model, probe, max_len=GPU_MAX_LEN, max_steps=GPU_MAX_STEPS)
+    advance = PagedAdvance(model, eos_id, GPU_MAX_LEN, sample=runner_up)
+    manager = loop_manager(model, advance, mode, sizes=GPU_SIZES, max_steps=GPU_MAX_STEPS)
+    with torch.no_grad():
+        manager.capture(progress=False)
+    for num_reqs in GPU_BATCHES:
+        batch = _gpu_batch(model, num_reqs, seed + num_reqs)
+        result, expected = run_loop_and_reference(manager, advance, batch, max_steps=GPU_MAX_STEPS)
+        assert result.kind is LoopKind.WHILE  # cuda-bindings and a recent driver on the test machines
+        assert result.steps == expected.shape[0]
+        assert torch.equal(result.tokens.cpu(), expected), (num_reqs, result.tokens, expected)
+        ran = finish_steps(expected)
+        assert ran[0] == 1, ran  # at max_len after one token
+        if num_reqs > 2:
+            assert len(set(ran)) >= 2, ran
+        short, expected = run_loop_and_reference(manager, advance, batch, max_steps=2)
+        assert short.steps == len(expected) == (1 if num_reqs == 1 else 2)  # the limit (or all done)
+        assert torch.equal(short.tokens.cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [LoopKind.UNROLLED, LoopKind.HOST_LOOP])
+def test_gpu_the_fallback_loops_give_the_same_tokens(kind: LoopKind) -> None:
+    model = _gpu_model("gather", 16, seed=7)
+    advance = PagedAdvance(model, None, GPU_MAX_LEN, sample=runner_up)
+    manager = loop_manager(
+        model, advance, CUDAGraphMode.FULL, sizes=GPU_SIZES, max_steps=GPU_MAX_STEPS, kind=kind
+    )
+    with torch.no_grad():
+        manager.capture(progress=False)
+    batch = _gpu_batch(model, 13, seed=8)
+    result, expected = run_loop_and_reference(manager, advance, batch, max_steps=GPU_MAX_STEPS)
+    assert result.kind is kind
+    assert torch.equal(result.tokens.cpu(), expected)
+
+
+#: (backend, page size, dtype, pick) of the background test: it compares with steps that may run
+#: eagerly or replay while the capture goes on, so the runner-up (which depends on rounding)
+#: is taken in float32 only; FlashAttention computes in bf16, where the test takes the argmax.
+BACKGROUND_CASES: Final = (
+    ("gather", 16, torch.float32, runner_up),
+    ("split_decode", 16, torch.float32, runner_up),
+    ("flex", 64, torch.bfloat16, greedy),
+    ("varlen", 16, torch.bfloat16, greedy),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "page_size", "dtype", "pick"), BACKGROUND_CASES, ids=[case[0] for case in BACKGROUND_CASES]
+)
+def test_gpu_during_a_background_capture_run_loop_loops_on_the_host(
+    backend: str, page_size: int, dtype: torch.dtype, pick: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    model = _gpu_model(backend, page_size, seed=11, dtype=dtype)
+    advance = PagedAdvance(model, None, GPU_MAX_LEN, sample=pick)
+    manager = loop_manager(
+        model, advance, CUDAGraphMode.FULL_AND_PIECEWISE, sizes=GPU_SIZES, max_steps=GPU_MAX_STEPS
+    )
+    session = manager.start_capture()
+    kinds: set[LoopKind | None] = set()
+    try:
+        for num_reqs in (*GPU_BATCHES, *GPU_BATCHES):
+            batch = _gpu_batch(model, num_reqs, seed=num_reqs)
+            result, expected = run_loop_and_reference(manager, advance, batch, max_steps=GPU_MAX_STEPS)
+            kinds.add(result.kind)
+            assert torch.equal(result.tokens.cpu(), expected), (num_reqs, result.tokens, expected)
+    finally:
+        session.wait()
+    assert kinds == {None}  # a background capture captures one-step graphs, no loops
+    with torch.no_grad():
+        manager.capture(progress=False)  # the loops now
+    batch = _gpu_batch(model, 13, seed=13)
+    result, expected = run_loop_and_reference(manager, advance, batch, max_steps=GPU_MAX_STEPS)
+    assert result.kind is LoopKind.WHILE
+    assert torch.equal(result.tokens.cpu(), expected)
