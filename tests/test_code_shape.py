@@ -123,3 +123,59 @@ def test_no_module_reads_another_modules_private_state() -> None:
 def test_the_private_read_check_tells_own_state_from_anothers(source: str, expected: int) -> None:
     path = ROOT / "packages/example.py"
     assert len(_private_reads(path, ast.parse(source))) == expected
+
+
+#: Private names package code imports from another package or module, with why no public one serves.
+PRIVATE_IMPORTS_ALLOWED: Final[dict[tuple[str, str], str]] = {}
+
+
+def _private_imports(path: Path, tree: ast.Module) -> list[str]:
+    """``from x import _name`` of a private name, and ``getattr(obj, "_name")`` of one."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if (node.module or "").split(".")[
+                0
+            ] == "torch":  # torch's private API, where no public one exists
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and (path.name, alias.name) not in PRIVATE_IMPORTS_ALLOWED:
+                    found.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {alias.name}"
+                    )
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and ast.unparse(node.args[0]).split(".")[0] != "torch"
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+        ):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_imports_or_getattrs_a_private_name() -> None:
+    found = [hit for path, tree in _trees() for hit in _private_imports(path, tree)]
+    assert not found, found
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from .reference import _rotate\n", 1),
+        ("from .reference import rotate\n", 0),
+        ("getattr(model, '_orig_mod')\n", 1),
+        ("getattr(model, 'graph_support', None)\n", 0),
+        ("getattr(model, '__self__', None)\n", 0),
+        ("from torch.utils import _pytree\n", 0),
+        ("getattr(torch._C, '_cuda_x', None)\n", 0),
+    ],
+)
+def test_the_private_import_check_finds_them(source: str, expected: int) -> None:
+    path = ROOT / "packages/example.py"
+    assert len(_private_imports(path, ast.parse(source))) == expected

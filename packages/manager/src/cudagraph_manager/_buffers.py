@@ -110,7 +110,7 @@ class StaticBuffer:
 class StaticBuffers:
     """Every declared input's buffer: the step's checks across inputs, and the copy in."""
 
-    __slots__ = ("buffers", "max_num_seqs", "query_len", "warned_grad")
+    __slots__ = ("buffers", "device", "max_num_seqs", "query_len", "warned_grad")
 
     def __init__(
         self,
@@ -128,6 +128,7 @@ class StaticBuffers:
         )
         self.max_num_seqs: Final = max_num_seqs
         self.query_len: Final = query_len  # uniform_decode_query_len
+        self.device: Final = device
         self.warned_grad = False  # a step's input required grad: warned once (per manager)
 
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:

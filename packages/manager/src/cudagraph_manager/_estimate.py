@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -119,7 +120,7 @@ def estimate_memory(
     entries: list[GraphEntry[OutputT]] = []  # alive until the end: they keep the pool usable
     kept: list[object] = []  # the loop probes, likewise
     probes: list[CapturedGraph] = []
-    pool_total = driver_total = 0
+    pool_total = driver_total = 0  # unbound if a probe raises
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             largest_warmed = [
@@ -128,29 +129,16 @@ def estimate_memory(
                 if any(key.descriptor in warmed for key in keys)
             ]
             warmup = measure_warm_ups(largest_warmed, buffers, device)
-            for mode, keys in grouped.items():
-                measured = [
-                    _probe(
-                        key, engines[mode], buffers, entries, device, warm=key is keys[-1] and len(keys) > 1
-                    )
-                    for key in probe_keys(keys, _num_tokens)
-                ]
-                probes += measured
-                mode_pool, mode_driver = extrapolate(
-                    [(p.pool_bytes, p.driver_bytes) for p in measured], len(keys)
+            groups = [
+                (
+                    keys,
+                    functools.partial(_probe, keys=keys, engine=engines[mode], buffers=buffers, kept=entries),
                 )
-                pool_total += mode_pool
-                driver_total += mode_driver
-            if loops is not None and loops.keys:
-                measured = [
-                    _probe_loop(key, loops, pool, kept) for key in probe_keys(loops.keys, _num_tokens)
-                ]
-                probes += measured
-                loop_pool, loop_driver = extrapolate(
-                    [(p.pool_bytes, p.driver_bytes) for p in measured], len(loops.keys)
-                )
-                pool_total += loop_pool
-                driver_total += loop_driver
+                for mode, keys in grouped.items()
+            ]
+            if loops is not None and loops.keys:  # the decode loops: a group of their own
+                groups.append((loops.keys, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)))
+            probes, pool_total, driver_total = _probe_groups(groups)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
                 entries.clear()
@@ -189,25 +177,40 @@ def measure_warm_ups(
     return reserved_bytes(device) - reserved
 
 
+def _probe_groups(
+    groups: Sequence[tuple[list[PlannedKey[OutputT]], Callable[[PlannedKey[OutputT]], CapturedGraph]]],
+) -> tuple[list[CapturedGraph], int, int]:
+    """Each group's probes (``probe_keys``) recorded, and the ``(pool, driver)`` bytes extrapolated to all."""
+    probes: list[CapturedGraph] = []
+    pool_total = driver_total = 0
+    for keys, probe in groups:
+        measured = [probe(key) for key in probe_keys(keys, _num_tokens)]
+        probes += measured
+        group_pool, group_driver = extrapolate([(p.pool_bytes, p.driver_bytes) for p in measured], len(keys))
+        pool_total += group_pool
+        driver_total += group_driver
+    return probes, pool_total, driver_total
+
+
 def _probe(
     key: PlannedKey[OutputT],
+    *,
+    keys: list[PlannedKey[OutputT]],
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
-    entries: list[GraphEntry[OutputT]],
-    device: torch.device,
-    *,
-    warm: bool,
+    kept: list[GraphEntry[OutputT]],
 ) -> CapturedGraph:
-    """Record ``key`` into ``entries`` (warmed up first if ``warm``: the smallest, as a background capture).
+    """Record ``key`` into ``kept``, warmed up first if it is the smallest of ``keys`` (as captures do).
 
     A function of its own so that no local name outlives the probes: their
-    graphs must die with ``entries``, or the pool stays reserved.
+    graphs must die with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
+    warm = key is keys[-1] and len(keys) > 1
     if warm:
         key.warm_up(engine, buffers)
-    entry, captured = key.record(engine, device, start, time.perf_counter() - start if warm else 0.0)
-    entries.append(entry)
+    entry, captured = key.record(engine, buffers.device, start, time.perf_counter() - start if warm else 0.0)
+    kept.append(entry)
     return captured
 
 
@@ -215,12 +218,12 @@ def _probe(
 class LoopProbes(Generic[OutputT]):
     """The decode loops a capture will add (largest first), and how to record one into a pool."""
 
-    keys: Sequence[PlannedKey[OutputT]]
+    keys: list[PlannedKey[OutputT]]
     record: Callable[[PlannedKey[OutputT], GraphPool], tuple[object, CapturedGraph]]
 
 
 def _probe_loop(
-    key: PlannedKey[OutputT], loops: LoopProbes[OutputT], pool: GraphPool, kept: list[object]
+    key: PlannedKey[OutputT], *, loops: LoopProbes[OutputT], pool: GraphPool, kept: list[object]
 ) -> CapturedGraph:
     """Record ``key``'s decode loop into the probes' pool, kept in ``kept`` until the estimate frees them."""
     loop, captured = loops.record(key, pool)

@@ -66,6 +66,10 @@ class WeightsReplacedError(RuntimeError):
         self.names: Final = names
 
 
+#: The child under which torch.compile's ``OptimizedModule`` registers the module it compiled.
+COMPILED_CHILD: Final = "_orig_mod"
+
+
 def watched_module(model: object) -> nn.Module | None:
     """The ``nn.Module`` whose tensors ``model``'s graphs read: the model, its ``self``, what was compiled."""
     if isinstance(model, CompiledModel):
@@ -73,7 +77,7 @@ def watched_module(model: object) -> nn.Module | None:
     if isinstance(model, functools.partial):
         return watched_module(model.func)
     if isinstance(model, nn.Module):
-        original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        original = dict(model.named_children()).get(COMPILED_CHILD)  # a compiled module: its original
         return original if isinstance(original, nn.Module) else model
     owner = getattr(model, "__self__", None)  # a bound method (model.forward)
     return watched_module(owner) if isinstance(owner, nn.Module) else None
