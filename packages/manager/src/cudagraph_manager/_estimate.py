@@ -119,8 +119,6 @@ def estimate_memory(
     engines = {mode: make_engine(mode, pool) for mode in grouped}
     entries: list[GraphEntry[OutputT]] = []  # alive until the end: they keep the pool usable
     kept: list[object] = []  # the loop probes, likewise
-    probes: list[CapturedGraph] = []
-    pool_total = driver_total = 0  # unbound if a probe raises
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             largest_warmed = [
