@@ -173,9 +173,16 @@ class DecodeLoops(Generic[OutputT]):
         return loop, CapturedGraph(CUDAGraphMode.FULL, key.descriptor, seconds, pool_bytes, driver, loop=True)
 
     def call(
-        self, inputs: Mapping[str, torch.Tensor], max_steps: int | None, weights: WeightWatch
+        self,
+        batch: Mapping[str, torch.Tensor] | None,
+        named: Mapping[str, torch.Tensor],
+        max_steps: int | None,
+        weights: WeightWatch,
     ) -> LoopResult:
         """``run_loop``: checked inputs routed to their uniform key; ``run`` with it (or without one)."""
+        if batch is not None and named:
+            raise ValueError("batch: pass the inputs as keywords or in one mapping, not both")
+        inputs = named if batch is None else batch
         steps = check_loop_steps(self.config, max_steps)
         counts = self._parts.buffers.check(inputs, True)
         route = self._parts.dispatcher.route(counts[0], True, 0, NO_MODES)

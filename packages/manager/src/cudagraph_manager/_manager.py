@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Final, Generic, TypeAlias, cast
 
 import torch
+from torch import Tensor
 
 from cudagraph_capture import (
     CaptureOptions,
@@ -364,13 +365,21 @@ class CUDAGraphManager(Generic[OutputT]):
         finally:
             self._step_lock.release()
 
-    def run_loop(self, /, *, max_steps: int | None = None, **inputs: torch.Tensor) -> LoopResult:
+    def run_loop(
+        self,
+        batch: Mapping[str, torch.Tensor] | None = None,
+        /,
+        *,
+        max_steps: int | None = None,
+        **inputs: Tensor,
+    ) -> LoopResult:
         """Up to ``max_steps`` decode steps of a uniform batch in one call (``decode_loop=``).
 
-        One token per request, checked as ``run`` checks. The step and the
-        advance loop on the device where ``capture()`` captured the key's
-        loop, else on the host over the same buffers. Synchronizes once (the
-        steps taken); ``LoopResult.tokens`` is valid until the next call.
+        The inputs as keywords, or in one mapping (``batch``). One token per
+        request, checked as ``run`` checks. The step and the advance loop on
+        the device where ``capture()`` captured the key's loop, else on the
+        host over the same buffers. Synchronizes once (the steps taken);
+        ``LoopResult.tokens`` is valid until the next call.
         """
         loops = self._capturer.loops
         if loops is None:
@@ -378,7 +387,7 @@ class CUDAGraphManager(Generic[OutputT]):
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:
-            return loops.call(inputs, max_steps, self._weights)
+            return loops.call(batch, inputs, max_steps, self._weights)
         finally:
             self._step_lock.release()
 
