@@ -41,6 +41,7 @@ from cudagraph_manager import (
     metadata_extra,
 )
 from cudagraph_manager.examples import DecoderConfig
+from cudagraph_manager.examples.demo_loop import show_decode_loops
 from cudagraph_manager.examples.paged import (
     PAGED_INPUT_NAMES,
     FlexPagedAttention,
@@ -463,6 +464,16 @@ def test_run_loop_checks_the_batch_before_touching_a_buffer() -> None:
     result = manager.run_loop(max_steps=1, **batch)  # still serves
     assert result.steps == 1
     assert result.tokens.shape == (1, 5)
+
+
+def test_the_demos_section_runs_both_loops_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    model = _cpu_model("gather", 16)
+    assert show_decode_loops(model, CUDAGraphMode.FULL, cpu=True, seed=0, iters=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert any("a GPU feature" in line for line in lines)
+    rows = [line.split() for line in lines if line.startswith("host ")]
+    assert [int(row[1]) for row in rows] == [1, 8]  # requests per batch, the run_loop's host path
+    assert show_decode_loops(object(), CUDAGraphMode.FULL, cpu=True, seed=0, iters=1)  # not paged: skipped
 
 
 # ---------------------------------------------------------------------------

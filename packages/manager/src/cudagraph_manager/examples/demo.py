@@ -5,7 +5,7 @@ builds the 8-layer paged decoder (d=1024, bf16), captures every graph of
 ``--mode`` (``FULL_AND_PIECEWISE``) over ``CaptureSizes.default(256)``,
 prints the report (``--mode FULL --attention split_decode``: a downgrade),
 runs steps of varying batches, checks each against eager, prints both times,
-and exits non-zero when an error exceeds the tolerance.
+and exits non-zero when an error exceeds the tolerance; then ``demo_loop``.
 
 Without CUDA (or with ``--cpu``) it says so on its first line and runs a
 small float32 decoder under a manager on the CPU, which captures nothing:
@@ -29,6 +29,7 @@ from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dis
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
 from .config import DecoderConfig
+from .demo_loop import show_decode_loops
 from .paged import BACKENDS, PagedDecoder, PagedLayout, paged_static_inputs
 from .reference import ReferenceDecoder, static_inputs
 from .testing import make_paged_inputs, make_step_inputs
@@ -274,6 +275,8 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
         f"{stats.replays_of(CUDAGraphMode.PIECEWISE)} PIECEWISE replays, {stats.eager_runs} eager runs, "
         f"{stats.padded_tokens} padded tokens"
     )
+    if not show_decode_loops(decoder.model, dispatch_config.mode, cpu=cpu, seed=args.seed, iters=args.iters):
+        return 1  # the section printed what failed
     failures = [(i, r) for i, r in enumerate(results) if not r.rel_err <= tolerance]
     elapsed = time.perf_counter() - started
     if failures:
