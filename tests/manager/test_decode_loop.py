@@ -168,14 +168,15 @@ def eager_loop(
     state = fresh_state(num_padded, num_real, max_steps, device)
     key = BatchDescriptor(num_padded, num_padded, True)
     steps = 0
-    with (
-        torch.no_grad(),
-        set_forward_context(CUDAGraphMode.NONE, key, **metadata_extra(model.backend, metadata)),
-    ):
+    extra = metadata_extra(model.backend, metadata)
+    with torch.no_grad():
         for step in range(max_steps):
             state.step.fill_(step)
-            hidden = model(*(static[name] for name in PAGED_INPUT_NAMES))
-            advance(hidden, static, state)
+            # Each forward under a context of its own, as the manager runs them (an attention keys
+            # its per-forward plan on it).
+            with set_forward_context(CUDAGraphMode.NONE, key, **extra):
+                hidden = model(*(static[name] for name in PAGED_INPUT_NAMES))
+                advance(hidden, static, state)
             steps += 1
             if bool(state.stop):
                 break

@@ -152,8 +152,8 @@ class DecodeLoops(Generic[OutputT]):
         extra = self._metadata(StepBatch.padding(), key.shape)  # valid values for the body's warm-up
         context = ForwardContext(CUDAGraphMode.FULL, key.descriptor, extra)
 
-        def body(step: torch.Tensor) -> None:
-            self._iteration(key.inputs, context, self.state(step, key.num_reqs))
+        def body(step: torch.Tensor) -> None:  # a context per call: an attention may key its plan on it
+            self._iteration(key.inputs, ForwardContext(*context), self.state(step, key.num_reqs))
 
         reserved, free = reserved_bytes(device), free_bytes(device)
         config = self.config
@@ -239,7 +239,9 @@ class DecodeLoops(Generic[OutputT]):
                 self._step.fill_(step)
                 if entry is not None:
                     entry.replay()
-                self._iteration(inputs, context, state, None if entry is None else entry.output)
+                self._iteration(
+                    inputs, ForwardContext(*context), state, None if entry is None else entry.output
+                )
                 if bool(self._stop):  # the read-back a host loop pays every step
                     return step + 1
         return max_steps

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import torch
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool, get_forward_context
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
@@ -73,13 +73,14 @@ class _FlexPlan(NamedTuple):
 class FlexMetadata:
     """``FlexPagedAttention``'s metadata: the step's ``PagedMetadata``, the cache's slot-to-page table.
 
-    ``derived`` holds the block mask's inputs once the first layer built
-    them, for the other layers of the same forward (a new value per build).
+    ``derived`` holds the block mask's inputs once the first layer of a
+    forward built them, for the other layers of that forward (keyed by its
+    forward context: the next forward derives them again).
     """
 
     paged: PagedMetadata
     slot_page: torch.Tensor  # [num_pages * page_size] int32 (``slot_pages``)
-    derived: list[_FlexPlan] = dataclasses.field(default_factory=list, compare=False)
+    derived: list[tuple[object, _FlexPlan]] = dataclasses.field(default_factory=list, compare=False)
 
 
 def page_owners(layout: PagedLayout, meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +221,10 @@ class FlexPagedAttention:
         out: torch.Tensor,
     ) -> None:
         meta = attention_metadata(self)
-        if not meta.derived:
-            meta.derived.append(self._plan(meta))
+        forward = get_forward_context()  # a new one per forward: the plan is this forward's
+        if not meta.derived or meta.derived[0][0] is not forward:
+            meta.derived[:] = [(forward, self._plan(meta))]
+        plan = meta.derived[0][1]
         write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
@@ -232,7 +235,7 @@ class FlexPagedAttention:
         else:
             queries = q.view(-1, query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
         attend = paged_flex(self.layout.page_size, compiled=self.compiled)
-        result = attend(queries, keys, values, *meta.derived[0])  # [B, heads, Q, head_dim]
+        result = attend(queries, keys, values, *plan)  # [B, heads, Q, head_dim]
         out.copy_(result.transpose(1, 2).reshape(num_tokens, heads, head_dim))
 
     def _plan(self, meta: FlexMetadata) -> _FlexPlan:

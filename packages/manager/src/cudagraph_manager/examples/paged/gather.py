@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool, get_forward_context
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
 from .batch import PagedBuffers, PagedMetadata
@@ -44,12 +44,13 @@ class _GatherPlan(NamedTuple):
 class GatherMetadata:
     """``GatherPagedAttention``'s metadata: the step's ``PagedMetadata`` and what the forward derives.
 
-    ``derived`` holds the page table and mask once the first layer built
-    them, for the other layers of the same forward (a new value per build).
+    ``derived`` holds the page table and mask once the first layer of a
+    forward built them, for the other layers of that forward (keyed by its
+    forward context: the next forward derives them again).
     """
 
     paged: PagedMetadata
-    derived: list[_GatherPlan] = dataclasses.field(default_factory=list, compare=False)
+    derived: list[tuple[object, _GatherPlan]] = dataclasses.field(default_factory=list, compare=False)
 
 
 class GatherPagedAttention:
@@ -121,9 +122,10 @@ class GatherPagedAttention:
         out: torch.Tensor,
     ) -> None:
         meta = attention_metadata(self)
-        if not meta.derived:
-            meta.derived.append(self._plan(meta.paged))
-        pages, mask = meta.derived[0]
+        forward = get_forward_context()  # a new one per forward: the plan is this forward's
+        if not meta.derived or meta.derived[0][0] is not forward:
+            meta.derived[:] = [(forward, self._plan(meta.paged))]
+        pages, mask = meta.derived[0][1]
         write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]

@@ -39,8 +39,6 @@ from cudagraph_dispatch import check_int
 from cudagraph_manager import LoopState, attention_metadata
 
 from .batch import PagedMetadata
-from .flex import FlexMetadata
-from .gather import GatherMetadata
 from .model import PagedDecoder
 from .varlen import VarlenMetadata, gathered_key_slots
 
@@ -163,9 +161,8 @@ def advance_metadata(meta: object, going: Tensor, page_size: int) -> None:
     ``PagedMetadata``: ``seq_lens`` and each token's position + 1 (one token
     per request, so token ``r`` is request ``r``'s). The varlen backend's
     gathered key map (``cu_seq_k``, ``key_slots``) is rebuilt from them;
-    flex's and gather's per-forward plans (``derived``: the block mask's
-    inputs, the page table and mask, kept for the layers of one forward) are
-    dropped, so the next forward derives them from the advanced metadata.
+    flex's and gather's per-forward plans are keyed by the forward's context,
+    so the next forward derives them from the advanced metadata.
     A metadata type without a ``PagedMetadata`` raises ``ValueError``.
     """
     paged = getattr(meta, "paged", None)
@@ -173,9 +170,7 @@ def advance_metadata(meta: object, going: Tensor, page_size: int) -> None:
         raise ValueError(f"meta: expected a paged backend's metadata (with .paged), got {meta!r:.80}")
     paged.seq_lens.add_(going)  # [R] int32
     paged.positions.add_(going)  # [T] int64, T == R
-    if isinstance(meta, FlexMetadata | GatherMetadata):
-        meta.derived.clear()
-    elif isinstance(meta, VarlenMetadata) and meta.cu_seq_k is not None and meta.key_slots is not None:
+    if isinstance(meta, VarlenMetadata) and meta.cu_seq_k is not None and meta.key_slots is not None:
         cu_seq_k, slots = gathered_key_slots(paged.seq_lens, paged.block_table, page_size, paged.max_seq_len)
         meta.cu_seq_k.copy_(cu_seq_k)
         meta.key_slots.copy_(slots)
