@@ -5,8 +5,8 @@ many steps without the host: the model's forward, then the user's
 ``advance`` (sample, write the next step's inputs and the attention's
 metadata in place, mark finished requests, set the stop flag), repeated by a
 ``cudagraph_capture.DeviceLoop`` (a WHILE node; unrolled or host fallbacks).
-``capture()`` captures one loop per uniform FULL decode key of one token per
-request, beside its one-step graph, into the same pool. ``run_loop`` takes
+``capture()`` captures one loop per FULL key with a request row per token
+(``loopable``), beside its one-step graph, into the same pool. ``run_loop`` takes
 the loop where it is captured; else it loops on the host over the same
 static buffers (the one-step graph replayed, or the model run eagerly),
 reading the stop flag after each step: the same tokens, slower.
@@ -132,8 +132,13 @@ class DecodeLoops(Generic[OutputT]):
 
     @staticmethod
     def loopable(key: PlannedKey[OutputT]) -> bool:
-        """Whether ``key`` gets a loop: a uniform FULL key of one token per request."""
-        return key.mode is CUDAGraphMode.FULL and key.shape.query_len == 1
+        """Whether ``key`` gets a loop: a FULL key with a request row per token.
+
+        A uniform key of one token per request, or (mode FULL, which plans no
+        uniform keys) an exact key of as many requests as tokens: a decode
+        batch pads to it, one token per request in the real rows.
+        """
+        return key.mode is CUDAGraphMode.FULL and key.num_reqs == key.num_tokens
 
     def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
         return LoopState(step, self._stop, self._active[:num_reqs], self._tokens[:, :num_reqs])
