@@ -134,11 +134,15 @@ def _hand_written(
     """One ``torch.cuda.CUDAGraph`` recorded as ``key``: copy the inputs in, refill the metadata, replay."""
     static = {name: t.clone() for name, t in inputs.items()}
     shape = _shape(key, M.FULL)
-    with torch.no_grad(), set_forward_context(M.NONE, key, **_refill(model.backend, static, shape)):
-        model(**static)  # warm-up: compiles, allocator blocks
+    extra = _refill(model.backend, static, shape)
+    # Each forward under a context of its own (docs/design.md, "The attention seam"): an attention
+    # derives its per-forward plan again, so the graph records it instead of reading the warm-up's.
+    with torch.no_grad():
+        with set_forward_context(M.NONE, key, **extra):
+            model(**static)  # warm-up: compiles, allocator blocks
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with set_forward_context(M.FULL, key, **extra), torch.cuda.graph(graph):
             out = model(**static)  # [T, hidden]
     pairs = [(static[name], inputs[name]) for name in inputs]
 

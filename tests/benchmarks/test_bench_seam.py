@@ -58,9 +58,11 @@ class _Builder:
         self.fill = fill
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> _Lens:
-        if self.fill:
+        if not self.fill:
+            return self.fixed
+        if batch.num_reqs:
             return _Lens(pad_rows(self.buffer[: shape.num_reqs], batch.inputs["lens"], 1))
-        return self.fixed
+        return _Lens(self.buffer[: shape.num_reqs].fill_(1))  # a warm-up's: all padding
 
     def build_for_capture(self, shape: BatchShape, /) -> _Lens:
         return _Lens(self.buffer[: shape.num_reqs])
