@@ -89,7 +89,10 @@ def _setup(preset: str) -> Setup:
 def _manager(
     model: PagedDecoder, advance: PagedAdvance, steps: int, kind: LoopKind | None
 ) -> CUDAGraphManager[torch.Tensor]:
-    dispatch = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes(list(BATCHES)), max_num_seqs=max(BATCHES))
+    # Uniform keys, as the floor records: the same layout of the batch on both sides.
+    dispatch = DispatchConfig(
+        CUDAGraphMode.FULL_DECODE_ONLY, CaptureSizes(list(BATCHES)), max_num_seqs=max(BATCHES)
+    )
     return CUDAGraphManager(
         model,
         paged_static_inputs(model.layout),
