@@ -156,40 +156,22 @@ class GraphRecorder(Generic[R]):
         outputs hold this call's results; else only record. ``CaptureError``
         names ``descriptor``; the failed graph is freed before it is raised.
         """
-        check_capture_enabled(descriptor)
-        name = self.name
-        try:
-            require_cuda(name)
-        except RuntimeError as error:
-            raise CaptureError(str(error), descriptor) from None
-        if THREAD.breakable is not None:
-            raise CaptureError(f"{name}: cannot capture inside an active breakable capture", descriptor)
-        device = torch.cuda.current_device()
-        pool = shared_pool(device) if self.options.pool is None else self.options.pool
+        device, pool = self._ready(descriptor)
         try:
             with capture_lock(device):  # another thread's capture on this device waits for this one
                 stream = self._stream(device)
                 if execute and self.options.warmup_runs:
                     self._warm_up(descriptor, stream, args, kwargs, extra)
-                call = _Call(descriptor, pool, stream, args, kwargs, execute)
-                start = time.perf_counter()
-                recording: Recording[R] | None = self._record(call)
-                recorded_s = time.perf_counter() - start
-                assert recording is not None
-                if not recording.recorded_work:
-                    # Freed now, under the capture lock, not whenever the traceback goes: torch's
-                    # generator keeps a registry of live graphs that another thread's capture writes.
-                    recording = None
-                    raise CaptureError(self.NO_WORK, descriptor)
+                recording, recorded_s = self._recorded(_Call(descriptor, pool, stream, args, kwargs, execute))
         except CaptureError:
             raise
         except Exception as error:
             raise CaptureError(
-                f"{name}: capture failed with {type(error).__name__}: {error}", descriptor
+                f"{self.name}: capture failed with {type(error).__name__}: {error}", descriptor
             ) from error
         except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
             if sys.version_info >= (3, 11):
-                error.add_note(f"{name}: interrupted while capturing the graph of {descriptor}")
+                error.add_note(f"{self.name}: interrupted while capturing the graph of {descriptor}")
             raise
         if execute and not recording.executed:
             # The capture only recorded the work: run it once so that this
@@ -200,6 +182,31 @@ class GraphRecorder(Generic[R]):
         kept = weak_ref_tensors(output) if self.options.weak_ref_output else output
         seconds = RecordSeconds(recorded_s - recording.instantiation, recording.instantiation)
         return Entry(recording.owner, recording.replay, kept, addresses, seconds), output
+
+    def _ready(self, descriptor: BatchDescriptor) -> tuple[int, GraphPool]:
+        """The device and pool a capture of ``descriptor`` records into, or ``CaptureError`` why not."""
+        check_capture_enabled(descriptor)
+        try:
+            require_cuda(self.name)
+        except RuntimeError as error:
+            raise CaptureError(str(error), descriptor) from None
+        if THREAD.breakable is not None:
+            raise CaptureError(f"{self.name}: cannot capture inside an active breakable capture", descriptor)
+        device = torch.cuda.current_device()
+        return device, shared_pool(device) if self.options.pool is None else self.options.pool
+
+    def _recorded(self, call: _Call) -> tuple[Recording[R], float]:
+        """``_record(call)`` and its host seconds; ``CaptureError`` where it recorded no work."""
+        start = time.perf_counter()
+        recording: Recording[R] | None = self._record(call)
+        recorded_s = time.perf_counter() - start
+        assert recording is not None
+        if not recording.recorded_work:
+            # Freed now, under the capture lock, not whenever the traceback goes: torch's
+            # generator keeps a registry of live graphs that another thread's capture writes.
+            recording = None
+            raise CaptureError(self.NO_WORK, call.descriptor)
+        return recording, recorded_s
 
     def _stream(self, device: int) -> torch.cuda.Stream:
         return capture_stream(device) if self.options.stream is None else self.options.stream
