@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import BackgroundCapture, CUDAGraphManager, _background
+from cudagraph_manager import BackgroundCapture, CUDAGraphManager
+from cudagraph_manager._background import BackgroundTimings
 
 from .helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 
@@ -25,8 +26,8 @@ CPU: Final = torch.device("cpu")
 WAIT_S: Final = 30.0
 #: How long a test watches for a recording that must not start.
 QUIET_S: Final = 0.2
-#: How soon a capture let go must finish (its fake recordings take microseconds; the patched waits
-#: are ``WAIT_S`` and longer, so a capture that only timed out fails this).
+#: How soon a capture let go must finish (its fake recordings take microseconds; the first-step
+#: waits these tests give are ``WAIT_S`` and longer, so a capture that only timed out fails this).
 SOON_S: Final = 10.0
 
 
@@ -58,10 +59,16 @@ class Recordings:
         self.count += 1
 
 
-def _manager(model: ToyModel, hook: Recordings) -> CUDAGraphManager[torch.Tensor]:
-    return CUDAGraphManager(
+def _manager(
+    model: ToyModel, hook: Recordings, timings: BackgroundTimings | None = None
+) -> CUDAGraphManager[torch.Tensor]:
+    """A manager on the fake engines; its background captures wait for the first step as ``timings`` say."""
+    manager = CUDAGraphManager(
         model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(hook)
     )
+    if timings is not None:
+        manager._capturer.background_timings = timings
+    return manager
 
 
 def _serve_in_thread(
@@ -89,17 +96,16 @@ def _done_soon(handle: BackgroundCapture, timeout: float) -> bool:
     return handle.done
 
 
-def test_the_first_recording_waits_for_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_background, "FIRST_STEP_WAIT_S", WAIT_S)  # only the step can let it go
+def test_the_first_recording_waits_for_the_first_step() -> None:
     model, recordings = HeldSteps(), Recordings()
-    manager = _manager(model, recordings)
+    manager = _manager(model, recordings, BackgroundTimings(first_step_wait_s=WAIT_S))  # only the step
     handle = manager.start_capture()
     thread, outputs = _serve_in_thread(manager, model, 5, seed=0)
     time.sleep(QUIET_S)  # the step is in flight on the host: nothing may be recorded meanwhile
     assert recordings.count == 0
     model.release.set()
     thread.join(WAIT_S)
-    # Well before the patched wait ends: the step's end, not the timeout, let the recordings go.
+    # Well before the first-step wait ends: the step's end, not the timeout, let the recordings go.
     assert _done_soon(handle, SOON_S), "the step is done: the capture must go on"
     assert recordings.count == len(manager.dispatcher.keys(CUDAGraphMode.FULL)) == handle.progress[1]
     model.serving = None
@@ -115,10 +121,10 @@ def test_without_a_step_the_capture_starts_after_the_first_step_wait() -> None:
 
 
 @pytest.mark.parametrize("how", ["wait", "stop"])
-def test_wait_and_stop_let_the_first_recording_go_at_once(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    monkeypatch.setattr(_background, "FIRST_STEP_WAIT_S", 10 * WAIT_S)  # never reached in this test
+def test_wait_and_stop_let_the_first_recording_go_at_once(how: str) -> None:
     recordings = Recordings()
-    manager = _manager(ToyModel(CPU), recordings)
+    never = BackgroundTimings(first_step_wait_s=10 * WAIT_S)  # never reached in this test
+    manager = _manager(ToyModel(CPU), recordings, never)
     handle = manager.start_capture()
     if how == "wait":
         assert handle.wait(WAIT_S).num_graphs == recordings.count > 0

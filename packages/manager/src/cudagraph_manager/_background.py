@@ -37,9 +37,9 @@ How it stays out of the serving steps' way, on the device and on the host:
   times as long. So the thread holds its first recording until the serving
   thread's first step after ``start_capture()`` that runs eagerly for a
   pending key (after a wake, the first step) is served and its outputs
-  are ready on the device (``served()``; at most ``FIRST_STEP_WAIT_S`` for
-  the step, or until ``wait()`` or ``stop()``): the wake's first step costs
-  an eager step plus the enqueue.
+  are ready on the device (``served()``; at most
+  ``BackgroundTimings.first_step_wait_s`` for the step, or until ``wait()``
+  or ``stop()``): the wake's first step costs an eager step plus the enqueue.
   Later steps share the host with the recordings. Holding every recording
   for the eager steps in flight was measured too: it left the wake's later
   steps quicker but its graphs ready later (1.4 to 1.9x a foreground
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -82,15 +83,30 @@ _logger: Final = logging.getLogger("cudagraph_manager")
 RETRIES: Final = 2
 #: Keys recent steps ran eagerly for, remembered to capture them first.
 MISSES_KEPT: Final = 64
-#: How long the first recording waits for the serving thread's first step after ``start_capture()``
-#: (the wake's first step then runs alone on the host: an eager step plus the enqueue).
-FIRST_STEP_WAIT_S: Final = 0.05
-#: Then how long it waits for that step's device work (its outputs ready), polling every
-#: ``_POLL_S``, and how long after it (the serving thread, woken by the same completion, reads the
-#: outputs without the recording's share of the GIL).
-FIRST_OUTPUTS_WAIT_S: Final = 1.0
-FIRST_OUTPUTS_GRACE_S: Final = 0.001
-_POLL_S: Final = 0.0005
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackgroundTimings:
+    """How long a background capture's first recording waits for the first step, in seconds.
+
+    Arguments:
+        first_step_wait_s: for the serving thread's first step after
+            ``start_capture()`` (the wake's first step then runs alone on the
+            host: an eager step plus the enqueue).
+        first_outputs_wait_s: then for that step's device work (its outputs
+            ready), polled (never synchronized: ``stop()`` ends the wait).
+        first_outputs_grace_s: and after it (the serving thread, woken by the
+            same completion, reads the outputs without the recording's share
+            of the GIL).
+        poll_s: the interval of that polling.
+
+    One per ``Capturer`` (``background_timings``); tests give their own.
+    """
+
+    first_step_wait_s: float = 0.05
+    first_outputs_wait_s: float = 1.0
+    first_outputs_grace_s: float = 0.001
+    poll_s: float = 0.0005
 
 
 class BackgroundCapture:
@@ -122,6 +138,7 @@ class BackgroundCapture:
         "_resolution",
         "_retries",
         "_stop",
+        "_timings",
         "_total",
         "_warm_keys",
         "_warm_one",
@@ -139,6 +156,8 @@ class BackgroundCapture:
         no_graphs: str | None,
         resolution: ModeResolution | None,
         owner: object,
+        *,
+        timings: BackgroundTimings,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
         #: Whose captures these are (the manager's ``Capturer``): the worker lives while it does.
@@ -150,6 +169,7 @@ class BackgroundCapture:
         self._capture_one: Final = capture_one
         self._device: Final = device
         self._gc_disable: Final = gc_disable
+        self._timings: Final = timings
         self._total: Final = len(pending)
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
         #: The first recording waits for it: set by the first step served, ``wait()``, ``stop()``,
@@ -316,20 +336,21 @@ class BackgroundCapture:
 
         Holds no lock while waiting, nor the capture lock. ``served()``,
         ``wait()`` and ``stop()`` end the wait for the step; else
-        ``FIRST_STEP_WAIT_S`` does. After ``served()``, its device work is
+        ``first_step_wait_s`` does. After ``served()``, its device work is
         waited for too.
         """
-        self._first_served.wait(FIRST_STEP_WAIT_S)
+        timings = self._timings
+        self._first_served.wait(timings.first_step_wait_s)
         self._first_served.set()  # waited once: a later step makes no event
         outputs = self._first_outputs
         if outputs is None:
             return
-        deadline = time.monotonic() + FIRST_OUTPUTS_WAIT_S
+        deadline = time.monotonic() + timings.first_outputs_wait_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             if outputs.query():  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                time.sleep(FIRST_OUTPUTS_GRACE_S)
+                time.sleep(timings.first_outputs_grace_s)
                 return
-            time.sleep(_POLL_S)  # polled, not synchronized: the wait stays bounded, and stop() ends it
+            time.sleep(timings.poll_s)  # polled, not synchronized: the wait stays bounded, and stop() ends it
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""
