@@ -78,7 +78,9 @@ def _run(
 ) -> LoopResult:
     device = manager.device
     return manager.run_loop(
-        max_steps=steps, ids=torch.tensor(ids, device=device), scale=torch.tensor(scale, device=device)
+        max_steps=steps,
+        ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        scale=torch.tensor(scale, dtype=torch.int64, device=device),
     )
 
 
@@ -186,3 +188,69 @@ def test_the_estimate_counts_the_loops_it_will_capture() -> None:
     assert estimate.num_graphs == report.num_graphs
     assert any(p.loop for p in estimate.probes)
     assert abs(estimate.total_bytes - report.device_bytes) <= max(0.015 * report.device_bytes, 32 * 2**20)
+
+
+def test_a_loop_above_the_largest_size_is_refused_before_a_buffer_is_touched() -> None:
+    manager = CUDAGraphManager(
+        ToyDecoder(),
+        INPUTS,
+        config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=16),
+        device="cpu",
+        decode_loop=DecodeLoop(advance, max_steps=4),
+    )
+    before = {name: t.clone() for name, t in manager.static_buffers.items()}
+    with pytest.raises(
+        ValueError, match=r"num_tokens: a decode loop runs on the static buffers, of at most 8"
+    ):
+        _run(manager, list(range(1, 11)), [1] * 10, 4)  # 10 requests: above the largest size, 8
+    for name, kept in before.items():
+        assert torch.equal(manager.static_buffers[name], kept), name
+
+
+def test_a_loop_of_no_request_runs_nothing() -> None:
+    calls: list[int] = []
+
+    def counting(logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], state: LoopState) -> None:
+        calls.append(1)
+        advance(logits, inputs, state)
+
+    manager = CUDAGraphManager(
+        ToyDecoder(),
+        INPUTS,
+        config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
+        device="cpu",
+        decode_loop=DecodeLoop(counting, max_steps=4),
+    )
+    result = _run(manager, [], [], None)
+    assert result.steps == 0
+    assert tuple(result.tokens.shape) == (0, 0)
+    assert not calls
+
+
+@pytest.mark.gpu
+def test_a_loop_that_fails_to_capture_leaves_its_key_on_the_host_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def refusing(logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], state: LoopState) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this advance cannot be captured")
+        advance(logits, inputs, state)
+
+    manager = CUDAGraphManager(
+        ToyDecoder(),
+        INPUTS,
+        config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
+        device="cuda",
+        decode_loop=DecodeLoop(refusing, max_steps=MAX_STEPS),
+    )
+    with caplog.at_level("WARNING", logger="cudagraph_manager"):
+        report = manager.capture()
+    assert not any(g.loop for g in report.graphs)
+    assert report.num_graphs == len(manager.dispatcher.keys(M.FULL)) + len(
+        manager.dispatcher.keys(M.PIECEWISE)
+    )
+    assert "not captured, its run_loop loops on the host" in caplog.text
+    ids, scale, steps = CASES[0]
+    result = _run(manager, ids, scale, steps)
+    assert result.kind is None
+    assert result.tokens.tolist() == python_loop(ids, scale, steps)

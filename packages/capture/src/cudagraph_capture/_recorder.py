@@ -220,9 +220,10 @@ class GraphRecorder(Generic[R]):
         extra: Mapping[str, object],
     ) -> None:
         """Run the runnable eagerly on the capture stream, as NONE (nested wrappers pass through)."""
-        with on_side_stream(stream), set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
-            for _ in range(self.options.warmup_runs):
-                self.runnable(*args, **kwargs)
+        with on_side_stream(stream):
+            for _ in range(self.options.warmup_runs):  # a context per run: a forward's own
+                with set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
+                    self.runnable(*args, **kwargs)
 
     def _record(self, call: _Call) -> Recording[R]:
         """Record the runnable's work (``call.execute=False``: a breakable capture runs nothing)."""

@@ -143,7 +143,12 @@ class Capturer(Generic[OutputT]):
         if loops is None or self._device.type != "cuda":  # a loop is a CUDA graph (fake engines: none)
             return []
         keys = [key for key in self.keys.values() if key.entry is not None and loops.loopable(key)]
-        return [loops.capture(key, self._options) for key in keys if key.descriptor not in loops.loops]
+        return [
+            g
+            for key in keys
+            if key.descriptor not in loops.loops
+            for g in loops.capture_or_log(key, self._options)
+        ]
 
     def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
@@ -209,7 +214,8 @@ class Capturer(Generic[OutputT]):
     def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
         """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
         pending = self.pending()
-        if self._no_graphs is not None or not pending or self._device.type != "cuda":
+        loops = self._loop_probes()
+        if self._no_graphs is not None or not (pending or loops) or self._device.type != "cuda":
             return nothing_to_estimate(
                 self._no_graphs
                 or ("every key is captured" if not pending else f"the device is {self._device}")
@@ -221,15 +227,17 @@ class Capturer(Generic[OutputT]):
             self._device,
             self._options.gc_disable,
             self._needs_warm_up(pending, ranks),
-            self._loop_probes(),
+            loops,
         )
 
     def _loop_probes(self) -> LoopProbes[OutputT] | None:
         """The decode loops ``capture()`` will add (every loopable key without one), for the estimate."""
         loops = self.loops
-        if loops is None:
+        if loops is None or self._device.type != "cuda":
             return None
         keys = [k for k in self.keys.values() if loops.loopable(k) and k.descriptor not in loops.loops]
+        if not keys:
+            return None
 
         def record(key: PlannedKey[OutputT], pool: GraphPool) -> tuple[object, CapturedGraph]:
             return loops.record(key, dataclasses.replace(self._options, pool=pool))

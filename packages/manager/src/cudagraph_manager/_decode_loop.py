@@ -15,13 +15,14 @@ reading the stop flag after each step: the same tokens, slower.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import CaptureOptions, DeviceLoop, LoopKind
+from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, GraphEntry, LoopKind
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     NO_MODES,
@@ -39,6 +40,8 @@ from ._planned import PlannedKey
 from ._protocols import OutputT
 from ._report import CapturedGraph
 from ._weights import WeightWatch
+
+_LOG: Final = logging.getLogger("cudagraph_manager")
 
 #: The most steps one loop may be captured for (its token history is ``[max_steps, max_num_seqs]``).
 MAX_LOOP_STEPS: Final = 1 << 16
@@ -98,7 +101,8 @@ class LoopResult:
     """What ``run_loop`` did: each step's tokens of the real requests, and how many steps.
 
     ``tokens``: ``[steps, num_reqs]`` int64, a view of the manager's buffer,
-    valid until its next ``run`` or ``run_loop``. ``kind``: how the loop ran
+    valid until its next ``run_loop``, ``capture()`` or ``estimate_memory()``
+    (a loop's capture runs its body once). ``kind``: how the loop ran
     (``LoopKind``), or ``None`` where it looped on the host for want of a
     captured loop.
     """
@@ -149,12 +153,24 @@ class DecodeLoops(Generic[OutputT]):
         self.loops[key.descriptor] = loop
         return captured
 
+    def capture_or_log(self, key: PlannedKey[OutputT], options: CaptureOptions) -> list[CapturedGraph]:
+        """``capture``, or (a ``CaptureError``) a warning: the key's steps loop on the host meanwhile."""
+        try:
+            return [self.capture(key, options)]
+        except CaptureError as error:
+            _LOG.warning(
+                "decode loop of %s not captured, its run_loop loops on the host: %s", key.descriptor, error
+            )
+            return []
+
     def record(self, key: PlannedKey[OutputT], options: CaptureOptions) -> tuple[DeviceLoop, CapturedGraph]:
         """``key``'s loop, not kept (the estimate's probes keep theirs apart), and what it cost."""
         start = time.perf_counter()
         device = self._parts.device
         self._parts.buffers.fill_padding(key.num_tokens, key.num_reqs)
         extra = self._metadata(StepBatch.padding(), key.shape)  # valid values for the body's warm-up
+        self._active.fill_(False)  # the warm-up's rows are all padding
+        self._stop.fill_(False)
         context = ForwardContext(CUDAGraphMode.FULL, key.descriptor, extra)
 
         def body(step: torch.Tensor) -> None:  # a context per call: an attention may key its plan on it
@@ -190,53 +206,70 @@ class DecodeLoops(Generic[OutputT]):
         inputs = named if batch is None else batch
         steps = check_loop_steps(self.config, max_steps)
         counts = self._parts.buffers.check(inputs, True)
+        if counts[0] == 0:  # an idle loop: no model call, no step
+            return LoopResult(self._tokens[:0, :0], 0, None)
         route = self._parts.dispatcher.route(counts[0], True, 0, NO_MODES)
         key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None
-        if key is not None and key.entry is not None and weights.moved():
+        largest = self._parts.dispatcher.config.capture_sizes.max
+        if key is None and counts[0] > largest:  # the host loop runs on the static buffers
+            raise ValueError(
+                f"num_tokens: a decode loop runs on the static buffers, of at most {largest} tokens "
+                f"(the largest capture size); got {counts[0]} requests"
+            )
+        entry = None if key is None else key.entry  # read once: a background capture may store it
+        if entry is not None and weights.moved():
             weights.check()  # WeightsReplacedError names it, before a buffer is touched
-        return self.run(key if key is None or self.loopable(key) else None, inputs, counts, steps)
+        return self.run(key if key is None or self.loopable(key) else None, entry, inputs, counts, steps)
 
     def run(
         self,
         key: PlannedKey[OutputT] | None,
+        entry: GraphEntry[OutputT] | None,
         inputs: Mapping[str, torch.Tensor],
         counts: tuple[int, int, bool],
         max_steps: int,
     ) -> LoopResult:
         """One ``run_loop``: the batch copied in (padded to ``key``), the state reset, the loop run.
 
-        ``key``: the uniform FULL key the batch pads to (``None``: none, the
-        host loops over the unpadded batch). Its loop runs where it was
-        captured; else its one-step graph is replayed per step, or without
-        one the model runs eagerly on the padded buffers.
+        ``key``: the key the batch pads to (``None``: none, the host loops
+        over the unpadded batch); ``entry``: its one-step graph as read once
+        (``None``: not captured). Its loop runs where it was captured; else
+        the one-step graph is replayed per step, or without one the model
+        runs eagerly on the padded buffers.
         """
+        if key is None:
+            entry = None
         num_tokens, num_reqs, requires_grad = counts
         if key is None:
             rows, shape = (num_tokens, num_reqs), BatchShape.eager(num_tokens, num_reqs, True)
             descriptor = BatchDescriptor(num_tokens, num_reqs, True)
         else:
             rows, descriptor = (key.num_tokens, key.num_reqs), key.descriptor
-            shape = key.shape if key.entry is not None else key.eager_shape
+            shape = key.shape if entry is not None else key.eager_shape
         extra = self._metadata(StepBatch(num_tokens, num_reqs, inputs), shape)  # first: it may refuse
         with torch.no_grad():
             self._parts.buffers.copy_in(inputs, num_tokens, num_reqs, *rows, requires_grad)
             self._active[:num_reqs].fill_(True)
             self._active[num_reqs : rows[1]].fill_(False)
             self._stop.fill_(False)
-        loop = None if key is None or key.entry is None else self.loops.get(key.descriptor)
+        loop = None if key is None or entry is None else self.loops.get(key.descriptor)
         if loop is not None:
             loop.launch(max_steps)
             steps = int(loop.steps_taken)  # the one synchronization
         else:
             context = ForwardContext(shape.mode, descriptor, extra)
-            steps = self._host_loop(key, context, rows, max_steps)
+            steps = self._host_loop(key, entry, context, rows, max_steps)
         return LoopResult(self._tokens[:steps, :num_reqs], steps, None if loop is None else loop.kind)
 
     def _host_loop(
-        self, key: PlannedKey[OutputT] | None, context: ForwardContext, rows: tuple[int, int], max_steps: int
+        self,
+        key: PlannedKey[OutputT] | None,
+        entry: GraphEntry[OutputT] | None,
+        context: ForwardContext,
+        rows: tuple[int, int],
+        max_steps: int,
     ) -> int:
         """The loop on the host: each step replayed (or run eagerly), advanced, its stop flag read back."""
-        entry = None if key is None else key.entry
         inputs = self._parts.buffers.views(*rows) if key is None else key.inputs
         state = self.state(self._step, rows[1])
         with torch.no_grad():

@@ -298,8 +298,8 @@ class CUDAGraphManager(Generic[OutputT]):
 
         Bad inputs raise ``ValueError`` naming the input before a buffer is
         touched. The outputs are cut to the real rows: views of graph memory,
-        valid until the next ``run`` of this manager (copy what must live
-        longer). A step without a graph is counted per ``EagerReason``
+        valid until the next ``run`` or ``run_loop`` of this manager (copy
+        what must live longer). A step without a graph is counted per ``EagerReason``
         (``strict`` raises ``NoGraphError``); 0 tokens is an idle step.
         Inputs that require grad give outputs detached from them (the step
         copies them into static buffers under ``no_grad``; no gradient flows
@@ -379,7 +379,7 @@ class CUDAGraphManager(Generic[OutputT]):
         request, checked as ``run`` checks. The step and the advance loop on
         the device where ``capture()`` captured the key's loop, else on the
         host over the same buffers. Synchronizes once (the steps taken);
-        ``LoopResult.tokens`` is valid until the next call.
+        ``LoopResult.tokens`` is valid until the next ``run_loop`` or capture.
         """
         loops = self._capturer.loops
         if loops is None:

@@ -22,7 +22,7 @@ from typing import Final, Protocol, TypeVar
 
 import torch
 
-from cudagraph_dispatch import check_bool
+from cudagraph_dispatch import CUDAGraphMode, check_bool
 from cudagraph_manager import (
     AttentionMetadataBuilder,
     BatchShape,
@@ -94,7 +94,7 @@ class PagedMetadata:
 class PagedBuffers:
     """The persistent buffers of ``PagedMetadata``, sized once for the largest batch, refilled per step.
 
-    ``fill`` checks the real batch (``validate``: one host synchronization,
+    ``fill`` checks the real batch (``validate``: two host synchronizations,
     errors naming the input; ``check_paged_batch``), then writes it padded
     to ``shape`` with device ops on the current stream. ``views`` is the
     same metadata without writing anything (host only: a recording's).
@@ -135,7 +135,11 @@ class PagedBuffers:
         self._views: Final[dict[BatchShape, PagedMetadata]] = {}
 
     def views(self, shape: BatchShape) -> PagedMetadata:
-        """The metadata of ``shape`` as the buffers hold it now (cut once per shape, kept)."""
+        """The metadata of ``shape`` as the buffers hold it now (cut once per graph shape, kept).
+
+        An eager shape (mode NONE: the real batch's counts, of which a server
+        sees many) is cut anew each time, so the table stays the size of the plan.
+        """
         meta = self._views.get(shape)
         if meta is None:
             num_tokens, num_reqs = shape.num_tokens, shape.num_reqs
@@ -145,7 +149,7 @@ class PagedBuffers:
                     f"{self._seq_lens.shape[0]} requests"
                 )
             query_len = shape.query_len
-            meta = self._views[shape] = PagedMetadata(
+            meta = PagedMetadata(
                 shape,
                 self._query_start_loc[: num_reqs + 1],
                 self._seq_lens[:num_reqs],
@@ -155,6 +159,8 @@ class PagedBuffers:
                 query_len if query_len is not None else max(num_tokens, 1),
                 self.layout.max_seq_len,
             )
+            if shape.mode is not CUDAGraphMode.NONE:
+                self._views[shape] = meta
         return meta
 
     def fill(self, batch: StepBatch, shape: BatchShape) -> PagedMetadata:
@@ -190,7 +196,7 @@ class PagedBuffers:
 
 
 def check_paged_batch(layout: PagedLayout, batch: StepBatch) -> None:
-    """``ValueError`` naming the first input of ``batch`` that no paged cache can serve (one host sync).
+    """``ValueError`` naming the first input of ``batch`` that no paged cache can serve (two host syncs).
 
     Checked: every request has tokens, and they add up to ``num_tokens``;
     its context holds them and fits the block table (``seq_lens``); the
@@ -214,7 +220,7 @@ def check_paged_batch(layout: PagedLayout, batch: StepBatch) -> None:
             (used & (table == layout.scratch_page)).any(),
             (used & ((table < 0) | (table >= layout.num_pages))).any(),
         )
-    ).tolist()  # the one synchronization
+    ).tolist()  # the first synchronization; the second checks what indexes the block table
     if any(problems):
         raise ValueError(_describe(layout, problems, num_tokens))
     device = table.device

@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.nn.attention import varlen
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport, check_bool
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
 from .batch import PagedBuffers, PagedMetadata
@@ -310,7 +310,9 @@ class VarlenPagedAttention:
             num_reqs = paged.shape.num_reqs
             cu_seq_k = None if self.paged else self._cu_seq_k[: num_reqs + 1]
             key_slots = None if self.paged else self._key_slots[: num_reqs * paged.max_seq_len]
-            meta = self._views[paged.shape] = VarlenMetadata(paged, cu_seq_k, key_slots)
+            meta = VarlenMetadata(paged, cu_seq_k, key_slots)
+            if paged.shape.mode is not CUDAGraphMode.NONE:  # graph shapes only: eager ones are many
+                self._views[paged.shape] = meta
         return meta
 
     def attend(
