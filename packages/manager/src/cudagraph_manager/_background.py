@@ -33,17 +33,16 @@ How it stays out of the serving steps' way, on the device and on the host:
   rest largest first, so the pool's smaller graphs reuse the larger ones'
   memory.
 - **The first step goes first on the host.** Recordings and eager steps
-  share the GIL, and an eager step beside a recording takes two to three
-  times as long. So the thread holds its first recording until the serving
+  share the GIL, and an eager step beside a recording takes several times
+  as long. So the thread holds its first recording until the serving
   thread's first step after ``start_capture()`` that runs eagerly for a
   pending key (after a wake, the first step) is served and its outputs
   are ready on the device (``served()``; at most
   ``BackgroundTimings.first_step_wait_s`` for the step, or until ``wait()``
   or ``stop()``): the wake's first step costs an eager step plus the enqueue.
-  Later steps share the host with the recordings. Holding every recording
-  for the eager steps in flight was measured too: it left the wake's later
-  steps quicker but its graphs ready later (1.4 to 1.9x a foreground
-  recapture on the reference decoder, against 1.05 to 1.35x).
+  Later steps share the host with the recordings: holding every recording
+  for the eager steps in flight leaves the wake's later steps quicker but
+  its graphs ready much later (the figures: ``docs/benchmarks-notes.md``).
 - **The collector** is paused for one key's recording at a time (with
   ``CaptureOptions.gc_disable``), never for the whole run.
 

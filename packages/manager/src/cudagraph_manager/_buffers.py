@@ -31,8 +31,9 @@ class StaticBuffer:
     """One input's static buffer: its rows, its views for a row count, the checks of a step tensor.
 
     ``tensor`` is ``[max rows, *shape]`` (``shape`` for an unbatched input).
-    Views are cut once per row count and kept: slicing a tensor costs about
-    a microsecond, and a step needs two views per input.
+    Views are cut once per row count and kept: slicing a tensor is host
+    time on the step path, and a step needs two views per input (the
+    figure: ``docs/benchmarks-notes.md``).
     """
 
     __slots__ = (

@@ -14,7 +14,8 @@ def reserved_bytes(device: torch.device) -> int:
     """The device's reserved memory (0 off CUDA): its growth is what torch's allocator took.
 
     ``torch.cuda.memory_reserved`` is the same figure, but it flattens every
-    statistic of the allocator first: 0.4 ms a call, two per captured key.
+    statistic of the allocator first, a cost paid twice per captured key
+    (the figure: ``docs/benchmarks-notes.md``).
     """
     if device.type != "cuda":
         return 0

@@ -2,11 +2,12 @@
 
 A thread's first use of a shape costs more than its capture: library
 handles and plans belong to the thread (cuDNN builds an attention plan per
-shape, 5 ms a call the first time on an H100), so a background capture on a
-new thread pays them again for every size. ``CaptureWorker`` is a thread
-per device that runs the background captures one after another and keeps
-that state between them: after ``release()``, ``start_capture()`` hands it
-the keys and the first served step costs an eager step plus the enqueue.
+shape, slowly, the first time: ``docs/benchmarks-notes.md``), so a
+background capture on a new thread pays them again for every size.
+``CaptureWorker`` is a thread per device that runs the background captures
+one after another and keeps that state between them: after ``release()``,
+``start_capture()`` hands it the keys and the first served step costs an
+eager step plus the enqueue.
 
 A session that finds the worker busy (a second manager's capture on the
 device) runs on a thread of its own, as before. The worker stops once no

@@ -39,10 +39,9 @@ if TYPE_CHECKING:
 #: The block mask's query tile: it lists the pages each tile of this many query rows reads. Small,
 #: so that a packed tile of decode tokens reads few requests' pages.
 _Q_TILE: Final = 16
-#: FlexAttention's kernel on CUDA: the general kernel with 16-row query and 64-key blocks. Measured
-#: on an H100 (attention alone, graph replays, 16 heads of 64, pages of 128): decode of 256
-#: requests 97 us against 1217 us with the defaults under dynamic shapes (flex decoding) and
-#: 131 us with static shapes; a packed 512-token mixed batch 42 us against 174 us. The key block
+#: FlexAttention's kernel on CUDA: the general kernel with 16-row query and 64-key blocks, forced
+#: because it beat the defaults (flex decoding under dynamic shapes, and static shapes) for decode
+#: and packed mixed batches alike (the figures: ``docs/benchmarks-notes.md``). The key block
 #: is why pages hold a multiple of 64 keys on CUDA: a block-mask entry is one page, and the
 #: fused kernel requires the mask's key block to be a multiple of its own (``BLOCK_N``). A
 #: smaller ``BLOCK_N`` for small pages is possible but unmeasured; pages of 16 are served by
