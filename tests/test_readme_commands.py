@@ -1,4 +1,4 @@
-"""Every shell command the READMEs show is run by a test here, or says why it cannot be.
+"""Every shell command the READMEs (and docs/) show is run by a test here, or says why it cannot be.
 
 The READMEs' ``bash`` blocks are read as a user reads them, one command per
 line (comments dropped); each must appear in ``COVERED`` with the test that
@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Final
 
 ROOT: Final = Path(__file__).resolve().parents[1]
-READMES: Final = ("README.md", *(f"packages/{p}/README.md" for p in ("dispatch", "capture", "manager")))
+#: The READMEs, and the reference the root README links to in docs/ (its commands are read the same way).
+READMES: Final = (
+    "README.md",
+    *(f"packages/{p}/README.md" for p in ("dispatch", "capture", "manager")),
+    *(f"docs/{name}.md" for name in ("development", "compiled", "several-gpus", "benchmarks")),
+)
 
 #: command -> "module::test" that runs it, or "not run: why".
 COVERED: Final = {

@@ -1,8 +1,8 @@
 """The READMEs' complete Python examples run as written (GPU): users copy them.
 
 Covered elsewhere: the dispatch README (``tests/dispatch/test_readme.py``,
-on the CPU), the top-level "In an engine" and "Compiled models" blocks (they
-are the example files, run by ``tests/manager``), the manager README's
+on the CPU), the top-level "In an engine" block and docs/compiled.md's
+"Compiled models" blocks (they are the example files, run by ``tests/manager``), the manager README's
 compiled block (``tests/manager/test_compiled.py``). Here: the capture
 README's three blocks, one program read top to bottom, and the manager
 README's first example. The other blocks are excerpts of a serving loop or of

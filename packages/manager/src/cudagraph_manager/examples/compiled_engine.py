@@ -1,4 +1,9 @@
-"""The README's "Compiled models" example, whole: ``python -m cudagraph_manager.examples.compiled_engine``."""
+"""The "Compiled models" example of docs/compiled.md, whole.
+
+``python -m cudagraph_manager.examples.compiled_engine`` runs it.
+"""
+
+import argparse
 
 import torch
 
@@ -8,6 +13,8 @@ from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder, static_i
 from cudagraph_manager.examples.compiled import compiled_cached_attention
 from cudagraph_manager.examples.testing import make_step_inputs
 
+parser = argparse.ArgumentParser(description="Compile and capture the reference decoder, then replay (CUDA).")
+parser.parse_args()  # --help: it takes no options
 if not torch.cuda.is_available():  # this example captures CUDA graphs; `make demo` has a CPU path
     raise SystemExit("This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU.")
 decoder = DecoderConfig(num_layers=2)  # bf16, d=1024, a static KV cache written in place

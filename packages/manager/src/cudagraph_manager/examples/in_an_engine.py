@@ -1,10 +1,14 @@
 """The README's "In an engine" example, whole: ``python -m cudagraph_manager.examples.in_an_engine``."""
 
+import argparse
+
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, StaticInput
 
+parser = argparse.ArgumentParser(description="Capture a toy model, then replay a padded step (CUDA).")
+parser.parse_args()  # --help: it takes no options
 if not torch.cuda.is_available():  # this example captures CUDA graphs; `make demo` has a CPU path
     raise SystemExit("This example needs a CUDA device (it captures CUDA graphs); run `make demo` on a CPU.")
 # Any callable taking the inputs as keyword arguments: here a toy token mixer.

@@ -82,7 +82,9 @@ def _free_port() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cudagraph_manager.examples.several_gpus", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--world-size", type=int, default=2, help="ranks (one GPU each with --device cuda)")
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
