@@ -33,21 +33,7 @@ def agree_across_ranks(
     A request the dispatcher refuses (a uniform decode count that is not a
     multiple of ``uniform_decode_query_len``) raises ``ValueError`` naming it.
     """
-    if not callable(getattr(dispatcher, "dispatch", None)):
-        raise ValueError(
-            f"dispatcher: expected a GraphDispatcher (one with dispatch()), got {dispatcher!r:.80}"
-        )
-    given: object = requests  # checked at run time: callers may not be typed
-    if not isinstance(given, Sequence):
-        raise ValueError(f"requests: expected a sequence of RankRequest, one per rank, got {given!r}")
-    if not requests:
-        raise ValueError(f"requests: expected one RankRequest per rank, got {given!r}")
-    for rank, request in enumerate(given):
-        if not isinstance(request, RankRequest):
-            raise ValueError(f"requests[{rank}]: expected a RankRequest, got {request!r}")
-    given_modes: object = invalid_modes
-    if not isinstance(given_modes, frozenset):
-        raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {given_modes!r}")
+    _check_agreement_arguments(dispatcher, requests, invalid_modes)
     for request in requests:
         invalid_modes = invalid_modes | request.invalid_modes
     active = [r for r in requests if r.num_tokens > 0]
@@ -55,7 +41,39 @@ def agree_across_ranks(
         return Dispatch(CUDAGraphMode.NONE, BatchDescriptor(0))
     largest = max(r.num_tokens for r in active)
     eager = Dispatch(CUDAGraphMode.NONE, BatchDescriptor(largest))
-    own_modes = []  # every rank's own decision, so that every request is checked before any answer
+    if CUDAGraphMode.NONE in _own_modes(dispatcher, requests, invalid_modes):
+        return eager
+    joint = dispatcher.dispatch(
+        largest,
+        uniform_decode=all(r.uniform_decode for r in active),
+        num_active_loras=max(r.num_active_loras for r in active),
+        invalid_modes=invalid_modes,
+    )
+    return eager if joint.mode is CUDAGraphMode.NONE else joint
+
+
+def _check_agreement_arguments(dispatcher: object, requests: object, invalid_modes: object) -> None:
+    """``ValueError`` naming the first bad argument of ``agree_across_ranks`` (callers may not be typed)."""
+    if not callable(getattr(dispatcher, "dispatch", None)):
+        raise ValueError(
+            f"dispatcher: expected a GraphDispatcher (one with dispatch()), got {dispatcher!r:.80}"
+        )
+    if not isinstance(requests, Sequence):
+        raise ValueError(f"requests: expected a sequence of RankRequest, one per rank, got {requests!r}")
+    if not requests:
+        raise ValueError(f"requests: expected one RankRequest per rank, got {requests!r}")
+    for rank, request in enumerate(requests):
+        if not isinstance(request, RankRequest):
+            raise ValueError(f"requests[{rank}]: expected a RankRequest, got {request!r}")
+    if not isinstance(invalid_modes, frozenset):
+        raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
+
+
+def _own_modes(
+    dispatcher: GraphDispatcher, requests: Sequence[RankRequest], invalid_modes: frozenset[CUDAGraphMode]
+) -> list[CUDAGraphMode]:
+    """Every rank's own decision's mode, so that every request is checked before any answer."""
+    modes = []
     for rank, r in enumerate(requests):
         if r.num_tokens:
             try:
@@ -67,13 +85,5 @@ def agree_across_ranks(
                 )
             except ValueError as error:  # refused by the config: a uniform count not a multiple of q
                 raise ValueError(f"requests[{rank}].{error}") from None
-            own_modes.append(own.mode)
-    if CUDAGraphMode.NONE in own_modes:
-        return eager
-    joint = dispatcher.dispatch(
-        largest,
-        uniform_decode=all(r.uniform_decode for r in active),
-        num_active_loras=max(r.num_active_loras for r in active),
-        invalid_modes=invalid_modes,
-    )
-    return eager if joint.mode is CUDAGraphMode.NONE else joint
+            modes.append(own.mode)
+    return modes
