@@ -18,11 +18,12 @@ reads that metadata back with ``attention_metadata(self)``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Final, Protocol, TypeVar
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphMode, check_bool
+from cudagraph_dispatch import CUDAGraphMode, check_bool, get_forward_context
 from cudagraph_manager import (
     AttentionMetadataBuilder,
     BatchShape,
@@ -289,3 +290,19 @@ class PagedBackend(AttentionMetadataBuilder[M_co], Protocol[M_co]):
         slot_mapping: torch.Tensor,
         out: torch.Tensor,
     ) -> None: ...
+
+
+P = TypeVar("P")
+
+
+def per_forward(cache: list[tuple[object, P]], derive: Callable[[], P]) -> P:
+    """``derive()`` once per forward: kept in ``cache`` under the forward's context, for its other layers.
+
+    Every forward runs under a context object of its own (a step, a
+    warm-up, a recording, a loop iteration), so the next forward derives
+    again from the metadata as it then is (docs/design.md, "The attention seam").
+    """
+    forward = get_forward_context()
+    if not cache or cache[0][0] is not forward:
+        cache[:] = [(forward, derive())]
+    return cache[0][1]

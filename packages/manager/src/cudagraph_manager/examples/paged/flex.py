@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 import torch
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool, get_forward_context
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
-from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
+from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, per_forward
 from .gather import token_pages
 from .layout import PagedLayout, slot_pages, write_kv
 
@@ -220,10 +220,7 @@ class FlexPagedAttention:
         out: torch.Tensor,
     ) -> None:
         meta = attention_metadata(self)
-        forward = get_forward_context()  # a new one per forward: the plan is this forward's
-        if not meta.derived or meta.derived[0][0] is not forward:
-            meta.derived[:] = [(forward, self._plan(meta))]
-        plan = meta.derived[0][1]
+        plan = per_forward(meta.derived, lambda: self._plan(meta))
         write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool, get_forward_context
+from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
-from .batch import PagedBuffers, PagedMetadata
+from .batch import PagedBuffers, PagedMetadata, per_forward
 from .layout import PagedLayout, write_kv
 
 
@@ -122,10 +122,7 @@ class GatherPagedAttention:
         out: torch.Tensor,
     ) -> None:
         meta = attention_metadata(self)
-        forward = get_forward_context()  # a new one per forward: the plan is this forward's
-        if not meta.derived or meta.derived[0][0] is not forward:
-            meta.derived[:] = [(forward, self._plan(meta.paged))]
-        pages, mask = meta.derived[0][1]
+        pages, mask = per_forward(meta.derived, lambda: self._plan(meta.paged))
         write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
