@@ -137,28 +137,10 @@ class CaptureReport:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
         if self.resolution is not None and self.resolution.downgraded:
             header += f"\nmode {self.resolution}"
-        rows = [
-            (
-                g.mode.name + (" loop" if g.loop else ""),
-                str(g.descriptor.num_tokens),
-                "-" if g.descriptor.num_reqs is None else str(g.descriptor.num_reqs),
-                "yes" if g.descriptor.uniform else "no",
-                str(g.descriptor.num_active_loras),
-                f"{g.seconds:.4f}",
-                f"{g.warmup_seconds:.4f}",
-                f"{g.recording_seconds:.4f}",
-                f"{g.instantiation_seconds:.4f}",
-                format_bytes(g.pool_bytes),
-                format_bytes(g.driver_bytes),
-            )
-            for g in self.graphs
-        ]
+        rows = [_graph_row(g) for g in self.graphs]
         total = (
             "total",
-            "",
-            "",
-            "",
-            "",
+            *("",) * 4,
             f"{sum(g.seconds for g in self.graphs):.4f}",
             f"{phases.warmup:.4f}",
             f"{phases.recording:.4f}",
@@ -166,21 +148,42 @@ class CaptureReport:
             format_bytes(self.pool_bytes),
             format_bytes(sum(g.driver_bytes for g in self.graphs)),
         )
-        headers = (
-            "mode",
-            "tokens",
-            "reqs",
-            "uniform",
-            "loras",
-            "seconds",
-            "warm-up",
-            "record",
-            "instantiate",
-            "pool",
-            "driver",
-        )
         right = frozenset({1, 2, *range(4, 11)})
-        return "\n".join([header, *format_table(headers, [*rows, total], right=right)])
+        return "\n".join([header, *format_table(_GRAPH_COLUMNS, [*rows, total], right=right)])
+
+
+#: The columns of a capture report's table of graphs.
+_GRAPH_COLUMNS: Final = (
+    "mode",
+    "tokens",
+    "reqs",
+    "uniform",
+    "loras",
+    "seconds",
+    "warm-up",
+    "record",
+    "instantiate",
+    "pool",
+    "driver",
+)
+
+
+def _graph_row(g: CapturedGraph) -> tuple[str, ...]:
+    """One graph's row of the report's table (``_GRAPH_COLUMNS``)."""
+    key = g.descriptor
+    return (
+        g.mode.name + (" loop" if g.loop else ""),
+        str(key.num_tokens),
+        "-" if key.num_reqs is None else str(key.num_reqs),
+        "yes" if key.uniform else "no",
+        str(key.num_active_loras),
+        f"{g.seconds:.4f}",
+        f"{g.warmup_seconds:.4f}",
+        f"{g.recording_seconds:.4f}",
+        f"{g.instantiation_seconds:.4f}",
+        format_bytes(g.pool_bytes),
+        format_bytes(g.driver_bytes),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
