@@ -74,14 +74,8 @@ def check_arguments(
     check_bool("strict", strict)
     checked_options = CaptureOptions.given(options)
     rows = check_output_rows(output_rows)
-    if uses_reqs(rows) and not any(spec.rows == "reqs" for spec in checked.values()):
-        raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
+    _check_request_counts(checked, rows, builder)
     check_decode_loop(decode_loop, config, ranks)
-    if builder is not None and not any(spec.rows == "reqs" for spec in checked.values()):
-        raise ValueError(
-            "metadata_builder: an attention's metadata is per request, but no input has rows='reqs' "
-            "to count the requests"
-        )
     resolved = resolve_device(device)
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -91,6 +85,21 @@ def check_arguments(
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
     return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder)
+
+
+def _check_request_counts(
+    inputs: Mapping[str, StaticInput], rows: RowsSpec, builder: AttentionMetadataBuilder[object] | None
+) -> None:
+    """Outputs that follow requests, and a builder (its metadata is per request), need a "reqs" input."""
+    if any(spec.rows == "reqs" for spec in inputs.values()):
+        return
+    if uses_reqs(rows):
+        raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
+    if builder is not None:
+        raise ValueError(
+            "metadata_builder: an attention's metadata is per request, but no input has rows='reqs' "
+            "to count the requests"
+        )
 
 
 def check_decode_loop(decode_loop: object, config: DispatchConfig, ranks: RankAgreement | None) -> None:
