@@ -24,7 +24,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_manager._outputs import OutputLayout
+from cudagraph_manager._step._outputs import OutputLayout
 from tests.benchmarks.support import BenchmarkFixture
 
 pytestmark = pytest.mark.gpu
@@ -120,7 +120,7 @@ def test_bench_output_memo_against_cutting(benchmark: BenchmarkFixture) -> None:
 
 def test_bench_weights_check_against_nothing(benchmark: BenchmarkFixture) -> None:
     """``WeightWatch.moved()``, the replay's weights check (target: <= 0.5 us), on the reference decoder."""
-    from cudagraph_manager._weights import WeightWatch
+    from cudagraph_manager._memory._weights import WeightWatch
     from cudagraph_manager.examples.config import DecoderConfig
     from cudagraph_manager.examples.reference import ReferenceDecoder
 

@@ -31,7 +31,7 @@ from cudagraph_dispatch import (
     get_forward_context,
 )
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, NoGraphError
-from cudagraph_manager import _background as _background_module
+from cudagraph_manager._capture import _background as _background_module
 from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
 from cudagraph_manager.examples.testing import make_step_inputs

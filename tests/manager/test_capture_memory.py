@@ -16,7 +16,7 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._memory import reserved_bytes
+from cudagraph_manager._memory._device import reserved_bytes
 from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
 

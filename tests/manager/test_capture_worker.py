@@ -17,7 +17,7 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._worker import CaptureWorker, capture_worker
+from cudagraph_manager._capture._worker import CaptureWorker, capture_worker
 from tests.capture.test_lean_import_capture import run_fresh
 
 from .helpers import INPUTS, TOL, FakeEngines, FirstRecordingGate, ToyModel, config_for, make_batch, rel_err

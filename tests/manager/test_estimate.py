@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
+from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
 from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
 from cudagraph_manager.examples.testing import make_step_inputs

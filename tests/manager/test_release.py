@@ -22,7 +22,7 @@ from torch import nn
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, NoGraphError, WeightsReplacedError
-from cudagraph_manager._weights import WeightWatch, watched_module
+from cudagraph_manager._memory._weights import WeightWatch, watched_module
 from tests.torch_support import rel_err
 
 from .helpers import (

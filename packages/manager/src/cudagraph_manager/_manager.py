@@ -7,7 +7,7 @@ entry, once captured, replays itself. A step is one screen (``_step``):
     check the inputs -> route -> copy into the static buffers -> entry.replay() -> cut
 
 or, when the route is a reason instead of a graph, an eager step counted per
-reason (``_eager``). Captures are in ``_capturing``, the background capture in
+reason (``_eager``). Captures are in ``_capture`` (``_capturer``), the background capture in
 ``_background``, the ranks' agreements in ``ranks``.
 """
 
@@ -40,20 +40,20 @@ from cudagraph_dispatch import (
 )
 
 from ._arguments import Arguments, check_arguments
-from ._attention import StepBatch
-from ._background import BackgroundCapture
-from ._buffers import StaticBuffers
-from ._capturing import Capturer, agree_plan
-from ._decode_loop import DecodeLoop, LoopResult
-from ._eager import EagerSteps
-from ._engines import default_engine_factory
-from ._outputs import LayoutCell, OutputRows
+from ._attention._seam import StepBatch
+from ._capture._background import BackgroundCapture
+from ._capture._capturer import Capturer, agree_plan
+from ._capture._engines import default_engine_factory
+from ._capture._planned import PlannedKey, replays_by_size
+from ._memory._weights import WeightWatch, watched_module
 from ._parts import ManagerParts
-from ._planned import PlannedKey, replays_by_size
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
-from ._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
-from ._static import StaticInput
-from ._weights import WeightWatch, watched_module
+from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
+from ._step._buffers import StaticBuffers
+from ._step._decode_loop import DecodeLoop, LoopResult
+from ._step._eager import EagerSteps
+from ._step._outputs import LayoutCell, OutputRows
+from ._step._static import StaticInput
 from .ranks import RankAgreement
 
 _Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's invalid modes

@@ -10,10 +10,10 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphDispatcher
 
-from ._buffers import StaticBuffers
-from ._outputs import LayoutCell
 from ._protocols import AttentionMetadataBuilder, OutputT
-from ._report import StepCounts
+from ._reports._report import StepCounts
+from ._step._buffers import StaticBuffers
+from ._step._outputs import LayoutCell
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

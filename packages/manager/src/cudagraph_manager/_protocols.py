@@ -16,7 +16,7 @@ import torch
 from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_dispatch import AttentionSupport, CUDAGraphMode
 
-from ._attention import BatchShape, StepBatch
+from ._attention._seam import BatchShape, StepBatch
 
 #: What a model may return: a tensor, or a flat tuple, list or dict of tensors.
 ModelOutput: TypeAlias = (

@@ -71,8 +71,8 @@ import torch
 from cudagraph_capture import capture_lock, capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor, ModeResolution
 
-from ._report import CapturedGraph, CaptureReport
-from ._totals import CaptureTotals
+from .._reports._report import CapturedGraph, CaptureReport
+from .._reports._totals import CaptureTotals
 from ._worker import run_capture
 
 _logger: Final = logging.getLogger("cudagraph_manager")

@@ -40,12 +40,12 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
-from ._arguments import check_builder
-from ._attention import BatchShape, StepBatch, metadata_extra
-from ._manager import CUDAGraphManager
-from ._outputs import OutputRows
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
-from ._static import StaticInput
+from .._arguments import check_builder
+from .._manager import CUDAGraphManager
+from .._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
+from .._step._outputs import OutputRows
+from .._step._static import StaticInput
+from ._seam import BatchShape, StepBatch, metadata_extra
 
 
 class BatchKind(enum.Enum):

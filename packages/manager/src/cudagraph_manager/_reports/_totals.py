@@ -10,8 +10,8 @@ import torch
 
 from cudagraph_dispatch import ModeResolution
 
-from ._compiled import compiles_since, dynamo_compiles
-from ._memory import free_bytes, reserved_bytes
+from .._memory._compiled import compiles_since, dynamo_compiles
+from .._memory._device import free_bytes, reserved_bytes
 from ._report import CapturedGraph, CaptureReport
 
 

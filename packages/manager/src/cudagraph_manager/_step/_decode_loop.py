@@ -33,13 +33,13 @@ from cudagraph_dispatch import (
     check_int,
 )
 
-from ._attention import BatchShape, StepBatch, metadata_extra
-from ._memory import free_bytes, reserved_bytes
-from ._parts import ManagerParts
-from ._planned import PlannedKey
-from ._protocols import OutputT
-from ._report import CapturedGraph
-from ._weights import WeightWatch
+from .._attention._seam import BatchShape, StepBatch, metadata_extra
+from .._capture._planned import PlannedKey
+from .._memory._device import free_bytes, reserved_bytes
+from .._memory._weights import WeightWatch
+from .._parts import ManagerParts
+from .._protocols import OutputT
+from .._reports._report import CapturedGraph
 
 _LOG: Final = logging.getLogger("cudagraph_manager")
 

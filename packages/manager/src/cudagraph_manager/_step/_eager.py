@@ -24,14 +24,14 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
-from ._attention import BatchShape, StepBatch, metadata_extra
-from ._errors import NoGraphError
-from ._parts import ManagerParts
-from ._planned import PlannedKey
-from ._protocols import OutputT
+from .._attention._seam import BatchShape, StepBatch, metadata_extra
+from .._capture._planned import PlannedKey
+from .._errors import NoGraphError
+from .._parts import ManagerParts
+from .._protocols import OutputT
 
 if TYPE_CHECKING:
-    from ._background import BackgroundCapture
+    from .._capture._background import BackgroundCapture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE

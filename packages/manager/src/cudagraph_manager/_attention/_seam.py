@@ -32,7 +32,7 @@ import torch
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context
 
 if TYPE_CHECKING:
-    from ._protocols import AttentionMetadataBuilder
+    from .._protocols import AttentionMetadataBuilder
 
 M = TypeVar("M")
 

@@ -23,12 +23,12 @@ import torch
 from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext, set_forward_context
 
-from ._attention import BatchShape, StepBatch, metadata_extra
-from ._buffers import StaticBuffers
-from ._memory import free_bytes, reserved_bytes
-from ._outputs import OutputLayout
-from ._protocols import AttentionMetadataBuilder, OutputT
-from ._report import CapturedGraph
+from .._attention._seam import BatchShape, StepBatch, metadata_extra
+from .._memory._device import free_bytes, reserved_bytes
+from .._protocols import AttentionMetadataBuilder, OutputT
+from .._reports._report import CapturedGraph
+from .._step._buffers import StaticBuffers
+from .._step._outputs import OutputLayout
 
 
 class PlannedKey(Generic[OutputT]):

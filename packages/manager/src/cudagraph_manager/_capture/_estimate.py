@@ -30,11 +30,11 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from ._buffers import StaticBuffers
-from ._memory import reserved_bytes
+from .._memory._device import reserved_bytes
+from .._protocols import OutputT
+from .._reports._report import CapturedGraph, MemoryEstimate
+from .._step._buffers import StaticBuffers
 from ._planned import PlannedKey, by_mode
-from ._protocols import OutputT
-from ._report import CapturedGraph, MemoryEstimate
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
 PROBE_SHARE: Final = 0.08

@@ -34,19 +34,19 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
+from .._memory._compiled import dynamo_compiles
+from .._parts import ManagerParts
+from .._protocols import GraphEngineFactory, OutputT
+from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
+from .._reports._totals import CaptureTotals
+from .._step._buffers import StaticBuffers
+from .._step._decode_loop import DecodeLoop, DecodeLoops
+from .._step._outputs import LayoutCell
+from ..ranks import RankAgreement
 from ._background import BackgroundCapture, BackgroundTimings
-from ._buffers import StaticBuffers
-from ._compiled import dynamo_compiles
-from ._decode_loop import DecodeLoop, DecodeLoops
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._outputs import LayoutCell
-from ._parts import ManagerParts
 from ._planned import PlannedKey, by_mode
 from ._progress import progress as progress_bar
-from ._protocols import GraphEngineFactory, OutputT
-from ._report import CapturedGraph, CaptureReport, MemoryEstimate
-from ._totals import CaptureTotals
-from .ranks import RankAgreement
 
 
 class Capturer(Generic[OutputT]):

@@ -1,0 +1,1 @@
+"""The attention seam: the metadata builder's shapes and padding, and the support check."""

@@ -1,0 +1,1 @@
+"""Reports: what a capture, an estimate and the steps did."""
