@@ -25,7 +25,7 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     DispatchConfig,
     GraphSupport,
-    RankRequest,
+    StepRequest,
 )
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
 
@@ -148,6 +148,24 @@ def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher,
     return dispatcher, draw(token_counts(dispatcher))
 
 
+@st.composite
+def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, StepRequest]:
+    """A dispatcher and one step's batch for it: any valid ``route`` call, the empty batch included.
+
+    The token count is drawn around the dispatcher's sizes, and 0 (an idle
+    step) often; a uniform decode batch's count is a multiple of q.
+    """
+    dispatcher = draw(dispatchers)
+    uniform_decode = draw(st.booleans())
+    num_tokens = draw(st.just(0) | token_counts(dispatcher))
+    return dispatcher, StepRequest(
+        step_count(dispatcher.config, num_tokens, uniform_decode),
+        uniform_decode,
+        draw(active_lora_counts),
+        draw(invalid_mode_sets),
+    )
+
+
 # -- descriptors and forward contexts --
 
 
@@ -188,10 +206,10 @@ forward_context_extras: Final = st.dictionaries(
 
 
 @st.composite
-def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankRequest:
+def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> StepRequest:
     """One rank's request with a token count drawn around ``dispatcher``'s sizes."""
     uniform_decode = draw(st.booleans())
-    return RankRequest(
+    return StepRequest(
         num_tokens=step_count(dispatcher.config, draw(token_counts(dispatcher)), uniform_decode),
         uniform_decode=uniform_decode,
         num_active_loras=draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts),
@@ -201,7 +219,7 @@ def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankR
 @st.composite
 def dispatchers_with_rank_requests(
     draw: st.DrawFn, dispatcher_strategy: st.SearchStrategy[CUDAGraphDispatcher] = dispatchers
-) -> tuple[CUDAGraphDispatcher, list[RankRequest]]:
+) -> tuple[CUDAGraphDispatcher, list[StepRequest]]:
     """A dispatcher and one request per rank (1 to 8 ranks) sized for it."""
     dispatcher = draw(dispatcher_strategy)
     requests = draw(st.lists(rank_requests_for(dispatcher), min_size=1, max_size=8))

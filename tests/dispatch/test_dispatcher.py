@@ -22,12 +22,14 @@ from cudagraph_dispatch import (
     DispatchConfig,
     EagerReason,
     GraphDispatcher,
+    StepRequest,
 )
 from tests.dispatch.peak_memory import built_with_peak
 from tests.strategies import (
     active_lora_counts,
     dispatch_configs,
     dispatchers,
+    dispatchers_with_step_requests,
     dispatchers_with_token_counts,
     invalid_mode_sets,
     step_count,
@@ -466,10 +468,12 @@ def test_route_is_dispatch_with_the_reason_beside_it(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )
     config = dispatcher.config
-    if decision.mode is not M.NONE or (n == 0 and config.mode is not M.NONE):
-        assert route == decision  # a graph, or the empty batch's NONE decision kept in the tables
+    if decision.mode is not M.NONE:
+        assert route == decision  # a graph
         return
-    if config.mode is not M.NONE and n > config.capture_sizes.max:
+    if config.mode is not M.NONE and n == 0:
+        expected = EagerReason.EMPTY_BATCH
+    elif config.mode is not M.NONE and n > config.capture_sizes.max:
         expected = EagerReason.ABOVE_LARGEST_SIZE
     elif config.mode is not M.NONE and num_active_loras > max(config.lora_counts, default=0):
         expected = EagerReason.LORA_COUNT
@@ -482,3 +486,21 @@ def test_route_is_dispatch_with_the_reason_beside_it(
     else:
         expected = EagerReason.NO_GRAPH_FOR_BATCH
     assert route is expected
+
+
+@given(dispatchers_with_step_requests())
+def test_a_route_that_is_a_dispatch_names_a_graph(case: tuple[CUDAGraphDispatcher, StepRequest]) -> None:
+    """Every ``route`` that is a ``Dispatch`` has a graph: FULL or PIECEWISE, one of the keys (issue 33).
+
+    So ``isinstance(route, Dispatch)`` means "replay"; a batch without a graph,
+    the empty one included, routes to its ``EagerReason``.
+    """
+    dispatcher, request = case
+    route = dispatcher.route(
+        request.num_tokens, request.uniform_decode, request.num_active_loras, request.invalid_modes
+    )
+    if isinstance(route, Dispatch):
+        assert route.mode in (M.FULL, M.PIECEWISE), route
+        assert route.descriptor in dispatcher.keys(route.mode)
+    else:
+        assert isinstance(route, EagerReason)

@@ -29,10 +29,10 @@ from tests.strategies import (
 )
 
 M: Final = CUDAGraphMode
-Case = tuple[CUDAGraphDispatcher, list[RankRequest]]
+Case = tuple[CUDAGraphDispatcher, list[StepRequest]]
 
 
-def _own(dispatcher: CUDAGraphDispatcher, request: RankRequest) -> Dispatch:
+def _own(dispatcher: CUDAGraphDispatcher, request: StepRequest) -> Dispatch:
     """What a rank would run on its own."""
     return dispatcher.dispatch(
         request.num_tokens,
@@ -121,7 +121,7 @@ def test_one_eager_rank_makes_all_eager(case: Case) -> None:
 @given(dispatchers, st.integers(min_value=1, max_value=8))
 def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks: int) -> None:
     """With no tokens anywhere there is nothing to replay: NONE with 0 tokens."""
-    requests = [RankRequest(0, uniform_decode=i % 2 == 0) for i in range(ranks)]
+    requests = [StepRequest(0, uniform_decode=i % 2 == 0) for i in range(ranks)]
     assert agree_across_ranks(dispatcher, requests) == Dispatch(M.NONE, BatchDescriptor(0))
 
 
@@ -129,7 +129,7 @@ def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks
 def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> None:
     """Ranks with 0 tokens (whatever their flags) do not change the decision of the ranks with tokens."""
     dispatcher, requests = case
-    padded = requests + [RankRequest(0, uniform_decode=uniform, num_active_loras=3)] * idle
+    padded = requests + [StepRequest(0, uniform_decode=uniform, num_active_loras=3)] * idle
     assert agree_across_ranks(dispatcher, padded) == agree_across_ranks(dispatcher, requests)
 
 
@@ -152,13 +152,13 @@ def test_worked_example() -> None:
     """Decode ranks of 3 and 5 tokens and an idle rank share the uniform size-8 graph; a prefill rank,
     even a small one, makes it the mixed PIECEWISE graph; a rank above the largest makes all eager."""
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4, 8, 16]), 8))
-    decode = [RankRequest(3, True), RankRequest(0), RankRequest(5, True)]
+    decode = [StepRequest(3, True), StepRequest(0), StepRequest(5, True)]
     assert agree_across_ranks(dispatcher, decode) == Dispatch(M.FULL, BatchDescriptor(8, 8, uniform=True))
-    small_prefill = [*decode, RankRequest(2)]
+    small_prefill = [*decode, StepRequest(2)]
     assert agree_across_ranks(dispatcher, small_prefill) == Dispatch(M.PIECEWISE, BatchDescriptor(8))
-    mixed = [*decode, RankRequest(10)]
+    mixed = [*decode, StepRequest(10)]
     assert agree_across_ranks(dispatcher, mixed) == Dispatch(M.PIECEWISE, BatchDescriptor(16))
-    too_big = [*mixed, RankRequest(17, True)]
+    too_big = [*mixed, StepRequest(17, True)]
     assert agree_across_ranks(dispatcher, too_big) == Dispatch(M.NONE, BatchDescriptor(17))
 
 
@@ -174,7 +174,7 @@ def test_negative_request_counts_are_rejected(
 ) -> None:
     """A rank request with a negative count is a ValueError naming the field and the value."""
     with pytest.raises(ValueError, match=f"{re.escape(field)}.*{re.escape(value)}"):
-        RankRequest(num_tokens, num_active_loras=num_active_loras)
+        StepRequest(num_tokens, num_active_loras=num_active_loras)
 
 
 def test_no_ranks_is_an_error() -> None:
@@ -228,6 +228,6 @@ def test_a_bad_request_names_its_field(kwargs: dict[str, object], field: str) ->
 def test_agreement_refuses_a_bad_invalid_modes_and_a_bad_dispatcher() -> None:
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8]), 8))
     with pytest.raises(ValueError, match=r"^invalid_modes: "):
-        agree_across_ranks(dispatcher, [RankRequest(3)], invalid_modes=[M.FULL])  # type: ignore[arg-type]
+        agree_across_ranks(dispatcher, [StepRequest(3)], invalid_modes=[M.FULL])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^dispatcher: "):
-        agree_across_ranks(None, [RankRequest(3)])  # type: ignore[arg-type]
+        agree_across_ranks(None, [StepRequest(3)])  # type: ignore[arg-type]

@@ -155,18 +155,21 @@ def test_default_rejects_non_positive_max(max_size: int) -> None:
 
 
 @given(capture_sizes)
-def test_the_slot_machinery_is_public_and_agrees_with_pad(sizes: CaptureSizes) -> None:
-    """``bounds``, ``dense_slots``, ``representatives()``: the dispatcher reads these, no private names."""
+def test_the_bucket_machinery_is_public_and_agrees_with_pad(sizes: CaptureSizes) -> None:
+    """``bounds``, ``dense_buckets``, ``representatives()``: the dispatcher reads these, no private names."""
     assert sizes.bounds == (0, *sizes.sizes)
     reps = sizes.representatives()
     assert reps == (*sizes.bounds, sizes.max + 1)
-    for slot, count in enumerate(reps):
-        assert bisect.bisect_left(sizes.bounds, count) == slot
-        if count < len(sizes.dense_slots):
-            assert sizes.dense_slots[count] == slot
-    for n in range(min(len(sizes.dense_slots), 300)):
+    for bucket, count in enumerate(reps):
+        assert bisect.bisect_left(sizes.bounds, count) == bucket
+        if count < len(sizes.dense_buckets):
+            assert sizes.dense_buckets[count] == bucket
+    for n in range(min(len(sizes.dense_buckets), 300)):
         padded = sizes.pad(n)
-        slot = sizes.dense_slots[n]
+        bucket = sizes.dense_buckets[n]
         assert padded == (
-            sizes.bounds[slot] if 0 < slot <= len(sizes.sizes) else (sizes.sizes[0] if slot == 0 else None)
+            sizes.bounds[bucket]
+            if 0 < bucket <= len(sizes.sizes)
+            else (sizes.sizes[0] if bucket == 0 else None)
         )
+    assert sizes.dense_slots is sizes.dense_buckets  # the deprecated name the README promised

@@ -3,7 +3,7 @@
 The graphs are built once from the config. One rule function, ``_decide``,
 states the dispatch rules (docs/design.md, "Dispatch") for one batch and returns the decision with
 the reason for it. ``dispatch`` answers from tables filled by calling that
-rule once per padding slot of the capture sizes (every count in a slot pads
+rule once per padding bucket of the capture sizes (every count in a bucket pads
 to the same graphs, so it gets the same decision); ``explain`` calls the rule
 itself and words its reason. The tables grow with the number of capture
 sizes, never with the largest size.
@@ -64,19 +64,16 @@ _WHY_GRAPH: Final = "{num_tokens} tokens replay the {decision.mode.name} graph {
 # building the tables takes thousands.
 _Verdict = tuple[Dispatch | EagerReason, str]
 
-#: What ``route`` returns: the graph to replay, or why there is none.
+#: What ``route`` returns: the graph to replay (a ``Dispatch`` is always FULL or
+#: PIECEWISE), or why there is none (an empty batch's is ``EMPTY_BATCH``).
 Route = Dispatch | EagerReason
-
-#: The decision for an empty batch (an idle data-parallel rank): one count, so
-#: one value, kept in the tables rather than built per step.
-_EMPTY_BATCH: Final = Dispatch(_NONE, BatchDescriptor(0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _LoraCaseGraphs:
     """The graphs of one LoRA case, as the decisions that replay them (built once, shared by all tables)."""
 
-    uniform: tuple[Dispatch, ...]  # FULL uniform decode graphs, one per decode size, ascending
+    uniform_decode: tuple[Dispatch, ...]  # FULL uniform decode graphs, one per decode size, ascending
     # The graphs of mixed batches, one per capture size, ascending; empty unless
     # the config's mixed mode is FULL (exact keys) or PIECEWISE (relaxed keys).
     mixed_full: tuple[Dispatch, ...]
@@ -84,9 +81,9 @@ class _LoraCaseGraphs:
 
 
 # Decisions of one (invalid modes, LoRA case, uniformity), indexed by padding
-# slot; the reason where the batch runs eagerly with its own count.
+# bucket; the reason where the batch runs eagerly with its own count.
 _Row = tuple[Route, ...]
-# Indexed [LoRA case][uniform]; one more LoRA case than captured, for counts above them all.
+# Indexed [LoRA case][uniform_decode]; one more LoRA case than captured, for counts above them all.
 _Tables = tuple[tuple[_Row, _Row], ...]
 
 
@@ -101,16 +98,16 @@ class CUDAGraphDispatcher:
         "_bounds",
         "_config",
         "_decode_sizes",
-        "_dense_slots",
+        "_dense_buckets",
         "_graphs",
         "_keys",
         "_lora_cases",
         "_mode",
-        "_num_dense_slots",
-        "_query_len",
+        "_num_dense_buckets",
         "_resolution",
         "_sizes",
         "_tables",
+        "_uniform_decode_query_len",
     )
 
     def __init__(
@@ -138,7 +135,7 @@ class CUDAGraphDispatcher:
         self._mode: Final = config.mode
         self._sizes: Final = capture_sizes.sizes
         self._lora_cases: Final = (0, *config.lora_counts)
-        self._query_len: Final = config.uniform_decode_query_len
+        self._uniform_decode_query_len: Final = config.uniform_decode_query_len
         self._decode_sizes: Final = _decode_sizes(config)
         self._graphs: Final = tuple(
             _lora_case_graphs(config, self._decode_sizes, n) for n in self._lora_cases
@@ -150,11 +147,11 @@ class CUDAGraphDispatcher:
                 self._mode.name,
                 _why_no_keys(config),
             )
-        # The count -> padding slot look-up of the capture sizes, held here so
+        # The count -> padding bucket look-up of the capture sizes, held here so
         # that dispatch reaches it without a call.
         self._bounds: Final = capture_sizes.bounds
-        self._dense_slots: Final = capture_sizes.dense_slots
-        self._num_dense_slots: Final = len(capture_sizes.dense_slots)
+        self._dense_buckets: Final = capture_sizes.dense_buckets
+        self._num_dense_buckets: Final = len(capture_sizes.dense_buckets)
         mixed_rows: dict[tuple[int, bool, bool], _Row] = {}  # shared by the sets of invalid modes
         self._tables: Final[dict[frozenset[CUDAGraphMode], _Tables]] = {
             invalid: self._build_tables(invalid, mixed_rows) for invalid in _INVALID_MODE_SETS
@@ -214,10 +211,11 @@ class CUDAGraphDispatcher:
     ) -> Route:
         """``dispatch`` for a runner's step path: the graph's decision, or why the batch has none.
 
-        Returns the ``Dispatch`` of a graph (or the ``NONE`` decision of an
-        empty batch), else the ``EagerReason`` stored beside the decisions:
-        nothing is built per call. The same checks as ``dispatch``; the
-        arguments may also be passed by position (a step path saves the keywords).
+        Returns the ``Dispatch`` of a graph (its mode FULL or PIECEWISE, never
+        NONE), else the ``EagerReason`` stored beside the decisions
+        (``EMPTY_BATCH`` for 0 tokens): nothing is built per call. The same
+        checks as ``dispatch``; the arguments may also be passed by position
+        (a step path saves the keywords).
         """
         # Runs every step: one test accepts the usual arguments (plain ints,
         # a real bool, one of the four frozensets, a uniform count that is a
@@ -231,7 +229,7 @@ class CUDAGraphDispatcher:
             or num_tokens < 0
             or num_active_loras.__class__ is not int
             or num_active_loras < 0
-            or (flag is not False and (flag is not True or num_tokens % self._query_len))
+            or (flag is not False and (flag is not True or num_tokens % self._uniform_decode_query_len))
         ):
             request = self._request(num_tokens, flag, num_active_loras, invalid_modes)
             return self.route(
@@ -242,8 +240,8 @@ class CUDAGraphDispatcher:
             )
         lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
         return tables[lora_case][uniform_decode][
-            self._dense_slots[num_tokens]
-            if num_tokens < self._num_dense_slots
+            self._dense_buckets[num_tokens]
+            if num_tokens < self._num_dense_buckets
             else bisect_left(self._bounds, num_tokens)
         ]
 
@@ -277,11 +275,11 @@ class CUDAGraphDispatcher:
     ) -> StepRequest:
         """The arguments of ``dispatch`` checked against this config: ``ValueError`` naming a bad one."""
         request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
-        query_len = self._query_len
-        if request.uniform_decode and request.num_tokens % query_len:
+        q = self._uniform_decode_query_len
+        if request.uniform_decode and request.num_tokens % q:
             raise ValueError(
-                f"num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len={query_len} "
-                f"tokens (each request has {query_len}), got {request.num_tokens}"
+                f"num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len={q} "
+                f"tokens (each request has {q}), got {request.num_tokens}"
             )
         return request
 
@@ -310,7 +308,7 @@ class CUDAGraphDispatcher:
         if self._mode is _NONE:
             return EagerReason.NO_GRAPH_FOR_BATCH, _WHY_CONFIG_NONE
         if num_tokens == 0:
-            return _EMPTY_BATCH, _WHY_EMPTY
+            return EagerReason.EMPTY_BATCH, _WHY_EMPTY
         if num_tokens > sizes[-1]:
             return EagerReason.ABOVE_LARGEST_SIZE, _WHY_ABOVE_SIZES
         # LoRA: the smallest captured count that holds the active adapters.
@@ -322,8 +320,8 @@ class CUDAGraphDispatcher:
             decode_index = bisect_left(
                 self._decode_sizes, num_tokens
             )  # the smallest decode size that holds it
-            if decode_index < len(graphs.uniform):
-                return graphs.uniform[decode_index], _WHY_GRAPH
+            if decode_index < len(graphs.uniform_decode):
+                return graphs.uniform_decode[decode_index], _WHY_GRAPH
         size_index = bisect_left(sizes, num_tokens)  # the smallest capture size that holds it
         if graphs.mixed_full and _FULL not in invalid_modes:
             return graphs.mixed_full[size_index], _WHY_GRAPH
@@ -339,13 +337,13 @@ class CUDAGraphDispatcher:
     def _build_tables(
         self, invalid_modes: frozenset[CUDAGraphMode], mixed_rows: dict[tuple[int, bool, bool], _Row]
     ) -> _Tables:
-        """The rule's decision for every (LoRA case, uniformity, padding slot) under ``invalid_modes``.
+        """The rule's decision for every (LoRA case, uniformity, padding bucket) under ``invalid_modes``.
 
-        Each slot is decided at one count of it (``representatives()``): the
+        Each bucket is decided at one count of it (``representatives()``): the
         rule depends on a count only through its padded sizes. The extra
         LoRA case, one above the largest captured count, stands for all
         counts above it. A uniform batch larger than every decode size is
-        decided as a mixed one (the rule's fallback), so past the slot of the
+        decided as a mixed one (the rule's fallback), so past the bucket of the
         largest decode size the uniform row repeats the mixed row rather than
         asking the rule again: that keeps the build to about one rule call per
         size and LoRA case. A mixed row is built once for all the sets of
@@ -353,7 +351,7 @@ class CUDAGraphDispatcher:
         turns a row's graphs off only where the LoRA case has graphs of that mode.
         """
         counts = self._config.capture_sizes.representatives()
-        decode_slots = bisect_left(counts, self._decode_sizes[-1]) + 1 if self._decode_sizes else 0
+        decode_buckets = bisect_left(counts, self._decode_sizes[-1]) + 1 if self._decode_sizes else 0
         decide = self._decide
         tables: list[tuple[_Row, _Row]] = []
         for case, lora_count in enumerate((*self._lora_cases, self._lora_cases[-1] + 1)):
@@ -368,17 +366,17 @@ class CUDAGraphDispatcher:
                 mixed = mixed_rows[key] = tuple(
                     [decide(count, False, lora_count, invalid_modes)[0] for count in counts]
                 )
-            uniform = [decide(count, True, lora_count, invalid_modes)[0] for count in counts[:decode_slots]]
-            tables.append((mixed, (*uniform, *mixed[decode_slots:])))
+            decode = [decide(count, True, lora_count, invalid_modes)[0] for count in counts[:decode_buckets]]
+            tables.append((mixed, (*decode, *mixed[decode_buckets:])))
         return tuple(tables)
 
 
 def _why_no_keys(config: DispatchConfig) -> str:
     """Why a config whose mode is not NONE plans no graph (only FULL_DECODE_ONLY's sizes can vanish)."""
-    query_len = config.uniform_decode_query_len
+    q = config.uniform_decode_query_len
     return (
         f"no capture size in {list(config.capture_sizes.sizes)} is a multiple of uniform_decode_query_len="
-        f"{query_len} within [{query_len}, {query_len * config.max_num_seqs}] "
+        f"{q} within [{q}, {q * config.max_num_seqs}] "
         f"(q to q * max_num_seqs); every step will run eagerly"
     )
 
@@ -391,11 +389,9 @@ def _decode_sizes(config: DispatchConfig) -> tuple[int, ...]:
     mode = config.mode
     if mode.decode_mode() is not _FULL or not mode.separate_routine():
         return ()
-    query_len = config.uniform_decode_query_len
-    largest = query_len * config.max_num_seqs
-    return tuple(
-        size for size in config.capture_sizes.sizes if size % query_len == 0 and query_len <= size <= largest
-    )
+    q = config.uniform_decode_query_len
+    largest = q * config.max_num_seqs
+    return tuple(size for size in config.capture_sizes.sizes if size % q == 0 and q <= size <= largest)
 
 
 def _lora_case_graphs(
@@ -403,13 +399,13 @@ def _lora_case_graphs(
 ) -> _LoraCaseGraphs:
     """Every graph the config asks for with ``num_active_loras`` adapters, as decisions."""
     has_lora = num_active_loras > 0
-    query_len = config.uniform_decode_query_len
+    q = config.uniform_decode_query_len
     max_num_seqs = config.max_num_seqs
     sizes = config.capture_sizes.sizes
     mixed_mode = config.mode.mixed_mode()
     return _LoraCaseGraphs(
-        uniform=tuple(
-            Dispatch(_FULL, BatchDescriptor(size, size // query_len, True, has_lora, num_active_loras))
+        uniform_decode=tuple(
+            Dispatch(_FULL, BatchDescriptor(size, size // q, True, has_lora, num_active_loras))
             for size in decode_sizes
         ),
         mixed_full=tuple(
@@ -425,7 +421,9 @@ def _lora_case_graphs(
 
 def _keys_by_mode(graphs: tuple[_LoraCaseGraphs, ...]) -> dict[CUDAGraphMode, frozenset[BatchDescriptor]]:
     """The keys of every graph, grouped by runtime mode; modes without a graph are left out."""
-    full = frozenset(graph.descriptor for case in graphs for graph in (*case.uniform, *case.mixed_full))
+    full = frozenset(
+        graph.descriptor for case in graphs for graph in (*case.uniform_decode, *case.mixed_full)
+    )
     piecewise = frozenset(graph.descriptor for case in graphs for graph in case.mixed_piecewise)
     return {mode: keys for mode, keys in ((_PIECEWISE, piecewise), (_FULL, full)) if keys}
 

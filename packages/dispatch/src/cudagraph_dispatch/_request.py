@@ -47,5 +47,7 @@ class StepRequest:
         object.__setattr__(self, "invalid_modes", frozenset(modes))  # a subclass's instance made plain
 
 
-#: The name the data-parallel agreement gives one rank's request (docs/design.md, "Ranks").
+#: ``StepRequest`` under the name the contract gives one rank's request to
+#: ``agree_across_ranks`` (docs/design.md, "Ranks"): the same type, kept for
+#: callers that use it; the code here says ``StepRequest``.
 RankRequest = StepRequest

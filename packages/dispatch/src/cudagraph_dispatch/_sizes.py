@@ -13,7 +13,7 @@ _SMALL_STEP: Final = 8
 _LARGE_START: Final = 256
 _LARGE_STEP: Final = 16
 
-#: Counts up to this bound find their slot in a table (one index); larger
+#: Counts up to this bound find their bucket in a table (one index); larger
 #: counts by bisection over the sizes. The bound keeps the table at
 #: DENSE_PAD_LIMIT + 1 entries, whatever the sizes, while the counts of most
 #: steps (decode batches, typical prefill chunks) stay one look-up.
@@ -29,21 +29,22 @@ MAX_CAPTURE_SIZE: Final = 2**20
 class CaptureSizes:
     """A sorted, duplicate-free set of positive token counts to capture.
 
-    Padding works on *slots*. With ``bounds = (0, *sizes)``, slot 0 holds the
-    count 0, slot ``i`` the counts in ``(bounds[i-1], bounds[i]]`` (all padded
-    to ``bounds[i]``), and slot ``len(sizes) + 1`` every count above ``max``.
+    Padding works on *padding buckets*: the counts that pad to one size.
+    With ``bounds = (0, *sizes)``, bucket 0 holds the count 0, bucket ``i``
+    the counts in ``(bounds[i-1], bounds[i]]`` (all padded to ``bounds[i]``),
+    and bucket ``len(sizes) + 1`` every count above ``max``.
     Everything about a count that depends only on its padded size (the
-    dispatcher's decisions) is stored once per slot, so memory grows with the
+    dispatcher's decisions) is stored once per bucket, so memory grows with the
     number of sizes, not with the largest one.
 
-    Finding a count's slot, and so ``pad(n)``, is one table look-up for
+    Finding a count's bucket, and so ``pad(n)``, is one table look-up for
     ``n <= DENSE_PAD_LIMIT`` and a bisection, O(log len(sizes)), above it.
-    The slot machinery (``bounds``, ``dense_slots``, ``representatives()``)
+    The bucket machinery (``bounds``, ``dense_buckets``, ``representatives()``)
     is public for a dispatcher built on these sizes, which inlines the
     look-up on its per-step path.
     """
 
-    __slots__ = ("_bounds", "_dense_slots", "_padded", "_sizes")
+    __slots__ = ("_bounds", "_dense_buckets", "_padded", "_sizes")
 
     def __init__(self, sizes: Iterable[int]) -> None:
         given: object = sizes  # checked at run time: callers may not be typed
@@ -56,10 +57,10 @@ class CaptureSizes:
         if not checked:
             raise ValueError(f"capture_sizes: expected at least one size, got {given!r}")
         self._sizes: Final[tuple[int, ...]] = tuple(sorted(checked))
-        # Slot s holds the counts n with bounds[s - 1] < n <= bounds[s]: bisect_left(bounds, n) is n's slot.
+        # Bucket s holds the counts n with bounds[s - 1] < n <= bounds[s]: bisect_left(bounds, n) is n's.
         self._bounds: Final[tuple[int, ...]] = (0, *self._sizes)
-        self._padded: Final[tuple[int | None, ...]] = (self._sizes[0], *self._sizes, None)  # by slot
-        self._dense_slots: Final = _slot_table(self._bounds, DENSE_PAD_LIMIT)
+        self._padded: Final[tuple[int | None, ...]] = (self._sizes[0], *self._sizes, None)  # by bucket
+        self._dense_buckets: Final = _bucket_table(self._bounds, DENSE_PAD_LIMIT)
 
     @classmethod
     def default(cls, max_size: int) -> CaptureSizes:
@@ -81,33 +82,38 @@ class CaptureSizes:
 
     @property
     def bounds(self) -> tuple[int, ...]:
-        """``(0, *sizes)``: slot ``s`` holds the counts ``n`` with ``bounds[s - 1] < n <= bounds[s]``.
+        """``(0, *sizes)``: bucket ``s`` holds the counts ``n`` with ``bounds[s - 1] < n <= bounds[s]``.
 
-        ``bisect_left(bounds, n)`` is ``n``'s slot; ``len(sizes) + 1`` the slot above ``max``.
+        ``bisect_left(bounds, n)`` is ``n``'s bucket; ``len(sizes) + 1`` the bucket above ``max``.
         """
         return self._bounds
 
     @property
+    def dense_buckets(self) -> tuple[int, ...]:
+        """The bucket of every count below ``len(dense_buckets)``, by count: a look-up, not a bisection."""
+        return self._dense_buckets
+
+    @property
     def dense_slots(self) -> tuple[int, ...]:
-        """The slot of every count below ``len(dense_slots)``, by count: a look-up, not a bisection."""
-        return self._dense_slots
+        """Deprecated: ``dense_buckets`` (its old name, kept because the README promised it)."""
+        return self._dense_buckets
 
     def representatives(self) -> tuple[int, ...]:
-        """One count per slot, in slot order: 0, every size, and ``max + 1``."""
+        """One count per bucket, in bucket order: 0, every size, and ``max + 1``."""
         return (*self._bounds, self._sizes[-1] + 1)
 
     def pad(self, n: int) -> int | None:
         """The smallest size >= ``n``, or ``None`` when ``n`` exceeds ``max``."""
         check_int("n", n, minimum=0)
-        return self._padded[self._slot(n)]
+        return self._padded[self._bucket(n)]
 
-    def _slot(self, n: int) -> int:
-        """The slot of a count ``n >= 0`` (see the class docstring); ``n`` is not checked.
+    def _bucket(self, n: int) -> int:
+        """The bucket of a count ``n >= 0`` (see the class docstring); ``n`` is not checked.
 
-        Counts in one slot pad to one size: ``pad(n)`` depends on ``n`` only
-        through ``_slot(n)``.
+        Counts in one bucket pad to one size: ``pad(n)`` depends on ``n`` only
+        through ``_bucket(n)``.
         """
-        dense = self._dense_slots
+        dense = self._dense_buckets
         return dense[n] if n < len(dense) else bisect_left(self._bounds, n)
 
     def __len__(self) -> int:
@@ -129,11 +135,11 @@ class CaptureSizes:
         return f"CaptureSizes({list(self._sizes)})"
 
 
-def _slot_table(bounds: tuple[int, ...], limit: int) -> tuple[int, ...]:
+def _bucket_table(bounds: tuple[int, ...], limit: int) -> tuple[int, ...]:
     """``bisect_left(bounds, n)`` for every count ``n`` in ``[0, limit]``, as one tuple."""
     table = [0]
-    for slot, bound in enumerate(bounds[1:], start=1):
-        table.extend([slot] * (min(bound, limit) + 1 - len(table)))
+    for bucket, bound in enumerate(bounds[1:], start=1):
+        table.extend([bucket] * (min(bound, limit) + 1 - len(table)))
         if bound >= limit:
             break
     table.extend([len(bounds)] * (limit + 1 - len(table)))  # above the largest size

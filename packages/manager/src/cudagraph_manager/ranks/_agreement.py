@@ -29,8 +29,8 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     Dispatch,
     EagerReason,
-    RankRequest,
     Route,
+    StepRequest,
     agree_across_ranks,
 )
 
@@ -198,7 +198,7 @@ class RankAgreement:
         return staged
 
     def agree_step(
-        self, dispatcher: CUDAGraphDispatcher, request: RankRequest, *, can_replay: bool
+        self, dispatcher: CUDAGraphDispatcher, request: StepRequest, *, can_replay: bool
     ) -> Dispatch:
         """The decision every rank runs this step (one exchange).
 
@@ -217,7 +217,7 @@ class RankAgreement:
         if not all(ok for *_, ok in rows):
             return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
         requests = [
-            RankRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
+            StepRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
             for n, u, loras, bits, _ in rows
         ]
         return agree_across_ranks(dispatcher, requests)
@@ -225,18 +225,20 @@ class RankAgreement:
     def route_step(
         self,
         dispatcher: CUDAGraphDispatcher,
-        request: RankRequest,
+        request: StepRequest,
         *,
         can_replay: bool,
     ) -> tuple[Route, bool]:
-        """This rank's route for a step every rank runs alike (one exchange), and whether it pads along.
+        """This rank's route for a step every rank runs alike (one exchange), and whether it is a dummy step.
 
         The route is the agreed graph, or why this rank runs eagerly (another
-        rank had no graph: ``OTHER_RANK``; this rank's own reason otherwise).
-        "Pads along" is true for a rank with 0 tokens that must still run:
-        it replays the agreed graph on pad values, or, when the others run
-        eagerly, runs the model on one padding row so their collectives
-        meet it. Only when every rank is idle does none call the model.
+        rank had no graph: ``OTHER_RANK``; ``EMPTY_BATCH`` for a rank with 0
+        tokens; this rank's own reason otherwise). A dummy step (``True``) is
+        the step of a rank with 0 tokens that must still run because other
+        ranks have tokens: it replays the agreed graph on pad values, or, when
+        the others run eagerly, runs the model on one padding row so their
+        collectives meet it (``stats.dummy_steps``). Only when every rank is
+        idle does none call the model.
         """
         # This rank's own route first: it checks the step's arguments before the exchange.
         own = dispatcher.route(
@@ -250,7 +252,7 @@ class RankAgreement:
         if agreed.mode is not _NONE:
             return agreed, idle
         if idle:
-            return EagerReason.NO_GRAPH_FOR_BATCH, agreed.descriptor.num_tokens > 0
+            return EagerReason.EMPTY_BATCH, agreed.descriptor.num_tokens > 0
         if isinstance(own, Dispatch):  # this rank had a graph
             return (EagerReason.OTHER_RANK if can_replay else EagerReason.NOT_CAPTURED), False
         return own, False
