@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
 from cudagraph_capture import CaptureOptions, resolve_device
 from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
-from ._protocols import AttentionMetadataBuilder
+from ._capture._engines import default_engine_factory
+from ._protocols import AttentionMetadataBuilder, GraphEngineFactory
 from ._step._buffers import check_inputs_spec
 from ._step._decode_loop import DecodeLoop
 from ._step._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
@@ -36,6 +38,8 @@ class Arguments:
     no_graphs: str | None
     #: The attention's metadata builder, called on every path (``None``: the model needs none).
     builder: AttentionMetadataBuilder[object] | None
+    #: The capture engines' factory (the default: ``cudagraph_capture``'s, one per mode).
+    factory: GraphEngineFactory
 
 
 def check_arguments(
@@ -84,7 +88,8 @@ def check_arguments(
     )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
-    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder)
+    factory = default_engine_factory if engine_factory is None else cast(GraphEngineFactory, engine_factory)
+    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder, factory)
 
 
 def _check_request_counts(

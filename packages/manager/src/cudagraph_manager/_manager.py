@@ -1,14 +1,15 @@
 """Model-level CUDA graphs: dispatch, capture and replay over static buffers.
 
-``CUDAGraphManager`` owns one static buffer per model input, one engine per
-runtime mode and one ``PlannedKey`` per key of the dispatcher's plan; a key's
-entry, once captured, replays itself. A step is one screen (``_step``):
+``CUDAGraphManager`` is the facade over the package's layers (docs/design.md,
+"Map"): its parts (``_parts``: model, dispatcher, static buffers, counters),
+the step path (``_step``), the captures (``_capture``), the weights the
+graphs read (``_memory``), the reports (``_reports``) and the ranks
+(``ranks``). A step is one screen (``_step``):
 
-    check the inputs -> route -> copy into the static buffers -> entry.replay() -> cut
+    check the inputs -> route -> build the metadata -> copy in -> entry.replay() -> count and cut
 
 or, when the route is a reason instead of a graph, an eager step counted per
-reason (``_eager``). Captures are in ``_capture`` (``_capturer``), the background capture in
-``_background``, the ranks' agreements in ``ranks``.
+reason (``_step/_eager``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ from typing import Final, Generic, TypeAlias, cast
 import torch
 from torch import Tensor
 
-from cudagraph_capture import (
-    CaptureOptions,
-    OutputGuard,
-)
+from cudagraph_capture import CaptureOptions, OutputGuard
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     NO_MODES,
@@ -39,20 +37,17 @@ from cudagraph_dispatch import (
     check_bool,
 )
 
-from ._arguments import Arguments, check_arguments
+from ._arguments import check_arguments
 from ._attention._seam import StepBatch
 from ._capture._background import BackgroundCapture
 from ._capture._capturer import Capturer, agree_plan
-from ._capture._engines import default_engine_factory
-from ._capture._planned import PlannedKey, replays_by_size
-from ._memory._weights import WeightWatch, watched_module
+from ._capture._planned import replays_by_size
 from ._parts import ManagerParts
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
-from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate, StepCounts
-from ._step._buffers import StaticBuffers
+from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate
 from ._step._decode_loop import DecodeLoop, LoopResult
 from ._step._eager import EagerSteps
-from ._step._outputs import LayoutCell, OutputRows
+from ._step._outputs import OutputRows
 from ._step._static import StaticInput
 from .ranks import RankAgreement
 
@@ -62,28 +57,22 @@ _Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's invalid modes
 class CUDAGraphManager(Generic[OutputT]):
     """Captures a model's forward as CUDA graphs and replays them, one call per step.
 
-    ``model``: any callable taking the ``inputs`` as keyword arguments and
-    returning a tensor or a flat tuple, list or dict of tensors. Each input
-    gets a static buffer on ``device`` (default: the current CUDA device, or
-    the CPU), filled with its ``pad_value``. ``config`` decides which graphs
-    exist; ``options`` go to the capture engines; ``output_rows`` says which
-    count each output's rows follow, so ``run`` can cut it to the real batch.
-    ``strict=True`` raises ``NoGraphError`` where a step would run eagerly.
-    ``engine_factory`` replaces the capture engines (a seam for tests).
-    ``check_overwritten_outputs=True`` (a debug check) makes a replay's
-    outputs unreadable once a later replay may have overwritten them.
-    Without CUDA nothing is captured and every step runs eagerly on the
-    padded buffers. The static buffers serve one step at a time: ``run``
-    while another thread is inside a method of this manager raises
-    ``RuntimeError``. ``ranks`` makes data- or tensor-parallel ranks capture
-    the same plan and take the same route at every step (README, "Several
-    GPUs"). ``metadata_builder`` builds the attention's metadata for the
-    batch each forward runs as, on every path (README, "The attention
-    seam"); the model reads it with ``attention_metadata(builder)``.
-    ``attention`` (default: the builder's ``support``, else the model's
-    ``graph_support()``) is what the attention can graph; the mode is
-    resolved against it (README). ``decode_loop`` lets ``run_loop`` take
-    many decode steps per call (README, "Decode loops").
+    ``model`` takes the ``inputs`` as keywords and returns a tensor or a flat
+    tuple, list or dict of tensors; each input gets a static buffer on
+    ``device`` (default: the current CUDA device, else the CPU, where every
+    step runs eagerly on the padded buffers). ``config`` decides which
+    graphs exist, ``options`` go to the capture engines (``engine_factory``
+    replaces them), ``output_rows`` says which count each output's rows
+    follow. ``strict`` raises ``NoGraphError`` where a step would run
+    eagerly. ``check_overwritten_outputs`` (a debug check) makes outputs
+    unreadable once a later replay may have overwritten them. ``ranks``:
+    data- or tensor-parallel ranks capture one plan and take one route per
+    step. ``metadata_builder`` builds the attention's metadata on every path
+    (``attention_metadata(builder)`` reads it); ``attention`` (default: its
+    ``support``, else the model's ``graph_support()``) resolves the mode.
+    ``decode_loop`` lets ``run_loop`` take many decode steps per call. One
+    step at a time: ``run`` while another thread is inside a method of this
+    manager raises ``RuntimeError``. README and docs/design.md say more.
     """
 
     def __init__(
@@ -120,32 +109,26 @@ class CUDAGraphManager(Generic[OutputT]):
             metadata_builder=metadata_builder,
             decode_loop=decode_loop,
         )
-        parts = _parts(model, checked, config, strict, ranks)
+        parts = self._parts = ManagerParts.of(
+            model, checked, strict, None if ranks is None else ranks.world_size
+        )
         self._dispatcher: Final = parts.dispatcher
-        self._device: Final = parts.device
-        #: Why this manager captures nothing (``None``: it captures).
-        self._no_graphs: Final = parts.no_graphs
         self._buffers: Final = parts.buffers
         self._layout: Final = parts.layout  # from the first outputs seen
         self._counts: Final = parts.counts
         self._guard: Final = _output_guard() if check_overwritten_outputs else None
         self._ranks: Final = ranks
         self._eager: Final = EagerSteps(parts)
-        factory = default_engine_factory if engine_factory is None else engine_factory
-        self._capturer: Final = Capturer(parts, factory, checked.options, decode_loop)
-        #: Every key of the plan, in capture order; its entry says whether it is captured.
-        self._keys: Final = self._capturer.keys
-        self._released = False  # release() freed the graphs, and no capture started since
+        self._capturer: Final = Capturer(parts, checked.factory, checked.options, decode_loop)
+        self._keys: Final = self._capturer.keys  # the plan's keys; a key's entry says if it is captured
         self._step_lock: Final = threading.Lock()
-        self._session: BackgroundCapture | None = None  # the last background capture
-        #: The addresses of the model's parameters and buffers that its graphs read.
-        self._weights: Final = WeightWatch(watched_module(model))
+        self._weights: Final = self._capturer.weights  # the tensors the graphs read
 
     # -- accessors --
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._parts.device
 
     @property
     def dispatcher(self) -> CUDAGraphDispatcher:
@@ -174,35 +157,25 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def reset_stats(self) -> None:
         for key in self._keys.values():
-            key.replays = 0
+            key.reset_replays()
         self._counts.reset()
 
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
         with self._exclusive("clear"):
             self._capturer.drop_all()
-            self._weights.forget()
 
     def release(self) -> None:
         """Free every graph and give its memory back to the device; steps run eagerly until a capture.
 
-        For a sleep mode: stops a running background capture, frees every
-        graph and calls ``release_graph_memory``. Steps then run eagerly as
-        ``EagerReason.RELEASED``; the static buffers stay; the last outputs
-        are invalid. Wake with ``start_capture()`` or ``capture()``, new
-        weights loaded in between or not (README, "Sleep and wake").
+        For a sleep mode: stops a running background capture first. Steps run
+        as ``EagerReason.RELEASED``, the static buffers stay, the last outputs
+        are invalid. Wake with ``start_capture()`` or ``capture()`` (README).
         """
         with self._step_lock:
-            session = self._session
-            if session is not None and not session.done:
-                session.stop()
-                session.wait()
-            self._capturer.drop_all()
-            self._weights.forget()
-            self._released = True
             if self._guard is not None:
                 self._guard.retire_all()
-            self._capturer.release_memory()  # last: the manager is released even if this raises
+            self._capturer.release()  # stops a background capture first, gives the memory back last
 
     def check_weights(self) -> None:
         """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced.
@@ -229,22 +202,21 @@ class CUDAGraphManager(Generic[OutputT]):
             check_bool("progress", progress)
         with self._exclusive("capture"):
             pending = self._capturer.pending()
-            self._before_capture(len(pending))
-            agree_plan(self._ranks, pending, self._no_graphs)
+            self._capturer.begin(pending)
+            agree_plan(self._ranks, pending, self._parts.no_graphs)
             return self._capturer.foreground(pending, self._ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
         """Predict what ``capture()`` of the pending keys will cost the device, before capturing.
 
         For sizing a KV cache: a few probe keys per mode are captured into a
-        pool of their own, measured, freed (``_estimate`` says how), and
-        torch's cache is emptied. ``total_bytes`` predicts the drop of free
-        memory over the ``capture()`` that follows
-        (``CaptureReport.device_bytes``). Synchronizes the calling stream.
+        pool of their own, measured and freed (``_capture/_estimate``).
+        ``total_bytes`` predicts the drop of free memory over the next
+        ``capture()`` (its ``device_bytes``). Synchronizes the calling stream.
         With ``ranks``, a collective, with ``capture()``'s plan agreement.
         """
         with self._exclusive("estimate_memory"):
-            agree_plan(self._ranks, self._capturer.pending(), self._no_graphs)
+            agree_plan(self._ranks, self._capturer.pending(), self._parts.no_graphs)
             return self._capturer.estimate(self._ranks)
 
     def start_capture(self) -> BackgroundCapture:
@@ -258,28 +230,16 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         with self._exclusive("start_capture"):
             if self._ranks is not None:
-                raise RuntimeError(
-                    "start_capture: a manager with ranks= captures with capture(), on every rank at once; "
-                    "a background capture would interleave its collectives with the serving steps' "
-                    "differently on each rank"
-                )
-            pending = [] if self._no_graphs is not None else self._capturer.pending()
-            self._before_capture(len(pending))
-            session = self._session = self._capturer.background(pending)
-        return session
-
-    def _before_capture(self, num_pending: int) -> None:
-        """New graphs read the weights as they are now; the graphs kept must still read theirs."""
-        if self._no_graphs is None:  # else no graph will read them: nothing to watch
-            self._weights.take() if num_pending == len(self._keys) else self._weights.check()
-        self._released = False
+                raise RuntimeError(_NO_BACKGROUND_WITH_RANKS)
+            pending = self._capturer.pending()
+            self._capturer.begin(pending)
+            return self._capturer.background(pending)
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         """Hold the step lock (waiting for a ``run`` in progress); refuse while a background capture runs."""
         with self._step_lock:
-            session = self._session
-            if session is not None and not session.done:
+            if self._capturer.running() is not None:
                 raise RuntimeError(f"{what}: a background capture of this manager is running; wait() for it")
             yield
 
@@ -317,7 +277,7 @@ class CUDAGraphManager(Generic[OutputT]):
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> OutputT:
         """``run`` with the inputs in one mapping (mypy rejects ``run(**batch)`` of a dict)."""
-        given: object = inputs
+        given: object = inputs  # checked inline: the step path calls nothing of ours before the route
         if given.__class__ is not dict and not isinstance(given, Mapping):
             raise ValueError(
                 f"inputs: expected a mapping of input names to tensors, got {type(given).__name__}"
@@ -325,24 +285,24 @@ class CUDAGraphManager(Generic[OutputT]):
         return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
 
     def _step(
-        self, inputs: Mapping[str, torch.Tensor], uniform: bool, loras: int, invalid: _Modes
+        self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool, loras: int, invalid: _Modes
     ) -> OutputT:
-        """The step: check -> route -> copy in -> replay -> count and cut; or ``_without_graph``."""
+        """The step: check -> route -> build -> copy in -> replay -> count and cut; or ``without_graph``."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:
-            num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform)
+            num_tokens, num_reqs, requires_grad = self._buffers.check(inputs, uniform_decode)
             if self._ranks is not None:  # one exchange: every rank takes the same route
-                route, pads_along = self._agreed_route(StepRequest(num_tokens, uniform, loras, invalid))
+                route, dummy = self._agreed_route(StepRequest(num_tokens, uniform_decode, loras, invalid))
             elif num_tokens == 0:
                 return self._eager.idle(inputs)
             else:
-                route, pads_along = self._dispatcher.route(num_tokens, uniform, loras, invalid), False
+                route, dummy = self._dispatcher.route(num_tokens, uniform_decode, loras, invalid), False
             key = self._keys[route.descriptor] if isinstance(route, Dispatch) else None  # the one look-up
             entry = None if key is None else key.entry
             if key is None or entry is None:
-                request = StepRequest(num_tokens, uniform, loras, invalid)
-                return self._without_graph(inputs, request, num_reqs, route, key, pads_along)
+                request = StepRequest(num_tokens, uniform_decode, loras, invalid)
+                return self._eager.without_graph(inputs, request, num_reqs, route, key, dummy, self._capturer)
             if self._weights.moved():  # a tensor the graphs read was assigned, or the model moved
                 self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
             # The attention's metadata first: a builder refuses a batch before a static buffer is touched.
@@ -356,11 +316,10 @@ class CUDAGraphManager(Generic[OutputT]):
                     entry.replay()
                 finally:
                     FORWARD_CONTEXT_VAR.reset(token)
-            key.replays += 1
+            out = key.replayed(entry, self._layout.layout, num_tokens, num_reqs)
             self._counts.padded_tokens += key.num_tokens - num_tokens
-            if pads_along:
+            if dummy:
                 self._counts.dummy_steps += 1
-            out = key.cut(entry, self._layout.layout, num_tokens, num_reqs)
             return out if self._guard is None else cast(OutputT, self._guard.replayed(key.descriptor, out))
         finally:
             self._step_lock.release()
@@ -375,10 +334,9 @@ class CUDAGraphManager(Generic[OutputT]):
     ) -> LoopResult:
         """Up to ``max_steps`` decode steps of a uniform batch in one call (``decode_loop=``).
 
-        The inputs as keywords, or in one mapping (``batch``). One token per
-        request, checked as ``run`` checks. The step and the advance loop on
-        the device where ``capture()`` captured the key's loop, else on the
-        host over the same buffers. Synchronizes once (the steps taken);
+        The inputs as keywords or in one mapping (``batch``), one token per
+        request, checked as ``run`` checks. On the device where ``capture()``
+        captured the key's loop, else on the host. Synchronizes once;
         ``LoopResult.tokens`` is valid until the next ``run_loop`` or capture.
         """
         loops = self._capturer.loops
@@ -392,23 +350,10 @@ class CUDAGraphManager(Generic[OutputT]):
             self._step_lock.release()
 
     def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
-        """The route every rank takes (one exchange), and whether this rank pads along (``route_step``)."""
+        """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
         assert self._ranks is not None
         can_replay = all(key.entry is not None for key in self._keys.values())
         return self._ranks.route_step(self._dispatcher, request, can_replay=can_replay)
-
-    def _without_graph(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        request: StepRequest,
-        num_reqs: int,
-        route: Route,
-        key: PlannedKey[OutputT] | None,
-        pads_along: bool,
-    ) -> OutputT:
-        """A step that replays nothing (``EagerSteps.without_graph``: the reason is decided there)."""
-        session, released = self._session, self._released
-        return self._eager.without_graph(inputs, request, num_reqs, route, key, pads_along, session, released)
 
 
 _BUSY: Final = (
@@ -416,35 +361,11 @@ _BUSY: Final = (
     "release() or estimate_memory() of this manager; its static buffers serve one step at a time "
     "(serialize the calls, or use a manager per thread)"
 )
-
-
-def _parts(
-    model: Callable[..., OutputT],
-    checked: Arguments,
-    config: DispatchConfig,
-    strict: bool,
-    ranks: RankAgreement | None,
-) -> ManagerParts[OutputT]:
-    """The manager's shared parts: its static buffers (a buffer per input), layout and counters."""
-    buffers = StaticBuffers(
-        checked.inputs,
-        max_tokens=config.capture_sizes.max,
-        max_num_seqs=config.max_num_seqs,
-        query_len=config.uniform_decode_query_len,
-        device=checked.device,
-    )
-    return ManagerParts(
-        model,
-        checked.dispatcher,
-        buffers,
-        LayoutCell(checked.rows),
-        StepCounts(),
-        checked.device,
-        checked.no_graphs,
-        strict,
-        None if ranks is None else ranks.world_size,
-        checked.builder,
-    )
+_NO_BACKGROUND_WITH_RANKS: Final = (
+    "start_capture: a manager with ranks= captures with capture(), on every rank at once; "
+    "a background capture would interleave its collectives with the serving steps' "
+    "differently on each rank"
+)
 
 
 def _output_guard() -> OutputGuard:

@@ -1,19 +1,28 @@
-"""What the parts of one manager share: built once, read by its eager steps and its captures."""
+"""What the parts of one manager share: built once, read by its steps, its captures and its loops.
+
+Each fact has one owner here: the device is the static buffers' (where the
+graphs read their inputs), the mode resolution the dispatcher's, why nothing
+is captured (``no_graphs``) this object's. The parts read them from here and
+keep no copy.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Generic
+from typing import TYPE_CHECKING, Generic
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphDispatcher
+from cudagraph_dispatch import CUDAGraphDispatcher, ModeResolution
 
 from ._protocols import AttentionMetadataBuilder, OutputT
 from ._reports._report import StepCounts
 from ._step._buffers import StaticBuffers
 from ._step._outputs import LayoutCell
+
+if TYPE_CHECKING:  # the arguments' module imports the decode loops, which import this one
+    from ._arguments import Arguments
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,8 +40,43 @@ class ManagerParts(Generic[OutputT]):
     buffers: StaticBuffers
     layout: LayoutCell
     counts: StepCounts
-    device: torch.device
     no_graphs: str | None
     strict: bool
     world_size: int | None
     builder: AttentionMetadataBuilder[object] | None
+
+    @classmethod
+    def of(
+        cls, model: Callable[..., OutputT], checked: Arguments, strict: bool, world_size: int | None
+    ) -> ManagerParts[OutputT]:
+        """A manager's parts from its ``checked`` arguments: a static buffer per input, fresh counters."""
+        config = checked.dispatcher.config
+        buffers = StaticBuffers(
+            checked.inputs,
+            max_tokens=config.capture_sizes.max,
+            max_num_seqs=config.max_num_seqs,
+            query_len=config.uniform_decode_query_len,
+            device=checked.device,
+        )
+        layout = LayoutCell(checked.rows)
+        return cls(
+            model,
+            checked.dispatcher,
+            buffers,
+            layout,
+            StepCounts(),
+            checked.no_graphs,
+            strict,
+            world_size,
+            checked.builder,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the static buffers live, and so every graph, step and loop of the manager."""
+        return self.buffers.device
+
+    @property
+    def resolution(self) -> ModeResolution:
+        """The mode the graphs follow (the dispatcher's), for the reports."""
+        return self.dispatcher.resolution

@@ -1,4 +1,5 @@
-"""The seams of this package, as types: the model's outputs, the engine factory, the attention's builder.
+"""The seams of this package, as types: the model's outputs, the engine factory, the attention's builder,
+and what a background capture asks of the manager's captures.
 
 The manager reaches the capture layer only through ``GraphEngineFactory`` and
 the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
@@ -8,15 +9,19 @@ hands back a ``GraphEntry`` the manager keeps): the default factory builds
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, TypeAlias, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
-from cudagraph_dispatch import AttentionSupport, CUDAGraphMode
+from cudagraph_dispatch import AttentionSupport, BatchDescriptor, CUDAGraphMode
 
 from ._attention._seam import BatchShape, StepBatch
+
+if TYPE_CHECKING:  # the reports import nothing of this module; the names are for the annotations
+    from ._reports._report import CapturedGraph, CaptureReport
+    from ._reports._totals import CaptureTotals
 
 #: What a model may return: a tensor, or a flat tuple, list or dict of tensors.
 ModelOutput: TypeAlias = (
@@ -70,3 +75,30 @@ class AttentionMetadataBuilder(Protocol[M_co]):
     def build(self, batch: StepBatch, shape: BatchShape, /) -> M_co: ...
 
     def build_for_capture(self, shape: BatchShape, /) -> M_co: ...
+
+
+class CaptureJobs(Protocol):
+    """What a background capture asks of its manager's captures (``Capturer``): its one seam.
+
+    ``device`` and ``gc_disable`` say where and how it captures;
+    ``start_totals`` starts a phase's measurements and ``report`` ends them
+    (the manager adds why it captures nothing, if it does); ``warm_up`` runs
+    one key eagerly, skipped where ``for_thread`` and the thread has its
+    handles (the warm-up rule's); ``capture`` records a key warmed up before.
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def gc_disable(self) -> bool: ...
+
+    def start_totals(self) -> CaptureTotals: ...
+
+    def report(
+        self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None
+    ) -> CaptureReport: ...
+
+    def warm_up(self, descriptor: BatchDescriptor, *, for_thread: bool) -> None: ...
+
+    def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...

@@ -63,16 +63,18 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 import torch
 
 from cudagraph_capture import capture_lock, capture_stream, collector_paused
-from cudagraph_dispatch import BatchDescriptor, ModeResolution
+from cudagraph_dispatch import BatchDescriptor
 
+from .._protocols import CaptureJobs
 from .._reports._report import CapturedGraph, CaptureReport
 from .._reports._totals import CaptureTotals
+from ._warm_up import WarmUps
 from ._worker import run_capture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
@@ -119,55 +121,38 @@ class BackgroundCapture:
     """
 
     __slots__ = (
-        "_capture_one",
-        "_device",
         "_done",
         "_errors",
         "_finished",
         "_first_outputs",
         "_first_served",
-        "_gc_disable",
+        "_jobs",
         "_lock",
         "_misses",
-        "_no_graphs",
-        "_owner",
         "_pending",
         "_records",
         "_report",
-        "_resolution",
         "_retries",
         "_stop",
         "_timings",
         "_total",
-        "_warm_keys",
-        "_warm_one",
+        "_warm_ups",
         "_warm_ups_queued",
     )
 
     def __init__(
         self,
         pending: Sequence[BatchDescriptor],
-        warm_keys: Sequence[BatchDescriptor],
-        warm_one: Callable[[BatchDescriptor], None],
-        capture_one: Callable[[BatchDescriptor], CapturedGraph],
-        device: torch.device,
-        gc_disable: bool,
-        no_graphs: str | None,
-        resolution: ModeResolution | None,
-        owner: object,
+        warm_ups: WarmUps,
+        jobs: CaptureJobs,
         *,
         timings: BackgroundTimings,
     ) -> None:
         self._pending: Final = list(pending)  # largest first; the capture thread's alone
-        #: Whose captures these are (the manager's ``Capturer``): the worker lives while it does.
-        self._owner: Final = owner
-        self._no_graphs: Final = no_graphs  # why nothing can be captured, for the report
-        self._resolution: Final = resolution  # the mode the graphs follow, for the report
-        self._warm_keys: Final = tuple(warm_keys)
-        self._warm_one: Final = warm_one
-        self._capture_one: Final = capture_one
-        self._device: Final = device
-        self._gc_disable: Final = gc_disable
+        self._warm_ups: Final = warm_ups
+        #: The manager's captures, which this session asks for warm-ups, recordings and its
+        #: report; the capture worker lives while they do.
+        self._jobs: Final = jobs
         self._timings: Final = timings
         self._total: Final = len(pending)
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
@@ -244,9 +229,10 @@ class BackgroundCapture:
         if self._first_served.is_set():  # every later step: nothing to do
             return
         try:
-            if self._device.type == "cuda":
+            device = self._jobs.device
+            if device.type == "cuda":
                 outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                outputs.record(torch.cuda.current_stream(self._device))  # the session's device's stream
+                outputs.record(torch.cuda.current_stream(device))  # the session's device's stream
                 self._first_outputs = outputs  # before the flag: the worker reads it after the flag
         except Exception:  # a sticky CUDA error of the step itself, most likely: the step reports it
             _logger.debug("background capture: no event after the first step", exc_info=True)
@@ -260,21 +246,22 @@ class BackgroundCapture:
         warm-ups wait on the device for what it queued so far, and it waits
         on the device for them. Never waits for the device itself.
         """
+        device = self._jobs.device
         if not self._pending:
-            self._finish(CaptureTotals(self._device, self._resolution))
+            self._finish(self._jobs.start_totals())
             self._done.set()
             return
-        cuda = self._device.type == "cuda"
-        serving = torch.cuda.current_stream(self._device) if cuda else None
+        cuda = device.type == "cuda"
+        serving = torch.cuda.current_stream(device) if cuda else None
         # The thread works on the capture stream: a stream of the engines' own, never one that
         # torch's stream pool could also hand the serving thread.
-        own = capture_stream(self._device) if cuda else None
+        own = capture_stream(device) if cuda else None
         if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
             raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
         warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
         # The device's capture worker, whose handles and plans outlive this session (``_worker``).
         job = functools.partial(self._run, serving, own, warm_ups_done)
-        run_capture(self._device, job, self._owner, "cudagraph-background-capture", self._done.set)
+        run_capture(device, job, self._jobs, "cudagraph-background-capture", self._done.set)
         self._warm_ups_queued.wait()
         if serving is not None and warm_ups_done is not None:
             serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device
@@ -288,9 +275,10 @@ class BackgroundCapture:
         warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         """The thread's body: warm up, then record every pending key. Never raises."""
-        totals = CaptureTotals(self._device, self._resolution)
+        jobs = self._jobs
+        totals = jobs.start_totals()
         cuda = serving is not None and own is not None
-        on_device = torch.cuda.device(self._device) if cuda else contextlib.nullcontext()
+        on_device = torch.cuda.device(jobs.device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
             with on_device, on_stream, torch.no_grad():
@@ -298,7 +286,7 @@ class BackgroundCapture:
                 self._after_first_step()
                 while self._pending and not self._stop.is_set():
                     key = self._next_key()
-                    with self._turn(), collector_paused(self._gc_disable):  # one key at a time
+                    with self._turn(), collector_paused(jobs.gc_disable):  # one key at a time
                         if serving is not None and own is not None:
                             own.wait_stream(serving)  # this turn after what the serving stream queued so far
                         self._capture_with_retries(key)
@@ -319,8 +307,9 @@ class BackgroundCapture:
             with self._turn():
                 if serving is not None and own is not None:
                     own.wait_stream(serving)  # everything the serving stream queued before start_capture()
-                for key in self._warm_keys:
-                    self._warm_one(key)
+                warm_ups = self._warm_ups
+                for key in warm_ups.keys:
+                    self._jobs.warm_up(key, for_thread=key in warm_ups.for_thread)
         except Exception as error:  # the captures will say which keys fail; keep going
             _logger.exception("background capture: a warm-up failed")
             with self._lock:
@@ -353,7 +342,8 @@ class BackgroundCapture:
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""
-        return capture_lock(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
+        device = self._jobs.device
+        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def _next_key(self) -> BatchDescriptor:
         """The most recently missed pending key, else the largest pending one."""
@@ -367,7 +357,7 @@ class BackgroundCapture:
     def _capture_with_retries(self, key: BatchDescriptor) -> None:
         for attempt in range(RETRIES + 1):
             try:
-                record = self._capture_one(key)
+                record = self._jobs.capture(key)
             except Exception as error:  # a model's error, an invalidated capture: never the whole loop
                 if attempt < RETRIES:
                     with self._lock:
@@ -389,8 +379,8 @@ class BackgroundCapture:
 
     def _finish(self, totals: CaptureTotals) -> None:
         with self._lock:
-            why = self._no_graphs
-            if why is None and self._pending:
+            why = None
+            if self._pending:
                 why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
-            self._report = totals.report(self._records, why)
+            self._report = self._jobs.report(totals, self._records, why)
         # ``done`` is set by the thread's runner once it is free again (``run_capture``).

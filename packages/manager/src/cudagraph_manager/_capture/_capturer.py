@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Final, Generic
@@ -34,7 +33,7 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._memory._compiled import dynamo_compiles
+from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
 from .._protocols import GraphEngineFactory, OutputT
 from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
@@ -45,29 +44,33 @@ from .._step._outputs import LayoutCell
 from ..ranks import RankAgreement
 from ._background import BackgroundCapture, BackgroundTimings
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._planned import PlannedKey, by_mode
+from ._planned import PlannedKey
 from ._progress import progress as progress_bar
+from ._warm_up import WarmUpRule
 
 
 class Capturer(Generic[OutputT]):
-    """A manager's captures: every pending key in the foreground, or in a background thread."""
+    """A manager's captures: every pending key in the foreground, or in a background thread.
+
+    Owns the plan's keys, one engine per mode, the warm-up rule, the decode
+    loops, and the capture's lifecycle: the last background capture
+    (``session``) and whether the graphs were released. It is the
+    background capture's ``CaptureJobs``.
+    """
 
     __slots__ = (
         "__weakref__",  # the capture worker lives while a capturer that used it does
-        "_buffers",
-        "_device",
         "_engines",
         "_factory",
-        "_layout",
-        "_model",
-        "_no_graphs",
         "_options",
-        "_resolution",
-        "_thread_state",
-        "_warmed",
+        "_parts",
+        "_rule",
         "background_timings",
         "keys",
         "loops",
+        "released",
+        "session",
+        "weights",
     )
 
     def __init__(
@@ -77,13 +80,8 @@ class Capturer(Generic[OutputT]):
         options: CaptureOptions,
         decode_loop: DecodeLoop[OutputT] | None = None,
     ) -> None:
-        self._model: Final = parts.model
+        self._parts: Final = parts
         self._factory: Final = factory
-        self._no_graphs: Final = parts.no_graphs  # why this manager captures nothing, or None
-        self._resolution: Final = parts.dispatcher.resolution  # for the reports
-        self._buffers: Final = parts.buffers
-        self._layout: Final = parts.layout
-        self._device: Final = parts.device
         self._options: Final = options
         max_num_seqs = parts.dispatcher.config.max_num_seqs
         #: Every key of the plan, in capture order; its entry says whether it is captured.
@@ -97,31 +95,81 @@ class Capturer(Generic[OutputT]):
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
             mode: factory(parts.model, mode, options) for mode in modes
         }
-        #: Per thread: whether a warm-up of this manager ran on it (its library handles exist).
-        self._thread_state: Final = threading.local()
+        self._rule: Final = WarmUpRule[OutputT]()
         #: The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
         self.loops: Final = None if decode_loop is None else DecodeLoops(parts, decode_loop, self.keys)
-        #: Keys warmed up once (lazy initialization, compiles and autotuning are done for them),
-        #: with the seconds of a warm-up not yet counted in a report.
-        self._warmed: Final[dict[BatchDescriptor, float]] = {}
         #: How a background capture waits for the first step (tests set their own).
         self.background_timings = BackgroundTimings()
+        self.session: BackgroundCapture | None = None  # the last background capture
+        self.released = False  # release() freed the graphs, and no capture started since
+        #: The addresses of the model's parameters and buffers that its graphs read.
+        self.weights: Final = WeightWatch(watched_module(parts.model))
+
+    # -- the background capture's seam (``CaptureJobs``) --
+
+    @property
+    def device(self) -> torch.device:
+        return self._parts.device
+
+    @property
+    def gc_disable(self) -> bool:
+        return self._options.gc_disable
+
+    def start_totals(self) -> CaptureTotals:
+        return CaptureTotals(self._parts.device)
+
+    def report(
+        self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None = None
+    ) -> CaptureReport:
+        """The phase's report; why nothing was captured is the manager's reason first."""
+        parts = self._parts
+        return totals.report(graphs, parts.no_graphs or why, parts.resolution)
+
+    def warm_up(self, descriptor: BatchDescriptor, *, for_thread: bool) -> None:
+        """The background capture's warm-up of ``descriptor``, timed for its key's report.
+
+        A warm-up ``for_thread`` is skipped where the warm-up rule says the
+        thread has its handles (``WarmUpRule.thread_has_handles``).
+        """
+        if for_thread and self._rule.thread_has_handles():
+            return
+        start = time.perf_counter()
+        key = self.keys[descriptor]
+        key.warm_up(self._engines[key.mode], self._parts.buffers)
+        self._rule.ran(descriptor, time.perf_counter() - start)
+
+    def capture(self, descriptor: BatchDescriptor) -> CapturedGraph:
+        """Record ``descriptor``'s graph, warmed up before (or never: the rule's)."""
+        return self._capture(descriptor, warm=False)
+
+    # -- the manager's side --
+
+    def pending(self) -> list[PlannedKey[OutputT]]:
+        """The keys not captured yet, in capture order."""
+        return [key for key in self.keys.values() if key.entry is None]
+
+    def begin(self, pending: Sequence[PlannedKey[OutputT]]) -> None:
+        """A capture of ``pending`` begins: new graphs read the weights as they are now, kept ones theirs."""
+        self.released = False
+        if self._parts.no_graphs is None:  # else no graph will read the weights: nothing to watch
+            self.weights.before_capture(every_key=len(pending) == len(self.keys))
 
     def foreground(
         self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
         """Capture ``pending`` in order on this thread (each key kept by every rank, or by none).
 
-        A key is warmed up where that is needed (``_needs_warm_up``).
+        A key is warmed up where the warm-up rule says (``WarmUpRule.foreground``).
         """
-        if self._no_graphs is not None:
-            return CaptureReport((), 0.0, 0, self._no_graphs, resolution=self._resolution)
-        warm = self._needs_warm_up(pending, ranks)
-        device = self._device
+        parts = self._parts
+        if parts.no_graphs is not None:
+            return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution)
+        warm = set(self._rule.foreground(pending, ranks=ranks is not None).keys)
+        device = parts.device
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
-            totals = CaptureTotals(device, self._resolution)
+            totals = self.start_totals()
             for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 attempt = functools.partial(self._capture, key.descriptor, warm=key.descriptor in warm)
                 if ranks is None:
@@ -135,12 +183,79 @@ class Capturer(Generic[OutputT]):
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
                 torch.cuda.current_stream(device).synchronize()
-            return totals.report(records)
+            return self.report(totals, records)
+
+    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
+        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
+        keys = [] if self._parts.no_graphs is not None else [key.descriptor for key in pending]
+        session = self.session = BackgroundCapture(
+            keys, self._rule.background(pending), self, timings=self.background_timings
+        )
+        session.start()
+        return session
+
+    def running(self) -> BackgroundCapture | None:
+        """The background capture still running, if one is."""
+        session = self.session
+        return session if session is not None and not session.done else None
+
+    def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
+        """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
+        pending = self.pending()
+        loops = self._loop_probes()
+        parts = self._parts
+        device = parts.device
+        if parts.no_graphs is not None or not (pending or loops) or device.type != "cuda":
+            return nothing_to_estimate(
+                parts.no_graphs or ("every key is captured" if not pending else f"the device is {device}")
+            )
+        return estimate_memory(
+            pending,
+            self._probe_engine,
+            parts.buffers,
+            self._options.gc_disable,
+            self._rule.foreground(pending, ranks=ranks is not None),
+            loops,
+        )
+
+    def release(self) -> None:
+        """Stop a background capture, free every graph, give the graph memory back to the device.
+
+        Steps run eagerly as released until a capture starts; the memory goes
+        back last, so the graphs are released even if that raises.
+        """
+        session = self.running()
+        if session is not None:
+            session.stop()
+            session.wait()
+        self.drop_all()
+        self.released = True
+        if self._parts.device.type == "cuda":
+            release_graph_memory(self._parts.device)
+
+    def drop_all(self) -> None:
+        """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
+        self.weights.forget()  # no graph reads the model any more
+        with self._capture_lock():
+            if self.loops is not None:
+                self.loops.drop_all()
+            for key in self.keys.values():
+                key.drop()
+
+    def drop(self, key: PlannedKey[OutputT]) -> None:
+        """Free the key's graph (it is not captured any more), under the device's capture lock."""
+        with self._capture_lock():
+            key.drop()
+
+    def _capture_lock(self) -> contextlib.AbstractContextManager[object]:
+        """The device's capture lock: destroying a graph edits torch's registry that captures edit too."""
+        device = self._parts.device
+        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
 
     def _capture_loops(self) -> list[CapturedGraph]:
         """The decode loop of every captured uniform key of one token per request that has none yet."""
         loops = self.loops
-        if loops is None or self._device.type != "cuda":  # a loop is a CUDA graph (fake engines: none)
+        if loops is None or self._parts.device.type != "cuda":  # a loop is a CUDA graph (fakes: none)
             return []
         keys = [key for key in self.keys.values() if key.entry is not None and loops.loopable(key)]
         return [
@@ -150,90 +265,10 @@ class Capturer(Generic[OutputT]):
             for g in loops.capture_or_log(key, self._options)
         ]
 
-    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
-        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up.
-
-        The thread warms up the largest and the smallest pending key of each
-        mode; the largest only if no earlier capture of this manager warmed
-        it up (a wake after ``release()``: its compiles, autotuning and
-        allocator blocks stay). The smallest creates a new thread's cuBLAS
-        handles, which a recording cannot (tried: a wake without it fails with
-        ``CUBLAS_STATUS_NOT_INITIALIZED``); on the capture worker, which kept
-        them from a capture of this manager before, it is skipped where no
-        model is compiled (a recompile after new weights would need it).
-        """
-        warm: dict[BatchDescriptor, None] = {}
-        for_thread: set[BatchDescriptor] = set()  # warmed for the thread's handles only
-        for of_mode in by_mode(pending).values():
-            first, last = of_mode[0].descriptor, of_mode[-1].descriptor
-            largest = () if first in self._warmed else (first,)
-            warm |= dict.fromkeys((*largest, last))
-            if last not in largest:
-                for_thread.add(last)
-        session = BackgroundCapture(
-            [key.descriptor for key in pending],
-            list(warm),
-            functools.partial(self._warm_up, for_thread=frozenset(for_thread)),
-            functools.partial(self._capture, warm=False),
-            self._device,
-            self._options.gc_disable,
-            self._no_graphs,
-            self._resolution,
-            self,
-            timings=self.background_timings,
-        )
-        session.start()
-        return session
-
-    def _needs_warm_up(
-        self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None
-    ) -> set[BatchDescriptor]:
-        """The keys a foreground capture warms up: each one's first use, and the smallest of each mode.
-
-        A key's first use precedes its recording: a compile for its size (a
-        compile inside a recording fails), library plans for its shapes
-        (cuDNN's attention builds one per shape, slower inside a capture),
-        its eager allocator blocks. A key this manager warmed before (a
-        recapture: ``clear()``, ``release()`` and a wake, new weights) has
-        them all; only the smallest of each mode is warmed again, for the
-        capturing thread's cuBLAS handles and a recompile that new weights
-        may cause (one compile serves every size of a dynamic graph). With
-        ``ranks``, every key (a tensor-parallel warm-up holds collectives, so
-        every rank must run the same ones, whatever each one warmed before).
-        """
-        if ranks is not None:
-            return {key.descriptor for key in pending}
-        warm = {key.descriptor for key in pending if key.descriptor not in self._warmed}
-        warm.update(of_mode[-1].descriptor for of_mode in by_mode(pending).values())  # each mode's smallest
-        return warm
-
-    def pending(self) -> list[PlannedKey[OutputT]]:
-        """The keys not captured yet, in capture order."""
-        return [key for key in self.keys.values() if key.entry is None]
-
-    def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
-        """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
-        pending = self.pending()
-        loops = self._loop_probes()
-        if self._no_graphs is not None or not (pending or loops) or self._device.type != "cuda":
-            return nothing_to_estimate(
-                self._no_graphs
-                or ("every key is captured" if not pending else f"the device is {self._device}")
-            )
-        return estimate_memory(
-            pending,
-            self._probe_engine,
-            self._buffers,
-            self._device,
-            self._options.gc_disable,
-            self._needs_warm_up(pending, ranks),
-            loops,
-        )
-
     def _loop_probes(self) -> LoopProbes[OutputT] | None:
         """The decode loops ``capture()`` will add (every loopable key without one), for the estimate."""
         loops = self.loops
-        if loops is None or self._device.type != "cuda":
+        if loops is None or self._parts.device.type != "cuda":
             return None
         keys = [k for k in self.keys.values() if loops.loopable(k) and k.descriptor not in loops.loops]
         if not keys:
@@ -246,60 +281,16 @@ class Capturer(Generic[OutputT]):
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
-        return self._factory(self._model, mode, dataclasses.replace(self._options, pool=pool))
-
-    def drop_all(self) -> None:
-        """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
-        if self.loops is not None:
-            with capture_lock(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-                self.loops.drop_all()
-        for key in self.keys.values():
-            self.drop(key)
-
-    def release_memory(self) -> None:
-        """Give the device's graph memory back to it (``release_graph_memory``): after ``drop_all()``."""
-        if self._device.type == "cuda":
-            release_graph_memory(self._device)
-
-    def drop(self, key: PlannedKey[OutputT]) -> None:
-        """Free the key's graph (it is not captured any more), under the device's capture lock.
-
-        Destroying a graph edits torch's registry of live graphs that a capture
-        in another thread edits too: never both at once.
-        """
-        cuda = self._device.type == "cuda"
-        with capture_lock(self._device) if cuda else contextlib.nullcontext():
-            key.entry = key.last_cut = None
-
-    def _warm_up(self, descriptor: BatchDescriptor, *, for_thread: frozenset[BatchDescriptor]) -> None:
-        """The background capture's warm-up of ``descriptor``, timed for its key's report.
-
-        A key in ``for_thread`` is skipped on a thread that warmed up for this
-        manager before (the capture worker: its handles exist), unless dynamo
-        is loaded (a compiled model may recompile after new weights).
-        """
-        thread = self._thread_state
-        if descriptor in for_thread and getattr(thread, "warmed", False) and dynamo_compiles() is None:
-            return
-        start = time.perf_counter()
-        key = self.keys[descriptor]
-        key.warm_up(self._engines[key.mode], self._buffers)
-        self._warmed[descriptor] = time.perf_counter() - start
-        thread.warmed = True
+        return self._factory(self._parts.model, mode, dataclasses.replace(self._options, pool=pool))
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         key = self.keys[descriptor]
-        earlier = 0.0 if warm else self._warmed.get(descriptor, 0.0)
+        parts = self._parts
+        earlier = 0.0 if warm else self._rule.unreported(descriptor)
         record = capture_key(
-            key,
-            self._engines[key.mode],
-            self._buffers,
-            self._layout,
-            self._device,
-            warm=warm,
-            warmed_seconds=earlier,
+            key, self._engines[key.mode], parts.buffers, parts.layout, warm=warm, warmed_seconds=earlier
         )
-        self._warmed[descriptor] = 0.0  # its first use is behind it; its warm-up counted in a report
+        self._rule.captured(descriptor, warmed_here=warm)
         return record
 
 
@@ -308,7 +299,6 @@ def capture_key(
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
     layout: LayoutCell,
-    device: torch.device,
     *,
     warm: bool,
     warmed_seconds: float = 0.0,
@@ -324,7 +314,7 @@ def capture_key(
     if warm:
         key.warm_up(engine, buffers)
     warmup = time.perf_counter() - start if warm else warmed_seconds
-    entry, captured = key.record(engine, device, start, warmup)
+    entry, captured = key.record(engine, buffers.device, start, warmup)
     layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
     key.keep(entry)  # last: the serving thread replays the key from its next step
     return captured

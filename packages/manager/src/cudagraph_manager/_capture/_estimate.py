@@ -14,27 +14,27 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Generic, TypeVar
 
 import torch
 
 from cudagraph_capture import (
     GraphEngine,
-    GraphEntry,
     GraphPool,
     capture_lock,
     check_capture_enabled,
     collector_paused,
     drop_cublas_workspaces,
 )
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import CUDAGraphMode
 
 from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
 from .._step._buffers import StaticBuffers
 from ._planned import PlannedKey, by_mode
+from ._warm_up import WarmUps
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
 PROBE_SHARE: Final = 0.08
@@ -100,48 +100,35 @@ def estimate_memory(
     pending: Sequence[PlannedKey[OutputT]],
     make_engine: ProbeEngines[OutputT],
     buffers: StaticBuffers,
-    device: torch.device,
     gc_disable: bool,
-    warmed: Collection[BatchDescriptor],
+    warm_ups: WarmUps,
     loops: LoopProbes[OutputT] | None = None,
 ) -> MemoryEstimate:
     """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream.
 
-    ``warmed``: the keys the capture will warm up; the largest of each mode
-    sets what the warm-ups leave in torch's cache. ``loops``: the decode
-    loops the capture will add, probed as a mode of their own.
+    ``warm_ups``: the capture's (the warm-up rule's); the largest key of
+    each mode among them sets what the warm-ups leave in torch's cache.
+    ``loops``: the decode loops the capture will add, probed as a mode of
+    their own. The probes live in a pool of their own, freed at the end.
     """
     start = time.perf_counter()
     check_capture_enabled(None)
+    device = buffers.device
     grouped = by_mode(pending)
-    stream = torch.cuda.current_stream(device)
     pool: GraphPool = torch.cuda.graph_pool_handle()  # the probes' own: freed with them
     engines = {mode: make_engine(mode, pool) for mode in grouped}
-    entries: list[GraphEntry[OutputT]] = []  # alive until the end: they keep the pool usable
-    kept: list[object] = []  # the loop probes, likewise
+    kept: list[object] = []  # the probes' entries and loops, alive until the end: they keep the pool usable
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
-            largest_warmed = [
-                (next(key for key in keys if key.descriptor in warmed), engines[mode])
-                for mode, keys in grouped.items()
-                if any(key.descriptor in warmed for key in keys)
-            ]
-            warmup = measure_warm_ups(largest_warmed, buffers, device)
-            groups = [
-                (
-                    keys,
-                    functools.partial(_probe, keys=keys, engine=engines[mode], buffers=buffers, kept=entries),
-                )
-                for mode, keys in grouped.items()
-            ]
+            warmup = measure_warm_ups(_largest_warmed(grouped, engines, warm_ups), buffers, device)
+            groups = _probe_plan(grouped, engines, buffers, warm_ups, kept)
             if loops is not None and loops.keys:  # the decode loops: a group of their own
                 groups.append((loops.keys, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)))
             probes, pool_total, driver_total = _probe_groups(groups)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
-                entries.clear()
                 kept.clear()
-            _empty_cache(device, stream)
+            _empty_cache(device, torch.cuda.current_stream(device))
     return MemoryEstimate(
         total_bytes=warmup + pool_total + driver_total,
         warmup_bytes=warmup,
@@ -151,6 +138,42 @@ def estimate_memory(
         probes=tuple(probes),
         seconds=time.perf_counter() - start,
     )
+
+
+_Probe = Callable[[PlannedKey[OutputT]], CapturedGraph]
+
+
+def _largest_warmed(
+    grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]],
+    engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
+    warm_ups: WarmUps,
+) -> list[tuple[PlannedKey[OutputT], GraphEngine[OutputT]]]:
+    """Each mode's largest key the capture warms up, with its engine: the capture's eager peak."""
+    warmed = set(warm_ups.keys)
+    return [
+        (next(key for key in keys if key.descriptor in warmed), engines[mode])
+        for mode, keys in grouped.items()
+        if any(key.descriptor in warmed for key in keys)
+    ]
+
+
+def _probe_plan(
+    grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]],
+    engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
+    buffers: StaticBuffers,
+    warm_ups: WarmUps,
+    kept: list[object],
+) -> list[tuple[list[PlannedKey[OutputT]], _Probe[OutputT]]]:
+    """Per mode: its keys, and how to probe one of them (``_probe``)."""
+    return [
+        (
+            keys,
+            functools.partial(
+                _probe, keys=keys, engine=engines[mode], buffers=buffers, kept=kept, warm=warm_ups
+            ),
+        )
+        for mode, keys in grouped.items()
+    ]
 
 
 def measure_warm_ups(
@@ -176,7 +199,7 @@ def measure_warm_ups(
 
 
 def _probe_groups(
-    groups: Sequence[tuple[list[PlannedKey[OutputT]], Callable[[PlannedKey[OutputT]], CapturedGraph]]],
+    groups: Sequence[tuple[list[PlannedKey[OutputT]], _Probe[OutputT]]],
 ) -> tuple[list[CapturedGraph], int, int]:
     """Each group's probes (``probe_keys``) recorded, and the ``(pool, driver)`` bytes extrapolated to all."""
     probes: list[CapturedGraph] = []
@@ -196,18 +219,22 @@ def _probe(
     keys: list[PlannedKey[OutputT]],
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
-    kept: list[GraphEntry[OutputT]],
+    kept: list[object],
+    warm: WarmUps,
 ) -> CapturedGraph:
-    """Record ``key`` into ``kept``, warmed up first if it is the smallest of ``keys`` (as captures do).
+    """Record ``key`` into ``kept``, warmed up first where the capture warms it for its thread.
 
-    A function of its own so that no local name outlives the probes: their
-    graphs must die with ``kept``, or the pool stays reserved.
+    ``measure_warm_ups`` warmed the largest of ``keys`` (its mode's) already. A function of
+    its own so that no local name outlives the probes: their graphs must die
+    with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
-    warm = key is keys[-1] and len(keys) > 1
-    if warm:
+    warmed = key.descriptor in warm.for_thread and key is not keys[0]
+    if warmed:
         key.warm_up(engine, buffers)
-    entry, captured = key.record(engine, buffers.device, start, time.perf_counter() - start if warm else 0.0)
+    entry, captured = key.record(
+        engine, buffers.device, start, time.perf_counter() - start if warmed else 0.0
+    )
     kept.append(entry)
     return captured
 

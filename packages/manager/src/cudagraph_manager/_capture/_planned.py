@@ -98,13 +98,15 @@ class PlannedKey(Generic[OutputT]):
         self.last_cut = None
         self.entry = entry  # last, one assignment: the serving thread sees uncaptured or captured
 
-    def cut(
+    def replayed(
         self, entry: GraphEntry[OutputT], layout: OutputLayout | None, num_tokens: int, num_reqs: int
     ) -> OutputT:
-        """The entry's outputs cut to the real rows, in a fresh container (a caller's edits stay theirs).
+        """Count a replay of ``entry`` (this key's); its outputs cut to the real rows.
 
-        ``layout`` is set by the capture of every captured key (``None`` only before any).
+        The outputs come in a fresh container (a caller's edits stay theirs).
+        ``layout`` is set by the capture of every captured key.
         """
+        self.replays += 1
         assert layout is not None
         last = self.last_cut
         if last is not None and last[0] is entry and last[1] == num_tokens and last[2] == num_reqs:
@@ -113,6 +115,17 @@ class PlannedKey(Generic[OutputT]):
             cut = layout.cut(entry.output, num_tokens, num_reqs)
             self.last_cut = (entry, num_tokens, num_reqs, cut)
         return cast(OutputT, cut.copy() if isinstance(cut, (list, dict)) else cut)
+
+    def drop(self) -> None:
+        """Forget the entry, which frees the graph: the key is not captured any more.
+
+        The caller holds the device's capture lock (freeing a graph edits
+        torch's registry of live graphs, which a capture edits too).
+        """
+        self.entry = self.last_cut = None
+
+    def reset_replays(self) -> None:
+        self.replays = 0
 
     def warm_up(self, engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:
         """Fill the views with pad values and run the model eagerly on them (on the current stream).

@@ -128,6 +128,13 @@ class WeightWatch:
         self._first, self._first_name, self._first_ptr = first if first is not None else ({}, "", 0)
         self.dirty = False
 
+    def before_capture(self, *, every_key: bool) -> None:
+        """Before a capture: ``take()`` where ``every_key`` is captured anew, else ``check()``.
+
+        New graphs read the weights as they are now; the graphs kept must still read theirs.
+        """
+        self.take() if every_key else self.check()
+
     def forget(self) -> None:
         """No graphs read the model any more (released or cleared): nothing to compare."""
         self._addresses = {}

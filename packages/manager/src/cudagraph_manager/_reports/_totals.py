@@ -22,18 +22,23 @@ class CaptureTotals:
     device's work must count in the seconds (``capture()`` does).
     """
 
-    __slots__ = ("_compiled", "_device", "_free", "_reserved", "_resolution", "_start")
+    __slots__ = ("_compiled", "_device", "_free", "_reserved", "_start")
 
-    def __init__(self, device: torch.device, resolution: ModeResolution | None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self._device: Final = device
-        self._resolution: Final = resolution  # the mode the graphs follow, for the report
         self._compiled: Final = dynamo_compiles()
         self._reserved: Final = reserved_bytes(device)
         self._free: Final = free_bytes(device)
         self._start: Final = time.perf_counter()
 
-    def report(self, graphs: Sequence[CapturedGraph], no_graphs: str | None = None) -> CaptureReport:
-        """The phase's report: ``graphs`` and the totals since construction."""
+    def report(
+        self, graphs: Sequence[CapturedGraph], no_graphs: str | None, resolution: ModeResolution
+    ) -> CaptureReport:
+        """The phase's report: ``graphs`` and the totals since construction.
+
+        ``no_graphs``: why nothing was captured (``None``: the graphs were);
+        ``resolution``: the mode the graphs follow.
+        """
         seconds = time.perf_counter() - self._start
         return CaptureReport(
             tuple(graphs),
@@ -42,5 +47,5 @@ class CaptureTotals:
             no_graphs,
             compiles_since(self._compiled),
             self._free - free_bytes(self._device),
-            self._resolution,
+            resolution,
         )

@@ -145,18 +145,13 @@ class StaticBuffers:
     def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int, bool]:
         """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs, or ``ValueError`` naming the input.
 
-        Exact names, each tensor checked by its buffer, one row count per
-        kind of rows. ``num_reqs`` is 0 for a model without "reqs" inputs;
-        ``requires_grad`` says whether any input requires grad (copying it
-        into a buffer would then record autograd history, unless under no_grad);
-        the first time one does, a ``UserWarning`` names it: the outputs are
-        detached from it (no gradient flows back through a graph or a static buffer).
+        Exact names, each tensor checked by its buffer, one row count per kind
+        of rows (``num_reqs``: 0 without "reqs" inputs). The first step with an
+        input that requires grad warns, naming it: the outputs are detached from it.
         """
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
-        num_tokens = num_reqs = 0
-        tokens_from = reqs_from = ""
-        requires_grad = False
+        num_tokens, num_reqs, tokens_from, reqs_from, requires_grad = 0, 0, "", "", False
         for b in self.buffers:
             x = inputs.get(b.name)
             # The usual step inline: a plain tensor of the right dtype, device and trailing shape.
@@ -175,8 +170,7 @@ class StaticBuffers:
                 rows = b.check(x)
             if x.requires_grad:  # type: ignore[union-attr]  # checked above: a tensor
                 requires_grad = True
-            # The two kinds of rows stay inline (this is the per-step path): only
-            # the error of a mismatch, never built otherwise, is shared.
+            # Inline, as the per-step path: only a mismatch's error, built on a mismatch, is shared.
             if b.rows == "tokens":
                 if not tokens_from:
                     num_tokens, tokens_from = rows, b.name
@@ -187,13 +181,12 @@ class StaticBuffers:
                     num_reqs, reqs_from = rows, b.name
                 elif rows != num_reqs:
                     raise _row_count_error(b.name, rows, "reqs", reqs_from, num_reqs)
+        uniform = uniform_decode is True  # not a bool: the dispatcher names it
         if reqs_from and (
             num_reqs > self.max_num_seqs
             or num_reqs > num_tokens
             or (num_reqs == 0 and num_tokens > 0)
-            or (
-                uniform_decode is True and num_tokens != num_reqs * self.query_len
-            )  # not-a-bool: dispatch names it
+            or (uniform and num_tokens != num_reqs * self.query_len)
         ):
             self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)  # raises, naming the input
         if requires_grad and not self.warned_grad:  # the step's one branch for it

@@ -31,7 +31,7 @@ from .._parts import ManagerParts
 from .._protocols import OutputT
 
 if TYPE_CHECKING:
-    from .._capture._background import BackgroundCapture
+    from .._capture._capturer import Capturer
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
@@ -94,27 +94,27 @@ class EagerSteps(Generic[OutputT]):
         num_reqs: int,
         route: Route,
         key: PlannedKey[OutputT] | None,
-        pads_along: bool,
-        session: BackgroundCapture | None,
-        released: bool,
+        dummy: bool,
+        captures: Capturer[OutputT],
     ) -> OutputT:
         """A step that replays nothing: an idle rank's part, or an eager step for the reason decided here.
 
         A route without a graph is its own reason; a planned key without a
         graph is ``not_captured``, or ``no_cuda`` where nothing can be
-        captured, or ``released``; a key missed while a background capture
-        (``session``) runs is reported to it (captured next) and allowed in
-        strict mode.
+        captured, or ``released`` (``captures``); a key missed while a
+        background capture runs is reported to it (captured next) and
+        allowed in strict mode. ``dummy``: an idle rank runs a dummy step
+        along with the others' eager step.
         """
         if request.num_tokens == 0:  # an idle rank: an idle step without ranks never routes
-            return self.pad_along() if pads_along else self.idle(inputs)
+            return self.dummy_step() if dummy else self.idle(inputs)
         reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
         if reason is EagerReason.NOT_CAPTURED:
             if self._setup.no_graphs is not None:  # the ranks' route says "not captured" for it too
                 reason = EagerReason.NO_CUDA
-            elif released:
+            elif captures.released:
                 reason = EagerReason.RELEASED
-            elif key is not None and session is not None and not session.done:
+            elif key is not None and (session := captures.running()) is not None:
                 session.missed(key.descriptor)  # captured next; the first recording waits for served()
                 try:
                     return self.run(inputs, request, num_reqs, reason, key, allowed=True)
@@ -139,7 +139,7 @@ class EagerSteps(Generic[OutputT]):
             return out
         return cast(OutputT, layout.empty())
 
-    def pad_along(self) -> OutputT:
+    def dummy_step(self) -> OutputT:
         """An idle rank's part in an eager step of the others: the model once on one padding row.
 
         Outputs with 0 rows; counted in ``stats.dummy_steps``; strict raises.
