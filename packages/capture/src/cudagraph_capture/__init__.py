@@ -4,7 +4,10 @@
 ``BreakableCUDAGraphWrapper`` captures graph segments split by eager ops
 (``eager_break_during_capture``). Both follow the forward context of
 ``cudagraph_dispatch``, share one graph pool per device (``shared_pool``) and
-capture on a side stream. Importing this package does not initialize CUDA.
+capture on a side stream. ``graph_engine(runnable, mode, options)`` is the
+engine of a model runner that keeps its graphs itself (a ``GraphEngine``:
+``warm_up``, then ``record`` hands back a ``GraphEntry`` the runner owns).
+Importing this package does not initialize CUDA.
 """
 
 from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
@@ -32,6 +35,7 @@ from ._pool import shared_pool as shared_pool
 from ._protocols import GraphEngine as GraphEngine
 from ._protocols import GraphEntry as GraphEntry
 from ._protocols import RecordSeconds as RecordSeconds
+from ._recorder import graph_engine as graph_engine
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 from ._wrapper import BreakableCUDAGraphWrapper as BreakableCUDAGraphWrapper
 from ._wrapper import CUDAGraphWrapper as CUDAGraphWrapper
@@ -62,6 +66,7 @@ __all__ = [
     "drop_cublas_workspaces",
     "loop_fallback_counts",
     "eager_break_during_capture",
+    "graph_engine",
     "release_graph_memory",
     "resolve_device",
     "set_capture_enabled",

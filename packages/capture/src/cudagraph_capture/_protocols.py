@@ -51,8 +51,9 @@ class GraphEntry(Protocol[R_co]):
 class GraphEngine(Protocol[R_co]):
     """Capture keyed by batch descriptor, for a model runner that keeps the entries itself.
 
-    ``CUDAGraphWrapper`` and ``BreakableCUDAGraphWrapper`` satisfy it; the
-    manager depends on this protocol, not on the classes. The runner is the
+    ``graph_engine(runnable, mode, options)`` builds one; ``CUDAGraphWrapper``
+    and ``BreakableCUDAGraphWrapper`` satisfy it too. The manager depends on
+    this protocol, not on the classes. The runner is the
     one owner of "is this key captured": it keeps each ``GraphEntry`` that
     ``record`` returns, and ``record`` keeps nothing.
     """

@@ -5,14 +5,19 @@ device, stream and pool, the device's capture lock, the warm-ups, the error
 that names the descriptor, the outputs held weakly. Its two kinds differ only
 in how the work is recorded: one CUDA graph (``MonolithicRecorder``), or
 graph segments split at eager breaks (``BreakableRecorder``). A recorder is a
-``GraphEngine``: a runner that keeps the entries itself calls ``warm_up`` and
-``record``; the wrappers (``_wrapper``) keep a table of its entries and follow
-the forward context.
+``GraphEngine`` (``graph_engine`` builds one): a runner that keeps the entries
+itself calls ``warm_up`` and ``record``; the wrappers (``_wrapper``) keep a
+table of its entries and follow the forward context.
+
+One capture makes one ``Entry``: the subclass's ``_record`` hands back the
+graph's owner, the strong outputs and the instantiation seconds, and
+``capture`` builds the entry from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +25,7 @@ from types import MappingProxyType
 from typing import ClassVar, Final, Generic, TypeVar
 
 import torch
+from torch.cuda import Stream
 from torch.utils import _pytree as pytree
 
 from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMode, set_forward_context
@@ -31,7 +37,7 @@ from ._errors import CaptureError
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
-from ._protocols import RecordSeconds
+from ._protocols import GraphEngine, RecordSeconds
 from ._segment import (
     THREAD,
     abort_segment,
@@ -50,54 +56,41 @@ _NO_EXTRA: Final[Mapping[str, object]] = MappingProxyType({})
 GraphOwner = torch.cuda.CUDAGraph | BreakableCUDAGraphCapture
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Recording(Generic[R]):
-    """What one recording made: the graph's owner, its replay, its strong outputs, and what it did.
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Entry(Generic[R]):
+    """One captured graph: how to replay it, what it returns, what it expects (a ``GraphEntry``).
 
-    ``executed``: the recording also ran the work (a breakable capture that
-    executes its segments), so the outputs hold this call's results.
-    ``recorded_work``: it recorded any device work or eager break at all.
-    ``instantiation``: host seconds building the executables.
+    ``owner`` owns the graph (or the segments): dropping the entry frees it.
+    ``replay`` is ``owner.replay``, bound once (the hot path calls it).
+    ``addresses``: ``(argument path, data pointer)`` of the tensor arguments,
+    with ``check_input_addresses``, else ``None``.
     """
 
     owner: GraphOwner
     replay: Callable[[], object]
     output: R
-    executed: bool
-    recorded_work: bool
-    instantiation: float
+    addresses: tuple[tuple[str, int], ...] | None
+    seconds: RecordSeconds
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Call:
-    """One recording's inputs: the key, where it records, the runnable's arguments, whether it executes."""
-
-    descriptor: BatchDescriptor
-    pool: GraphPool
-    stream: torch.cuda.Stream
-    args: tuple[object, ...]
-    kwargs: dict[str, object]
-    execute: bool
+def check_descriptor(descriptor: object) -> None:
+    """``ValueError`` unless ``descriptor`` is a ``BatchDescriptor``."""
+    if descriptor.__class__ is not BatchDescriptor:
+        raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
 
 
-class Entry(Generic[R]):
-    """One captured graph: how to replay it, what it returns, what it expects (a ``GraphEntry``)."""
+def check_inputs(inputs: object) -> None:
+    """``inputs`` of ``warm_up``/``record``: a mapping of keyword names to tensors, else ``ValueError``.
 
-    __slots__ = ("addresses", "output", "owner", "replay", "seconds")
-
-    def __init__(
-        self,
-        owner: GraphOwner,
-        replay: Callable[[], object],
-        output: R,
-        addresses: tuple[tuple[str, int], ...] | None,
-        seconds: RecordSeconds,
-    ) -> None:
-        self.owner: Final = owner  # owns the graph(s): freed with the entry
-        self.replay: Final = replay
-        self.output: Final = output
-        self.addresses: Final = addresses  # (argument path, data pointer), with check_input_addresses
-        self.seconds: Final = seconds  # what the recording cost the host
+    Checked before anything asks for CUDA, so a bad argument is named as such on any machine.
+    """
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"inputs: expected a mapping of keyword names to tensors, got {inputs!r:.80}")
+    for name, value in inputs.items():
+        if not isinstance(name, str):
+            raise ValueError(f"inputs: expected keyword names (str), got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"inputs[{name!r}]: expected a torch.Tensor, got {type(value).__name__}")
 
 
 def _callers_extra() -> Mapping[str, object]:
@@ -109,7 +102,9 @@ def _callers_extra() -> Mapping[str, object]:
 class GraphRecorder(Generic[R]):
     """Captures ``runnable`` under the forward-context mode ``mode``, with ``options``.
 
-    ``name`` is what errors call the engine (its wrapper's class name).
+    ``options=None``: the defaults. ``name`` is what errors call the engine.
+    A ``runnable`` that is not callable, or ``options`` that are not
+    ``CaptureOptions``, raise ``ValueError`` naming them.
     """
 
     __slots__ = ("mode", "name", "options", "runnable")
@@ -117,17 +112,27 @@ class GraphRecorder(Generic[R]):
     #: Why a recording that recorded nothing is refused (replaying nothing would
     #: hand back the capture's outputs forever).
     NO_WORK: ClassVar[str] = "the capture recorded no CUDA work (does the runnable run on the CPU?)"
+    #: Whether a capture asked to execute runs the work as it records it; else
+    #: ``capture`` replays the recording once, so the outputs hold the call's results.
+    EXECUTES: ClassVar[bool] = False
 
     def __init__(
-        self, runnable: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions, name: str
+        self, runnable: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions | None, name: str
     ) -> None:
+        if not callable(runnable):
+            raise ValueError(f"runnable: expected a callable, got {runnable!r}")
         self.name: Final = name
         self.runnable: Final = runnable
         self.mode: Final = mode
-        self.options: Final = options
+        self.options: Final = CaptureOptions.given(options)
 
     def warm_up(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
-        """``options.warmup_runs`` eager runs on the capture stream (``GraphEngine.warm_up``)."""
+        """``options.warmup_runs`` eager runs on the capture stream (``GraphEngine.warm_up``).
+
+        A bad argument raises ``ValueError`` naming it before anything asks for CUDA.
+        """
+        check_descriptor(descriptor)
+        check_inputs(inputs)
         require_cuda(self.name)
         if self.options.warmup_runs:
             device = torch.cuda.current_device()
@@ -135,7 +140,12 @@ class GraphRecorder(Generic[R]):
                 self._warm_up(descriptor, self._stream(device), (), dict(inputs), _callers_extra())
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> Entry[R]:
-        """Capture without running anything on the device; the caller owns the entry (``GraphEngine``)."""
+        """Capture without running anything on the device; the caller owns the entry (``GraphEngine``).
+
+        A bad argument raises ``ValueError`` naming it before anything asks for CUDA.
+        """
+        check_descriptor(descriptor)
+        check_inputs(inputs)
         with set_forward_context(self.mode, descriptor, **_callers_extra()):
             entry, _ = self.capture(descriptor, (), dict(inputs), execute=False)
         return entry
@@ -162,7 +172,10 @@ class GraphRecorder(Generic[R]):
                 stream = self._stream(device)
                 if execute and self.options.warmup_runs:
                     self._warm_up(descriptor, stream, args, kwargs, extra)
-                recording, recorded_s = self._recorded(_Call(descriptor, pool, stream, args, kwargs, execute))
+                run = functools.partial(self.runnable, *args, **kwargs)
+                start = time.perf_counter()
+                owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
+                recorded_s = time.perf_counter() - start
         except CaptureError:
             raise
         except Exception as error:
@@ -173,15 +186,12 @@ class GraphRecorder(Generic[R]):
             if sys.version_info >= (3, 11):
                 error.add_note(f"{self.name}: interrupted while capturing the graph of {descriptor}")
             raise
-        if execute and not recording.executed:
-            # The capture only recorded the work: run it once so that this
-            # call's outputs hold the result for this call's inputs.
-            recording.replay()
+        if execute and not self.EXECUTES:
+            owner.replay()
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None
-        output = recording.output
         kept = weak_ref_tensors(output) if self.options.weak_ref_output else output
-        seconds = RecordSeconds(recorded_s - recording.instantiation, recording.instantiation)
-        return Entry(recording.owner, recording.replay, kept, addresses, seconds), output
+        seconds = RecordSeconds(recorded_s - instantiation, instantiation)
+        return Entry(owner, owner.replay, kept, addresses, seconds), output
 
     def _ready(self, descriptor: BatchDescriptor) -> tuple[int, GraphPool]:
         """The device and pool a capture of ``descriptor`` records into, or ``CaptureError`` why not."""
@@ -195,26 +205,13 @@ class GraphRecorder(Generic[R]):
         device = torch.cuda.current_device()
         return device, shared_pool(device) if self.options.pool is None else self.options.pool
 
-    def _recorded(self, call: _Call) -> tuple[Recording[R], float]:
-        """``_record(call)`` and its host seconds; ``CaptureError`` where it recorded no work."""
-        start = time.perf_counter()
-        recording: Recording[R] | None = self._record(call)
-        recorded_s = time.perf_counter() - start
-        assert recording is not None
-        if not recording.recorded_work:
-            # Freed now, under the capture lock, not whenever the traceback goes: torch's
-            # generator keeps a registry of live graphs that another thread's capture writes.
-            recording = None
-            raise CaptureError(self.NO_WORK, call.descriptor)
-        return recording, recorded_s
-
-    def _stream(self, device: int) -> torch.cuda.Stream:
+    def _stream(self, device: int) -> Stream:
         return capture_stream(device) if self.options.stream is None else self.options.stream
 
     def _warm_up(
         self,
         descriptor: BatchDescriptor,
-        stream: torch.cuda.Stream,
+        stream: Stream,
         args: tuple[object, ...],
         kwargs: dict[str, object],
         extra: Mapping[str, object],
@@ -225,34 +222,47 @@ class GraphRecorder(Generic[R]):
                 with set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
                     self.runnable(*args, **kwargs)
 
-    def _record(self, call: _Call) -> Recording[R]:
-        """Record the runnable's work (``call.execute=False``: a breakable capture runs nothing)."""
+    def _record(
+        self, run: Callable[[], R], key: BatchDescriptor, pool: GraphPool, stream: Stream, execute: bool
+    ) -> tuple[GraphOwner, R, float]:
+        """Record ``run()`` (the runnable's call) for ``key`` into ``pool`` on ``stream``.
+
+        Returns the graph's owner, its strong outputs and the seconds spent
+        instantiating it. ``execute=False``: a breakable capture runs nothing.
+        A recording of no work raises ``CaptureError(NO_WORK)``. A failed
+        recording frees its graph before raising, under the capture lock, not
+        whenever the traceback goes: torch's generator keeps a registry of
+        live graphs that another thread's capture writes.
+        """
         raise NotImplementedError
 
 
 class MonolithicRecorder(GraphRecorder[R]):
-    """One CUDA graph per descriptor (``CUDAGraphWrapper``)."""
+    """One CUDA graph per descriptor (``CUDAGraphWrapper``, ``graph_engine`` for FULL)."""
 
     __slots__ = ()
 
-    def _record(self, call: _Call) -> Recording[R]:
+    def _record(
+        self, run: Callable[[], R], key: BatchDescriptor, pool: GraphPool, stream: Stream, execute: bool
+    ) -> tuple[GraphOwner, R, float]:
         graph: torch.cuda.CUDAGraph | None = new_graph()
         assert graph is not None
         collect_before_capture(self.options.gc_disable)
         try:
-            with on_side_stream(call.stream):
-                begin_segment(graph, call.pool)
+            with on_side_stream(stream):
+                begin_segment(graph, pool)
                 try:
-                    output = self.runnable(*call.args, **call.kwargs)
+                    output = run()
                 except BaseException:
-                    abort_segment(graph, call.pool)
+                    abort_segment(graph, pool)
                     raise
-                recorded_work = end_segment(graph, call.pool, call.descriptor)
-            instantiation = instantiate_segment(graph) if recorded_work else 0.0
+                recorded_work = end_segment(graph, pool, key)
+            if not recorded_work:
+                raise CaptureError(self.NO_WORK, key)
+            return graph, output, instantiate_segment(graph)
         except BaseException:
-            graph = None  # freed now, under the capture lock (see GraphRecorder.capture)
+            graph = None  # freed now (see GraphRecorder._record)
             raise
-        return Recording(graph, graph.replay, output, False, recorded_work, instantiation)
 
 
 class BreakableRecorder(GraphRecorder[R]):
@@ -263,21 +273,40 @@ class BreakableRecorder(GraphRecorder[R]):
     NO_WORK: ClassVar[str] = (
         "the capture recorded no CUDA work and no eager break (does the runnable run on the CPU?)"
     )
+    EXECUTES: ClassVar[bool] = True  # an executing capture runs its segments as it records them
 
-    def _record(self, call: _Call) -> Recording[R]:
+    def _record(
+        self, run: Callable[[], R], key: BatchDescriptor, pool: GraphPool, stream: Stream, execute: bool
+    ) -> tuple[GraphOwner, R, float]:
         capture = BreakableCUDAGraphCapture(
-            call.pool,
-            stream=call.stream,
-            gc_disable=self.options.gc_disable,
-            descriptor=call.descriptor,
-            execute=call.execute,
+            pool, stream=stream, gc_disable=self.options.gc_disable, descriptor=key, execute=execute
         )
         with capture:
-            output = self.runnable(*call.args, **call.kwargs)
-        recorded_work = capture.num_graphs > 0 or capture.num_eager_breaks > 0
-        instantiation = capture.instantiation_seconds
-        # executed = call.execute: an executing capture ran its segments as it recorded them.
-        return Recording(capture, capture.replay, output, call.execute, recorded_work, instantiation)
+            output = run()
+        if capture.num_graphs == 0 and capture.num_eager_breaks == 0:
+            del capture  # freed now (see GraphRecorder._record)
+            raise CaptureError(self.NO_WORK, key)
+        return capture, output, capture.instantiation_seconds
+
+
+def graph_engine(
+    runnable: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions | None = None
+) -> GraphEngine[R]:
+    """The engine of ``mode`` for a runner that keeps its entries itself (a ``GraphEngine``).
+
+    FULL: one CUDA graph per key; PIECEWISE: graph segments split at
+    ``eager_break_during_capture`` ops. ``record`` calls ``runnable(**inputs)``
+    under the forward context ``(mode, descriptor)`` and hands back a new
+    entry that the caller owns: the engine keeps nothing. The signature is a
+    ``GraphEngineFactory``'s (``cudagraph_manager``'s default). Another mode,
+    a ``runnable`` that is not callable or ``options`` that are not
+    ``CaptureOptions`` raise ``ValueError`` naming them.
+    """
+    if mode is CUDAGraphMode.FULL:
+        return MonolithicRecorder(runnable, mode, options, "graph_engine(FULL)")
+    if mode is CUDAGraphMode.PIECEWISE:
+        return BreakableRecorder(runnable, mode, options, "graph_engine(PIECEWISE)")
+    raise ValueError(f"mode: expected FULL or PIECEWISE, got {mode!r}")
 
 
 def addresses_of(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[str, int], ...]:

@@ -10,12 +10,12 @@ Two ways in, one table of captured graphs:
   ``replay(descriptor)``, with no forward context to set and read back on
   every step.
 
-A model runner that keeps its graphs itself (``cudagraph_manager``) uses the
-``GraphEngine`` seam instead: ``warm_up`` runs the model eagerly, ``record``
-captures without running anything and hands back the entry, which the
-runner owns and replays; the wrapper's table is not involved. Both ways
-capture through the wrapper's recorder (``_recorder``), which does the
-capture itself; the wrapper adds the table and the forward-context contract.
+A wrapper is also a ``GraphEngine`` (``warm_up``, ``record``), by passing
+those calls to its recorder; its table is not involved. A model runner that
+keeps its graphs itself (``cudagraph_manager``) takes the recorder directly
+instead (``graph_engine``). Both ways capture through the recorder
+(``_recorder``), which does the capture and checks the arguments; the
+wrapper adds the table and the forward-context contract.
 
 A wrapper keeps no input buffers: the caller keeps its inputs at fixed
 addresses and copies new data into them before each replay.
@@ -37,7 +37,14 @@ from cudagraph_dispatch import (
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._options import CaptureOptions
-from ._recorder import BreakableRecorder, Entry, GraphRecorder, MonolithicRecorder, addresses_of
+from ._recorder import (
+    BreakableRecorder,
+    Entry,
+    GraphRecorder,
+    MonolithicRecorder,
+    addresses_of,
+    check_descriptor,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,14 +65,10 @@ class _GraphWrapper(Generic[P, R]):
         other_mode: CUDAGraphMode,
         options: CaptureOptions | None,
     ) -> None:
-        if not callable(runnable):
-            raise ValueError(f"runnable: expected a callable, got {runnable!r}")
         # The recorder's mode is the forward-context mode this wrapper captures and replays
         # under, and the context an explicit capture() runs its runnable in; the other mode
-        # is served too.
-        self._recorder: Final = recorder(
-            runnable, capture_mode, CaptureOptions.given(options), type(self).__name__
-        )
+        # is served too. The recorder checks runnable and options.
+        self._recorder: Final = recorder(runnable, capture_mode, options, type(self).__name__)
         self._other_mode: Final = other_mode
         self._entries: Final[dict[BatchDescriptor, Entry[R]]] = {}
 
@@ -95,7 +98,7 @@ class _GraphWrapper(Generic[P, R]):
         already captured raises ``ValueError`` (``clear()`` first); a failed
         capture raises ``CaptureError`` and leaves the wrapper usable.
         """
-        _check_descriptor(descriptor)
+        check_descriptor(descriptor)
         if descriptor in self._entries:
             raise ValueError(f"descriptor: {descriptor} is already captured; clear() to capture it again")
         token = FORWARD_CONTEXT_VAR.set(ForwardContext(self._recorder.mode, descriptor))
@@ -108,10 +111,9 @@ class _GraphWrapper(Generic[P, R]):
         """``options.warmup_runs`` eager runs of the runnable on the capture stream (``GraphEngine``).
 
         Under the forward context ``(NONE, descriptor)``, ordered after the
-        caller's stream and before its next work.
+        caller's stream and before its next work. A bad argument raises
+        ``ValueError`` naming it before anything asks for CUDA.
         """
-        _check_descriptor(descriptor)
-        _check_inputs(inputs)
         self._recorder.warm_up(descriptor, inputs)
 
     def record(self, descriptor: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> Entry[R]:
@@ -120,10 +122,9 @@ class _GraphWrapper(Generic[P, R]):
         The runnable is called once with ``inputs`` as keywords under the
         forward context ``(mode, descriptor)``; its work is recorded, not
         executed, and the entry is returned, not kept: the caller owns it.
-        ``CaptureError`` names the descriptor on failure.
+        ``CaptureError`` names the descriptor on failure; a bad argument raises
+        ``ValueError`` naming it before anything asks for CUDA.
         """
-        _check_descriptor(descriptor)
-        _check_inputs(inputs)
         return self._recorder.record(descriptor, inputs)
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
@@ -242,25 +243,6 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
             return None
         assert isinstance(entry.owner, BreakableCUDAGraphCapture)
         return entry.owner
-
-
-def _check_descriptor(descriptor: object) -> None:
-    if descriptor.__class__ is not BatchDescriptor:
-        raise ValueError(f"descriptor: expected a BatchDescriptor, got {descriptor!r}")
-
-
-def _check_inputs(inputs: object) -> None:
-    """``inputs`` of ``warm_up``/``record``: a mapping of keyword names to tensors, else ``ValueError``.
-
-    Checked before anything asks for CUDA, so a bad argument is named as such on any machine.
-    """
-    if not isinstance(inputs, Mapping):
-        raise ValueError(f"inputs: expected a mapping of keyword names to tensors, got {inputs!r:.80}")
-    for name, value in inputs.items():
-        if not isinstance(name, str):
-            raise ValueError(f"inputs: expected keyword names (str), got {name!r}")
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"inputs[{name!r}]: expected a torch.Tensor, got {type(value).__name__}")
 
 
 def _check_addresses(
