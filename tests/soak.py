@@ -22,7 +22,7 @@ What is checked:
 - Routing, every step: the dispatcher's decision equals the one the contract
   (docs/design.md, "Dispatch") prescribes for the mode, size, LoRA count and invalid
   modes, written out independently here (``expected_dispatch``); at the end
-  each manager's ``stats`` (replays per mode and size, eager runs per
+  each manager's ``stats`` (replays per mode and size, eager steps per
   reason, idle steps, padded tokens) equal the tally of those decisions, so
   the manager did run each step the way its dispatcher decided.
 - Outputs, every step: the shape, dtype and device (host metadata), and two
@@ -712,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = manager.stats
         runtime["FULL"] += stats.replays_of(_FULL)
         runtime["PIECEWISE"] += stats.replays_of(_PIECEWISE)
-        runtime["eager"] += stats.eager_runs
+        runtime["eager"] += stats.eager_steps
         runtime["idle"] += stats.idle_steps
         reasons.update(stats.eager_reasons)
     ok = not problems

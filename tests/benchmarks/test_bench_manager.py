@@ -375,7 +375,7 @@ def test_step_manager(
         batch=batch,
     )
     stats = manager.stats
-    assert stats.eager_runs == 0
+    assert stats.eager_steps == 0
     assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
     # The target ratios, from rounds alternating with the baseline (drift-free);
     # FULL against the hand-written graph, PIECEWISE against the engine's own replay.
@@ -600,7 +600,7 @@ def test_step_manager_compiled(
         extra={"compiles": compiled_managers.compiles, "cudagraph_skips": compiled_managers.cudagraph_skips},
     )
     stats = manager.stats
-    assert stats.eager_runs == 0
+    assert stats.eager_steps == 0
     assert stats.replays_of(mode) - replays_before == (_ROUNDS + _WARMUP_ROUNDS) * _STEPS_PER_CALL
     plain = managers[mode]
     candidates: dict[str, Callable[[], object]] = {
@@ -688,7 +688,7 @@ def test_step_8b_like(
     for other in candidates:
         if other != label:
             info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 # -- host overhead of run() --
@@ -758,7 +758,7 @@ def test_host_overhead_manager_run(benchmark: BenchmarkFixture, tiny_input: torc
     torch.testing.assert_close(manager.run(x=tiny_input), tiny_input * 2)
     _bench_host(benchmark, lambda: manager.run(x=tiny_input), label="manager_full")
     stats = manager.stats
-    assert stats.eager_runs == 0
+    assert stats.eager_steps == 0
     assert stats.replays_of(CUDAGraphMode.FULL) == 1 + (_HOST_ROUNDS + 1) * _HOST_CALLS
     # The target figure: rounds alternating with the hand-written copy + replay, so the host's
     # drift between the two measurements above (microseconds per call) cancels.
@@ -826,7 +826,7 @@ def _bench_capture(
         _check(
             run_graph(manager, False, inputs).clone(), decoder.step(inputs), f"capture {label} {num_tokens}"
         )
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 def test_capture_largest_size_alone(benchmark: BenchmarkFixture, decoder: ReferenceDecoder) -> None:

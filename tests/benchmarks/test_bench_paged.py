@@ -271,7 +271,7 @@ def test_paged_8b_step(
             if other != manager_label:
                 info[f"{manager_label}_vs_{other}"] = timed.ratio(manager_label, other)
     for manager in managers.values():
-        assert manager.stats.eager_runs == 0
+        assert manager.stats.eager_steps == 0
 
 
 @pytest.mark.parametrize("name", list(_MODES))

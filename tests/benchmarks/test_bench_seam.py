@@ -106,4 +106,4 @@ def test_bench_seam_host_cost(benchmark: BenchmarkFixture) -> None:
     (medians,) = results
     benchmark.extra_info.update({f"{k}_us" if not k.endswith("_us") else k: v for k, v in medians.items()})
     for manager in managers.values():
-        assert manager.stats.eager_runs == 0
+        assert manager.stats.eager_steps == 0

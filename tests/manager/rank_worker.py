@@ -339,7 +339,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             "planned": sum(len(keys) for _, keys in manager.dispatcher.capture_plan()),
             "max_err": max(errors),
             "replays": manager.stats.num_replays,
-            "eager_runs": manager.stats.eager_runs,
+            "eager_steps": manager.stats.eager_steps,
             "steps": len(errors),
             "tol": TOL,
         }

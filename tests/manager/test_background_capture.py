@@ -117,7 +117,7 @@ def test_steps_are_served_during_the_capture_and_switch_to_graphs(
     assert report.num_graphs == manager.num_captured == planned
     stats = manager.stats
     # Only steps whose key was not captured yet ran eagerly: a ready graph always replays.
-    assert stats.eager_runs == stats.eager_reasons.get("not_captured", 0) == eager
+    assert stats.eager_steps == stats.eager_reasons.get("not_captured", 0) == eager
     assert stats.num_replays == replayed
     # After the capture every key replays, on fresh inputs: mixed steps of every
     # size, and uniform decode steps of every size that has a decode graph.

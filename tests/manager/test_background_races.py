@@ -63,7 +63,7 @@ class WorkspaceModel(nn.Module):
     """``ToyModel`` through a scratch buffer of its own: written every forward, read behind a long kernel.
 
     ``fail_recording_at`` makes the recording of those token counts raise (a
-    model error at one size); eager runs and warm-ups of them still work.
+    model error at one size); eager steps and warm-ups of them still work.
     """
 
     def __init__(self, device: torch.device, cycles: int = MODEL_CYCLES) -> None:
@@ -276,7 +276,7 @@ def _stress(mode: CUDAGraphMode, steps: int, seed: int) -> dict[str, int]:
     assert failures == [], f"{counts['wrong']} wrong of {counts['steps']}: {failures[:5]}"
     stats = manager.stats
     counts["replays"] = stats.num_replays
-    counts["eager"] = stats.eager_runs
+    counts["eager"] = stats.eager_steps
     return counts
 
 

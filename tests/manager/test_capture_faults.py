@@ -203,7 +203,7 @@ def _check_steps(
     stats = manager.stats
     eager = 2 * (len(plan) - captured)
     assert dict(stats.eager_reasons) == ({"not_captured": eager} if eager else {}), stats
-    assert stats.eager_runs == stats.uncaptured_runs == eager
+    assert stats.eager_steps == stats.uncaptured_steps == eager
     assert stats.num_replays == 2 * captured
 
 

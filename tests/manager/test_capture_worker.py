@@ -56,7 +56,7 @@ def test_a_wake_records_on_the_thread_of_the_capture_before_it() -> None:
     assert threading.get_ident() not in first
     batch = make_batch(5, 3, CPU, seed=0)
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 def test_a_second_managers_capture_does_not_wait_for_a_busy_worker() -> None:

@@ -352,4 +352,4 @@ def test_a_model_compiled_per_size_recaptures_without_compiling_and_replays_like
             x = torch.randn(num_tokens, 64, device="cuda", generator=generator)
             out = manager.run(x=x)
             assert rel_err(out, _size_specialized(x)) < TOL, num_tokens
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0

@@ -30,7 +30,7 @@ def run_kv_sizing(model: str, *flags: str) -> dict[str, float]:
 
 def check_kv_sizing(figures: dict[str, float]) -> None:
     """No eager step, a KV cache of most of the device, and the leftover the estimate's error explains."""
-    assert figures["eager_runs"] == 0  # strict: the decode step after the capture replayed
+    assert figures["eager_steps"] == 0  # strict: the decode step after the capture replayed
     assert figures["kv_bytes"] > 8 * 2**30, "the KV cache should take most of the device"
     error = figures["estimate_bytes"] - figures["device_bytes"]
     surplus = figures["left_bytes"] - figures["margin_bytes"]

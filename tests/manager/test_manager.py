@@ -109,10 +109,10 @@ def test_replay_matches_eager_in_every_mode(backend: Backend, mode: CUDAGraphMod
 
     stats = manager.stats
     assert dict(stats.replays) == dict(replays)
-    assert (stats.eager_runs, stats.uncaptured_runs, stats.padded_tokens) == (eager, 0, padded)
+    assert (stats.eager_steps, stats.uncaptured_steps, stats.padded_tokens) == (eager, 0, padded)
     # The plan reached the graphs of both routines and the eager path.
     assert stats.replays_of(mode.decode_mode()) > 0
-    assert stats.eager_runs > 0
+    assert stats.eager_steps > 0
     if mode.mixed_mode() is not NONE:
         assert stats.replays_of(mode.mixed_mode()) > 0
 
@@ -134,7 +134,7 @@ def test_uniform_decode_with_speculative_tokens(backend: Backend) -> None:
     stats = manager.stats
     assert stats.replays_of(FULL) == 6
     assert stats.replays_of(PIECEWISE) == 1
-    assert stats.eager_runs == 0
+    assert stats.eager_steps == 0
 
 
 @pytest.mark.parametrize("mode", [FULL, PIECEWISE], ids=lambda m: m.name)
@@ -280,18 +280,18 @@ def test_inputs_that_require_grad_leave_no_autograd_history(backend: Backend) ->
 
 
 # ---------------------------------------------------------------------------
-# Stats, eager runs, strict mode
+# Stats, eager steps, strict mode
 # ---------------------------------------------------------------------------
 
 
-def test_stats_count_replays_eager_runs_and_padding(backend: Backend) -> None:
+def test_stats_count_replays_eager_steps_and_padding(backend: Backend) -> None:
     manager = make_manager(backend, ToyModel(backend.device))
     manager.capture()
     for n in (3, 8, 8, 40):  # 3 pads to 4; 40 is above the largest size
         manager.run_batch(make_batch(n, 2, backend.device, seed=n))
     stats = manager.stats
     assert dict(stats.replays) == {(FULL, 4): 1, (FULL, 8): 2}
-    assert (stats.num_replays, stats.eager_runs, stats.uncaptured_runs, stats.padded_tokens) == (3, 1, 0, 1)
+    assert (stats.num_replays, stats.eager_steps, stats.uncaptured_steps, stats.padded_tokens) == (3, 1, 0, 1)
     assert stats.replays_of(PIECEWISE) == 0
     assert str(stats) == (
         "3 replays (FULL 4: 1, FULL 8: 2), 1 eager steps (above_largest_size: 1), "
@@ -309,10 +309,10 @@ def test_runs_before_capture_are_eager_and_counted(backend: Backend) -> None:
     manager = make_manager(backend, model)
     batch = make_batch(5, 3, backend.device, seed=4)
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert (manager.stats.eager_runs, manager.stats.uncaptured_runs, manager.stats.num_replays) == (1, 1, 0)
+    assert (manager.stats.eager_steps, manager.stats.uncaptured_steps, manager.stats.num_replays) == (1, 1, 0)
     manager.capture()
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert (manager.stats.eager_runs, manager.stats.uncaptured_runs, manager.stats.num_replays) == (1, 1, 1)
+    assert (manager.stats.eager_steps, manager.stats.uncaptured_steps, manager.stats.num_replays) == (1, 1, 1)
 
 
 def test_lora_batches_replay_the_graph_of_their_adapter_count(backend: Backend) -> None:
@@ -325,7 +325,7 @@ def test_lora_batches_replay_the_graph_of_their_adapter_count(backend: Backend) 
         assert rel_err(manager.run_batch(batch, num_active_loras=loras), model.eager(batch)) < TOL
     assert manager.stats.replays == {(FULL, 8): 3}
     manager.run_batch(batch, num_active_loras=3)  # more adapters than any graph holds
-    assert manager.stats.eager_runs == 1
+    assert manager.stats.eager_steps == 1
 
 
 def test_strict_mode_raises_where_a_batch_would_run_eagerly(backend: Backend) -> None:
@@ -349,7 +349,7 @@ def test_strict_mode_raises_where_a_batch_would_run_eagerly(backend: Backend) ->
     ):
         manager.run_batch(batch, invalid_modes=frozenset({FULL}))
     assert_unchanged(before, manager.static_buffers)
-    assert (manager.stats.eager_runs, manager.stats.num_replays) == (0, 1)
+    assert (manager.stats.eager_steps, manager.stats.num_replays) == (0, 1)
 
 
 def test_strict_full_decode_only_raises_on_mixed_batches(backend: Backend) -> None:
@@ -368,7 +368,7 @@ def test_config_mode_none_runs_everything_eagerly(backend: Backend) -> None:
     assert manager.capture().num_graphs == 0
     batch = make_batch(4, 2, backend.device, seed=10)
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert (manager.stats.eager_runs, manager.stats.num_replays) == (1, 0)
+    assert (manager.stats.eager_steps, manager.stats.num_replays) == (1, 0)
     strict = make_manager(backend, model, NONE, strict=True)
     with pytest.raises(NoGraphError, match="the config's mode is NONE"):
         strict.run_batch(batch)
@@ -419,7 +419,7 @@ def test_capture_pauses_gc_and_restores_it_also_on_error() -> None:
     assert manager.num_captured == 2  # 32 and 24 tokens
     manager.run_batch(make_batch(30, 4, torch.device("cpu"), seed=0))
     manager.run_batch(make_batch(3, 2, torch.device("cpu"), seed=1))
-    assert (manager.stats.num_replays, manager.stats.uncaptured_runs) == (1, 1)
+    assert (manager.stats.num_replays, manager.stats.uncaptured_steps) == (1, 1)
 
 
 @pytest.mark.parametrize("progress", [True, False, None])
@@ -549,7 +549,7 @@ def test_a_fake_capture_splits_its_seconds_into_phases() -> None:
 
 def test_stats_snapshot_sums_by_mode() -> None:
     stats = ManagerStats(
-        {(FULL, 8): 2, (FULL, 4): 1, (PIECEWISE, 8): 5}, eager_runs=1, uncaptured_runs=0, padded_tokens=3
+        {(FULL, 8): 2, (FULL, 4): 1, (PIECEWISE, 8): 5}, eager_steps=1, uncaptured_steps=0, padded_tokens=3
     )
     assert (
         stats.num_replays,
@@ -698,4 +698,4 @@ def test_a_recapture_warms_up_only_the_smallest_key_of_each_mode(mode: CUDAGraph
         for num_tokens in (1, 3, max(SIZES)):
             batch = make_batch(num_tokens, min(num_tokens, 2), torch.device("cpu"), seed=num_tokens)
             assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0

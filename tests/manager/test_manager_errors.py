@@ -47,7 +47,7 @@ def test_bad_inputs_raise_on_the_eager_path_too(backend: Backend) -> None:
     batch = make_batch(40, 3, backend.device, seed=0)
     with pytest.raises(ValueError, match=r"input 'ids': expected dtype torch.int64, got torch.float32"):
         manager.run_batch({**batch, "ids": batch["ids"].float()})
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 # ---------------------------------------------------------------------------

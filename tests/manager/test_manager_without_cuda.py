@@ -75,7 +75,7 @@ def test_steps_without_cuda_run_eagerly_on_the_padded_buffers(mode: CUDAGraphMod
     stats = manager.stats
     assert stats.num_replays == 0
     assert dict(stats.eager_reasons) == {EagerReason.NO_CUDA.value: 4}
-    assert stats.eager_runs == 4
+    assert stats.eager_steps == 4
     assert stats.padded_tokens == padded > 0
 
 
@@ -105,7 +105,7 @@ def test_an_idle_step_returns_empty_outputs_without_a_model_call(backend: Backen
     assert empty.dtype == torch.float32
     assert model.request_scale.calls == calls  # the model did not run
     stats = manager.stats
-    assert (stats.idle_steps, stats.eager_runs, stats.num_replays) == (1, 0, 0)
+    assert (stats.idle_steps, stats.eager_steps, stats.num_replays) == (1, 0, 0)
     batch = make_batch(5, 3, backend.device, seed=2)  # a normal step after it is unaffected
     assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
 
@@ -158,7 +158,7 @@ def test_eager_steps_are_counted_and_logged_once_per_reason(
     }
     stats = manager.stats
     assert dict(stats.eager_reasons) == expected
-    assert (stats.eager_runs, stats.uncaptured_runs, stats.num_replays) == (7, 2, 1)
+    assert (stats.eager_steps, stats.uncaptured_steps, stats.num_replays) == (7, 2, 1)
     logged = [r.getMessage() for r in caplog.records if r.name == "cudagraph_manager"]
     assert len(logged) == len(expected)  # once per reason, however many steps
     for reason in expected:
@@ -171,7 +171,7 @@ def test_strict_mode_names_the_reason(backend: Backend) -> None:
     manager.capture()
     with pytest.raises(NoGraphError, match=f"{max(SIZES) + 1} tokens exceed the largest capture size"):
         manager.run_batch(make_batch(max(SIZES) + 1, 4, backend.device, seed=0))
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 def test_check_weights_without_graphs_has_nothing_to_check() -> None:

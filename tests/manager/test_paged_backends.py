@@ -117,9 +117,9 @@ def test_every_backend_mode_and_page_size_equals_the_oracle(
     )
     assert stats.replays_of(M.FULL) == full, (resolved, stats)
     assert stats.replays_of(M.PIECEWISE) == piecewise, (resolved, stats)
-    assert stats.eager_runs == STEPS - full - piecewise, (resolved, stats)
-    if stats.eager_runs:
-        assert dict(stats.eager_reasons) == {EagerReason.NO_GRAPH_FOR_BATCH.value: stats.eager_runs}
+    assert stats.eager_steps == STEPS - full - piecewise, (resolved, stats)
+    if stats.eager_steps:
+        assert dict(stats.eager_reasons) == {EagerReason.NO_GRAPH_FOR_BATCH.value: stats.eager_steps}
     if level < GraphSupport.ALWAYS and mode.mixed_mode() is M.FULL:
         assert resolved.mixed_mode() is not M.FULL  # the downgrade, end to end
         assert stats.replays_of(M.FULL) == uniform

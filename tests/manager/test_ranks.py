@@ -271,7 +271,7 @@ def _check_tensor_parallel(run: RankRun) -> None:
             facts = result[mode]
             assert isinstance(facts, dict)
             assert facts["captured"] == facts["planned"], (rank, mode, facts)
-            assert facts["eager_runs"] == 0, (rank, mode, facts)  # strict: a step without a graph raises
+            assert facts["eager_steps"] == 0, (rank, mode, facts)  # strict: a step without a graph raises
             assert facts["replays"] == facts["steps"], (rank, mode, facts)
             assert facts["max_err"] < TOL, (rank, mode, facts)
 

@@ -84,7 +84,7 @@ def test_release_serves_eagerly_and_a_capture_brings_every_graph_back(
     assert manager.num_captured == planned
     manager.reset_stats()
     _check_steps(manager, model, backend.device, seed=30)
-    assert manager.stats.eager_runs == 0  # every step replays again
+    assert manager.stats.eager_steps == 0  # every step replays again
     manager.release()
     manager.capture(progress=False)  # a foreground wake works too
     assert manager.num_captured == planned
@@ -139,7 +139,7 @@ def test_weights_updated_in_place_keep_the_graphs(backend: Backend) -> None:
         model.w2.mul_(-0.5)
     manager.check_weights()  # nothing replaced
     _check_steps(manager, model, backend.device, seed=0)
-    assert manager.stats.eager_runs == 0  # the graphs computed with the new weights
+    assert manager.stats.eager_steps == 0  # the graphs computed with the new weights
 
 
 def _assign_new_tensor(model: ToyModel) -> None:
@@ -220,7 +220,7 @@ def test_an_unrelated_module_assignment_costs_one_check_and_no_error(backend: Ba
     other = nn.Linear(4, 4)
     other.weight = nn.Parameter(torch.zeros(4, 4))  # marks every watch dirty
     _check_steps(manager, model, backend.device, seed=0)
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
     assert max(SIZES) == 32  # _check_steps stays within the plan
 
 

@@ -405,8 +405,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert dict(stats.replays) == dict(self.replays)
         assert stats.num_replays == self.replays.total()
         assert dict(stats.eager_reasons) == dict(self.eager_reasons)
-        assert stats.eager_runs == sum(stats.eager_reasons.values())
-        assert stats.uncaptured_runs == stats.eager_reasons.get("not_captured", 0)
+        assert stats.eager_steps == sum(stats.eager_reasons.values())
+        assert stats.uncaptured_steps == stats.eager_reasons.get("not_captured", 0)
         assert stats.padded_tokens == self.padded_tokens
         assert stats.idle_steps == self.idle_steps
 

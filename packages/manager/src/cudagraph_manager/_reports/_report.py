@@ -226,9 +226,9 @@ class ManagerStats:
     """What ``run`` did since the manager was built (or its stats were reset).
 
     ``replays`` counts replays per ``(runtime mode, padded num_tokens)``.
-    ``eager_runs`` counts steps run without a graph, for any reason;
+    ``eager_steps`` counts steps run without a graph, for any reason;
     ``eager_reasons`` splits them by ``EagerReason`` (its value as the key);
-    ``uncaptured_runs`` is the part whose graph exists in the plan but was
+    ``uncaptured_steps`` is the part whose graph exists in the plan but was
     not captured yet. ``idle_steps`` counts steps of 0 tokens (no model
     call). ``dummy_steps`` counts steps of 0 tokens run because other ranks
     (``RankAgreement``) had tokens: a graph replayed on pad values (counted
@@ -241,8 +241,8 @@ class ManagerStats:
     """
 
     replays: Mapping[tuple[CUDAGraphMode, int], int]
-    eager_runs: int
-    uncaptured_runs: int
+    eager_steps: int
+    uncaptured_steps: int
     padded_tokens: int
     eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
     idle_steps: int = 0
@@ -252,6 +252,11 @@ class ManagerStats:
     @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
+
+    @property
+    def eager_runs(self) -> int:
+        """Deprecated: ``eager_steps``, under its old name, until every caller says ``eager_steps``."""
+        return self.eager_steps
 
     def replays_of(self, mode: CUDAGraphMode) -> int:
         """Replays in runtime mode ``mode``, over all sizes."""
@@ -267,7 +272,7 @@ class ManagerStats:
         return (
             f"{self.num_replays} replays"
             + (f" ({replays})" if replays else "")
-            + f", {self.eager_runs} eager steps"
+            + f", {self.eager_steps} eager steps"
             + (f" ({reasons})" if reasons else "")
             + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
             f" {self.padded_tokens} padded tokens"
@@ -296,8 +301,8 @@ class StepCounts:
         eager = self.eager
         return ManagerStats(
             replays=MappingProxyType(dict(replays)),
-            eager_runs=sum(eager.values()),
-            uncaptured_runs=eager.get(EagerReason.NOT_CAPTURED, 0),
+            eager_steps=sum(eager.values()),
+            uncaptured_steps=eager.get(EagerReason.NOT_CAPTURED, 0),
             padded_tokens=self.padded_tokens,
             eager_reasons=MappingProxyType({r.value: n for r, n in eager.items()}),
             idle_steps=self.idle_steps,

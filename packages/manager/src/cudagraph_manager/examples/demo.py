@@ -272,7 +272,7 @@ def _run(args: argparse.Namespace, *, cpu: bool) -> int:
     stats = manager.stats
     print(
         f"manager stats: {stats.replays_of(CUDAGraphMode.FULL)} FULL and "
-        f"{stats.replays_of(CUDAGraphMode.PIECEWISE)} PIECEWISE replays, {stats.eager_runs} eager runs, "
+        f"{stats.replays_of(CUDAGraphMode.PIECEWISE)} PIECEWISE replays, {stats.eager_steps} eager steps, "
         f"{stats.padded_tokens} padded tokens"
     )
     if not show_decode_loops(decoder.model, dispatch_config.mode, cpu=cpu, seed=args.seed, iters=args.iters):

@@ -155,7 +155,7 @@ def main(argv: list[str]) -> KvSizing:
                 "num_layers": decoder.num_layers,
                 "margin_bytes": sizing.margin_bytes,
                 "left_bytes": sizing.left_bytes,
-                "eager_runs": manager.stats.eager_runs,
+                "eager_steps": manager.stats.eager_steps,
             }
             print(json.dumps(figures))
     return sizing

@@ -67,7 +67,7 @@ def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Bac
         stats = manager.stats
         print(
             f"{steps} steps on {world_size} ranks agreeing over {backend}: "
-            f"{stats.num_replays} replayed, {stats.eager_runs} eager"
+            f"{stats.num_replays} replayed, {stats.eager_steps} eager"
         )
         print(f"largest difference from the unsharded decoder: {worst:.2e}")
     manager.clear()  # free the graphs (they hold NCCL work) before the group goes
