@@ -1,10 +1,11 @@
-"""The seams of this package, as types: the model's outputs, the engine factory, the attention's builder,
-and what a background capture asks of the manager's captures.
+"""The seams of this package, as types: outputs, engines, the attention's builder, the background capture.
 
 The manager reaches the capture layer only through ``GraphEngineFactory`` and
 the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
-hands back a ``GraphEntry`` the manager keeps): the default factory builds
-``cudagraph_capture``'s wrappers, and a test (or another engine) can pass its own.
+hands back a ``GraphEntry`` the manager keeps): the default factory is
+``cudagraph_capture.graph_engine`` (its recorders, directly), and a test (or
+another engine) can pass its own. ``CaptureJobs`` is what a background capture
+asks of the manager's captures.
 """
 
 from __future__ import annotations
