@@ -156,7 +156,7 @@ def test_a_replay_builds_for_its_padded_key_and_equals_eager(mode: CUDAGraphMode
         assert builder.calls == [("build", tokens, reqs, BatchShape(padded, num_reqs, None, mode))]
         torch.testing.assert_close(out, _reference(model, batch))
     assert sum(manager.stats.replays.values()) == 6
-    assert manager.stats.eager_runs == 0
+    assert manager.stats.eager_steps == 0
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
