@@ -361,7 +361,7 @@ class Soak:
         # Device-side results of every step, read back once per chunk: no sync per step.
         steps = len(plans)
         nan = math.nan
-        # One slot per step, and a scratch slot for ``prime``.
+        # One element per step, and a scratch one for ``prime``.
         self.scratch: Final = steps
         steps += 1
         self.checksum: Final = torch.full((steps,), nan, dtype=torch.float64, device=device)
@@ -447,7 +447,7 @@ class Soak:
         self._record(i, out, inputs if self.sampled[i] else None)
 
     def _record(self, i: int, out: torch.Tensor, inputs: dict[str, torch.Tensor] | None) -> None:
-        """Queue the checks of output ``out [T, hidden]`` into slot ``i``; with ``inputs``, vs eager too."""
+        """Queue the checks of output ``out [T, hidden]`` at index ``i``; with ``inputs``, vs eager too."""
         # Every step, on the device: the checksum and the row norms' range.
         torch.sum(out, dim=(0, 1), dtype=torch.float64, out=self.checksum[i])
         norms = torch.linalg.vector_norm(out, dim=-1, dtype=torch.float32)  # [T]

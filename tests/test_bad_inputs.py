@@ -742,12 +742,12 @@ BAD_INPUTS: Final = [
     row(
         "allocate_kv_cache-too-few",
         lambda: ReferenceDecoder(DecoderConfig.small()).allocate_kv_cache(3),
-        r"num_slots: expected an integer >= max_num_seqs \+ 1 = 17, got 3",
+        r"num_rows: expected an integer >= max_num_seqs \+ 1 = 17, got 3",
     ),
     row(
         "allocate_kv_cache-bool",
         lambda: ReferenceDecoder(DecoderConfig.small()).allocate_kv_cache(True),
-        r"num_slots: expected an integer >= max_num_seqs \+ 1 = 17, got True",
+        r"num_rows: expected an integer >= max_num_seqs \+ 1 = 17, got True",
     ),
 ]
 

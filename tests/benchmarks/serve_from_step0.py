@@ -73,7 +73,7 @@ def _step(
 ) -> bool:
     """One decode step, synchronized on the serving stream; whether it replayed a graph."""
     if manager is None:
-        model(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+        model(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
         replayed = False
     else:
         before = manager.stats.num_replays

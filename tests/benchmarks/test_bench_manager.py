@@ -306,15 +306,15 @@ def _breakable_engine_step(
     wrapper = BreakableCUDAGraphWrapper(decoder.forward)
     key = BatchDescriptor(_padded(batch))
     decoder.step(static)  # warm-up
-    ids, positions, slots = (static[name] for name in INPUT_NAMES)
+    ids, positions, cache_rows = (static[name] for name in INPUT_NAMES)
     with set_forward_context(CUDAGraphMode.PIECEWISE, key):
-        wrapper(ids, positions, slots)  # captures
+        wrapper(ids, positions, cache_rows)  # captures
     copy = _copier(static, inputs)
 
     def step() -> torch.Tensor:
         copy()
         with set_forward_context(CUDAGraphMode.PIECEWISE, key):
-            return wrapper(ids, positions, slots)  # [padded, hidden]
+            return wrapper(ids, positions, cache_rows)  # [padded, hidden]
 
     _check(step()[:batch].clone(), decoder.step(inputs), "breakable engine")
     return step

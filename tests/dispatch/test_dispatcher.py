@@ -90,8 +90,8 @@ def spec_dispatch(
     sizes = config.capture_sizes.sizes
     if config.mode is M.NONE or num_tokens == 0 or num_tokens > max(sizes):
         return eager
-    slot = next((c for c in _lora_cases(config) if c >= num_active_loras), None)
-    if slot is None:
+    lora_case = next((c for c in _lora_cases(config) if c >= num_active_loras), None)
+    if lora_case is None:
         return eager
     keys = spec_keys(config)
     full = set() if M.FULL in invalid_modes else keys[M.FULL]
@@ -100,14 +100,14 @@ def spec_dispatch(
         decode = [s for s in _decode_sizes(config) if s >= num_tokens]
         if decode:
             q = config.uniform_decode_query_len
-            key = BatchDescriptor(decode[0], decode[0] // q, True, slot > 0, slot)
+            key = BatchDescriptor(decode[0], decode[0] // q, True, lora_case > 0, lora_case)
             assert key in full
             return Dispatch(M.FULL, key)
     padded = min(s for s in sizes if s >= num_tokens)
-    exact = BatchDescriptor(padded, min(padded, config.max_num_seqs), False, slot > 0, slot)
+    exact = BatchDescriptor(padded, min(padded, config.max_num_seqs), False, lora_case > 0, lora_case)
     if exact in full:
         return Dispatch(M.FULL, exact)
-    relaxed = BatchDescriptor(padded, has_lora=slot > 0, num_active_loras=slot)
+    relaxed = BatchDescriptor(padded, has_lora=lora_case > 0, num_active_loras=lora_case)
     if relaxed in piecewise:
         return Dispatch(M.PIECEWISE, relaxed)
     return eager
@@ -301,7 +301,7 @@ def test_huge_lora_counts_cost_nothing_extra() -> None:
     """
     config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 10**6, lora_counts=(10**6,))
     dispatcher, peak = built_with_peak(lambda: CUDAGraphDispatcher(config))
-    assert peak < 1024 * 1024, peak  # a slot per adapter count would be 8 MB of pointers alone
+    assert peak < 1024 * 1024, peak  # an entry per adapter count would be 8 MB of pointers alone
     padded = BatchDescriptor(8, has_lora=True, num_active_loras=10**6)
     assert dispatcher.dispatch(5, num_active_loras=1) == Dispatch(M.PIECEWISE, padded)
     assert dispatcher.dispatch(5, num_active_loras=10**6) == Dispatch(M.PIECEWISE, padded)

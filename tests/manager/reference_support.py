@@ -34,7 +34,7 @@ def pad_step_inputs(
     """``inputs`` padded to ``num_tokens`` rows as the manager pads them (for eager checks).
 
     Padding rows get ``static_inputs``' pad values: token 0 at position 0 in
-    the scratch cache row ``config.scratch_slot``.
+    the scratch cache row ``config.scratch_row``.
     """
     real = inputs["input_ids"].shape[0]
     if num_tokens < real:
@@ -63,7 +63,7 @@ class StaticStep:
     def __init__(self, model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> None:
         self._model = model
         self.inputs = {name: inputs[name].clone() for name in INPUT_NAMES}  # [max_tokens] each
-        self.meta = model.metadata(self.inputs["positions"], self.inputs["slot_ids"])  # [max_tokens, ...]
+        self.meta = model.metadata(self.inputs["positions"], self.inputs["cache_rows"])  # [max_tokens, ...]
 
     def rows(self, num_tokens: int) -> tuple[torch.Tensor, AttentionMetadata]:
         """``(input_ids, meta)`` of the first ``num_tokens`` rows: views of the static buffers."""
@@ -81,6 +81,6 @@ class StaticStep:
         num_tokens = inputs["input_ids"].shape[0]
         for name, static in self.step_inputs(num_tokens).items():
             static.copy_(inputs[name])
-        fresh = self._model.metadata(inputs["positions"], inputs["slot_ids"])
+        fresh = self._model.metadata(inputs["positions"], inputs["cache_rows"])
         for static, tensor in zip(self.rows(num_tokens)[1], fresh, strict=True):
             static.copy_(tensor)

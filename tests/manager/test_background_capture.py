@@ -355,7 +355,7 @@ def test_decoder_steps_served_during_captures_equal_eager(mode: CUDAGraphMode) -
     assert stats.num_replays > 0, "no step replayed a graph during the captures"
     with torch.no_grad():
         for index, (inputs, _, out) in enumerate(served):  # in order: the cache evolves as it did
-            expected = twin(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+            expected = twin(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
             err = rel_err(out, expected)
             assert err < _STEP_TOL, (
                 f"served step {index} of {len(served)} ({rounds} rounds) differs: {err:.2e}"
@@ -367,7 +367,7 @@ def test_decoder_steps_served_during_captures_equal_eager(mode: CUDAGraphMode) -
             before = manager.stats.num_replays
             out = manager.run_batch(inputs).clone()
             assert manager.stats.num_replays == before + 1
-            expected = model(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+            expected = model(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
             assert rel_err(out, expected) < _STEP_TOL
 
 

@@ -114,7 +114,7 @@ def test_the_estimate_predicts_the_capture_and_leaves_nothing_behind(mode: CUDAG
     manager = CUDAGraphManager(model.forward, static_inputs(decoder), config)
     with torch.no_grad():  # an engine's profile step first: the kernels' first loads are not the graphs'
         profile = make_step_inputs(decoder, 256, uniform_decode=False, device="cuda")
-        model(profile["input_ids"], profile["positions"], profile["slot_ids"])
+        model(profile["input_ids"], profile["positions"], profile["cache_rows"])
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     reserved_before = torch.cuda.memory_reserved()

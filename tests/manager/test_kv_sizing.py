@@ -34,7 +34,7 @@ def check_kv_sizing(figures: dict[str, float]) -> None:
     assert figures["kv_bytes"] > 8 * 2**30, "the KV cache should take most of the device"
     error = figures["estimate_bytes"] - figures["device_bytes"]
     surplus = figures["left_bytes"] - figures["margin_bytes"]
-    rounding = figures["slot_bytes"] + figures["num_layers"] * GRANULE
+    rounding = figures["unit_bytes"] + figures["num_layers"] * GRANULE
     assert error - GRANULE <= surplus <= error + rounding + GRANULE, (surplus, error, rounding)
     assert surplus > -32 * MIB, "the estimate was more than 32 MiB under: the margin was eaten into"
 

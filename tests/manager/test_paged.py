@@ -174,8 +174,8 @@ def test_a_resized_cache_serves_the_same_static_inputs() -> None:
     assert model.kv_page_bytes() == SMALL.num_layers * 2 * 8 * SMALL.hidden_size * 4 + 8 * 4
     assert isinstance(model.backend, FlexPagedAttention)
     assert model.backend.layout == model.layout
-    slot_page = model.backend.slot_page
-    assert torch.equal(slot_page, torch.arange(8 * (layout.num_pages + 40), dtype=torch.int32) // 8)
+    page_of_slot = model.backend.page_of_slot
+    assert torch.equal(page_of_slot, torch.arange(8 * (layout.num_pages + 40), dtype=torch.int32) // 8)
     with pytest.raises(ValueError, match=r"num_pages: expected an integer >= 2"):
         model.allocate_kv_cache(1)
 

@@ -60,11 +60,11 @@ def _inputs(
 
 
 def _requests(inputs: dict[str, torch.Tensor]) -> dict[int, list[int]]:
-    """Token rows of each request (by slot), in order."""
-    rows: dict[int, list[int]] = {}
-    for row, slot in enumerate(inputs["slot_ids"].tolist()):
-        rows.setdefault(slot, []).append(row)
-    return rows
+    """Token rows of each request (by cache row), in order."""
+    requests: dict[int, list[int]] = {}
+    for token, row in enumerate(inputs["cache_rows"].tolist()):
+        requests.setdefault(row, []).append(token)
+    return requests
 
 
 def _select(inputs: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
@@ -92,7 +92,7 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
     """The decoder computed token by token, writing into ``model``'s caches."""
     config = model.config
     heads, head_dim = config.num_heads, config.head_dim
-    ids, positions, slots = (inputs[name].tolist() for name in INPUT_NAMES)
+    ids, positions, cache_rows = (inputs[name].tolist() for name in INPUT_NAMES)
     num_tokens = len(ids)
     body = model.body
     x = body.embed[torch.tensor(ids)]  # [T, hidden]
@@ -103,12 +103,12 @@ def _naive_forward(model: ReferenceDecoder, inputs: dict[str, torch.Tensor]) -> 
         q = torch.stack([_rope(q[t], positions[t]) for t in range(num_tokens)])
         k = torch.stack([_rope(k[t], positions[t]) for t in range(num_tokens)])
         for t in range(num_tokens):
-            k_cache[slots[t], positions[t]] = k[t]
-            v_cache[slots[t], positions[t]] = v[t]
+            k_cache[cache_rows[t], positions[t]] = k[t]
+            v_cache[cache_rows[t], positions[t]] = v[t]
         attn = torch.empty(num_tokens, heads, head_dim)
         for t in range(num_tokens):
-            keys = k_cache[slots[t], : positions[t] + 1]  # [n, heads, head_dim]
-            values = v_cache[slots[t], : positions[t] + 1]
+            keys = k_cache[cache_rows[t], : positions[t] + 1]  # [n, heads, head_dim]
+            values = v_cache[cache_rows[t], : positions[t] + 1]
             scores = torch.einsum("hd,nhd->hn", q[t], keys) / math.sqrt(head_dim)
             attn[t] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
         x = x + attn.reshape(num_tokens, -1) @ layer.o_weight
@@ -168,34 +168,35 @@ def test_mixed_batch_rows_equal_each_request_run_alone() -> None:
 
 def test_chunked_prefill_then_decode_equals_one_longer_chunk() -> None:
     """K/V written by one step are what the next step attends to."""
-    slot, length = 5, 12
+    row, length = 5, 12
     ids = torch.randint(0, SMALL.vocab_size, (length + 1,), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(length + 1)
-    slots = torch.full((length + 1,), slot)
+    cache_rows = torch.full((length + 1,), row)
     two_steps = _model(seed=4)
-    two_steps.forward(ids[:length], positions[:length], slots[:length])
-    decoded = two_steps.forward(ids[length:], positions[length:], slots[length:])  # [1, hidden]
-    one_step = _model(seed=4).forward(ids, positions, slots)  # [length + 1, hidden]
+    two_steps.forward(ids[:length], positions[:length], cache_rows[:length])
+    decoded = two_steps.forward(ids[length:], positions[length:], cache_rows[length:])  # [1, hidden]
+    one_step = _model(seed=4).forward(ids, positions, cache_rows)  # [length + 1, hidden]
     torch.testing.assert_close(decoded[0], one_step[length], atol=1e-5, rtol=1e-5)
-    other = _model(seed=4).forward(ids[length:], positions[length:], slots[length:])  # no prefill written
+    # No prefill written:
+    other = _model(seed=4).forward(ids[length:], positions[length:], cache_rows[length:])
     assert rel_err(other[0], one_step[length]) > 1e-2
 
 
 def test_mask_hides_later_positions_and_shows_earlier_ones() -> None:
     model = _model(seed=5)
     inputs = _inputs(1, uniform=True, seed=5)
-    slot, position = int(inputs["slot_ids"][0]), int(inputs["positions"][0])
+    row, position = int(inputs["cache_rows"][0]), int(inputs["positions"][0])
     if position in (0, SMALL.max_seq_len - 1):  # make room on both sides
         inputs["positions"][0] = position = SMALL.max_seq_len // 2
     reference = copy.deepcopy(model).step(inputs)
     later = copy.deepcopy(model)
     for k_cache, v_cache in later.kv_caches():
-        k_cache[slot, position + 1 :] = torch.randn_like(k_cache[slot, position + 1 :])
-        v_cache[slot, position + 1 :] = torch.randn_like(v_cache[slot, position + 1 :])
+        k_cache[row, position + 1 :] = torch.randn_like(k_cache[row, position + 1 :])
+        v_cache[row, position + 1 :] = torch.randn_like(v_cache[row, position + 1 :])
     torch.testing.assert_close(later.step(inputs), reference, atol=0, rtol=0)
     earlier = copy.deepcopy(model)
     for _, v_cache in earlier.kv_caches():
-        v_cache[slot, :position] = torch.randn_like(v_cache[slot, :position])
+        v_cache[row, :position] = torch.randn_like(v_cache[row, :position])
     assert rel_err(earlier.step(inputs), reference) > 1e-2
 
 
@@ -210,9 +211,9 @@ def test_running_a_step_twice_gives_the_same_outputs_and_caches() -> None:
     _assert_caches_close(model, after_first, atol=0)
     # The step did write: the first layer's cache changed at exactly its tokens' rows.
     (k_before, _), (k_after, _) = before.kv_caches()[0], model.kv_caches()[0]
-    changed = (k_before != k_after).flatten(2).any(-1)  # [slots, positions]
+    changed = (k_before != k_after).flatten(2).any(-1)  # [rows, positions]
     expected = torch.zeros_like(changed)
-    expected[inputs["slot_ids"], inputs["positions"]] = True
+    expected[inputs["cache_rows"], inputs["positions"]] = True
     assert torch.equal(changed, expected)
 
 
@@ -257,7 +258,7 @@ class _Recorder:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        slot_ids: torch.Tensor,
+        cache_rows: torch.Tensor,
         key_index: torch.Tensor,
         value_index: torch.Tensor,
         mask: torch.Tensor,
@@ -265,7 +266,7 @@ class _Recorder:
         /,
     ) -> None:
         self.caches.append(kv_cache)
-        cached_attention(q, k, v, kv_cache, slot_ids, key_index, value_index, mask, out)
+        cached_attention(q, k, v, kv_cache, cache_rows, key_index, value_index, mask, out)
 
 
 def _no_attention(
@@ -273,7 +274,7 @@ def _no_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_ids: torch.Tensor,
+    cache_rows: torch.Tensor,
     key_index: torch.Tensor,
     value_index: torch.Tensor,
     mask: torch.Tensor,
@@ -332,7 +333,7 @@ def test_forward_with_metadata_built_outside_equals_forward(
     model = _model(seed=seed)
     other = copy.deepcopy(model)
     inputs = _inputs(num_tokens, uniform=uniform, seed=seed)
-    meta = model.metadata(inputs["positions"], inputs["slot_ids"])
+    meta = model.metadata(inputs["positions"], inputs["cache_rows"])
     out = model.forward_with_metadata(inputs["input_ids"], meta)
     torch.testing.assert_close(out, other.step(inputs), atol=0, rtol=0)
     _assert_caches_close(model, other, atol=0)
@@ -371,7 +372,7 @@ def test_padding_rows_leave_real_rows_and_caches_alone(
     out = model.step(inputs)
     padded_out = padded_model.step(padded)  # [padded_to, hidden]
     torch.testing.assert_close(padded_out[:num_tokens], out, atol=1e-5, rtol=1e-5)
-    scratch = SMALL.scratch_slot
+    scratch = SMALL.scratch_row
     for (k, v), (pk, pv) in zip(model.kv_caches(), padded_model.kv_caches(), strict=True):
         torch.testing.assert_close(pk[:scratch], k[:scratch], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(pv[:scratch], v[:scratch], atol=1e-6, rtol=1e-6)
@@ -395,9 +396,9 @@ def test_make_step_inputs_builds_valid_steps(num_tokens: int, uniform: bool, see
     if num_tokens >= 8:  # drawn ids, not a constant fill (all equal by chance: p = vocab_size**-7)
         ids = inputs["input_ids"]
         assert bool((ids != ids[0]).any())
-    slots = inputs["slot_ids"]
-    assert int(slots.min()) >= 0
-    assert int(slots.max()) < config.max_num_seqs  # never the scratch row
+    cache_rows = inputs["cache_rows"]
+    assert int(cache_rows.min()) >= 0
+    assert int(cache_rows.max()) < config.max_num_seqs  # never the scratch row
     requests = _requests(inputs)
     for rows in requests.values():
         assert rows == list(range(rows[0], rows[0] + len(rows)))  # contiguous rows
@@ -408,7 +409,7 @@ def test_make_step_inputs_builds_valid_steps(num_tokens: int, uniform: bool, see
     if uniform:
         assert len(requests) == num_tokens
     elif num_tokens >= 2:
-        assert len(requests[int(slots[0])]) >= 2  # the first request is a prefill chunk
+        assert len(requests[int(cache_rows[0])]) >= 2  # the first request is a prefill chunk
 
 
 def test_make_step_inputs_rejects_impossible_steps() -> None:
@@ -447,7 +448,7 @@ def test_static_inputs_describe_the_forward_and_pad_into_the_scratch_row() -> No
     padded = pad_step_inputs(SMALL, _inputs(3, uniform=True, seed=0), 8)
     for name, spec in described.items():
         assert padded[name][3:].tolist() == [spec.pad_value] * 5
-    assert described["slot_ids"].pad_value == SMALL.scratch_slot == SMALL.max_num_seqs
+    assert described["cache_rows"].pad_value == SMALL.scratch_row == SMALL.max_num_seqs
 
 
 def test_schedule_mixes_decode_and_mixed_steps_and_ends_above_the_largest_size() -> None:

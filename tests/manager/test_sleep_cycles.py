@@ -77,7 +77,7 @@ def test_twenty_sleep_wake_cycles_give_memory_back_and_serve_exact_steps() -> No
         tokens = int(torch.randint(1, limit + 1, (), generator=generator))
         inputs = make_step_inputs(DECODER, tokens, uniform_decode=uniform, generator=generator, device="cuda")
         out = manager.run_batch(inputs, uniform_decode=uniform)
-        expected = twin(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+        expected = twin(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
         err = rel_err(out, expected)
         assert err < STEP_TOL, f"step {served} ({tokens} tokens, cycle {cycle}) differs: {err:.2e}"
         served += 1

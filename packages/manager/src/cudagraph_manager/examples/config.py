@@ -54,7 +54,7 @@ class DecoderConfig:
         return self.hidden_size // self.num_heads
 
     @property
-    def scratch_slot(self) -> int:
+    def scratch_row(self) -> int:
         """The KV cache row that padding rows write to and read from."""
         return self.max_num_seqs
 

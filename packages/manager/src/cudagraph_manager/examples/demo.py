@@ -82,7 +82,7 @@ class Decoder:
 
     def num_reqs(self, inputs: dict[str, torch.Tensor]) -> int:
         paged = self.layout is not None
-        return int(inputs["query_lens"].shape[0]) if paged else len(set(inputs["slot_ids"].tolist()))
+        return int(inputs["query_lens"].shape[0]) if paged else len(set(inputs["cache_rows"].tolist()))
 
     def eager(self, inputs: dict[str, torch.Tensor], uniform: bool) -> torch.Tensor:
         """The step run eagerly, the attention told whether the batch is uniform (as the manager tells it)."""

@@ -44,7 +44,7 @@ class KvSizing:
     """What the start-up did: the estimate, the KV cache it allowed, the capture, what was left."""
 
     estimate: MemoryEstimate
-    kv_slots: int  # request rows, or pages of a paged cache
+    kv_units: int  # request rows, or pages of a paged cache (``kv_unit``)
     kv_bytes: int
     report: CaptureReport
     margin_bytes: int
@@ -57,7 +57,7 @@ class KvSizing:
             f"graphs estimated at {self.estimate.total_bytes / mib:.0f} MiB "
             f"in {self.estimate.seconds:.2f} s, "
             f"cost {self.report.device_bytes / mib:.0f} MiB (error {error / mib:+.0f} MiB); "
-            f"KV cache {self.kv_bytes / 2**30:.2f} GiB ({self.kv_slots} request rows or pages); "
+            f"KV cache {self.kv_bytes / 2**30:.2f} GiB ({self.kv_units} request rows or pages); "
             f"left after the capture {self.left_bytes / mib:.0f} MiB "
             f"(margin {self.margin_bytes / mib:.0f} MiB)"
         )
@@ -76,18 +76,18 @@ def start_up(
     if isinstance(model, PagedDecoder):
         model.warm_up(largest)  # every shape its attention compiles for, before anything is measured
         profile = make_paged_inputs(config, model.layout, largest, uniform_decode=False, device="cuda")
-        slot_bytes, current_slots = model.kv_page_bytes(), model.layout.num_pages
+        unit_bytes, current_units = model.kv_page_bytes(), model.layout.num_pages
     else:
         profile = make_step_inputs(config, largest, uniform_decode=False, device="cuda")
-        slot_bytes, current_slots = model.kv_slot_bytes(), config.max_num_seqs + 1
+        unit_bytes, current_units = model.kv_row_bytes(), config.max_num_seqs + 1
     model.step(profile)
     estimate = manager.estimate_memory()  # leaves nothing behind: no graph, an emptied cache
-    current = slot_bytes * current_slots  # the minimal cache, freed when replaced
+    current = unit_bytes * current_units  # the minimal cache, freed when replaced
     budget = torch.cuda.mem_get_info()[0] + current - estimate.total_bytes - margin_bytes
-    slots = budget // slot_bytes
-    model.allocate_kv_cache(slots)
+    units = budget // unit_bytes
+    model.allocate_kv_cache(units)
     report = manager.capture(progress=False)
-    return KvSizing(estimate, slots, slots * slot_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
+    return KvSizing(estimate, units, units * unit_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -146,11 +146,11 @@ def main(argv: list[str]) -> KvSizing:
                 "estimate_s": sizing.estimate.seconds,
                 "device_bytes": sizing.report.device_bytes,
                 "capture_s": sizing.report.seconds,
-                "kv_slots": sizing.kv_slots,
+                "kv_units": sizing.kv_units,
                 "kv_bytes": sizing.kv_bytes,
-                "slot_bytes": model.kv_page_bytes()
+                "unit_bytes": model.kv_page_bytes()
                 if isinstance(model, PagedDecoder)
-                else model.kv_slot_bytes(),
+                else model.kv_row_bytes(),
                 "kv_unit": "page" if isinstance(model, PagedDecoder) else "row",
                 "num_layers": decoder.num_layers,
                 "margin_bytes": sizing.margin_bytes,

@@ -7,7 +7,7 @@ FULL graph or eagerly between PIECEWISE segments.
 
 - Inputs of one step (``num_tokens`` rows, any mix of requests):
   ``input_ids [T]``, ``positions [T]`` (position of each token in its
-  sequence) and ``slot_ids [T]`` (the KV cache row of the token's request).
+  sequence) and ``cache_rows [T]`` (the KV cache row of the token's request).
   Tokens of one request in one step sit at consecutive positions (a prefill
   chunk); a uniform decode step has one token per request.
 - Attention metadata is built once per step, at the start of ``forward``,
@@ -18,7 +18,7 @@ FULL graph or eagerly between PIECEWISE segments.
   its own and ``forward_with_metadata`` runs the rest of the step, for callers
   that prepare it outside the graph, as engines prepare theirs.
 - ``cached_attention`` writes the step's K/V into the cache at
-  ``(slot, position)`` and attends over the request's cache row, writing into
+  ``(cache row, position)`` and attends over the request's cache row, writing into
   a caller-provided buffer. The layers call it through an injectable op
   (``AttentionOp``), by default ``breakable_cached_attention``, an
   ``eager_break_during_capture`` op: a breakable (PIECEWISE) capture splits
@@ -46,7 +46,7 @@ from .body import DecoderBody, LayerCaches, rotary_cos_sin
 from .config import DecoderConfig
 
 # Step inputs, in the order of ``ReferenceDecoder.forward``.
-INPUT_NAMES: Final[tuple[str, ...]] = ("input_ids", "positions", "slot_ids")
+INPUT_NAMES: Final[tuple[str, ...]] = ("input_ids", "positions", "cache_rows")
 
 
 class AttentionMetadata(NamedTuple):
@@ -56,7 +56,7 @@ class AttentionMetadata(NamedTuple):
     through it without a graph break.
     """
 
-    slot_ids: torch.Tensor  # [T] int64: the cache row of each token
+    cache_rows: torch.Tensor  # [T] int64: the cache row of each token
     key_index: torch.Tensor  # [T] int64: the token's key row in the flat cache (see ``cached_attention``)
     value_index: torch.Tensor  # [T] int64: its value row, ``key_index + max_seq_len`` (once per step)
     mask: torch.Tensor  # [T, 1, 1, max_seq_len] additive: 0 where key j <= position, else dtype's min
@@ -66,14 +66,14 @@ class AttentionMetadata(NamedTuple):
 
 def build_attention_metadata(
     positions: torch.Tensor,
-    slot_ids: torch.Tensor,
+    cache_rows: torch.Tensor,
     key_positions: torch.Tensor,
     rotary: torch.Tensor,
     num_heads: int,
 ) -> AttentionMetadata:
     """The metadata of one step, with capturable ops only (no host sync).
 
-    ``positions`` and ``slot_ids`` are ``[T]``; ``key_positions`` is
+    ``positions`` and ``cache_rows`` are ``[T]``; ``key_positions`` is
     ``arange(max_seq_len)``; ``rotary`` is ``rotary_table``'s
     ``[max_seq_len, 2, head_dim]``; cos and sin come from ``rotary_cos_sin``.
     """
@@ -84,10 +84,10 @@ def build_attention_metadata(
     # would be converted again in every layer. The dtype's min, not -inf: a
     # row is never fully masked (key 0 is always visible), but min stays finite.
     mask = hidden.to(dtype).mul_(torch.finfo(dtype).min)  # [T, L]
-    key_index = slot_ids * (2 * max_seq_len) + positions  # [T]: row (slot, 0, position)
+    key_index = cache_rows * (2 * max_seq_len) + positions  # [T]: row (cache row, 0, position)
     cos, sin = rotary_cos_sin(positions, rotary, num_heads)
     return AttentionMetadata(
-        slot_ids=slot_ids,
+        cache_rows=cache_rows,
         key_index=key_index,
         value_index=key_index + max_seq_len,
         mask=mask[:, None, None, :],
@@ -101,7 +101,7 @@ def cached_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_ids: torch.Tensor,
+    cache_rows: torch.Tensor,
     key_index: torch.Tensor,
     value_index: torch.Tensor,
     mask: torch.Tensor,
@@ -111,7 +111,7 @@ def cached_attention(
 
     Shapes: ``q``, ``k``, ``v`` and ``out`` are ``[T, heads, head_dim]``;
     ``kv_cache`` is ``[max_num_seqs + 1, 2, max_seq_len, heads, head_dim]``
-    (per request row: its keys, then its values); ``slot_ids``,
+    (per request row: its keys, then its values); ``cache_rows``,
     ``key_index`` and ``value_index`` (rows of the cache flattened to
     ``[-1, heads, head_dim]``) are ``[T]``; ``mask`` is
     ``[T, 1, 1, max_seq_len]``. Token ``t`` attends over its request's cache
@@ -127,7 +127,7 @@ def cached_attention(
     flat.index_copy_(0, value_index, v)
     # Keys and values of the step's requests in one advanced-index gather
     # along the leading axis: the fastest layout and gather at 1 to 128 tokens.
-    rows = kv_cache[slot_ids].transpose(2, 3)  # [T, 2, heads, L, head_dim]
+    rows = kv_cache[cache_rows].transpose(2, 3)  # [T, 2, heads, L, head_dim]
     result = F.scaled_dot_product_attention(
         q.unsqueeze(2), rows[:, 0], rows[:, 1], attn_mask=mask
     )  # [T, heads, 1, head_dim]
@@ -135,7 +135,7 @@ def cached_attention(
 
 
 #: The attention a layer calls: ``cached_attention``'s arguments, passed
-#: positionally in its order (``q, k, v, kv_cache, slot_ids, key_index,
+#: positionally in its order (``q, k, v, kv_cache, cache_rows, key_index,
 #: value_index, mask, out``), and its effects: it writes the step's K/V into
 #: ``kv_cache`` and the attention into ``out``, and returns nothing.
 #: ``breakable_cached_attention`` and ``traced_cached_attention`` are
@@ -170,7 +170,7 @@ def _no_outputs(*args: torch.Tensor) -> None:
 class ReferenceDecoder(nn.Module):
     """A Llama-like decoder over a static KV cache, returning final hidden states.
 
-    ``forward(input_ids, positions, slot_ids) -> [T, hidden]``, all inputs
+    ``forward(input_ids, positions, cache_rows) -> [T, hidden]``, all inputs
     ``[T]`` int64 on the model's device. Capturable whole (FULL) or split at
     each layer's attention (PIECEWISE: ``num_layers`` eager breaks). Inference
     only: parameters do not require grad.
@@ -227,15 +227,15 @@ class ReferenceDecoder(nn.Module):
         )  # [max_seq_len]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor
     ) -> torch.Tensor:
         """One step: ``[T]`` int64 inputs -> final hidden states ``[T, hidden]``."""
-        return self.forward_with_metadata(input_ids, self.metadata(positions, slot_ids))
+        return self.forward_with_metadata(input_ids, self.metadata(positions, cache_rows))
 
-    def metadata(self, positions: torch.Tensor, slot_ids: torch.Tensor) -> AttentionMetadata:
-        """The attention metadata of the step at ``positions [T]`` in cache rows ``slot_ids [T]``."""
+    def metadata(self, positions: torch.Tensor, cache_rows: torch.Tensor) -> AttentionMetadata:
+        """The attention metadata of the step at ``positions [T]`` in cache rows ``cache_rows [T]``."""
         return build_attention_metadata(
-            positions, slot_ids, self.key_positions, self.body.rotary, self.config.num_heads
+            positions, cache_rows, self.key_positions, self.body.rotary, self.config.num_heads
         )
 
     def forward_with_metadata(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -250,7 +250,8 @@ class ReferenceDecoder(nn.Module):
         attention, caches = self.attention, self.caches
 
         def attend(index: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
-            attention(q, k, v, caches[index], meta.slot_ids, meta.key_index, meta.value_index, meta.mask, out)
+            rows = meta.cache_rows
+            attention(q, k, v, caches[index], rows, meta.key_index, meta.value_index, meta.mask, out)
 
         return self.body.run(input_ids, meta.cos, meta.sin, attend)
 
@@ -260,7 +261,7 @@ class ReferenceDecoder(nn.Module):
         ``uniform_decode`` is accepted for symmetry with ``PagedDecoder.step``:
         this attention reads whole cache rows whatever the batch.
         """
-        return self.forward(inputs["input_ids"], inputs["positions"], inputs["slot_ids"])
+        return self.forward(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
 
     def with_attention(self, attention: AttentionOp) -> ReferenceDecoder:
         """This model calling ``attention``: the same weights and KV caches, shared, not copied."""
@@ -272,14 +273,18 @@ class ReferenceDecoder(nn.Module):
         """``(k_cache, v_cache)`` of every layer, ``[rows, max_seq_len, heads, head_dim]`` views."""
         return [(cache[:, 0], cache[:, 1]) for cache in self.caches]
 
-    def kv_slot_bytes(self) -> int:
+    def kv_row_bytes(self) -> int:
         """The bytes of one KV cache row (a request's keys and values) over all layers."""
         config = self.config
         per_layer = 2 * config.max_seq_len * config.num_heads * config.head_dim * config.dtype.itemsize
         return config.num_layers * per_layer
 
-    def allocate_kv_cache(self, num_slots: int) -> None:
-        """Give every layer a KV cache of ``num_slots`` request rows, freeing the old caches first.
+    def kv_slot_bytes(self) -> int:
+        """Deprecated: ``kv_row_bytes`` (its old name, kept because the README promised it)."""
+        return self.kv_row_bytes()
+
+    def allocate_kv_cache(self, num_rows: int) -> None:
+        """Give every layer a KV cache of ``num_rows`` request rows, freeing the old caches first.
 
         One uninitialized allocation for all layers (each layer's cache is a
         view of it), so the allocator rounds once. At least ``max_num_seqs +
@@ -288,14 +293,14 @@ class ReferenceDecoder(nn.Module):
         Call it before capturing: graphs read the caches at their addresses.
         """
         config = self.config
-        given: object = num_slots
+        given: object = num_rows
         if not isinstance(given, int) or isinstance(given, bool) or given < config.max_num_seqs + 1:
             raise ValueError(
-                f"num_slots: expected an integer >= max_num_seqs + 1 = {config.max_num_seqs + 1}, "
-                f"got {num_slots!r}"
+                f"num_rows: expected an integer >= max_num_seqs + 1 = {config.max_num_seqs + 1}, "
+                f"got {num_rows!r}"
             )
-        # [layers, slots, 2, max_seq_len, heads, head_dim]
-        shape = (config.num_layers, num_slots, 2, config.max_seq_len, config.num_heads, config.head_dim)
+        # [layers, rows, 2, max_seq_len, heads, head_dim]
+        shape = (config.num_layers, num_rows, 2, config.max_seq_len, config.num_heads, config.head_dim)
         device = self.body.device
         self.caches.replace(lambda: torch.empty(shape, device=device, dtype=config.dtype).unbind(0))
 
@@ -309,5 +314,5 @@ def static_inputs(config: DecoderConfig) -> dict[str, StaticInput]:
     return {
         "input_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
         "positions": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
-        "slot_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=config.scratch_slot),
+        "cache_rows": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=config.scratch_row),
     }

@@ -84,7 +84,7 @@ class TensorParallelLayer(nn.Module):
         q, k = rotate(qkv[:, :2], meta.cos, meta.sin).unbind(1)  # [T, local heads, head_dim] each
         v = qkv[:, 2]
         attn = torch.empty((num_tokens, self.num_heads, self.head_dim), device=x.device, dtype=x.dtype)
-        attention(q, k, v, self.kv_cache, meta.slot_ids, meta.key_index, meta.value_index, meta.mask, attn)
+        attention(q, k, v, self.kv_cache, meta.cache_rows, meta.key_index, meta.value_index, meta.mask, attn)
         o = torch.mm(attn.view(num_tokens, -1), self.o_weight)  # [T, d]: this rank's partial sum
         dist.all_reduce(o, group=self.group)
         x = x + o
@@ -131,10 +131,12 @@ class TensorParallelDecoder(nn.Module):
         self.requires_grad_(False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor
     ) -> torch.Tensor:
         """One step: ``[T]`` int64 inputs -> final hidden states ``[T, hidden]`` (the same on every rank)."""
-        meta = build_attention_metadata(positions, slot_ids, self.key_positions, self.rotary, self.num_heads)
+        meta = build_attention_metadata(
+            positions, cache_rows, self.key_positions, self.rotary, self.num_heads
+        )
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for layer in self.decoder_layers:
             x = layer.forward(x, meta, self.attention)

@@ -3,7 +3,7 @@
 Not imported by ``cudagraph_manager.examples``: like ``trio.testing``, test
 helpers load only where they are used.
 
-- ``make_step_inputs``: a random step of ``ReferenceDecoder`` (``slot_ids``).
+- ``make_step_inputs``: a random step of ``ReferenceDecoder`` (``cache_rows``).
 - ``make_paged_inputs``: a random step of ``PagedDecoder`` on a randomly
   paged cache (``PAGED_INPUT_NAMES``).
 - ``request_lengths``: the tokens of each request of a random step.
@@ -48,18 +48,18 @@ def make_step_inputs(
     def randint(low: int, high: int) -> int:  # uniform in [low, high]
         return int(torch.randint(low, high + 1, (), generator=g))
 
-    slots = torch.randperm(config.max_num_seqs, generator=g)[: len(lengths)]
+    request_rows = torch.randperm(config.max_num_seqs, generator=g)[: len(lengths)]
     positions: list[torch.Tensor] = []
-    slot_rows: list[torch.Tensor] = []
-    for length, slot in zip(lengths, slots.tolist(), strict=True):
+    token_rows: list[torch.Tensor] = []
+    for length, row in zip(lengths, request_rows.tolist(), strict=True):
         start = randint(0, config.max_seq_len - length)
         positions.append(torch.arange(start, start + length))
-        slot_rows.append(torch.full((length,), slot, dtype=torch.int64))
+        token_rows.append(torch.full((length,), row, dtype=torch.int64))
     input_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=g)
     return {
         "input_ids": input_ids.to(device),  # [T]
         "positions": torch.cat(positions).to(device),  # [T]
-        "slot_ids": torch.cat(slot_rows).to(device),  # [T]
+        "cache_rows": torch.cat(token_rows).to(device),  # [T]
     }
 
 

@@ -1,10 +1,10 @@
 """A table that the ranks of one host exchange through shared memory: no socket, no GPU.
 
 Each exchange is one round: every rank writes its row and then the round's
-sequence number into its own slot, then waits until every other slot shows
+sequence number into its own cell, then waits until every other cell shows
 that number, and reads the rows. Two copies of the table alternate by the
 round's parity, so a rank that finished reading round ``k`` and writes round
-``k + 1`` never overwrites a slot another rank is still reading (no rank can
+``k + 1`` never overwrites a cell another rank is still reading (no rank can
 start round ``k + 2`` before every rank wrote ``k + 1``, which each does only
 after reading ``k``).
 
@@ -28,9 +28,9 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-#: Ints one row may hold, and the slot: a sequence number, then the row.
+#: Ints one row may hold, and a rank's cell: a sequence number, then the row.
 MAX_WIDTH: Final = 8
-_SLOT: Final = struct.Struct(f"<q{MAX_WIDTH}q")
+_CELL: Final = struct.Struct(f"<q{MAX_WIDTH}q")
 _SEQ: Final = struct.Struct("<q")
 _X86: Final = frozenset({"x86_64", "amd64", "x64"})
 _SPINS_BEFORE_YIELD: Final = 2000
@@ -96,7 +96,7 @@ class SharedTable:
         if len(set(hosts)) > 1:
             raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        size = 2 * world_size * _SLOT.size
+        size = 2 * world_size * _CELL.size
         path = os.path.join(folder, f"cudagraph-ranks-{uuid.uuid4().hex}")
         problem = ""
         if rank == 0:
@@ -127,7 +127,7 @@ class SharedTable:
         self._round = 0
 
     def _offset(self, parity: int, rank: int) -> int:
-        return (parity * self._world_size + rank) * _SLOT.size
+        return (parity * self._world_size + rank) * _CELL.size
 
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
         """Every rank's ``row`` (at most ``MAX_WIDTH`` ints), by rank; waits for the slowest rank.

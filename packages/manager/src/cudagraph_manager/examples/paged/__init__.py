@@ -29,7 +29,7 @@ from .flex import tile_unions as tile_unions
 from .gather import GatherMetadata as GatherMetadata
 from .gather import GatherPagedAttention as GatherPagedAttention
 from .layout import PagedLayout as PagedLayout
-from .layout import slot_pages as slot_pages
+from .layout import page_of_slot as page_of_slot
 from .model import BACKENDS as BACKENDS
 from .model import PagedDecoder as PagedDecoder
 from .model import make_backend as make_backend
@@ -49,6 +49,6 @@ __all__ = [
     "PagedMetadata",
     "make_backend",
     "paged_static_inputs",
-    "slot_pages",
+    "page_of_slot",
     "tile_unions",
 ]

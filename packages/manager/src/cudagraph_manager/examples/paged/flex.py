@@ -31,7 +31,7 @@ from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, per_forward
 from .gather import token_pages
-from .layout import PagedLayout, slot_pages, write_kv
+from .layout import PagedLayout, page_of_slot, write_kv
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -63,7 +63,7 @@ class _FlexPlan(NamedTuple):
     kv_indices: torch.Tensor  # [B, 1, tiles, width] int32: which (the first kv_num_blocks)
     owner: torch.Tensor  # [num_pages] int64: the request that owns each page, PAD_REQUEST if none
     page_shift: torch.Tensor  # [num_pages] int64: a slot's position in its request, minus the slot
-    slot_page: torch.Tensor  # [num_pages * page_size] int32: each slot's page
+    page_of_slot: torch.Tensor  # [num_pages * page_size] int32: each slot's page
     query_req: torch.Tensor  # [B, Q]: each query's request
     query_pos: torch.Tensor  # [B, Q]: each query's position
 
@@ -78,7 +78,7 @@ class FlexMetadata:
     """
 
     paged: PagedMetadata
-    slot_page: torch.Tensor  # [num_pages * page_size] int32 (``slot_pages``)
+    page_of_slot: torch.Tensor  # [num_pages * page_size] int32 (``page_of_slot``)
     derived: list[tuple[object, _FlexPlan]] = dataclasses.field(default_factory=list, compare=False)
 
 
@@ -173,10 +173,10 @@ class FlexPagedAttention:
             PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
         )
         self.buffers = self._new_buffers(layout)
-        #: Each slot's page (``slot_pages``): the mask reads a key's page from it.
-        self.slot_page = slot_pages(layout, device)
+        #: Each slot's page (``page_of_slot``): the mask reads a key's page from it.
+        self.page_of_slot = page_of_slot(layout, device)
         #: Whether ``attend`` runs the fused (compiled) kernel.
-        self.compiled: Final = self.slot_page.is_cuda if compile is None else compile
+        self.compiled: Final = self.page_of_slot.is_cuda if compile is None else compile
         if self.compiled and layout.page_size % _KEY_BLOCK:
             raise ValueError(
                 f"page_size: FlexAttention's fused kernel reads keys in blocks of {_KEY_BLOCK}, so its "
@@ -188,15 +188,15 @@ class FlexPagedAttention:
     def resize(self, num_pages: int) -> None:
         """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
         self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
-        self.slot_page = torch.empty(0, dtype=torch.int32, device=self.slot_page.device)  # freed first
-        self.slot_page = slot_pages(self.layout, self.slot_page.device)
+        self.page_of_slot = torch.empty(0, dtype=torch.int32, device=self.page_of_slot.device)  # freed first
+        self.page_of_slot = page_of_slot(self.layout, self.page_of_slot.device)
         self.buffers = self._new_buffers(self.layout)
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> FlexMetadata:
-        return FlexMetadata(self.buffers.fill(batch, shape), self.slot_page)
+        return FlexMetadata(self.buffers.fill(batch, shape), self.page_of_slot)
 
     def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
-        return FlexMetadata(self.buffers.views(shape), self.slot_page)
+        return FlexMetadata(self.buffers.views(shape), self.page_of_slot)
 
     def attend(
         self,
@@ -257,7 +257,7 @@ class FlexPagedAttention:
             kv_indices.contiguous(),
             owner,
             (page_index - pages) * page_size,  # a key's position is this (of its page) + its slot
-            meta.slot_page,
+            meta.page_of_slot,
             paged.req_ids.view(rows),  # [B, Q]
             paged.positions.view(rows),  # [B, Q]
         )
@@ -312,7 +312,7 @@ def _block_mask(
     kv_indices: torch.Tensor,
     owner: torch.Tensor,
     page_shift: torch.Tensor,
-    slot_page: torch.Tensor,
+    page_of_slot: torch.Tensor,
     query_req: torch.Tensor,
     query_pos: torch.Tensor,
 ) -> BlockMask:
@@ -324,7 +324,7 @@ def _block_mask(
     def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
         # division by the page size failed to generate in inductor 2.11).
-        page = slot_page[kv_idx]
+        page = page_of_slot[kv_idx]
         same_request = owner[page] == query_req[b, q_idx]
         return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
 

@@ -73,7 +73,7 @@ class PagedLayout:
         return cls(page_size, num_pages, pages_per_seq)
 
 
-def slot_pages(layout: PagedLayout, device: torch.device | str | None) -> torch.Tensor:
+def page_of_slot(layout: PagedLayout, device: torch.device | str | None) -> torch.Tensor:
     """``[num_pages * page_size]`` int32: the page of every slot of the cache.
 
     A FlexAttention mask reads a key's page from this table: inductor 2.11
