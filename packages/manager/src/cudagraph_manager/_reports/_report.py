@@ -253,11 +253,6 @@ class ManagerStats:
     def num_replays(self) -> int:
         return sum(self.replays.values())
 
-    @property
-    def eager_runs(self) -> int:
-        """Deprecated: ``eager_steps``, under its old name, until every caller says ``eager_steps``."""
-        return self.eager_steps
-
     def replays_of(self, mode: CUDAGraphMode) -> int:
         """Replays in runtime mode ``mode``, over all sizes."""
         return sum(n for (m, _), n in self.replays.items() if m is mode)
