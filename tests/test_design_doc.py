@@ -38,3 +38,29 @@ def test_every_cited_section_is_a_heading_of_the_design_document() -> None:
 def test_no_source_cites_the_design_outside_the_repository() -> None:
     offenders = [str(p.relative_to(ROOT)) for p in _sources() if "DESIGN.md" in p.read_text()]
     assert not offenders
+
+
+def test_the_map_names_every_module_of_the_manager_in_its_folder() -> None:
+    """docs/design.md ("Layers") maps the manager's folders: a module added or moved is added there."""
+    text = DESIGN.read_text()
+    start = text.index("cudagraph_manager/\n")
+    tree = text[start : text.index("```", start)]
+    named: set[str] = set()
+    folder = ""
+    for line in tree.splitlines()[1:]:
+        name = line.split()[0] if line.strip() else ""
+        if name.endswith("/"):
+            folder = name
+            named.add(folder)
+        elif name.endswith(".py"):
+            named.add(f"{folder}{name}" if line.startswith("    ") else name)
+    package = ROOT / "packages/manager/src/cudagraph_manager"
+    modules = {
+        "/".join(p.relative_to(package).parts)
+        for p in package.glob("*/*.py")
+        if p.parent.name not in ("ranks", "examples") and p.name != "__init__.py"
+    }
+    modules |= {p.name for p in package.glob("*.py")}
+    modules |= {f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert modules - named == set(), "modules missing from the map"
+    assert named - modules == set(), "the map names modules that do not exist"

@@ -93,11 +93,6 @@ class CaptureSizes:
         """The bucket of every count below ``len(dense_buckets)``, by count: a look-up, not a bisection."""
         return self._dense_buckets
 
-    @property
-    def dense_slots(self) -> tuple[int, ...]:
-        """Deprecated: ``dense_buckets`` (its old name, kept because the README promised it)."""
-        return self._dense_buckets
-
     def representatives(self) -> tuple[int, ...]:
         """One count per bucket, in bucket order: 0, every size, and ``max + 1``."""
         return (*self._bounds, self._sizes[-1] + 1)

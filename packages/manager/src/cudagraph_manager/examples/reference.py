@@ -279,10 +279,6 @@ class ReferenceDecoder(nn.Module):
         per_layer = 2 * config.max_seq_len * config.num_heads * config.head_dim * config.dtype.itemsize
         return config.num_layers * per_layer
 
-    def kv_slot_bytes(self) -> int:
-        """Deprecated: ``kv_row_bytes`` (its old name, kept because the README promised it)."""
-        return self.kv_row_bytes()
-
     def allocate_kv_cache(self, num_rows: int) -> None:
         """Give every layer a KV cache of ``num_rows`` request rows, freeing the old caches first.
 
