@@ -232,7 +232,8 @@ def test_record_and_warm_up_check_the_descriptor() -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_graph_engine_refuses_a_recording_of_no_work_and_names_itself_in_a_failure(engine: Engine) -> None:
     """A model on the CPU records nothing (refused: replaying it would hand back stale outputs)."""
-    cpu = graph_engine(lambda *, x: x.cpu() * 2.0, MODE[engine], CaptureOptions(warmup_runs=0))
+    # CPU work only: a copy of the CUDA input to the host would itself fail inside a capture.
+    cpu = graph_engine(lambda *, x: torch.full((4,), 2.0), MODE[engine], CaptureOptions(warmup_runs=0))
     with pytest.raises(CaptureError, match=r"recorded no CUDA work.*num_tokens=4"):
         cpu.record(BatchDescriptor(4), {"x": torch.ones(4, device=cuda())})
 
