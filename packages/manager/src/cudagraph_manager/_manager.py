@@ -1,7 +1,7 @@
 """Model-level CUDA graphs: dispatch, capture and replay over static buffers.
 
-``CUDAGraphManager`` is the facade over the package's layers (docs/design.md,
-"Map"): its parts (``_parts``: model, dispatcher, static buffers, counters),
+``CUDAGraphManager`` is the facade over the package's layers
+(docs/design.md, "Layers"): its parts (``_parts``: model, dispatcher, static buffers, counters),
 the step path (``_step``), the captures (``_capture``), the weights the
 graphs read (``_memory``), the reports (``_reports``) and the ranks
 (``ranks``). A step is one screen (``_step``):
