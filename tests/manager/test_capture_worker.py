@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import threading
+import weakref
 from typing import Final
 
 import pytest
@@ -161,3 +162,18 @@ def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled(dynamo: 
     )  # the largest, whose warm-up makes the thread's handles; the smallest
     assert wake == (1 if dynamo else 0)
     assert err < TOL
+
+
+def test_a_manager_that_captured_in_the_background_is_freed_without_a_collection() -> None:
+    """No reference cycle through the session: its graphs go with the manager, not at the next collection."""
+    manager = _manager(_Threads())
+    manager.start_capture().wait(WAIT_S)
+    captures = weakref.ref(manager._capturer)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del manager
+        assert captures() is None, "the manager's captures outlived it: a reference cycle"
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -121,6 +121,7 @@ class BackgroundCapture:
     """
 
     __slots__ = (
+        "__weakref__",  # its manager's captures refer to it weakly (it refers to them)
         "_done",
         "_errors",
         "_finished",

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Final, Generic
 
@@ -54,7 +55,8 @@ class Capturer(Generic[OutputT]):
 
     Owns the plan's keys, one engine per mode, the warm-up rule, the decode
     loops, and the capture's lifecycle: the last background capture
-    (``session``) and whether the graphs were released. It is the
+    (held weakly: the session holds this object) and whether the graphs
+    were released. It is the
     background capture's ``CaptureJobs``.
     """
 
@@ -65,11 +67,11 @@ class Capturer(Generic[OutputT]):
         "_options",
         "_parts",
         "_rule",
+        "_session",
         "background_timings",
         "keys",
         "loops",
         "released",
-        "session",
         "weights",
     )
 
@@ -100,7 +102,10 @@ class Capturer(Generic[OutputT]):
         self.loops: Final = None if decode_loop is None else DecodeLoops(parts, decode_loop, self.keys)
         #: How a background capture waits for the first step (tests set their own).
         self.background_timings = BackgroundTimings()
-        self.session: BackgroundCapture | None = None  # the last background capture
+        # The last background capture, weakly: it holds this object (its jobs), and a strong
+        # reference back would keep the graphs alive after the manager goes, until a collection.
+        # While it runs, its thread holds it.
+        self._session: weakref.ref[BackgroundCapture] | None = None
         self.released = False  # release() freed the graphs, and no capture started since
         #: The addresses of the model's parameters and buffers that its graphs read.
         self.weights: Final = WeightWatch(watched_module(parts.model))
@@ -188,15 +193,16 @@ class Capturer(Generic[OutputT]):
     def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
         keys = [] if self._parts.no_graphs is not None else [key.descriptor for key in pending]
-        session = self.session = BackgroundCapture(
+        session = BackgroundCapture(
             keys, self._rule.background(pending), self, timings=self.background_timings
         )
+        self._session = weakref.ref(session)
         session.start()
         return session
 
     def running(self) -> BackgroundCapture | None:
         """The background capture still running, if one is."""
-        session = self.session
+        session = None if self._session is None else self._session()
         return session if session is not None and not session.done else None
 
     def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
