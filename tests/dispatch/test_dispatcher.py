@@ -471,8 +471,8 @@ def test_route_is_dispatch_with_the_reason_beside_it(
     if decision.mode is not M.NONE:
         assert route == decision  # a graph
         return
-    if config.mode is not M.NONE and n == 0:
-        expected = EagerReason.EMPTY_BATCH
+    if n == 0:
+        expected = EagerReason.EMPTY_BATCH  # in every mode, NONE included
     elif config.mode is not M.NONE and n > config.capture_sizes.max:
         expected = EagerReason.ABOVE_LARGEST_SIZE
     elif config.mode is not M.NONE and num_active_loras > max(config.lora_counts, default=0):

@@ -305,10 +305,10 @@ class CUDAGraphDispatcher:
         decisions and ``explain`` words its reasons.
         """
         sizes = self._sizes
+        if num_tokens == 0:  # first: an empty batch is idle in every mode
+            return EagerReason.EMPTY_BATCH, _WHY_EMPTY
         if self._mode is _NONE:
             return EagerReason.NO_GRAPH_FOR_BATCH, _WHY_CONFIG_NONE
-        if num_tokens == 0:
-            return EagerReason.EMPTY_BATCH, _WHY_EMPTY
         if num_tokens > sizes[-1]:
             return EagerReason.ABOVE_LARGEST_SIZE, _WHY_ABOVE_SIZES
         # LoRA: the smallest captured count that holds the active adapters.
