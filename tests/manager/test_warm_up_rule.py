@@ -14,7 +14,7 @@ import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_manager._capture._planned import PlannedKey
-from cudagraph_manager._capture._warm_up import WarmUpRule
+from cudagraph_manager._capture._warm_up import WarmUpRule, smallest_of_modes
 
 PIECEWISE, FULL = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
@@ -47,23 +47,27 @@ def _descriptors(keys: list[PlannedKey[torch.Tensor]]) -> tuple[BatchDescriptor,
 SMALLEST = frozenset({BatchDescriptor(8), BatchDescriptor(1, 1, True)})
 
 
-def test_a_first_capture_warms_every_key_up_and_marks_each_modes_smallest_for_the_thread() -> None:
+def test_a_first_capture_warms_every_key_up_and_skips_none() -> None:
     warm_ups = _rule().foreground(_plan(), ranks=False)
     assert warm_ups.keys == _descriptors(_plan())
-    assert warm_ups.for_thread == SMALLEST
+    assert warm_ups.skippable == frozenset()  # the foreground never skips
+
+
+def test_each_modes_smallest_is_the_one_every_capture_warms() -> None:
+    assert smallest_of_modes(_plan()) == SMALLEST
 
 
 def test_a_recapture_warms_up_only_each_modes_smallest() -> None:
     rule, plan = _rule(), _plan()
     for key in plan:
-        rule.captured(key.descriptor, warmed_here=True)
+        rule.captured(key.descriptor)
     assert rule.foreground(plan, ranks=False).keys == (BatchDescriptor(8), BatchDescriptor(1, 1, True))
 
 
 def test_with_ranks_every_key_warms_up_whatever_was_warmed_before() -> None:
     rule, plan = _rule(), _plan()
     for key in plan:
-        rule.captured(key.descriptor, warmed_here=True)
+        rule.captured(key.descriptor)
     assert rule.foreground(plan, ranks=True).keys == _descriptors(plan)
 
 
@@ -76,8 +80,8 @@ def test_the_background_warms_each_modes_largest_not_warmed_before_and_its_small
         BatchDescriptor(16, 16, True),
         BatchDescriptor(1, 1, True),
     )
-    assert first.for_thread == SMALLEST
-    rule.captured(BatchDescriptor(64), warmed_here=False)  # a wake: the largest has its compiles
+    assert first.skippable == SMALLEST
+    rule.captured(BatchDescriptor(64))  # a wake: the largest has its compiles
     again = rule.background(plan)
     assert again.keys == (BatchDescriptor(8), BatchDescriptor(16, 16, True), BatchDescriptor(1, 1, True))
 
@@ -86,7 +90,7 @@ def test_a_mode_of_one_key_warms_it_as_its_largest_not_only_for_the_thread() -> 
     plan = _keys(_Key(FULL, BatchDescriptor(4, 4, True)))
     warm_ups = _rule().background(plan)
     assert warm_ups.keys == (BatchDescriptor(4, 4, True),)
-    assert warm_ups.for_thread == frozenset()  # never skipped: its first use is still ahead
+    assert warm_ups.skippable == frozenset()  # never skipped: it is also the mode's largest
 
 
 def test_a_thread_has_its_handles_only_after_it_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +121,7 @@ def test_a_warm_up_run_earlier_is_reported_once() -> None:
     rule = _rule()
     rule.ran(BatchDescriptor(8), 0.25)
     assert rule.unreported(BatchDescriptor(8)) == 0.25
-    rule.captured(BatchDescriptor(8), warmed_here=False)
+    rule.captured(BatchDescriptor(8))
     assert rule.unreported(BatchDescriptor(8)) == 0.0
     plan = _keys(_Key(PIECEWISE, BatchDescriptor(16)), _Key(PIECEWISE, BatchDescriptor(8)))
     assert rule.foreground(plan, ranks=False).keys == (BatchDescriptor(16), BatchDescriptor(8))

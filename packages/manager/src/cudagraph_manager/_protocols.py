@@ -84,8 +84,10 @@ class CaptureJobs(Protocol):
     ``device`` and ``gc_disable`` say where and how it captures;
     ``start_totals`` starts a phase's measurements and ``report`` ends them
     (the manager adds why it captures nothing, if it does); ``warm_up`` runs
-    one key eagerly, skipped where ``for_thread`` and the thread has its
+    one key eagerly, skipped where ``skippable`` and the thread has its
     handles (the warm-up rule's); ``capture`` records a key warmed up before.
+    The capture worker keeps a weak reference to it (its owner, alive while
+    it is), so an implementation has ``__weakref__``.
     """
 
     @property
@@ -100,6 +102,6 @@ class CaptureJobs(Protocol):
         self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None
     ) -> CaptureReport: ...
 
-    def warm_up(self, descriptor: BatchDescriptor, *, for_thread: bool) -> None: ...
+    def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None: ...
 
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...

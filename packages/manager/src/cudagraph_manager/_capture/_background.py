@@ -310,7 +310,7 @@ class BackgroundCapture:
                     own.wait_stream(serving)  # everything the serving stream queued before start_capture()
                 warm_ups = self._warm_ups
                 for key in warm_ups.keys:
-                    self._jobs.warm_up(key, for_thread=key in warm_ups.for_thread)
+                    self._jobs.warm_up(key, skippable=key in warm_ups.skippable)
         except Exception as error:  # the captures will say which keys fail; keep going
             _logger.exception("background capture: a warm-up failed")
             with self._lock:

@@ -130,13 +130,13 @@ class Capturer(Generic[OutputT]):
         parts = self._parts
         return totals.report(graphs, parts.no_graphs or why, parts.resolution)
 
-    def warm_up(self, descriptor: BatchDescriptor, *, for_thread: bool) -> None:
+    def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None:
         """The background capture's warm-up of ``descriptor``, timed for its key's report.
 
-        A warm-up ``for_thread`` is skipped where the warm-up rule says the
+        A ``skippable`` warm-up is skipped where the warm-up rule says the
         thread has its handles (``WarmUpRule.thread_has_handles``).
         """
-        if for_thread and self._rule.thread_has_handles():
+        if skippable and self._rule.thread_has_handles():
             return
         start = time.perf_counter()
         key = self.keys[descriptor]
@@ -296,7 +296,7 @@ class Capturer(Generic[OutputT]):
         record = capture_key(
             key, self._engines[key.mode], parts.buffers, parts.layout, warm=warm, warmed_seconds=earlier
         )
-        self._rule.captured(descriptor, warmed_here=warm)
+        self._rule.captured(descriptor)
         return record
 
 

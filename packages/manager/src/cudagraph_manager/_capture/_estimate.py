@@ -27,14 +27,14 @@ from cudagraph_capture import (
     collector_paused,
     drop_cublas_workspaces,
 )
-from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
 from .._step._buffers import StaticBuffers
 from ._planned import PlannedKey, by_mode
-from ._warm_up import WarmUps
+from ._warm_up import WarmUps, smallest_of_modes
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
 PROBE_SHARE: Final = 0.08
@@ -121,7 +121,7 @@ def estimate_memory(
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             warmup = measure_warm_ups(_largest_warmed(grouped, engines, warm_ups), buffers, device)
-            groups = _probe_plan(grouped, engines, buffers, warm_ups, kept)
+            groups = _probe_plan(grouped, engines, buffers, smallest_of_modes(pending), kept)
             if loops is not None and loops.keys:  # the decode loops: a group of their own
                 groups.append((loops.keys, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)))
             probes, pool_total, driver_total = _probe_groups(groups)
@@ -161,7 +161,7 @@ def _probe_plan(
     grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]],
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
     buffers: StaticBuffers,
-    warm_ups: WarmUps,
+    smallest: frozenset[BatchDescriptor],
     kept: list[object],
 ) -> list[tuple[list[PlannedKey[OutputT]], _Probe[OutputT]]]:
     """Per mode: its keys, and how to probe one of them (``_probe``)."""
@@ -169,7 +169,7 @@ def _probe_plan(
         (
             keys,
             functools.partial(
-                _probe, keys=keys, engine=engines[mode], buffers=buffers, kept=kept, warm=warm_ups
+                _probe, keys=keys, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest
             ),
         )
         for mode, keys in grouped.items()
@@ -220,16 +220,16 @@ def _probe(
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
     kept: list[object],
-    warm: WarmUps,
+    smallest: frozenset[BatchDescriptor],
 ) -> CapturedGraph:
-    """Record ``key`` into ``kept``, warmed up first where the capture warms it for its thread.
+    """Record ``key`` into ``kept``, warmed up first if it is its mode's smallest (every capture warms it).
 
     ``measure_warm_ups`` warmed the largest of ``keys`` (its mode's) already. A function of
     its own so that no local name outlives the probes: their graphs must die
     with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
-    warmed = key.descriptor in warm.for_thread and key is not keys[0]
+    warmed = key.descriptor in smallest and key is not keys[0]
     if warmed:
         key.warm_up(engine, buffers)
     entry, captured = key.record(

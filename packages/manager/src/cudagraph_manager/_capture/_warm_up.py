@@ -5,10 +5,12 @@ inside a recording fails), library plans for its shapes (cuDNN's attention
 builds one per shape, slower inside a capture), its eager allocator blocks.
 A key this manager warmed up before (a recapture after ``clear()``, or
 ``release()`` and a wake, new weights or not) has them all. Each mode's
-smallest key is warmed every time: on a thread new to the manager it creates
-the thread's cuBLAS handles, which a recording cannot (a wake without it
-fails with ``CUBLAS_STATUS_NOT_INITIALIZED``), and new weights may make a
-compiled model recompile (one compile serves every size of a dynamic graph).
+smallest key (``smallest_of_modes``) is warmed by every capture: on a thread
+new to the manager it creates the thread's cuBLAS handles, which a recording
+cannot (a wake without it fails with ``CUBLAS_STATUS_NOT_INITIALIZED``), and
+new weights may make a compiled model recompile (one compile serves every
+size of a dynamic graph). Only a background capture on a thread that has its
+handles, with no compiled model, skips it.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from ._planned import PlannedKey, by_mode
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WarmUps:
-    """The keys one capture warms up, in plan order, and those warmed only for the thread's handles.
+    """The keys one capture warms up, in plan order, and those of them it may skip.
 
-    A key of ``for_thread`` is each mode's smallest, and is skipped where
-    ``WarmUpRule.thread_has_handles``.
+    ``skippable``: each mode's smallest key where its warm-up is not also the
+    mode's largest; skipped on a thread that has its handles
+    (``WarmUpRule.thread_has_handles``). Only a background capture skips.
     """
 
     keys: tuple[BatchDescriptor, ...]
-    for_thread: frozenset[BatchDescriptor]
+    skippable: frozenset[BatchDescriptor]
 
 
 class WarmUpRule(Generic[OutputT]):
@@ -58,11 +61,11 @@ class WarmUpRule(Generic[OutputT]):
         With ``ranks``, every key: a tensor-parallel warm-up holds
         collectives, so every rank runs the same ones, whatever it warmed before.
         """
-        smallest = _smallest(pending)
+        smallest = smallest_of_modes(pending)
         keys = [key.descriptor for key in pending]
         if not ranks:
             keys = [d for d in keys if d not in self._seconds or d in smallest]
-        return WarmUps(tuple(keys), smallest)
+        return WarmUps(tuple(keys), frozenset())
 
     def background(self, pending: Sequence[PlannedKey[OutputT]]) -> WarmUps:
         """The background capture's: each mode's largest key not warmed before, and its smallest.
@@ -71,17 +74,17 @@ class WarmUpRule(Generic[OutputT]):
         (the keys a wake misses first are captured first).
         """
         keys: dict[BatchDescriptor, None] = {}
-        for_thread: set[BatchDescriptor] = set()
+        skippable: set[BatchDescriptor] = set()
         for of_mode in by_mode(pending).values():
             first, last = of_mode[0].descriptor, of_mode[-1].descriptor
             largest = () if first in self._seconds else (first,)
             keys |= dict.fromkeys((*largest, last))
             if last not in largest:
-                for_thread.add(last)
-        return WarmUps(tuple(keys), frozenset(for_thread))
+                skippable.add(last)
+        return WarmUps(tuple(keys), frozenset(skippable))
 
     def thread_has_handles(self) -> bool:
-        """Whether a warm-up ``for_thread`` is skipped here: this thread warmed up for the manager before.
+        """Whether a skippable warm-up is skipped here: this thread warmed up for the manager before.
 
         Never where dynamo is loaded: a compiled model may recompile after new weights.
         """
@@ -96,16 +99,11 @@ class WarmUpRule(Generic[OutputT]):
         """The seconds of a warm-up of ``descriptor`` run earlier and not yet in a report (0: none)."""
         return self._seconds.get(descriptor, 0.0)
 
-    def captured(self, descriptor: BatchDescriptor, *, warmed_here: bool) -> None:
-        """``descriptor`` is captured: its first use is behind it, its warm-up counted in a report.
-
-        ``warmed_here``: the capture warmed it up on this thread.
-        """
+    def captured(self, descriptor: BatchDescriptor) -> None:
+        """``descriptor`` is captured: its first use is behind it, its warm-up counted in a report."""
         self._seconds[descriptor] = 0.0
-        if warmed_here:
-            self._thread.warmed = True
 
 
-def _smallest(keys: Sequence[PlannedKey[OutputT]]) -> frozenset[BatchDescriptor]:
-    """Each mode's smallest key (a plan is largest first)."""
+def smallest_of_modes(keys: Sequence[PlannedKey[OutputT]]) -> frozenset[BatchDescriptor]:
+    """Each mode's smallest key (a plan is largest first): warmed by every capture, for the thread."""
     return frozenset(of_mode[-1].descriptor for of_mode in by_mode(keys).values())
