@@ -82,7 +82,7 @@ def _manager_class() -> ast.ClassDef:
 
 def test_the_step_and_the_manager_stay_small() -> None:
     manager = _manager_class()
-    step = next(n for n in manager.body if isinstance(n, ast.FunctionDef) and n.name == "_step")
+    step = next(n for n in manager.body if isinstance(n, ast.FunctionDef) and n.name == "_run_step")
     assert _lines(step) <= MAX_STEP_LINES, _lines(step)
     assert _lines(manager) <= MAX_MANAGER_LINES, _lines(manager)
 
@@ -198,3 +198,22 @@ def test_no_module_imports_or_getattrs_a_private_name() -> None:
 def test_the_private_import_check_finds_them(source: str, expected: int) -> None:
     path = ROOT / "packages/example.py"
     assert len(_private_imports(path, ast.parse(source))) == expected
+
+
+#: A planned key's state that only its own methods write (``PlannedKey.keep``, ``replayed``, ``drop``).
+PLANNED_KEY_STATE: Final = frozenset({"entry", "replays", "last_cut"})
+
+
+def test_a_planned_keys_state_is_written_only_by_its_own_methods() -> None:
+    planned = ROOT / "packages/manager/src/cudagraph_manager/_capture/_planned.py"
+    writes = [
+        f"{path.relative_to(ROOT)}:{node.lineno} .{target.attr}"
+        for path, tree in _trees()
+        if path != planned and not _is_example(path)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for written in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for target in ast.walk(written)
+        if isinstance(target, ast.Attribute) and target.attr in PLANNED_KEY_STATE
+    ]
+    assert not writes, f"a PlannedKey's state written outside _planned.py: {writes}"

@@ -13,10 +13,9 @@ from typing import cast
 
 import torch
 
-from cudagraph_capture import CaptureOptions, resolve_device
+from cudagraph_capture import CaptureOptions, graph_engine, resolve_device
 from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
-from ._capture._engines import default_engine_factory
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory
 from ._step._buffers import check_inputs_spec
 from ._step._decode_loop import DecodeLoop
@@ -38,7 +37,7 @@ class Arguments:
     no_graphs: str | None
     #: The attention's metadata builder, called on every path (``None``: the model needs none).
     builder: AttentionMetadataBuilder[object] | None
-    #: The capture engines' factory (the default: ``cudagraph_capture``'s, one per mode).
+    #: The capture engines' factory (the default: ``cudagraph_capture.graph_engine``).
     factory: GraphEngineFactory
 
 
@@ -88,7 +87,7 @@ def check_arguments(
     )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
-    factory = default_engine_factory if engine_factory is None else cast(GraphEngineFactory, engine_factory)
+    factory = cast(GraphEngineFactory, graph_engine if engine_factory is None else engine_factory)
     return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder, factory)
 
 

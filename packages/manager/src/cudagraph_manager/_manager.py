@@ -4,7 +4,7 @@
 (docs/design.md, "Layers"): its parts (``_parts``: model, dispatcher, static buffers, counters),
 the step path (``_step``), the captures (``_capture``), the weights the
 graphs read (``_memory``), the reports (``_reports``) and the ranks
-(``ranks``). A step is one screen (``_step``):
+(``ranks``). A step is one screen (``CUDAGraphManager._run_step``):
 
     check the inputs -> route -> build the metadata -> copy in -> entry.replay() -> count and cut
 
@@ -265,7 +265,7 @@ class CUDAGraphManager(Generic[OutputT]):
         copies them into static buffers under ``no_grad``; no gradient flows
         back): the first such step warns once per manager, naming them.
         """
-        return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
+        return self._run_step(inputs, uniform_decode, num_active_loras, invalid_modes)
 
     def run_batch(
         self,
@@ -282,12 +282,12 @@ class CUDAGraphManager(Generic[OutputT]):
             raise ValueError(
                 f"inputs: expected a mapping of input names to tensors, got {type(given).__name__}"
             )
-        return self._step(inputs, uniform_decode, num_active_loras, invalid_modes)
+        return self._run_step(inputs, uniform_decode, num_active_loras, invalid_modes)
 
-    def _step(
+    def _run_step(
         self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool, loras: int, invalid: _Modes
     ) -> OutputT:
-        """The step: check -> route -> build -> copy in -> replay -> count and cut; or ``without_graph``."""
+        """One step: check -> route -> build -> copy in -> replay -> count and cut; or ``without_graph``."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:

@@ -55,7 +55,7 @@ class ManagerParts(Generic[OutputT]):
             checked.inputs,
             max_tokens=config.capture_sizes.max,
             max_num_seqs=config.max_num_seqs,
-            query_len=config.uniform_decode_query_len,
+            uniform_decode_query_len=config.uniform_decode_query_len,
             device=checked.device,
         )
         layout = LayoutCell(checked.rows)

@@ -5,7 +5,7 @@ the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
 hands back a ``GraphEntry`` the manager keeps): the default factory is
 ``cudagraph_capture.graph_engine`` (its recorders, directly), and a test (or
 another engine) can pass its own. ``CaptureJobs`` is what a background capture
-asks of the manager's captures.
+asks of the manager's captures, ``CaptureState`` what a step without a graph asks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from cudagraph_dispatch import AttentionSupport, BatchDescriptor, CUDAGraphMode
 
 from ._attention._seam import BatchShape, StepBatch
 
-if TYPE_CHECKING:  # the reports import nothing of this module; the names are for the annotations
+if TYPE_CHECKING:  # the names are for the annotations: those modules import this one
+    from ._capture._background import BackgroundCapture
     from ._reports._report import CapturedGraph, CaptureReport
     from ._reports._totals import CaptureTotals
 
@@ -105,3 +106,17 @@ class CaptureJobs(Protocol):
     def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None: ...
 
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...
+
+
+class CaptureState(Protocol):
+    """What a step without a graph asks of the manager's captures (``Capturer``): why its key has none.
+
+    ``released``: ``release()`` freed the graphs and no capture started
+    since; ``running()``: the background capture still running, if one is
+    (a step it misses is captured next).
+    """
+
+    @property
+    def released(self) -> bool: ...
+
+    def running(self) -> BackgroundCapture | None: ...

@@ -111,7 +111,7 @@ class StaticBuffer:
 class StaticBuffers:
     """Every declared input's buffer: the step's checks across inputs, and the copy in."""
 
-    __slots__ = ("buffers", "device", "max_num_seqs", "query_len", "warned_grad")
+    __slots__ = ("buffers", "device", "max_num_seqs", "uniform_decode_query_len", "warned_grad")
 
     def __init__(
         self,
@@ -119,7 +119,7 @@ class StaticBuffers:
         *,
         max_tokens: int,
         max_num_seqs: int,
-        query_len: int,
+        uniform_decode_query_len: int,
         device: torch.device,
     ) -> None:
         max_rows: dict[Rows, int] = {"tokens": max_tokens, "reqs": max_num_seqs, None: 0}
@@ -128,7 +128,7 @@ class StaticBuffers:
             StaticBuffer(name, spec, max_rows[spec.rows], device) for name, spec in inputs.items()
         )
         self.max_num_seqs: Final = max_num_seqs
-        self.query_len: Final = query_len  # uniform_decode_query_len
+        self.uniform_decode_query_len: Final = uniform_decode_query_len
         self.device: Final = device
         self.warned_grad = False  # a step's input required grad: warned once (per manager)
 
@@ -186,7 +186,7 @@ class StaticBuffers:
             num_reqs > self.max_num_seqs
             or num_reqs > num_tokens
             or (num_reqs == 0 and num_tokens > 0)
-            or (uniform and num_tokens != num_reqs * self.query_len)
+            or (uniform and num_tokens != num_reqs * self.uniform_decode_query_len)
         ):
             self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)  # raises, naming the input
         if requires_grad and not self.warned_grad:  # the step's one branch for it
@@ -254,10 +254,11 @@ class StaticBuffers:
                 "every token belongs to a request"
             )
         if (
-            uniform_decode is True and num_tokens != num_reqs * self.query_len
+            uniform_decode is True and num_tokens != num_reqs * self.uniform_decode_query_len
         ):  # not-a-bool: dispatch names it
             raise ValueError(
-                f"uniform_decode: a uniform decode batch has num_reqs * {self.query_len} tokens, "
+                "uniform_decode: a uniform decode batch has num_reqs * "
+                f"{self.uniform_decode_query_len} tokens, "
                 f"got {num_tokens} tokens for {num_reqs} requests"
             )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final, Generic, cast
+from typing import Final, Generic, cast
 
 import torch
 
@@ -28,10 +28,7 @@ from .._attention._seam import BatchShape, StepBatch, metadata_extra
 from .._capture._planned import PlannedKey
 from .._errors import NoGraphError
 from .._parts import ManagerParts
-from .._protocols import OutputT
-
-if TYPE_CHECKING:
-    from .._capture._capturer import Capturer
+from .._protocols import CaptureState, OutputT
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
@@ -40,10 +37,10 @@ _NONE: Final = CUDAGraphMode.NONE
 class EagerSteps(Generic[OutputT]):
     """Runs the model for the steps that replay no graph, and counts them."""
 
-    __slots__ = ("_logged", "_setup")
+    __slots__ = ("_logged", "_parts")
 
-    def __init__(self, setup: ManagerParts[OutputT]) -> None:
-        self._setup: Final = setup
+    def __init__(self, parts: ManagerParts[OutputT]) -> None:
+        self._parts: Final = parts
         self._logged: Final[set[EagerReason]] = set()
 
     def run(
@@ -61,16 +58,16 @@ class EagerSteps(Generic[OutputT]):
         ``allowed``: a step strict mode lets through (its key is captured by a
         running background capture). Strict raises ``NoGraphError`` otherwise.
         """
-        setup = self._setup
+        parts = self._parts
         num_tokens = request.num_tokens
-        if setup.strict and not allowed:
+        if parts.strict and not allowed:
             raise NoGraphError(num_tokens, self._why(reason, key, request))
         if reason not in self._logged:  # once per reason: visible, never a flood
             self._logged.add(reason)
             level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
             why = self._why(reason, key, request)
             _logger.log(level, "running a step of %d tokens eagerly (%s): %s", num_tokens, reason.value, why)
-        setup.counts.eager[reason] = setup.counts.eager.get(reason, 0) + 1
+        parts.counts.eager[reason] = parts.counts.eager.get(reason, 0) + 1
         if reason is EagerReason.NO_CUDA and key is not None:
             return self._padded(inputs, num_tokens, num_reqs, key)
         # The batch as it is: an attention may lay out a uniform batch per request.
@@ -81,10 +78,10 @@ class EagerSteps(Generic[OutputT]):
             torch.no_grad(),
             self._context(descriptor, batch, BatchShape.eager(num_tokens, num_reqs, uniform)),
         ):
-            out = setup.model(**inputs)
+            out = parts.model(**inputs)
         # The outputs of an eager step are checked as a capture's are (rows, structure):
         # a wrong output never reaches the caller silently. Eager steps only.
-        setup.layout.of(out).check(out, num_tokens, num_reqs)
+        parts.layout.of(out).check(out, num_tokens, num_reqs)
         return out
 
     def without_graph(
@@ -95,7 +92,7 @@ class EagerSteps(Generic[OutputT]):
         route: Route,
         key: PlannedKey[OutputT] | None,
         dummy: bool,
-        captures: Capturer[OutputT],
+        captures: CaptureState,
     ) -> OutputT:
         """A step that replays nothing: an idle rank's part, or an eager step for the reason decided here.
 
@@ -110,7 +107,7 @@ class EagerSteps(Generic[OutputT]):
             return self.dummy_step() if dummy else self.idle(inputs)
         reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
         if reason is EagerReason.NOT_CAPTURED:
-            if self._setup.no_graphs is not None:  # the ranks' route says "not captured" for it too
+            if self._parts.no_graphs is not None:  # the ranks' route says "not captured" for it too
                 reason = EagerReason.NO_CUDA
             elif captures.released:
                 reason = EagerReason.RELEASED
@@ -128,14 +125,14 @@ class EagerSteps(Generic[OutputT]):
         Only a manager that has seen no outputs yet (no capture, no step) calls
         the model once, on the empty inputs, to learn their structure.
         """
-        setup = self._setup
-        setup.counts.idle_steps += 1
-        layout = setup.layout.layout
+        parts = self._parts
+        parts.counts.idle_steps += 1
+        layout = parts.layout.layout
         if layout is None:
             batch = StepBatch(0, 0, inputs)
             with torch.no_grad(), self._context(BatchDescriptor(0), batch, BatchShape.eager(0, 0, False)):
-                out = setup.model(**inputs)
-            setup.layout.of(out).check(out, 0, 0)
+                out = parts.model(**inputs)
+            parts.layout.of(out).check(out, 0, 0)
             return out
         return cast(OutputT, layout.empty())
 
@@ -144,15 +141,15 @@ class EagerSteps(Generic[OutputT]):
 
         Outputs with 0 rows; counted in ``stats.dummy_steps``; strict raises.
         """
-        setup = self._setup
-        if setup.strict:
-            raise NoGraphError(0, f"the other ranks of the {setup.world_size} run this step eagerly")
-        setup.counts.dummy_steps += 1
-        setup.buffers.fill_padding(1, 1)
+        parts = self._parts
+        if parts.strict:
+            raise NoGraphError(0, f"the other ranks of the {parts.world_size} run this step eagerly")
+        parts.counts.dummy_steps += 1
+        parts.buffers.fill_padding(1, 1)
         padding = StepBatch.padding()
         with torch.no_grad(), self._context(BatchDescriptor(1), padding, BatchShape.eager(1, 1, False)):
-            out = setup.model(**setup.buffers.views(1, 1))
-        layout = setup.layout.of(out)
+            out = parts.model(**parts.buffers.views(1, 1))
+        layout = parts.layout.of(out)
         layout.check(out, 1, 1)
         return cast(OutputT, layout.cut(out, 0, 0))
 
@@ -160,40 +157,40 @@ class EagerSteps(Generic[OutputT]):
         self, inputs: Mapping[str, torch.Tensor], num_tokens: int, num_reqs: int, key: PlannedKey[OutputT]
     ) -> OutputT:
         """No CUDA graphs here: the step ``key``'s graph would replay, run on the padded static buffers."""
-        setup = self._setup
+        parts = self._parts
         batch = StepBatch(num_tokens, num_reqs, inputs)
         with (
             torch.no_grad(),
             self._context(key.descriptor, batch, key.eager_shape),
         ):  # no_grad: the copies too
-            setup.buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs)
-            padded = setup.model(**key.inputs)
-        layout = setup.layout.of(padded)
+            parts.buffers.copy_in(inputs, num_tokens, num_reqs, key.num_tokens, key.num_reqs)
+            padded = parts.model(**key.inputs)
+        layout = parts.layout.of(padded)
         layout.check(padded, key.num_tokens, key.num_reqs)
-        setup.counts.padded_tokens += key.num_tokens - num_tokens
+        parts.counts.padded_tokens += key.num_tokens - num_tokens
         return cast(OutputT, layout.cut(padded, num_tokens, num_reqs))
 
     def _context(
         self, descriptor: BatchDescriptor, batch: StepBatch, shape: BatchShape
     ) -> set_forward_context:
         """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``."""
-        builder = self._setup.builder
+        builder = self._parts.builder
         if builder is None:
             return set_forward_context(_NONE, descriptor)
         return set_forward_context(_NONE, descriptor, **metadata_extra(builder, builder.build(batch, shape)))
 
     def _why(self, reason: EagerReason, key: PlannedKey[OutputT] | None, request: StepRequest) -> str:
         """A step's eager reason in words (for logs and errors)."""
-        setup = self._setup
+        parts = self._parts
         if reason is EagerReason.NO_CUDA:
-            return setup.no_graphs or "no CUDA graphs on this device"
+            return parts.no_graphs or "no CUDA graphs on this device"
         if reason is EagerReason.NOT_CAPTURED and key is not None:
             return f"its {key.mode.name} graph {key.descriptor} was not captured yet; call capture() first"
         if reason is EagerReason.RELEASED:
             return "its graphs were released (release()); start_capture() or capture() brings them back"
-        if reason is EagerReason.OTHER_RANK and setup.world_size is not None:
-            return f"another rank of the {setup.world_size} runs this step without a graph, so all do"
-        return setup.dispatcher.explain(
+        if reason is EagerReason.OTHER_RANK and parts.world_size is not None:
+            return f"another rank of the {parts.world_size} runs this step without a graph, so all do"
+        return parts.dispatcher.explain(
             request.num_tokens,
             uniform_decode=request.uniform_decode,
             num_active_loras=request.num_active_loras,
