@@ -48,7 +48,7 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, StaticInput
-from cudagraph_manager._memory._compiled import dynamo_compiles
+from cudagraph_manager._compiled import dynamo_compiles
 from cudagraph_manager.examples.compiled import compile_decoder
 from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import run_graph

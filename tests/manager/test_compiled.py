@@ -35,7 +35,7 @@ from cudagraph_capture import (
 from cudagraph_capture._recorder import Entry as _Entry
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
-from cudagraph_manager._memory._compiled import dynamo_compiles
+from cudagraph_manager._compiled import dynamo_compiles
 from cudagraph_manager.examples.compiled import compile_decoder, compiled_cached_attention
 from cudagraph_manager.examples.config import DecoderConfig
 from cudagraph_manager.examples.demo import run_graph

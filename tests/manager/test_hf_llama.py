@@ -29,7 +29,7 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, StaticInput, compile_for_capture
-from cudagraph_manager._memory._compiled import dynamo_compiles
+from cudagraph_manager._compiled import dynamo_compiles
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 with warnings.catch_warnings():

@@ -29,7 +29,7 @@ def ours():
     return sorted(n for n in names if n.startswith("cudagraph_manager::"))
 
 import {module}
-from cudagraph_manager._memory._compiled import dynamo_compiles
+from cudagraph_manager._compiled import dynamo_compiles
 print(json.dumps({{
     "modules": sorted(m for m in sys.modules if m.startswith("cudagraph_manager")),
     "ops": ours(),

@@ -25,10 +25,10 @@ from ._attention._support_check import SupportCheck as SupportCheck
 from ._attention._support_check import SupportLevelError as SupportLevelError
 from ._attention._support_check import check_attention_support as check_attention_support
 from ._capture._background import BackgroundCapture as BackgroundCapture
+from ._compiled import CompiledModel as CompiledModel
+from ._compiled import compile_for_capture as compile_for_capture
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
-from ._memory._compiled import CompiledModel as CompiledModel
-from ._memory._compiled import compile_for_capture as compile_for_capture
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._protocols import GraphEngineFactory as GraphEngineFactory

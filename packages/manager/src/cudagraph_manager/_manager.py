@@ -153,7 +153,7 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def stats(self) -> ManagerStats:
         """A snapshot of what ``run`` did since construction or ``reset_stats``."""
-        return self._counts.snapshot(replays_by_size(self._keys.values()), self._dispatcher.resolution)
+        return self._counts.snapshot(replays_by_size(self._keys.values()), self._parts.resolution)
 
     def reset_stats(self) -> None:
         for key in self._keys.values():

@@ -22,7 +22,7 @@ from typing import Final, Generic
 
 from cudagraph_dispatch import BatchDescriptor
 
-from .._memory._compiled import dynamo_compiles
+from .._compiled import dynamo_compiles
 from .._protocols import OutputT
 from ._planned import PlannedKey, by_mode
 

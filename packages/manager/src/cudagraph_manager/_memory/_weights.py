@@ -32,7 +32,7 @@ from typing import Final
 import torch
 from torch import nn
 
-from ._compiled import CompiledModel
+from .._compiled import CompiledModel
 
 #: Where ``torch.compile`` keeps the module it compiled (its names are prefixed with it).
 _COMPILED_PREFIX: Final = "_orig_mod."
@@ -133,7 +133,10 @@ class WeightWatch:
 
         New graphs read the weights as they are now; the graphs kept must still read theirs.
         """
-        self.take() if every_key else self.check()
+        if every_key:
+            self.take()
+        else:
+            self.check()
 
     def forget(self) -> None:
         """No graphs read the model any more (released or cleared): nothing to compare."""

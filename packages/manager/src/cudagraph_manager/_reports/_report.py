@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
@@ -10,6 +11,12 @@ from typing import Final
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, ModeResolution
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    """A stats name renamed for one name per concept: say so where it is read (the caller's caller)."""
+    message = f"ManagerStats.{old} is deprecated: it is ManagerStats.{new} (the same count); removed in 0.2"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,6 +255,18 @@ class ManagerStats:
     idle_steps: int = 0
     dummy_steps: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def eager_runs(self) -> int:
+        """Deprecated name of ``eager_steps`` (warns; removed in 0.2)."""
+        _warn_renamed("eager_runs", "eager_steps")
+        return self.eager_steps
+
+    @property
+    def uncaptured_runs(self) -> int:
+        """Deprecated name of ``uncaptured_steps`` (warns; removed in 0.2)."""
+        _warn_renamed("uncaptured_runs", "uncaptured_steps")
+        return self.uncaptured_steps
 
     @property
     def num_replays(self) -> int:

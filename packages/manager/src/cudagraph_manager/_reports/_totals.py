@@ -10,7 +10,7 @@ import torch
 
 from cudagraph_dispatch import ModeResolution
 
-from .._memory._compiled import compiles_since, dynamo_compiles
+from .._compiled import compiles_since, dynamo_compiles
 from .._memory._device import free_bytes, reserved_bytes
 from ._report import CapturedGraph, CaptureReport
 

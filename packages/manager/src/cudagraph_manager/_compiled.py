@@ -23,8 +23,8 @@ import torch
 
 from cudagraph_dispatch import check_bool
 
-from .._step._buffers import check_inputs_spec
-from .._step._static import StaticInput
+from ._step._buffers import check_inputs_spec
+from ._step._static import StaticInput
 
 R = TypeVar("R")
 
