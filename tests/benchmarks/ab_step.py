@@ -1,11 +1,18 @@
 """``run()``'s host overhead of two builds in one process: this tree's and an older one's.
 
 Usage: ``python -m tests.benchmarks.ab_step OLD_DIR``, where ``OLD_DIR`` holds
-an older commit's three packages renamed ``old_cudagraph_*`` (``make
-ab-old REV=...`` prepares it). Both managers serve the same one-kernel
-model (FULL, 64 tokens) and a two-input model with a request count; rounds
-of calls alternate between the two builds, so the host's drift cancels.
-Prints the median per-call microseconds of each and their ratio.
+an older commit's three packages renamed ``old_cudagraph_*``, made with::
+
+    git archive REV packages/dispatch/src packages/capture/src packages/manager/src | tar -x -C /tmp/rev
+    for p in dispatch capture manager; do
+        cp -r /tmp/rev/packages/$p/src/cudagraph_$p OLD_DIR/old_cudagraph_$p; done
+    find OLD_DIR -name '*.py' |
+        xargs sed -i -E 's/\bcudagraph_(dispatch|capture|manager)\b/old_&/g'
+
+Both managers serve the same one-kernel model (FULL, 64 tokens) and a
+two-input model with a request count; rounds of calls alternate between the
+two builds, so the host's drift cancels. Prints the median per-call
+microseconds of each and their ratio.
 """
 
 from __future__ import annotations
