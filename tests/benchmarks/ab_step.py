@@ -1,4 +1,4 @@
-"""``run()``'s host overhead of two builds in one process: this tree's and an older one's.
+r"""``run()``'s host overhead of two builds in one process: this tree's and an older one's.
 
 Usage: ``python -m tests.benchmarks.ab_step OLD_DIR``, where ``OLD_DIR`` holds
 an older commit's three packages renamed ``old_cudagraph_*``, made with::
