@@ -1,10 +1,11 @@
 """The package code's shape, checked on its syntax trees: short functions, no private reads across modules.
 
 - No function or method of package code is longer than ``MAX_FUNCTION_LINES``
-  and no class longer than ``MAX_CLASS_LINES``; the manager's step function
-  is at most ``MAX_STEP_LINES`` and ``CUDAGraphManager`` at most
-  ``MAX_MANAGER_LINES``. The examples teach, in modules of at most
-  ``MAX_EXAMPLE_MODULE_LINES`` (docs/design.md, "Conventions").
+  or takes more than ``MAX_PARAMETERS`` (``self`` and ``cls`` not counted),
+  and no class is longer than ``MAX_CLASS_LINES``; the step
+  (``StepPath.run``) is at most ``MAX_STEP_LINES`` and the facade
+  ``CUDAGraphManager`` at most ``MAX_MANAGER_LINES``. The examples teach, in
+  modules of at most ``MAX_EXAMPLE_MODULE_LINES`` (docs/design.md, "Conventions").
 - A ``._name`` read names the private state of an object of the same module
   (a class defined there sets or declares it) or of torch (its private API,
   where no public one exists). Reading another module's private state couples
@@ -23,10 +24,11 @@ import pytest
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 SOURCES: Final = sorted((ROOT / "packages").glob("*/src/**/*.py"))
-MAX_FUNCTION_LINES: Final = 50
-MAX_CLASS_LINES: Final = 300
+MAX_FUNCTION_LINES: Final = 40
+MAX_PARAMETERS: Final = 6
+MAX_CLASS_LINES: Final = 250
 MAX_STEP_LINES: Final = 40
-MAX_MANAGER_LINES: Final = 300
+MAX_MANAGER_LINES: Final = 200
 MAX_EXAMPLE_MODULE_LINES: Final = 400
 #: Private names of torch objects read without a ``torch.`` prefix: (file name, attribute) -> why.
 TORCH_PRIVATE: Final = {
@@ -74,16 +76,49 @@ def test_no_example_module_is_longer_than_the_limit() -> None:
     assert not long, f"example modules over {MAX_EXAMPLE_MODULE_LINES} lines: {long}"
 
 
-def _manager_class() -> ast.ClassDef:
-    path = ROOT / "packages/manager/src/cudagraph_manager/_manager.py"
-    tree = ast.parse(path.read_text())
-    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CUDAGraphManager")
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A function's parameters, ``self`` and ``cls`` left out; ``*args`` and ``**kwargs`` count one each."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.arg not in ("self", "cls")]
+    return names + [a.arg for a in (args.vararg, args.kwarg) if a is not None]
 
 
-def test_the_step_and_the_manager_stay_small() -> None:
-    manager = _manager_class()
-    step = next(n for n in manager.body if isinstance(n, ast.FunctionDef) and n.name == "_run_step")
+def test_no_function_of_package_code_takes_more_than_the_limit() -> None:
+    wide = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(_parameters(node))} parameters)"
+        for path, tree in _trees()
+        if not _is_example(path)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and len(_parameters(node)) > MAX_PARAMETERS
+    ]
+    assert not wide, f"functions of more than {MAX_PARAMETERS} parameters: {wide}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(self, a, b, *, c): ...", 3),
+        ("def f(cls, /, a, *args, **kwargs): ...", 3),
+        ("def f(): ...", 0),
+    ],
+)
+def test_the_parameter_count_leaves_out_self_and_counts_the_rest(source: str, expected: int) -> None:
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.FunctionDef)
+    assert len(_parameters(node)) == expected
+
+
+def _class(module: str, name: str) -> ast.ClassDef:
+    tree = ast.parse((ROOT / "packages/manager/src/cudagraph_manager" / module).read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_the_step_and_the_facade_stay_small() -> None:
+    path = _class("_step/_path.py", "StepPath")
+    step = next(n for n in path.body if isinstance(n, ast.FunctionDef) and n.name == "run")
     assert _lines(step) <= MAX_STEP_LINES, _lines(step)
+    manager = _class("_manager.py", "CUDAGraphManager")
     assert _lines(manager) <= MAX_MANAGER_LINES, _lines(manager)
 
 
@@ -200,12 +235,13 @@ def test_the_private_import_check_finds_them(source: str, expected: int) -> None
     assert len(_private_imports(path, ast.parse(source))) == expected
 
 
-#: A planned key's state that only its own methods write (``PlannedKey.keep``, ``replayed``, ``drop``).
-PLANNED_KEY_STATE: Final = frozenset({"entry", "replays", "last_cut"})
+#: A planned graph's state that only the graph table's module writes (``PlannedGraph.keep``, ``replayed``,
+#: ``drop``, ``GraphTable.reset_replays``).
+PLANNED_GRAPH_STATE: Final = frozenset({"entry", "replays", "last_cut"})
 
 
-def test_a_planned_keys_state_is_written_only_by_its_own_methods() -> None:
-    planned = ROOT / "packages/manager/src/cudagraph_manager/_capture/_planned.py"
+def test_a_planned_graphs_state_is_written_only_by_the_graph_table() -> None:
+    planned = ROOT / "packages/manager/src/cudagraph_manager/_graphs.py"
     writes = [
         f"{path.relative_to(ROOT)}:{node.lineno} .{target.attr}"
         for path, tree in _trees()
@@ -214,6 +250,6 @@ def test_a_planned_keys_state_is_written_only_by_its_own_methods() -> None:
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
         for written in (node.targets if isinstance(node, ast.Assign) else [node.target])
         for target in ast.walk(written)
-        if isinstance(target, ast.Attribute) and target.attr in PLANNED_KEY_STATE
+        if isinstance(target, ast.Attribute) and target.attr in PLANNED_GRAPH_STATE
     ]
-    assert not writes, f"a PlannedKey's state written outside _planned.py: {writes}"
+    assert not writes, f"a PlannedGraph's state written outside _graphs.py: {writes}"

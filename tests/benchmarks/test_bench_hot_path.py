@@ -24,7 +24,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_manager._step._outputs import OutputLayout
+from cudagraph_manager._buffers._outputs import OutputLayout
 from tests.benchmarks.support import BenchmarkFixture
 
 pytestmark = pytest.mark.gpu
@@ -119,18 +119,18 @@ def test_bench_output_memo_against_cutting(benchmark: BenchmarkFixture) -> None:
 
 
 def test_bench_weights_check_against_nothing(benchmark: BenchmarkFixture) -> None:
-    """``WeightWatch.moved()``, the replay's weights check (target: <= 0.5 us), on the reference decoder."""
+    """``WeightWatch.needs_check()``, the replay's weights check (target: <= 0.5 us), reference decoder."""
     from cudagraph_manager._memory._weights import WeightWatch
     from cudagraph_manager.examples.config import DecoderConfig
     from cudagraph_manager.examples.reference import ReferenceDecoder
 
     watch = WeightWatch(ReferenceDecoder(DecoderConfig(), device="cuda"))
     watch.take()
-    assert not watch.moved()
+    assert not watch.needs_check()
     _record(
         benchmark,
         "hot path: the replay's weights check (8-layer decoder), host us",
         ("weights_check", "nothing"),
-        watch.moved,
+        watch.needs_check,
         lambda: None,
     )

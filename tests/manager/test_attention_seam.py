@@ -238,7 +238,7 @@ def test_released_and_woken_steps_build_on_every_path(backend_name: str) -> None
 def test_an_idle_ranks_dummy_step_builds_for_one_padding_row() -> None:
     builder = ToyBuilder()
     manager, model = _manager(M.FULL, builder)
-    manager._eager.dummy_step()  # what a rank with no tokens runs while the others run eagerly
+    manager._path.eager.dummy_step()  # what a rank with no tokens runs while the others run eagerly
     assert builder.calls == [("build", 0, 0, BatchShape(1, 1, None, M.NONE))]
     assert model.seen[-1].scale.tolist() == [1.0]
 

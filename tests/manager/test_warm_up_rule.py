@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
-from cudagraph_manager._capture._planned import PlannedKey
 from cudagraph_manager._capture._warm_up import WarmUpRule, smallest_of_modes
+from cudagraph_manager._graphs import PlannedGraph
 
 PIECEWISE, FULL = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
@@ -24,12 +24,12 @@ class _Key(NamedTuple):
     descriptor: BatchDescriptor
 
 
-def _keys(*keys: _Key) -> list[PlannedKey[torch.Tensor]]:
+def _keys(*keys: _Key) -> list[PlannedGraph[torch.Tensor]]:
     """Stand-ins typed as planned keys: the rule reads their mode and descriptor only."""
-    return cast(list[PlannedKey[torch.Tensor]], list(keys))
+    return cast(list[PlannedGraph[torch.Tensor]], list(keys))
 
 
-def _plan() -> list[PlannedKey[torch.Tensor]]:
+def _plan() -> list[PlannedGraph[torch.Tensor]]:
     return _keys(
         *(_Key(PIECEWISE, BatchDescriptor(n)) for n in (64, 32, 8)),
         *(_Key(FULL, BatchDescriptor(n, n, True)) for n in (16, 4, 1)),
@@ -40,7 +40,7 @@ def _rule() -> WarmUpRule[torch.Tensor]:
     return WarmUpRule()
 
 
-def _descriptors(keys: list[PlannedKey[torch.Tensor]]) -> tuple[BatchDescriptor, ...]:
+def _descriptors(keys: list[PlannedGraph[torch.Tensor]]) -> tuple[BatchDescriptor, ...]:
     return tuple(key.descriptor for key in keys)
 
 

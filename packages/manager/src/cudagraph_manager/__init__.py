@@ -13,20 +13,21 @@ the reference decoder and the demo live in ``cudagraph_manager.examples``.
 
 from cudagraph_dispatch import EagerReason as EagerReason
 
-from ._attention._seam import BatchShape as BatchShape
-from ._attention._seam import StepBatch as StepBatch
 from ._attention._seam import attention_metadata as attention_metadata
 from ._attention._seam import metadata_extra as metadata_extra
 from ._attention._seam import pad_offsets as pad_offsets
 from ._attention._seam import pad_rows as pad_rows
-from ._attention._support_check import BatchKind as BatchKind
-from ._attention._support_check import KindCheck as KindCheck
-from ._attention._support_check import SupportCheck as SupportCheck
-from ._attention._support_check import SupportLevelError as SupportLevelError
-from ._attention._support_check import check_attention_support as check_attention_support
+from ._batch import BatchShape as BatchShape
+from ._batch import StepBatch as StepBatch
+from ._buffers._outputs import OutputRows as OutputRows
+from ._buffers._static import Rows as Rows
+from ._buffers._static import StaticInput as StaticInput
 from ._capture._background import BackgroundCapture as BackgroundCapture
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
+from ._decode_loop import DecodeLoop as DecodeLoop
+from ._decode_loop import LoopResult as LoopResult
+from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
@@ -38,12 +39,11 @@ from ._reports._report import CapturePhases as CapturePhases
 from ._reports._report import CaptureReport as CaptureReport
 from ._reports._report import ManagerStats as ManagerStats
 from ._reports._report import MemoryEstimate as MemoryEstimate
-from ._step._decode_loop import DecodeLoop as DecodeLoop
-from ._step._decode_loop import LoopResult as LoopResult
-from ._step._decode_loop import LoopState as LoopState
-from ._step._outputs import OutputRows as OutputRows
-from ._step._static import Rows as Rows
-from ._step._static import StaticInput as StaticInput
+from ._support_check import BatchKind as BatchKind
+from ._support_check import KindCheck as KindCheck
+from ._support_check import SupportCheck as SupportCheck
+from ._support_check import SupportLevelError as SupportLevelError
+from ._support_check import check_attention_support as check_attention_support
 from .ranks import RankAgreement as RankAgreement
 from .ranks import RanksDisagreeError as RanksDisagreeError
 

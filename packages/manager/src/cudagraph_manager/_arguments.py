@@ -16,11 +16,11 @@ import torch
 from cudagraph_capture import CaptureOptions, graph_engine, resolve_device
 from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
+from ._buffers._buffers import check_inputs_spec
+from ._buffers._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
+from ._buffers._static import StaticInput
+from ._decode_loop import DecodeLoop
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory
-from ._step._buffers import check_inputs_spec
-from ._step._decode_loop import DecodeLoop
-from ._step._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
-from ._step._static import StaticInput
 from .ranks import RankAgreement
 
 

@@ -23,8 +23,8 @@ import torch
 
 from cudagraph_dispatch import check_bool
 
-from ._step._buffers import check_inputs_spec
-from ._step._static import StaticInput
+from ._buffers._buffers import check_inputs_spec
+from ._buffers._static import StaticInput
 
 R = TypeVar("R")
 
@@ -88,19 +88,7 @@ def compile_for_capture(
     if not callable(model):
         raise ValueError(f"model: expected a callable, got {model!r:.80}")
     checked = check_inputs_spec(inputs)
-    given_backend: object = backend
-    if not isinstance(given_backend, str) or not given_backend:
-        raise ValueError(f"backend: expected the name of a torch.compile backend, got {backend!r}")
-    given_mode: object = mode
-    if given_mode in _GRAPH_MODES:
-        raise ValueError(
-            f"mode: {mode!r} records CUDA graphs of inductor's own, and the manager captures the "
-            f"graphs; use one of {GRAPHLESS_MODES}"
-        )
-    if given_mode not in GRAPHLESS_MODES:
-        raise ValueError(f"mode: expected one of {GRAPHLESS_MODES}, got {mode!r}")
-    if backend != _INDUCTOR and mode != "default":
-        raise ValueError(f"mode: {mode!r} is an inductor mode, but backend is {backend!r}")
+    _check_mode(mode, backend)
     check_bool("fullgraph", fullgraph)
     if backend == _INDUCTOR:
         from torch._inductor import list_mode_options
@@ -112,6 +100,21 @@ def compile_for_capture(
         compiled = torch.compile(model, fullgraph=fullgraph, dynamic=False, backend=backend)
     batched = tuple(name for name, spec in checked.items() if spec.rows is not None)
     return CompiledModel(model, compiled, batched)
+
+
+def _check_mode(mode: object, backend: object) -> None:
+    """``ValueError`` naming ``backend`` or ``mode`` where they are not a graphless compile."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend: expected the name of a torch.compile backend, got {backend!r}")
+    if mode in _GRAPH_MODES:
+        raise ValueError(
+            f"mode: {mode!r} records CUDA graphs of inductor's own, and the manager captures the "
+            f"graphs; use one of {GRAPHLESS_MODES}"
+        )
+    if mode not in GRAPHLESS_MODES:
+        raise ValueError(f"mode: expected one of {GRAPHLESS_MODES}, got {mode!r}")
+    if backend != _INDUCTOR and mode != "default":
+        raise ValueError(f"mode: {mode!r} is an inductor mode, but backend is {backend!r}")
 
 
 def dynamo_compiles() -> int | None:

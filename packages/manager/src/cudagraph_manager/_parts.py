@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic
+from typing import Generic
 
 import torch
 
 from cudagraph_dispatch import CUDAGraphDispatcher, ModeResolution
 
+from ._arguments import Arguments
+from ._buffers._buffers import StaticBuffers
+from ._buffers._outputs import LayoutCell
+from ._decode_loop import DecodeLoop, LoopBuffers
 from ._protocols import AttentionMetadataBuilder, OutputT
 from ._reports._report import StepCounts
-from ._step._buffers import StaticBuffers
-from ._step._outputs import LayoutCell
-
-if TYPE_CHECKING:  # the arguments' module imports the decode loops, which import this one
-    from ._arguments import Arguments
+from .ranks import RankAgreement
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,9 +30,9 @@ class ManagerParts(Generic[OutputT]):
     """A manager's model, dispatcher, static buffers, outputs' layout and counters, and its settings.
 
     ``no_graphs``: why the manager captures nothing (``None``: it captures);
-    ``strict``: steps without a graph raise; ``world_size``: its ranks'
-    (``None``: no ranks); ``builder``: the attention's metadata builder
-    (``None``: the model builds its metadata itself).
+    ``strict``: steps without a graph raise; ``ranks``: the ranks it steps
+    with; ``builder``: the attention's metadata builder (``None``: the model
+    builds its metadata itself); ``loop``: the decode loop's state, if any.
     """
 
     model: Callable[..., OutputT]
@@ -42,12 +42,18 @@ class ManagerParts(Generic[OutputT]):
     counts: StepCounts
     no_graphs: str | None
     strict: bool
-    world_size: int | None
+    ranks: RankAgreement | None
     builder: AttentionMetadataBuilder[object] | None
+    loop: LoopBuffers[OutputT] | None
 
     @classmethod
     def of(
-        cls, model: Callable[..., OutputT], checked: Arguments, strict: bool, world_size: int | None
+        cls,
+        model: Callable[..., OutputT],
+        checked: Arguments,
+        strict: bool,
+        ranks: RankAgreement | None,
+        decode_loop: DecodeLoop[OutputT] | None,
     ) -> ManagerParts[OutputT]:
         """A manager's parts from its ``checked`` arguments: a static buffer per input, fresh counters."""
         config = checked.dispatcher.config
@@ -59,6 +65,7 @@ class ManagerParts(Generic[OutputT]):
             device=checked.device,
         )
         layout = LayoutCell(checked.rows)
+        loop = None if decode_loop is None else LoopBuffers(decode_loop, config.max_num_seqs, checked.device)
         return cls(
             model,
             checked.dispatcher,
@@ -67,8 +74,9 @@ class ManagerParts(Generic[OutputT]):
             StepCounts(),
             checked.no_graphs,
             strict,
-            world_size,
+            ranks,
             checked.builder,
+            loop,
         )
 
     @property

@@ -18,10 +18,9 @@ import torch
 from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_dispatch import AttentionSupport, BatchDescriptor, CUDAGraphMode
 
-from ._attention._seam import BatchShape, StepBatch
+from ._batch import BatchShape, StepBatch
 
-if TYPE_CHECKING:  # the names are for the annotations: those modules import this one
-    from ._capture._background import BackgroundCapture
+if TYPE_CHECKING:  # the names are for the annotations
     from ._reports._report import CapturedGraph, CaptureReport
     from ._reports._totals import CaptureTotals
 
@@ -108,6 +107,14 @@ class CaptureJobs(Protocol):
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...
 
 
+class RunningCapture(Protocol):
+    """What a step asks of a running background capture: a key it missed, then that it was served."""
+
+    def missed(self, descriptor: BatchDescriptor, /) -> None: ...
+
+    def served(self) -> None: ...
+
+
 class CaptureState(Protocol):
     """What a step without a graph asks of the manager's captures (``Capturer``): why its key has none.
 
@@ -119,4 +126,4 @@ class CaptureState(Protocol):
     @property
     def released(self) -> bool: ...
 
-    def running(self) -> BackgroundCapture | None: ...
+    def running(self) -> RunningCapture | None: ...

@@ -1,35 +1,19 @@
-"""The attention seam: per-step metadata built for the padded batch, handed to the model.
+"""The attention seam's helpers: the metadata in the forward context, and padded offsets and rows.
 
-An attention backend's metadata (cumulative query offsets, sequence lengths,
-block tables, a query-length bound, a split plan) depends on the batch, and a
-FULL graph reads it at fixed addresses with its host values baked in. The
-manager therefore asks the backend's ``AttentionMetadataBuilder`` for it on
-every path, always with the batch the forward runs as (``BatchShape``: the
-padded key's counts for a graph, the real counts for an eager step):
-
-- before a key's warm-up: ``build`` of an all-padding batch (``StepBatch`` of
-  0 tokens), so the warm-up reads valid values;
-- before a key's recording: ``build_for_capture`` (host work only: a
-  recording runs nothing on the device, and a serving step may be in flight);
-- every step: ``build`` of the real batch, on the step's stream, before the
-  replay (FULL, PIECEWISE) or the eager call.
-
-The model reads the result with ``attention_metadata(builder)`` inside its
-forward: the value travels in the forward context, typed by the builder.
-``pad_offsets`` pads cumulative offsets as graphs need them: every padding
-request ends at the padded total.
+The manager builds the attention's metadata for the batch a forward runs as
+(docs/design.md, "The attention seam") and hands it to the model in the
+forward context (``metadata_extra``); the model reads it back with
+``attention_metadata(builder)``, typed by the builder. ``pad_offsets`` and
+``pad_rows`` pad a builder's per-request tensors as graphs read them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar, cast
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context
+from cudagraph_dispatch import get_forward_context
 
 if TYPE_CHECKING:
     from .._protocols import AttentionMetadataBuilder
@@ -38,60 +22,6 @@ M = TypeVar("M")
 
 #: The forward context's extra that carries the step's metadata (``attention_metadata`` reads it).
 METADATA_EXTRA: Final = "attention_metadata"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BatchShape:
-    """The batch a forward runs as, as its attention sees it: counts, layout and runtime mode.
-
-    For a graph: the padded key's ``num_tokens`` and ``num_reqs`` (a relaxed
-    PIECEWISE key has ``min(num_tokens, max_num_seqs)`` request rows), and
-    ``mode`` FULL or PIECEWISE. For an eager step: the real counts, and NONE.
-    ``query_len``: every request has this many tokens (a uniform key or a
-    uniform eager batch); ``None`` for a mixed batch. A FULL graph bakes
-    the host values its metadata holds: they may depend on the shape only.
-    """
-
-    num_tokens: int
-    num_reqs: int
-    query_len: int | None
-    mode: CUDAGraphMode
-
-    @property
-    def uniform(self) -> bool:
-        return self.query_len is not None
-
-    @classmethod
-    def of_key(cls, mode: CUDAGraphMode, key: BatchDescriptor, num_reqs: int) -> BatchShape:
-        """The shape of ``key``'s graph in ``mode``, with ``num_reqs`` request rows."""
-        query_len = key.num_tokens // num_reqs if key.uniform and num_reqs else None
-        return cls(key.num_tokens, num_reqs, query_len, mode)
-
-    @classmethod
-    def eager(cls, num_tokens: int, num_reqs: int, uniform: bool) -> BatchShape:
-        """The shape of an eager step of the real batch (uniform: ``num_tokens // num_reqs`` each)."""
-        query_len = num_tokens // num_reqs if uniform and num_reqs else None
-        return cls(num_tokens, num_reqs, query_len, CUDAGraphMode.NONE)
-
-
-class StepBatch(NamedTuple):
-    """The real batch of a step: its counts and the inputs given to ``run`` (checked, not padded).
-
-    ``num_tokens`` (and ``num_reqs``) are at most the shape's; the rows from
-    there up to the shape's are padding. A warm-up builds for
-    ``StepBatch.padding()``: 0 tokens, no inputs, every row padding.
-    """
-
-    num_tokens: int
-    num_reqs: int
-    inputs: Mapping[str, torch.Tensor]
-
-    @classmethod
-    def padding(cls) -> StepBatch:
-        return _PADDING
-
-
-_PADDING: Final = StepBatch(0, 0, MappingProxyType({}))
 
 
 class _Built(NamedTuple):

@@ -4,54 +4,9 @@
 object that owns everything the capture needs (its stream, the event that
 orders its warm-ups with the serving stream, the keys steps missed, its
 retries, its garbage-collection policy) and reports on it. It runs on the
-device's capture worker (``_worker``), a thread that outlives the sessions,
-or on a thread of its own where the worker is busy.
-
-How it stays out of the serving steps' way, on the device and on the host:
-
-- **Warm-ups first, ordered both ways.** Before recording anything the
-  thread warms the model up where needed (the largest pending key of each
-  mode not warmed before, and the smallest on a thread new to this manager:
-  lazy initialization, compilation and library handles of the capture
-  thread happen here, never inside a capture). They run on the
-  thread's stream after everything the serving stream had queued when
-  ``start_capture()`` was called, and the serving stream waits for them on
-  the device: ``start_capture()`` returns once they are queued (host time
-  of a few eager steps; it never waits for the device).
-- **Recordings run nothing.** Each key is then captured record-only
-  (``GraphEngine.record``): nothing executes on the device, so nothing the
-  capture does can overlap a serving step that touches the same memory (the
-  model's own buffers, the static buffers, the pool blocks of the last
-  replay's outputs, which a caller may still read until its next ``run()``).
-  Each turn is still ordered after the work queued on the serving stream
-  when it starts.
-- **No lock on the step path.** A key replays from the first step after its
-  entry was stored (one assignment, after its outputs were checked); a step
-  never waits for the capture. Steps whose key is not captured yet run
-  eagerly, counted as ``not_captured`` (allowed in strict mode while the
-  capture runs) and remembered: the most recent miss is captured next, the
-  rest largest first, so the pool's smaller graphs reuse the larger ones'
-  memory.
-- **The first step goes first on the host.** Recordings and eager steps
-  share the GIL, and an eager step beside a recording takes several times
-  as long. So the thread holds its first recording until the serving
-  thread's first step after ``start_capture()`` that runs eagerly for a
-  pending key (after a wake, the first step) is served and its outputs
-  are ready on the device (``served()``; at most
-  ``BackgroundTimings.first_step_wait_s`` for the step, or until ``wait()``
-  or ``stop()``): the wake's first step costs an eager step plus the enqueue.
-  Later steps share the host with the recordings: holding every recording
-  for the eager steps in flight leaves the wake's later steps quicker but
-  its graphs ready much later (the figures: ``docs/benchmarks-notes.md``).
-- **The collector** is paused for one key's recording at a time (with
-  ``CaptureOptions.gc_disable``), never for the whole run.
-
-What the serving thread must not do meanwhile: synchronize the whole device
-(``torch.cuda.synchronize()``), use the legacy default stream, or draw random
-numbers inside graphs it replays (the capture registers the default CUDA
-generator): each invalidates the recording in flight or races with it. An
-invalidated recording is dropped and tried again (up to ``RETRIES`` more
-times); an error is kept on the handle and logged, and the other keys go on.
+device's capture worker (``_worker``), or on a thread of its own where the
+worker is busy. How it stays out of the serving steps' way, and what the
+serving thread must not do meanwhile: docs/design.md, "Background capture".
 """
 
 from __future__ import annotations
@@ -110,6 +65,52 @@ class BackgroundTimings:
     poll_s: float = 0.0005
 
 
+class FirstStep:
+    """The serving thread's first step after ``start_capture()``, which the first recording waits for.
+
+    ``served()`` (the step is queued), ``release()`` (``wait()``, ``stop()``)
+    or the wait's own bound ends the wait for the step; after ``served()``,
+    its device work is waited for too (polled, so ``stop()`` ends it).
+    """
+
+    __slots__ = ("_event", "_outputs")
+
+    def __init__(self) -> None:
+        self._event: Final = threading.Event()
+        self._outputs: torch.cuda.Event | None = None  # recorded after the first step's work
+
+    def release(self) -> None:
+        self._event.set()
+
+    def served(self, device: torch.device) -> None:
+        """The first step is queued on ``device``'s current stream. Never raises (a step's ``finally``)."""
+        if self._event.is_set():  # every later step: nothing to do
+            return
+        try:
+            if device.type == "cuda":
+                outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                outputs.record(torch.cuda.current_stream(device))  # the session's device's stream
+                self._outputs = outputs  # before the flag: the worker reads it after the flag
+        except Exception:  # a sticky CUDA error of the step itself, most likely: the step reports it
+            _logger.debug("background capture: no event after the first step", exc_info=True)
+        finally:
+            self._event.set()
+
+    def wait(self, timings: BackgroundTimings, stop: threading.Event) -> None:
+        """Until the first step is served and its outputs are ready, or the bounds pass; holds no lock."""
+        self._event.wait(timings.first_step_wait_s)
+        self._event.set()  # waited once: a later step makes no event
+        outputs = self._outputs
+        if outputs is None:
+            return
+        deadline = time.monotonic() + timings.first_outputs_wait_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if outputs.query():  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                time.sleep(timings.first_outputs_grace_s)
+                return
+            time.sleep(timings.poll_s)  # polled, not synchronized: the wait stays bounded
+
+
 class BackgroundCapture:
     """A capture running beside the serving steps: progress, errors, and its report when done.
 
@@ -125,8 +126,7 @@ class BackgroundCapture:
         "_done",
         "_errors",
         "_finished",
-        "_first_outputs",
-        "_first_served",
+        "_first",
         "_jobs",
         "_lock",
         "_misses",
@@ -157,10 +157,7 @@ class BackgroundCapture:
         self._timings: Final = timings
         self._total: Final = len(pending)
         self._lock: Final = threading.Lock()  # the counters and lists below, read by any thread
-        #: The first recording waits for it: set by the first step served, ``wait()``, ``stop()``,
-        #: or the worker itself once it waited.
-        self._first_served: Final = threading.Event()
-        self._first_outputs: torch.cuda.Event | None = None  # recorded after the first step's work
+        self._first: Final = FirstStep()  # the first recording waits for it
         self._done: Final = threading.Event()
         self._warm_ups_queued: Final = threading.Event()  # on the device, not necessarily run
         self._stop: Final = threading.Event()  # stop(): record no further key
@@ -199,7 +196,7 @@ class BackgroundCapture:
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
         ):
             raise ValueError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
-        self._first_served.set()  # the caller waits: the first recording need not wait for its step
+        self._first.release()  # the caller waits: the first recording need not wait for its step
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
         assert self._report is not None
@@ -212,7 +209,7 @@ class BackgroundCapture:
         calls it. Any thread.
         """
         self._stop.set()
-        self._first_served.set()
+        self._first.release()
 
     # -- the serving thread's side --
 
@@ -222,23 +219,8 @@ class BackgroundCapture:
             self._misses.append(key)
 
     def served(self) -> None:
-        """The eager step ``missed()`` announced is over on the host (queued on the serving stream).
-
-        Never raises: it runs in the step's ``finally``, where it must not
-        replace the step's own error (a failed event only costs the wait).
-        """
-        if self._first_served.is_set():  # every later step: nothing to do
-            return
-        try:
-            device = self._jobs.device
-            if device.type == "cuda":
-                outputs = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                outputs.record(torch.cuda.current_stream(device))  # the session's device's stream
-                self._first_outputs = outputs  # before the flag: the worker reads it after the flag
-        except Exception:  # a sticky CUDA error of the step itself, most likely: the step reports it
-            _logger.debug("background capture: no event after the first step", exc_info=True)
-        finally:
-            self._first_served.set()
+        """The eager step ``missed()`` announced is over on the host (queued on the serving stream)."""
+        self._first.served(self._jobs.device)
 
     def start(self) -> None:
         """Hand the capture to its thread; return once its warm-ups are queued, the stream ordered after them.
@@ -284,7 +266,7 @@ class BackgroundCapture:
         try:
             with on_device, on_stream, torch.no_grad():
                 self._warm_up(serving, own, warm_ups_done)
-                self._after_first_step()
+                self._first.wait(self._timings, self._stop)
                 while self._pending and not self._stop.is_set():
                     key = self._next_key()
                     with self._turn(), collector_paused(jobs.gc_disable):  # one key at a time
@@ -319,27 +301,6 @@ class BackgroundCapture:
             if own is not None and warm_ups_done is not None:
                 warm_ups_done.record(own)
             self._warm_ups_queued.set()
-
-    def _after_first_step(self) -> None:
-        """The first step after ``start_capture()`` goes first: wait until its outputs are ready (bounded).
-
-        Holds no lock while waiting, nor the capture lock. ``served()``,
-        ``wait()`` and ``stop()`` end the wait for the step; else
-        ``first_step_wait_s`` does. After ``served()``, its device work is
-        waited for too.
-        """
-        timings = self._timings
-        self._first_served.wait(timings.first_step_wait_s)
-        self._first_served.set()  # waited once: a later step makes no event
-        outputs = self._first_outputs
-        if outputs is None:
-            return
-        deadline = time.monotonic() + timings.first_outputs_wait_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            if outputs.query():  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                time.sleep(timings.first_outputs_grace_s)
-                return
-            time.sleep(timings.poll_s)  # polled, not synchronized: the wait stays bounded, and stop() ends it
 
     def _turn(self) -> contextlib.AbstractContextManager[object]:
         """The device's capture lock (another thread's capture on this device goes first or after)."""

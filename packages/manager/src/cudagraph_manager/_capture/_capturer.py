@@ -1,13 +1,11 @@
-"""The capture of one planned key, shared by ``capture()`` and the background capture.
+"""A manager's captures: in the foreground, in a background thread, or probed for an estimate.
 
-A key's capture is two acts. The warm-up runs the model eagerly on the key's
-static views, filled with pad values first (never the last real batch: a
-warm-up really runs, KV-cache writes included). The recording captures the
-graph without running anything on the device (``GraphEngine.record``), so it
-writes no memory a serving step may use: not the pool, whose free blocks may
-hold the outputs of the last ``run()`` that a caller still reads, not the
-static buffers, not the model's own buffers. The entry is checked (its
-outputs must be cuttable), then stored on the key: the key is captured.
+Each planned graph is warmed up where the warm-up rule says, recorded
+(nothing runs on the device, so a serving step's memory is never written),
+its outputs checked, then kept in the graph table: its key is captured.
+The capturer owns the capture's lifecycle: the engines, the warm-up rule,
+the last background capture, whether the graphs were released, the weights
+they read.
 """
 
 from __future__ import annotations
@@ -27,50 +25,45 @@ from cudagraph_capture import (
     GraphEngine,
     GraphPool,
     capture_disabled_reason,
-    capture_lock,
-    check_capture_enabled,
     collector_paused,
     release_graph_memory,
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
+from .._graphs import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
 from .._protocols import GraphEngineFactory, OutputT
 from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
 from .._reports._totals import CaptureTotals
-from .._step._buffers import StaticBuffers
-from .._step._decode_loop import DecodeLoop, DecodeLoops
-from .._step._outputs import LayoutCell
 from ..ranks import RankAgreement
 from ._background import BackgroundCapture, BackgroundTimings
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._planned import PlannedKey
+from ._loops import LoopCapture
 from ._progress import progress as progress_bar
+from ._recording import capture_graph, warm_up
 from ._warm_up import WarmUpRule
 
 
 class Capturer(Generic[OutputT]):
-    """A manager's captures: every pending key in the foreground, or in a background thread.
+    """A manager's captures of its graph table's pending graphs; the background capture's ``CaptureJobs``.
 
-    Owns the plan's keys, one engine per mode, the warm-up rule, the decode
-    loops, and the capture's lifecycle: the last background capture
-    (held weakly: the session holds this object) and whether the graphs
-    were released. It is the
-    background capture's ``CaptureJobs``.
+    Holds one engine per mode, the warm-up rule, the decode loops' capture,
+    the last background capture (weakly: the session holds this object) and
+    whether the graphs were released.
     """
 
     __slots__ = (
         "__weakref__",  # the capture worker lives while a capturer that used it does
         "_engines",
         "_factory",
+        "_loops",
         "_options",
         "_parts",
         "_rule",
         "_session",
+        "_table",
         "background_timings",
-        "keys",
-        "loops",
         "released",
         "weights",
     )
@@ -78,28 +71,23 @@ class Capturer(Generic[OutputT]):
     def __init__(
         self,
         parts: ManagerParts[OutputT],
+        table: GraphTable[OutputT],
         factory: GraphEngineFactory,
         options: CaptureOptions,
-        decode_loop: DecodeLoop[OutputT] | None = None,
     ) -> None:
         self._parts: Final = parts
+        self._table: Final = table
         self._factory: Final = factory
         self._options: Final = options
-        max_num_seqs = parts.dispatcher.config.max_num_seqs
-        #: Every key of the plan, in capture order; its entry says whether it is captured.
-        self.keys: Final = {
-            key: PlannedKey[OutputT](mode, key, parts.buffers, max_num_seqs, parts.builder)
-            for mode, keys in parts.dispatcher.capture_plan()
-            for key in keys
-        }
         # One engine per mode of the plan (none where nothing can be captured).
-        modes = dict.fromkeys(key.mode for key in self.keys.values()) if parts.no_graphs is None else {}
+        graphs = table.graphs.values()
+        modes = dict.fromkeys(graph.mode for graph in graphs) if parts.no_graphs is None else {}
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
             mode: factory(parts.model, mode, options) for mode in modes
         }
         self._rule: Final = WarmUpRule[OutputT]()
-        #: The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
-        self.loops: Final = None if decode_loop is None else DecodeLoops(parts, decode_loop, self.keys)
+        # The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
+        self._loops: Final = None if parts.loop is None else LoopCapture(parts, parts.loop, table)
         #: How a background capture waits for the first step (tests set their own).
         self.background_timings = BackgroundTimings()
         # The last background capture, weakly: it holds this object (its jobs), and a strong
@@ -139,8 +127,8 @@ class Capturer(Generic[OutputT]):
         if skippable and self._rule.thread_has_handles():
             return
         start = time.perf_counter()
-        key = self.keys[descriptor]
-        key.warm_up(self._engines[key.mode], self._parts.buffers)
+        graph = self._table.graphs[descriptor]
+        warm_up(graph, self._engines[graph.mode], self._parts.buffers)
         self._rule.ran(descriptor, time.perf_counter() - start)
 
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph:
@@ -149,18 +137,14 @@ class Capturer(Generic[OutputT]):
 
     # -- the manager's side --
 
-    def pending(self) -> list[PlannedKey[OutputT]]:
-        """The keys not captured yet, in capture order."""
-        return [key for key in self.keys.values() if key.entry is None]
-
-    def begin(self, pending: Sequence[PlannedKey[OutputT]]) -> None:
+    def begin(self, pending: Sequence[PlannedGraph[OutputT]]) -> None:
         """A capture of ``pending`` begins: new graphs read the weights as they are now, kept ones theirs."""
         self.released = False
         if self._parts.no_graphs is None:  # else no graph will read the weights: nothing to watch
-            self.weights.before_capture(every_key=len(pending) == len(self.keys))
+            self.weights.before_capture(every_key=len(pending) == len(self._table.graphs))
 
     def foreground(
-        self, pending: Sequence[PlannedKey[OutputT]], ranks: RankAgreement | None, progress: bool | None
+        self, pending: Sequence[PlannedGraph[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
         """Capture ``pending`` in order on this thread (each key kept by every rank, or by none).
 
@@ -175,13 +159,14 @@ class Capturer(Generic[OutputT]):
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
             totals = self.start_totals()
-            for key in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                attempt = functools.partial(self._capture, key.descriptor, warm=key.descriptor in warm)
+            for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
+                key = graph.descriptor
+                attempt = functools.partial(self._capture, key, warm=key in warm)
                 if ranks is None:
                     records.append(attempt())
                 else:
                     records.append(
-                        ranks.all_or_none(key.descriptor, attempt, functools.partial(self.drop, key))
+                        ranks.all_or_none(key, attempt, functools.partial(self._table.drop, graph))
                     )
             records += self._capture_loops()
             if device.type == "cuda":
@@ -190,9 +175,9 @@ class Capturer(Generic[OutputT]):
                 torch.cuda.current_stream(device).synchronize()
             return self.report(totals, records)
 
-    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> BackgroundCapture:
+    def background(self, pending: Sequence[PlannedGraph[OutputT]]) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
-        keys = [] if self._parts.no_graphs is not None else [key.descriptor for key in pending]
+        keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
         session = BackgroundCapture(
             keys, self._rule.background(pending), self, timings=self.background_timings
         )
@@ -207,7 +192,7 @@ class Capturer(Generic[OutputT]):
 
     def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
         """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
-        pending = self.pending()
+        pending = self._table.pending()
         loops = self._loop_probes()
         parts = self._parts
         device = parts.device
@@ -242,94 +227,47 @@ class Capturer(Generic[OutputT]):
     def drop_all(self) -> None:
         """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
         self.weights.forget()  # no graph reads the model any more
-        with self._capture_lock():
-            if self.loops is not None:
-                self.loops.drop_all()
-            for key in self.keys.values():
-                key.drop()
-
-    def drop(self, key: PlannedKey[OutputT]) -> None:
-        """Free the key's graph (it is not captured any more), under the device's capture lock."""
-        with self._capture_lock():
-            key.drop()
-
-    def _capture_lock(self) -> contextlib.AbstractContextManager[object]:
-        """The device's capture lock: destroying a graph edits torch's registry that captures edit too."""
-        device = self._parts.device
-        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
+        self._table.drop_all()
 
     def _capture_loops(self) -> list[CapturedGraph]:
-        """The decode loop of every captured uniform key of one token per request that has none yet."""
-        loops = self.loops
-        if loops is None or self._parts.device.type != "cuda":  # a loop is a CUDA graph (fakes: none)
+        """The decode loop of every captured loopable graph that has none yet."""
+        if self._loops is None or self._parts.device.type != "cuda":  # a loop is a CUDA graph (fakes: none)
             return []
-        keys = [key for key in self.keys.values() if key.entry is not None and loops.loopable(key)]
-        return [
-            g
-            for key in keys
-            if key.descriptor not in loops.loops
-            for g in loops.capture_or_log(key, self._options)
-        ]
+        return self._loops.capture_missing(self._options)
 
     def _loop_probes(self) -> LoopProbes[OutputT] | None:
-        """The decode loops ``capture()`` will add (every loopable key without one), for the estimate."""
-        loops = self.loops
+        """The decode loops ``capture()`` will add (every loopable graph without one), for the estimate."""
+        loops = self._loops
         if loops is None or self._parts.device.type != "cuda":
             return None
-        keys = [k for k in self.keys.values() if loops.loopable(k) and k.descriptor not in loops.loops]
-        if not keys:
+        graphs = loops.missing(captured_only=False)
+        if not graphs:
             return None
 
-        def record(key: PlannedKey[OutputT], pool: GraphPool) -> tuple[object, CapturedGraph]:
-            return loops.record(key, dataclasses.replace(self._options, pool=pool))
+        def record_loop(graph: PlannedGraph[OutputT], pool: GraphPool) -> tuple[object, CapturedGraph]:
+            return loops.record(graph, dataclasses.replace(self._options, pool=pool))
 
-        return LoopProbes(keys, record)
+        return LoopProbes(graphs, record_loop)
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
         return self._factory(self._parts.model, mode, dataclasses.replace(self._options, pool=pool))
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
-        key = self.keys[descriptor]
+        graph = self._table.graphs[descriptor]
         parts = self._parts
         earlier = 0.0 if warm else self._rule.unreported(descriptor)
-        record = capture_key(
-            key, self._engines[key.mode], parts.buffers, parts.layout, warm=warm, warmed_seconds=earlier
+        captured = capture_graph(
+            graph, self._engines[graph.mode], parts.buffers, parts.layout, warm=warm, warmed_seconds=earlier
         )
         self._rule.captured(descriptor)
-        return record
-
-
-def capture_key(
-    key: PlannedKey[OutputT],
-    engine: GraphEngine[OutputT],
-    buffers: StaticBuffers,
-    layout: LayoutCell,
-    *,
-    warm: bool,
-    warmed_seconds: float = 0.0,
-) -> CapturedGraph:
-    """Warm the key up (``warm``), record its graph, check its outputs, store the entry on the key.
-
-    ``warmed_seconds``: a warm-up of this key run earlier (the background
-    capture's), counted in its seconds. ``CaptureError`` from the engine, or
-    ``ValueError`` naming an output that cannot be cut, leaves the key uncaptured.
-    """
-    start = time.perf_counter() - warmed_seconds
-    check_capture_enabled(key.descriptor)  # before the warm-up: a disabled capture runs nothing
-    if warm:
-        key.warm_up(engine, buffers)
-    warmup = time.perf_counter() - start if warm else warmed_seconds
-    entry, captured = key.record(engine, buffers.device, start, warmup)
-    layout.of(entry.output).check(entry.output, key.num_tokens, key.num_reqs)
-    key.keep(entry)  # last: the serving thread replays the key from its next step
-    return captured
+        return captured
 
 
 def agree_plan(
-    ranks: RankAgreement | None, pending: Sequence[PlannedKey[OutputT]], no_graphs: str | None
+    ranks: RankAgreement | None, pending: Sequence[PlannedGraph[OutputT]], no_graphs: str | None
 ) -> None:
     """With ``ranks``: every rank captures (or probes) the same keys, or all raise before any."""
     if ranks is not None:
         why = no_graphs or capture_disabled_reason()
-        ranks.agree_plan([(key.mode, key.descriptor) for key in pending], no_graphs=why)
+        ranks.agree_plan([(graph.mode, graph.descriptor) for graph in pending], no_graphs=why)

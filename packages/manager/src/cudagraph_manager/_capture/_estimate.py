@@ -29,11 +29,12 @@ from cudagraph_capture import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
+from .._buffers._buffers import StaticBuffers
+from .._graphs import PlannedGraph, by_mode
 from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
-from .._step._buffers import StaticBuffers
-from ._planned import PlannedKey, by_mode
+from ._recording import record, warm_up
 from ._warm_up import WarmUps, smallest_of_modes
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
@@ -97,19 +98,17 @@ def extrapolate(measured: Sequence[tuple[int, int]], num_keys: int) -> tuple[int
 
 
 def estimate_memory(
-    pending: Sequence[PlannedKey[OutputT]],
+    pending: Sequence[PlannedGraph[OutputT]],
     make_engine: ProbeEngines[OutputT],
     buffers: StaticBuffers,
     gc_disable: bool,
     warm_ups: WarmUps,
     loops: LoopProbes[OutputT] | None = None,
 ) -> MemoryEstimate:
-    """Probe, measure and extrapolate (see the module docstring); synchronizes the calling stream.
+    """Probe, measure and extrapolate; synchronizes the calling stream.
 
-    ``warm_ups``: the capture's (the warm-up rule's); the largest key of
-    each mode among them sets what the warm-ups leave in torch's cache.
-    ``loops``: the decode loops the capture will add, probed as a mode of
-    their own. The probes live in a pool of their own, freed at the end.
+    ``warm_ups``: the capture's (the rule's); ``loops``: the decode loops the
+    capture adds, probed as a group of their own. The probes' pool is freed.
     """
     start = time.perf_counter()
     check_capture_enabled(None)
@@ -122,8 +121,10 @@ def estimate_memory(
         try:
             warmup = measure_warm_ups(_largest_warmed(grouped, engines, warm_ups), buffers, device)
             groups = _probe_plan(grouped, engines, buffers, smallest_of_modes(pending), kept)
-            if loops is not None and loops.keys:  # the decode loops: a group of their own
-                groups.append((loops.keys, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)))
+            if loops is not None and loops.graphs:  # the decode loops: a group of their own
+                groups.append(
+                    (loops.graphs, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept))
+                )
             probes, pool_total, driver_total = _probe_groups(groups)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
@@ -134,54 +135,54 @@ def estimate_memory(
         warmup_bytes=warmup,
         pool_bytes=pool_total,
         driver_bytes=driver_total,
-        num_graphs=len(pending) + (0 if loops is None else len(loops.keys)),
+        num_graphs=len(pending) + (0 if loops is None else len(loops.graphs)),
         probes=tuple(probes),
         seconds=time.perf_counter() - start,
     )
 
 
-_Probe = Callable[[PlannedKey[OutputT]], CapturedGraph]
+_Probe = Callable[[PlannedGraph[OutputT]], CapturedGraph]
 
 
 def _largest_warmed(
-    grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]],
+    grouped: dict[CUDAGraphMode, list[PlannedGraph[OutputT]]],
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
     warm_ups: WarmUps,
-) -> list[tuple[PlannedKey[OutputT], GraphEngine[OutputT]]]:
-    """Each mode's largest key the capture warms up, with its engine: the capture's eager peak."""
+) -> list[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]]:
+    """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak."""
     warmed = set(warm_ups.keys)
     return [
-        (next(key for key in keys if key.descriptor in warmed), engines[mode])
-        for mode, keys in grouped.items()
-        if any(key.descriptor in warmed for key in keys)
+        (next(graph for graph in graphs if graph.descriptor in warmed), engines[mode])
+        for mode, graphs in grouped.items()
+        if any(graph.descriptor in warmed for graph in graphs)
     ]
 
 
 def _probe_plan(
-    grouped: dict[CUDAGraphMode, list[PlannedKey[OutputT]]],
+    grouped: dict[CUDAGraphMode, list[PlannedGraph[OutputT]]],
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
     buffers: StaticBuffers,
     smallest: frozenset[BatchDescriptor],
     kept: list[object],
-) -> list[tuple[list[PlannedKey[OutputT]], _Probe[OutputT]]]:
-    """Per mode: its keys, and how to probe one of them (``_probe``)."""
+) -> list[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]]:
+    """Per mode: its graphs, and how to probe one of them (``_probe``)."""
     return [
         (
-            keys,
+            graphs,
             functools.partial(
-                _probe, keys=keys, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest
+                _probe, graphs=graphs, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest
             ),
         )
-        for mode, keys in grouped.items()
+        for mode, graphs in grouped.items()
     ]
 
 
 def measure_warm_ups(
-    largest: Sequence[tuple[PlannedKey[OutputT], GraphEngine[OutputT]]],
+    largest: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
     buffers: StaticBuffers,
     device: torch.device,
 ) -> int:
-    """What the capture's warm-ups leave in torch's cache: each mode's largest key warmed up, measured.
+    """What the capture's warm-ups leave in torch's cache: each mode's largest graph warmed up, measured.
 
     From an empty cache and no cached cuBLAS workspace, as the capture's
     warm-ups start (the recordings before them dropped the workspaces). The
@@ -193,47 +194,49 @@ def measure_warm_ups(
     drop_cublas_workspaces()
     _empty_cache(device, stream)
     reserved = reserved_bytes(device)
-    for key, engine in largest:  # the capture's eager peak
-        key.warm_up(engine, buffers)
+    for graph, engine in largest:  # the capture's eager peak
+        warm_up(graph, engine, buffers)
     return reserved_bytes(device) - reserved
 
 
 def _probe_groups(
-    groups: Sequence[tuple[list[PlannedKey[OutputT]], _Probe[OutputT]]],
+    groups: Sequence[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]],
 ) -> tuple[list[CapturedGraph], int, int]:
     """Each group's probes (``probe_keys``) recorded, and the ``(pool, driver)`` bytes extrapolated to all."""
     probes: list[CapturedGraph] = []
     pool_total = driver_total = 0
-    for keys, probe in groups:
-        measured = [probe(key) for key in probe_keys(keys, _num_tokens)]
+    for graphs, probe in groups:
+        measured = [probe(graph) for graph in probe_keys(graphs, _num_tokens)]
         probes += measured
-        group_pool, group_driver = extrapolate([(p.pool_bytes, p.driver_bytes) for p in measured], len(keys))
+        group_pool, group_driver = extrapolate(
+            [(p.pool_bytes, p.driver_bytes) for p in measured], len(graphs)
+        )
         pool_total += group_pool
         driver_total += group_driver
     return probes, pool_total, driver_total
 
 
 def _probe(
-    key: PlannedKey[OutputT],
+    graph: PlannedGraph[OutputT],
     *,
-    keys: list[PlannedKey[OutputT]],
+    graphs: list[PlannedGraph[OutputT]],
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
     kept: list[object],
     smallest: frozenset[BatchDescriptor],
 ) -> CapturedGraph:
-    """Record ``key`` into ``kept``, warmed up first if it is its mode's smallest (every capture warms it).
+    """Record ``graph`` into ``kept``, warmed up first if it is its mode's smallest (every capture warms it).
 
-    ``measure_warm_ups`` warmed the largest of ``keys`` (its mode's) already. A function of
+    ``measure_warm_ups`` warmed the largest of ``graphs`` (its mode's) already. A function of
     its own so that no local name outlives the probes: their graphs must die
     with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
-    warmed = key.descriptor in smallest and key is not keys[0]
+    warmed = graph.descriptor in smallest and graph is not graphs[0]
     if warmed:
-        key.warm_up(engine, buffers)
-    entry, captured = key.record(
-        engine, buffers.device, start, time.perf_counter() - start if warmed else 0.0
+        warm_up(graph, engine, buffers)
+    entry, captured = record(
+        graph, engine, buffers.device, start, time.perf_counter() - start if warmed else 0.0
     )
     kept.append(entry)
     return captured
@@ -243,21 +246,21 @@ def _probe(
 class LoopProbes(Generic[OutputT]):
     """The decode loops a capture will add (largest first), and how to record one into a pool."""
 
-    keys: list[PlannedKey[OutputT]]
-    record: Callable[[PlannedKey[OutputT], GraphPool], tuple[object, CapturedGraph]]
+    graphs: list[PlannedGraph[OutputT]]
+    record: Callable[[PlannedGraph[OutputT], GraphPool], tuple[object, CapturedGraph]]
 
 
 def _probe_loop(
-    key: PlannedKey[OutputT], *, loops: LoopProbes[OutputT], pool: GraphPool, kept: list[object]
+    graph: PlannedGraph[OutputT], *, loops: LoopProbes[OutputT], pool: GraphPool, kept: list[object]
 ) -> CapturedGraph:
-    """Record ``key``'s decode loop into the probes' pool, kept in ``kept`` until the estimate frees them."""
-    loop, captured = loops.record(key, pool)
+    """Record ``graph``'s decode loop into the probes' pool, kept in ``kept`` until the estimate ends."""
+    loop, captured = loops.record(graph, pool)
     kept.append(loop)
     return captured
 
 
-def _num_tokens(key: PlannedKey[OutputT]) -> int:
-    return key.num_tokens
+def _num_tokens(graph: PlannedGraph[OutputT]) -> int:
+    return graph.num_tokens
 
 
 def _empty_cache(device: torch.device, stream: torch.cuda.Stream) -> None:

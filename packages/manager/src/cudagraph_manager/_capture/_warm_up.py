@@ -23,8 +23,8 @@ from typing import Final, Generic
 from cudagraph_dispatch import BatchDescriptor
 
 from .._compiled import dynamo_compiles
+from .._graphs import PlannedGraph, by_mode
 from .._protocols import OutputT
-from ._planned import PlannedKey, by_mode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,19 +55,19 @@ class WarmUpRule(Generic[OutputT]):
         self._seconds: Final[dict[BatchDescriptor, float]] = {}
         self._thread: Final = threading.local()  # ``warmed``: this thread warmed up for the manager
 
-    def foreground(self, pending: Sequence[PlannedKey[OutputT]], *, ranks: bool) -> WarmUps:
+    def foreground(self, pending: Sequence[PlannedGraph[OutputT]], *, ranks: bool) -> WarmUps:
         """``capture()``'s (and the estimate's): each key's first use and each mode's smallest.
 
         With ``ranks``, every key: a tensor-parallel warm-up holds
         collectives, so every rank runs the same ones, whatever it warmed before.
         """
         smallest = smallest_of_modes(pending)
-        keys = [key.descriptor for key in pending]
+        keys = [graph.descriptor for graph in pending]
         if not ranks:
             keys = [d for d in keys if d not in self._seconds or d in smallest]
         return WarmUps(tuple(keys), frozenset())
 
-    def background(self, pending: Sequence[PlannedKey[OutputT]]) -> WarmUps:
+    def background(self, pending: Sequence[PlannedGraph[OutputT]]) -> WarmUps:
         """The background capture's: each mode's largest key not warmed before, and its smallest.
 
         The rest warm up nowhere: the serving thread's eager steps used them
@@ -104,6 +104,6 @@ class WarmUpRule(Generic[OutputT]):
         self._seconds[descriptor] = 0.0
 
 
-def smallest_of_modes(keys: Sequence[PlannedKey[OutputT]]) -> frozenset[BatchDescriptor]:
+def smallest_of_modes(keys: Sequence[PlannedGraph[OutputT]]) -> frozenset[BatchDescriptor]:
     """Each mode's smallest key (a plan is largest first): warmed by every capture, for the thread."""
     return frozenset(of_mode[-1].descriptor for of_mode in by_mode(keys).values())

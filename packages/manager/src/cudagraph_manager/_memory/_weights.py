@@ -106,7 +106,7 @@ class WeightWatch:
             with _hooks_lock:
                 _watches.add(self)
 
-    def moved(self) -> bool:
+    def needs_check(self) -> bool:
         """Whether a replay must run ``check()`` first: a tensor was assigned, or the first one moved."""
         if self.dirty:
             return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
@@ -11,12 +10,6 @@ from typing import Final
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, ModeResolution
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def _warn_renamed(old: str, new: str) -> None:
-    """A stats name renamed for one name per concept: say so where it is read (the caller's caller)."""
-    message = f"ManagerStats.{old} is deprecated: it is ManagerStats.{new} (the same count); removed in 0.2"
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,18 +250,6 @@ class ManagerStats:
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
 
     @property
-    def eager_runs(self) -> int:
-        """Deprecated name of ``eager_steps`` (warns; removed in 0.2)."""
-        _warn_renamed("eager_runs", "eager_steps")
-        return self.eager_steps
-
-    @property
-    def uncaptured_runs(self) -> int:
-        """Deprecated name of ``uncaptured_steps`` (warns; removed in 0.2)."""
-        _warn_renamed("uncaptured_runs", "uncaptured_steps")
-        return self.uncaptured_steps
-
-    @property
     def num_replays(self) -> int:
         return sum(self.replays.values())
 
@@ -323,6 +304,15 @@ class StepCounts:
             dummy_steps=self.dummy_steps,
             resolution=resolution,
         )
+
+    def stepped(self, padded_tokens: int, dummy: bool) -> None:
+        """A step of a key's row counts ran (replayed, or eagerly where no CUDA graphs exist)."""
+        self.padded_tokens += padded_tokens
+        if dummy:
+            self.dummy_steps += 1
+
+    def eager_step(self, reason: EagerReason) -> None:
+        self.eager[reason] = self.eager.get(reason, 0) + 1
 
     def reset(self) -> None:
         self.eager.clear()

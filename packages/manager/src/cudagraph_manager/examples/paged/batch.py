@@ -166,7 +166,7 @@ class PagedBuffers:
 
     def fill(self, batch: StepBatch, shape: BatchShape) -> PagedMetadata:
         """The metadata of ``batch`` padded to ``shape``, in place; ``ValueError`` names a bad input."""
-        num_tokens, num_reqs, inputs = batch
+        num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
         if self.validate and num_tokens:
             check_paged_batch(self.layout, batch)
         meta = self.views(shape)

@@ -40,12 +40,13 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 
-from .._arguments import check_builder
-from .._manager import CUDAGraphManager
-from .._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
-from .._step._outputs import OutputRows
-from .._step._static import StaticInput
-from ._seam import BatchShape, StepBatch, metadata_extra
+from ._arguments import check_builder
+from ._attention._seam import metadata_extra
+from ._batch import BatchShape, StepBatch
+from ._buffers._outputs import OutputRows
+from ._buffers._static import StaticInput
+from ._manager import CUDAGraphManager
+from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
 
 
 class BatchKind(enum.Enum):

@@ -18,6 +18,9 @@ from typing import Final, Literal
 
 import torch
 
+from cudagraph_dispatch import NO_MODES, CUDAGraphMode
+
+from .._batch import StepBatch
 from ._static import Rows, StaticInput
 
 _Tensor: Final = torch.Tensor
@@ -111,7 +114,7 @@ class StaticBuffer:
 class StaticBuffers:
     """Every declared input's buffer: the step's checks across inputs, and the copy in."""
 
-    __slots__ = ("buffers", "device", "max_num_seqs", "uniform_decode_query_len", "warned_grad")
+    __slots__ = ("_reqs_from", "buffers", "device", "max_num_seqs", "uniform_decode_query_len", "warned_grad")
 
     def __init__(
         self,
@@ -127,6 +130,8 @@ class StaticBuffers:
         self.buffers: Final = tuple(
             StaticBuffer(name, spec, max_rows[spec.rows], device) for name, spec in inputs.items()
         )
+        #: The first "reqs" input, which names the request count ("": none).
+        self._reqs_from: Final = next((b.name for b in self.buffers if b.rows == "reqs"), "")
         self.max_num_seqs: Final = max_num_seqs
         self.uniform_decode_query_len: Final = uniform_decode_query_len
         self.device: Final = device
@@ -142,15 +147,38 @@ class StaticBuffers:
             if b.rows is not None:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
-    def check(self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool) -> tuple[int, int, bool]:
-        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs, or ``ValueError`` naming the input.
+    def check(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        uniform_decode: bool,
+        num_active_loras: int = 0,
+        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
+    ) -> StepBatch:
+        """A step's inputs checked, as the step's one value; ``ValueError`` naming the input otherwise.
 
         Exact names, each tensor checked by its buffer, one row count per kind
-        of rows (``num_reqs``: 0 without "reqs" inputs). The first step with an
-        input that requires grad warns, naming it: the outputs are detached from it.
+        of rows (``num_reqs``: 0 without "reqs" inputs). The other arguments
+        are ``run()``'s, carried along (the dispatcher checks them). The first
+        step with an input that requires grad warns, naming it.
         """
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
+        num_tokens, num_reqs, requires_grad = self._rows(inputs)
+        if self._reqs_from and (
+            num_reqs > self.max_num_seqs
+            or num_reqs > num_tokens
+            or (num_reqs == 0 and num_tokens > 0)
+            or (uniform_decode is True and num_tokens != num_reqs * self.uniform_decode_query_len)
+        ):
+            self._check_requests(num_tokens, num_reqs, uniform_decode)  # raises, naming the input
+        if requires_grad and not self.warned_grad:  # the step's one branch for it
+            self._warn_requires_grad(inputs)
+        return StepBatch(
+            num_tokens, num_reqs, inputs, uniform_decode, num_active_loras, invalid_modes, requires_grad
+        )
+
+    def _rows(self, inputs: Mapping[str, torch.Tensor]) -> tuple[int, int, bool]:
+        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs, each checked by its buffer."""
         num_tokens, num_reqs, tokens_from, reqs_from, requires_grad = 0, 0, "", "", False
         for b in self.buffers:
             x = inputs.get(b.name)
@@ -181,16 +209,6 @@ class StaticBuffers:
                     num_reqs, reqs_from = rows, b.name
                 elif rows != num_reqs:
                     raise _row_count_error(b.name, rows, "reqs", reqs_from, num_reqs)
-        uniform = uniform_decode is True  # not a bool: the dispatcher names it
-        if reqs_from and (
-            num_reqs > self.max_num_seqs
-            or num_reqs > num_tokens
-            or (num_reqs == 0 and num_tokens > 0)
-            or (uniform and num_tokens != num_reqs * self.uniform_decode_query_len)
-        ):
-            self._check_requests(num_tokens, num_reqs, reqs_from, uniform_decode)  # raises, naming the input
-        if requires_grad and not self.warned_grad:  # the step's one branch for it
-            self._warn_requires_grad(inputs)
         return num_tokens, num_reqs, requires_grad
 
     def _warn_requires_grad(self, inputs: Mapping[str, torch.Tensor]) -> None:
@@ -206,24 +224,20 @@ class StaticBuffers:
             stacklevel=5,  # run()'s caller: _warn_requires_grad <- check <- _step <- run
         )
 
-    def copy_in(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        num_tokens: int,
-        num_reqs: int,
-        graph_tokens: int,
-        graph_reqs: int,
-        requires_grad: bool = False,
-    ) -> None:
+    def copy_in(self, batch: StepBatch, graph_tokens: int, graph_reqs: int) -> None:
         """Copy a checked step into the buffers, padded to a graph's row counts (on the current stream).
 
-        ``requires_grad``: some input requires grad, so the copies run under
-        ``no_grad`` (they would record autograd history otherwise).
+        Under ``no_grad`` where some input requires grad (the copies would
+        record autograd history otherwise).
         """
-        if requires_grad and torch.is_grad_enabled():
+        if batch.requires_grad and torch.is_grad_enabled():
             with torch.no_grad():
-                self.copy_in(inputs, num_tokens, num_reqs, graph_tokens, graph_reqs)
-            return
+                self._copy_in(batch, graph_tokens, graph_reqs)
+        else:
+            self._copy_in(batch, graph_tokens, graph_reqs)
+
+    def _copy_in(self, batch: StepBatch, graph_tokens: int, graph_reqs: int) -> None:
+        num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
         for b in self.buffers:
             x = inputs[b.name]
             if b.rows is None:
@@ -237,7 +251,8 @@ class StaticBuffers:
             if rows != graph_rows:
                 padding.fill_(b.pad_value)
 
-    def _check_requests(self, num_tokens: int, num_reqs: int, reqs_from: str, uniform_decode: bool) -> None:
+    def _check_requests(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> None:
+        reqs_from = self._reqs_from
         if num_reqs > self.max_num_seqs:
             raise ValueError(
                 f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed "

@@ -1,0 +1,1 @@
+"""Static inputs, their buffers and the outputs' cut: the values every layer above reads."""

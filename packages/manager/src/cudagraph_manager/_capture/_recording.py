@@ -1,0 +1,124 @@
+"""A planned graph's two capture acts: the warm-up on pad values, and the recording.
+
+The warm-up runs the model eagerly on the graph's static views filled with
+pad values (never the last real batch: a warm-up really runs, KV-cache
+writes included). The recording captures the graph without running anything
+on the device (``GraphEngine.record``). Both hand the attention its metadata
+(docs/design.md, "The attention seam"). ``capture()``, the background capture
+and the estimate's probes all capture through these two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from cudagraph_capture import CaptureError, GraphEngine, GraphEntry, check_capture_enabled
+from cudagraph_dispatch import CUDAGraphMode, set_forward_context
+
+from .._attention._seam import metadata_extra
+from .._batch import StepBatch
+from .._buffers._buffers import StaticBuffers
+from .._buffers._outputs import LayoutCell
+from .._graphs import PlannedGraph
+from .._memory._device import RecordingBytes
+from .._protocols import OutputT
+from .._reports._report import CapturedGraph
+
+
+def warm_up(graph: PlannedGraph[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:
+    """Fill the graph's views with pad values and run the model eagerly on them (current stream).
+
+    Raises:
+        CaptureError: naming the key, for the model's own error at this size.
+    """
+    try:
+        buffers.fill_padding(graph.num_tokens, graph.num_reqs)
+        builder = graph.builder
+        if builder is None:
+            engine.warm_up(graph.descriptor, graph.inputs)
+            return
+        # An all-padding batch's metadata, on the stream the warm-up is ordered after.
+        metadata = builder.build(StepBatch.padding(), graph.shape)
+        with set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **metadata_extra(builder, metadata)):
+            engine.warm_up(graph.descriptor, graph.inputs)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise CaptureError(
+            f"the warm-up failed with {type(error).__name__}: {error}", graph.descriptor
+        ) from error
+
+
+def record(
+    graph: PlannedGraph[OutputT],
+    engine: GraphEngine[OutputT],
+    device: torch.device,
+    start: float,
+    warmup_seconds: float,
+) -> tuple[GraphEntry[OutputT], CapturedGraph]:
+    """Record the graph (nothing runs on the device); the entry, not stored, and what it cost.
+
+    The seconds count from ``start``, ``warmup_seconds`` of them the
+    graph's warm-up; the bytes are the recording's alone (a warm-up's eager
+    blocks are not the pool's). The caller checks the entry, then keeps it.
+    """
+    with _capture_metadata(graph), RecordingBytes(device) as cost:
+        entry = engine.record(graph.descriptor, graph.inputs)
+    spent = entry.seconds
+    return entry, CapturedGraph(
+        graph.mode,
+        graph.descriptor,
+        time.perf_counter() - start,
+        cost.pool,
+        cost.driver,
+        warmup_seconds,
+        spent.recording,
+        spent.instantiation,
+    )
+
+
+def capture_graph(
+    graph: PlannedGraph[OutputT],
+    engine: GraphEngine[OutputT],
+    buffers: StaticBuffers,
+    layout: LayoutCell,
+    *,
+    warm: bool,
+    warmed_seconds: float = 0.0,
+) -> CapturedGraph:
+    """Warm ``key`` up (``warm``), record its graph, check its outputs, keep the entry: it is captured.
+
+    ``warmed_seconds``: a warm-up of it run earlier (the background
+    capture's), counted in its seconds.
+
+    Raises:
+        CaptureError: from the engine; ValueError: an output that cannot be
+            cut. Either leaves the graph uncaptured.
+    """
+    start = time.perf_counter() - warmed_seconds
+    check_capture_enabled(graph.descriptor)  # before the warm-up: a disabled capture runs nothing
+    if warm:
+        warm_up(graph, engine, buffers)
+    warmup = time.perf_counter() - start if warm else warmed_seconds
+    entry, captured = record(graph, engine, buffers.device, start, warmup)
+    layout.of(entry.output).check(entry.output, graph.num_tokens, graph.num_reqs)
+    graph.keep(entry)  # last: the serving thread replays it from its next step
+    return captured
+
+
+def _capture_metadata(graph: PlannedGraph[OutputT]) -> contextlib.AbstractContextManager[object]:
+    """The forward context that hands the recording its metadata (``build_for_capture``: host only)."""
+    builder = graph.builder
+    if builder is None:
+        return contextlib.nullcontext()
+    try:
+        metadata = builder.build_for_capture(graph.shape)
+    except Exception as error:
+        raise CaptureError(
+            f"the attention's build_for_capture({graph.shape}) failed with {type(error).__name__}: {error}",
+            graph.descriptor,
+        ) from error
+    return set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **metadata_extra(builder, metadata))

@@ -1,0 +1,122 @@
+"""A decode loop's values: what ``run_loop`` takes (``DecodeLoop``), its state buffers, what it returns.
+
+Many decode steps per call: the model's forward, then the user's
+``advance``, repeated on the device (docs/design.md, "Decode loops").
+``LoopBuffers`` holds the loop's state at fixed addresses, read by the loop's
+capture (``_capture/_loops``) and its run (``_step/_loop``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Final, Generic
+
+import torch
+
+from cudagraph_capture import LoopKind
+from cudagraph_dispatch import check_int
+
+from ._protocols import OutputT
+
+#: The most steps one loop may be captured for (its token history is ``[max_steps, max_num_seqs]``).
+MAX_LOOP_STEPS: Final = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoopState:
+    """What ``advance`` gets each iteration: views of the manager's loop buffers (fixed addresses).
+
+    ``step``: ``[]`` int64 on the device, this iteration's index (0 first).
+    ``stop``: ``[]`` bool; set it in place once no request is active: the
+    loop ends after this iteration. ``active``: ``[num_reqs]`` bool, True for
+    the real requests still running (padding rows start False); clear a
+    request's entry when it finishes (it is masked, not removed).
+    ``tokens``: ``[max_steps, num_reqs]`` int64; write this iteration's
+    tokens at row ``step``. ``num_reqs`` is the padded key's.
+    """
+
+    step: torch.Tensor
+    stop: torch.Tensor
+    active: torch.Tensor
+    tokens: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeLoop(Generic[OutputT]):
+    """``decode_loop=``: the advance of one decode step, and how many steps a call may loop.
+
+    ``advance(outputs, inputs, state)``: from the step's outputs (the padded
+    key's rows) write the next step's inputs in place into ``inputs`` (the
+    static buffers, by name), the attention's metadata (read it with
+    ``attention_metadata(builder)``: it runs under the step's forward
+    context), ``state.tokens[state.step]``, ``state.active`` and
+    ``state.stop``. Capturable: device ops only, no host synchronization, no
+    branch on a tensor's value, no random numbers. ``unroll``: iterations
+    per launch of the unrolled fallback; ``kind`` forces a ``LoopKind``
+    (``None``: WHILE where it can be built).
+    """
+
+    advance: Callable[[OutputT, Mapping[str, torch.Tensor], LoopState], object]
+    max_steps: int
+    unroll: int = 8
+    kind: LoopKind | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.advance):
+            raise ValueError(f"advance: expected a callable, got {self.advance!r:.80}")
+        check_int("max_steps", self.max_steps, minimum=1, maximum=MAX_LOOP_STEPS)
+        check_int("unroll", self.unroll, minimum=1, maximum=MAX_LOOP_STEPS)
+        given: object = self.kind
+        if given is not None and not isinstance(given, LoopKind):
+            raise ValueError(f"kind: expected None or a LoopKind, got {given!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoopResult:
+    """What ``run_loop`` did: each step's tokens of the real requests, and how many steps.
+
+    ``tokens``: ``[steps, num_reqs]`` int64, a view of the manager's buffer,
+    valid until its next ``run_loop``, ``capture()`` or ``estimate_memory()``
+    (a loop's capture runs its body once). ``kind``: how the loop ran
+    (``LoopKind``), or ``None`` where it looped on the host for want of a
+    captured loop.
+    """
+
+    tokens: torch.Tensor
+    steps: int
+    kind: LoopKind | None
+
+
+class LoopBuffers(Generic[OutputT]):
+    """A manager's decode-loop state at fixed addresses, and its ``DecodeLoop``.
+
+    ``stop`` ``[]`` bool, ``step`` ``[]`` int64 (the host loop's index),
+    ``active`` ``[max_num_seqs]`` bool, ``tokens`` ``[max_steps, max_num_seqs]``
+    int64; ``state`` hands ``advance`` views of them.
+    """
+
+    __slots__ = ("active", "config", "step", "stop", "tokens")
+
+    def __init__(self, config: DecodeLoop[OutputT], max_num_seqs: int, device: torch.device) -> None:
+        self.config: Final = config
+        self.stop: Final = torch.zeros((), dtype=torch.bool, device=device)
+        self.step: Final = torch.zeros((), dtype=torch.int64, device=device)
+        self.active: Final = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
+        self.tokens: Final = torch.zeros(config.max_steps, max_num_seqs, dtype=torch.int64, device=device)
+
+    def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
+        return LoopState(step, self.stop, self.active[:num_reqs], self.tokens[:, :num_reqs])
+
+    def reset(self, num_reqs: int, padded_reqs: int) -> None:
+        """A new loop: ``num_reqs`` real requests active, the padding rows up to ``padded_reqs`` not."""
+        self.active[:num_reqs].fill_(True)
+        self.active[num_reqs:padded_reqs].fill_(False)
+        self.stop.fill_(False)
+
+
+def check_loop_steps(config: DecodeLoop[OutputT], max_steps: object) -> int:
+    """``max_steps`` of a ``run_loop`` call: at most the config's, which is the default."""
+    if max_steps is None:
+        return config.max_steps
+    return check_int("max_steps", max_steps, minimum=1, maximum=config.max_steps)

@@ -1,0 +1,123 @@
+"""The step path of ``run()``: check, route, build the metadata, copy in, replay, count and cut.
+
+One screen, as SGLang's ``replay_prepare`` -> ``replay``: the inputs are
+checked into the step's one value (``StepBatch``), routed to a planned
+graph, copied into its static views and replayed; a route without a graph
+goes to the eager steps. ``run_loop`` takes the same check, route and copy in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, Generic, cast
+
+import torch
+
+from cudagraph_capture import OutputGuard
+from cudagraph_dispatch import FORWARD_CONTEXT_VAR, CUDAGraphMode, Dispatch, ForwardContext, Route
+
+from .._batch import StepBatch
+from .._graphs import GraphTable, PlannedGraph
+from .._memory._weights import WeightWatch
+from .._parts import ManagerParts
+from .._protocols import OutputT
+from ..ranks import RankAgreement
+from ._eager import EagerSteps
+
+
+class StepPath(Generic[OutputT]):
+    """One manager's steps: the route of each to its planned graph, the replay, or an eager step."""
+
+    __slots__ = (
+        "_buffers",
+        "_counts",
+        "_dispatcher",
+        "_graphs",
+        "_guard",
+        "_layout",
+        "_ranks",
+        "_table",
+        "_weights",
+        "eager",
+    )
+
+    def __init__(
+        self,
+        parts: ManagerParts[OutputT],
+        table: GraphTable[OutputT],
+        eager: EagerSteps[OutputT],
+        weights: WeightWatch,
+        guard: OutputGuard | None,
+    ) -> None:
+        self._buffers: Final = parts.buffers
+        self._dispatcher: Final = parts.dispatcher
+        self._counts: Final = parts.counts
+        self._layout: Final = parts.layout  # from the first outputs seen
+        self._ranks: Final[RankAgreement | None] = parts.ranks
+        self._table: Final = table
+        self._graphs: Final = table.graphs  # the one look-up per step
+        self._weights: Final = weights
+        self._guard: Final = guard
+        self.eager: Final = eager
+
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        uniform_decode: bool,
+        loras: int,
+        invalid: frozenset[CUDAGraphMode],
+    ) -> OutputT:
+        """One step: check -> route -> build -> copy in -> replay -> count and cut; or an eager step."""
+        batch = self._buffers.check(inputs, uniform_decode, loras, invalid)
+        if self._ranks is not None:  # one exchange: every rank takes the same route
+            route, dummy = self._agreed_route(batch)
+        elif batch.num_tokens == 0:
+            return self.eager.idle(batch)
+        else:
+            route, dummy = self._dispatcher.route(batch.num_tokens, uniform_decode, loras, invalid), False
+        graph = self._graphs[route.descriptor] if isinstance(route, Dispatch) else None
+        entry = None if graph is None else graph.entry  # read once: a background capture may store it
+        if graph is None or entry is None:
+            return self.eager.without_graph(batch, route, graph, dummy)
+        context = self.prepare(batch, graph)
+        if context is None:
+            entry.replay()
+        else:  # a PIECEWISE replay runs its eager breaks, which read the forward context
+            token = FORWARD_CONTEXT_VAR.set(context)
+            try:
+                entry.replay()
+            finally:
+                FORWARD_CONTEXT_VAR.reset(token)
+        out = graph.replayed(entry, self._layout.layout, batch.num_tokens, batch.num_reqs)
+        self._counts.stepped(graph.num_tokens - batch.num_tokens, dummy)
+        return out if self._guard is None else cast(OutputT, self._guard.replayed(graph.descriptor, out))
+
+    def route(self, batch: StepBatch) -> PlannedGraph[OutputT] | None:
+        """The planned graph ``batch`` pads to, without ranks (``None``: it runs without one)."""
+        route = self._dispatcher.route(
+            batch.num_tokens, batch.uniform_decode, batch.num_active_loras, batch.invalid_modes
+        )
+        return self._graphs[route.descriptor] if isinstance(route, Dispatch) else None
+
+    def prepare(self, batch: StepBatch, graph: PlannedGraph[OutputT]) -> ForwardContext | None:
+        """Before a replay of ``graph``: the weights checked, the metadata built, the batch copied in.
+
+        Returns the forward context a PIECEWISE replay runs under (``None``:
+        FULL, or no attention builder). The metadata comes first: a builder
+        refuses a batch before a static buffer is touched.
+        """
+        if self._weights.needs_check():  # a tensor the graphs read was assigned, or the model moved
+            self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
+        context = graph.context if graph.builder is None else graph.build(batch)
+        self._buffers.copy_in(batch, graph.num_tokens, graph.num_reqs)
+        return context
+
+    def check_weights(self) -> None:
+        """``WeightsReplacedError`` if a tensor the graphs read was replaced (checked where one may be)."""
+        if self._weights.needs_check():
+            self._weights.check()
+
+    def _agreed_route(self, batch: StepBatch) -> tuple[Route, bool]:
+        """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
+        assert self._ranks is not None
+        return self._ranks.route_step(self._dispatcher, batch.request(), can_replay=self._table.all_captured)
