@@ -1,1 +1,1 @@
-"""The attention seam: the metadata builder's shapes and padding, and the support check."""
+"""The attention seam's helpers: the metadata in the forward context, padded offsets and rows."""

@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Final, Literal
+from typing import Final, TypeAlias
 
 import torch
 
@@ -25,6 +25,7 @@ from ._static import Rows, StaticInput
 
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
+_Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's disabled modes
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
 RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
@@ -148,42 +149,16 @@ class StaticBuffers:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
     def check(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        uniform_decode: bool,
-        num_active_loras: int = 0,
-        invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
+        self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool, loras: int = 0, invalid: _Modes = NO_MODES
     ) -> StepBatch:
-        """A step's inputs checked, as the step's one value; ``ValueError`` naming the input otherwise.
-
-        Exact names, each tensor checked by its buffer, one row count per kind
-        of rows (``num_reqs``: 0 without "reqs" inputs). The other arguments
-        are ``run()``'s, carried along (the dispatcher checks them). The first
-        step with an input that requires grad warns, naming it.
-        """
+        """A step's inputs checked into its ``StepBatch``; ``ValueError`` names a bad input (README)."""
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
-        num_tokens, num_reqs, requires_grad = self._rows(inputs)
-        if self._reqs_from and (
-            num_reqs > self.max_num_seqs
-            or num_reqs > num_tokens
-            or (num_reqs == 0 and num_tokens > 0)
-            or (uniform_decode is True and num_tokens != num_reqs * self.uniform_decode_query_len)
-        ):
-            self._check_requests(num_tokens, num_reqs, uniform_decode)  # raises, naming the input
-        if requires_grad and not self.warned_grad:  # the step's one branch for it
-            self._warn_requires_grad(inputs)
-        return StepBatch(
-            num_tokens, num_reqs, inputs, uniform_decode, num_active_loras, invalid_modes, requires_grad
-        )
-
-    def _rows(self, inputs: Mapping[str, torch.Tensor]) -> tuple[int, int, bool]:
-        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs, each checked by its buffer."""
-        num_tokens, num_reqs, tokens_from, reqs_from, requires_grad = 0, 0, "", "", False
+        num_tokens = num_reqs = -1  # -1: no input of the kind seen yet
+        requires_grad = False
         for b in self.buffers:
             x = inputs.get(b.name)
-            # The usual step inline: a plain tensor of the right dtype, device and trailing shape.
-            size = x.shape if x.__class__ is _Tensor else None
+            size = x.shape if x.__class__ is _Tensor else None  # the usual step inline: a plain tensor
             if (
                 size is not None
                 and x.dtype is b.dtype  # type: ignore[union-attr]  # a Tensor
@@ -193,23 +168,40 @@ class StaticBuffers:
             ):
                 rows: int = 0 if b.rows is None else size[0]
             else:  # the slow path: names what is wrong (or accepts a tensor subclass)
-                if x is None and b.name not in inputs:
-                    raise self._names_error(inputs)
-                rows = b.check(x)
-            if x.requires_grad:  # type: ignore[union-attr]  # checked above: a tensor
-                requires_grad = True
-            # Inline, as the per-step path: only a mismatch's error, built on a mismatch, is shared.
+                rows = self._slow_rows(b, x, inputs)
+            requires_grad = requires_grad or x.requires_grad  # type: ignore[union-attr]  # a tensor
             if b.rows == "tokens":
-                if not tokens_from:
-                    num_tokens, tokens_from = rows, b.name
-                elif rows != num_tokens:
-                    raise _row_count_error(b.name, rows, "tokens", tokens_from, num_tokens)
+                if num_tokens != rows and num_tokens >= 0:
+                    raise self._row_count_error(b, rows, num_tokens)
+                num_tokens = rows
             elif b.rows == "reqs":
-                if not reqs_from:
-                    num_reqs, reqs_from = rows, b.name
-                elif rows != num_reqs:
-                    raise _row_count_error(b.name, rows, "reqs", reqs_from, num_reqs)
-        return num_tokens, num_reqs, requires_grad
+                if num_reqs != rows and num_reqs >= 0:
+                    raise self._row_count_error(b, rows, num_reqs)
+                num_reqs = rows
+        if num_reqs >= 0 and (
+            num_reqs > self.max_num_seqs
+            or num_reqs > num_tokens
+            or (num_reqs == 0 and num_tokens > 0)
+            or (uniform_decode is True and num_tokens != num_reqs * self.uniform_decode_query_len)
+        ):
+            self._check_requests(num_tokens, num_reqs, uniform_decode)  # raises, naming the input
+        if requires_grad and not self.warned_grad:  # the step's one branch for it
+            self._warn_requires_grad(inputs)
+        return StepBatch(num_tokens, max(num_reqs, 0), inputs, uniform_decode, loras, invalid, requires_grad)
+
+    def _slow_rows(self, b: StaticBuffer, x: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]) -> int:
+        """The rows of input ``x`` off the usual path: its buffer's check names what is wrong."""
+        if x is None and b.name not in inputs:
+            raise self._names_error(inputs)
+        return b.check(x)
+
+    def _row_count_error(self, b: StaticBuffer, rows: int, first_rows: int) -> ValueError:
+        """The error of ``b``'s input, whose ``rows`` differ from the first input of its kind of rows."""
+        first = next(other.name for other in self.buffers if other.rows == b.rows)
+        return ValueError(
+            f"run: input {b.name!r}: {rows} rows, but input {first!r} has {first_rows}; "
+            f"all {b.rows!r} inputs have num_{b.rows} rows"
+        )
 
     def _warn_requires_grad(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Say once that outputs are detached from the inputs that require grad, naming them."""
@@ -232,11 +224,8 @@ class StaticBuffers:
         """
         if batch.requires_grad and torch.is_grad_enabled():
             with torch.no_grad():
-                self._copy_in(batch, graph_tokens, graph_reqs)
-        else:
-            self._copy_in(batch, graph_tokens, graph_reqs)
-
-    def _copy_in(self, batch: StepBatch, graph_tokens: int, graph_reqs: int) -> None:
+                self.copy_in(batch, graph_tokens, graph_reqs)  # grad off: the loop below
+            return
         num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
         for b in self.buffers:
             x = inputs[b.name]
@@ -284,20 +273,6 @@ class StaticBuffers:
         parts = [f"missing input(s) {missing}"] if missing else []
         parts += [f"unknown input(s) {unknown}"] if unknown else []
         return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
-
-
-def _row_count_error(
-    name: str, rows: int, kind: Literal["tokens", "reqs"], first: str, first_rows: int
-) -> ValueError:
-    """The error of input ``name`` whose ``rows`` differ from those of ``first``, the first input of ``kind``.
-
-    One message for both kinds of rows ("tokens", "reqs"); returned, not
-    raised, so that ``StaticBuffers.check`` raises it from its own frame.
-    """
-    return ValueError(
-        f"run: input {name!r}: {rows} rows, but input {first!r} has {first_rows}; "
-        f"all {kind!r} inputs have num_{kind} rows"
-    )
 
 
 def _check_sizes(

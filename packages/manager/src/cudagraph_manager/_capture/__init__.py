@@ -1,1 +1,1 @@
-"""Capture: the plan's keys, the warm-up rule, foreground and background capture, the estimate."""
+"""Capture: recordings, the warm-up rule, foreground and background capture, decode loops, the estimate."""

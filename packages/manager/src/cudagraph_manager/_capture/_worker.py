@@ -1,18 +1,11 @@
 """One capture thread per device that outlives the background captures, so a wake starts warm.
 
-A thread's first use of a shape costs more than its capture: library
-handles and plans belong to the thread (cuDNN builds an attention plan per
-shape, slowly, the first time: ``docs/benchmarks-notes.md``), so a
-background capture on a new thread pays them again for every size.
-``CaptureWorker`` is a thread per device that runs the background captures
-one after another and keeps that state between them: after ``release()``,
-``start_capture()`` hands it the keys and the first served step costs an
-eager step plus the enqueue.
-
-A session that finds the worker busy (a second manager's capture on the
-device) runs on a thread of its own, as before. The worker stops once no
-manager that used it is alive, and at interpreter exit; it never holds a
-session after running it.
+Library handles and plans belong to a thread (cuDNN builds an attention plan
+per shape, slowly, the first time), so a background capture on a new thread
+would pay them again for every size. ``CaptureWorker`` runs a device's
+background captures one after another and keeps that state between them. A
+session that finds it busy runs on a thread of its own. The worker stops
+once no manager that used it is alive, and at interpreter exit.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Memory: the device's byte counts, the weights the graphs read (sleep and wake), compiled models."""
+"""Memory: the device's byte counts around a recording, and the weights the graphs read (sleep and wake)."""

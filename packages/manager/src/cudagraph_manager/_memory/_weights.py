@@ -1,24 +1,11 @@
 """The model's weights under live graphs: a graph reads each parameter and buffer at its captured address.
 
-Updating weights in place (``param.copy_(new)``, ``load_state_dict(sd)``
-without ``assign``) keeps every graph valid: the next replay computes with
-the new values. Replacing a tensor does not: the graphs keep reading the old
-storage (old weights, or memory since freed and reused). ``WeightWatch``
-notices a replacement before the next replay, at no more than two attribute
-reads and one ``data_ptr()`` per replay:
-
-- a parameter or buffer *assigned* anywhere (``module.w = nn.Parameter(t)``,
-  ``load_state_dict(sd, assign=True)``, ``register_buffer``) goes through
-  torch's global registration hooks, which mark every watch dirty;
-- a *move* of the whole model (``model.cpu().cuda()``, ``model.to(...)``,
-  which rewrite ``param.data`` without any hook) changes the address of its
-  first parameter, which each replay compares.
-
-Either sends the step to ``check()``, which compares every watched tensor
-with the addresses taken when the graphs were captured and raises
-``WeightsReplacedError`` naming the replaced ones. A ``param.data = t`` on
-one parameter other than the first, or a move of one submodule, reaches no
-hook and no first address: call ``check_weights()`` after such a reload.
+Updating weights in place keeps every graph valid; replacing a tensor does
+not (the graphs keep reading the old storage). ``WeightWatch`` notices a
+replacement before the next replay, cheaply (``needs_check``: an assignment
+hook's flag, or the first parameter's address), and ``check()`` names the
+replaced tensors (``WeightsReplacedError``). What it sees and what it cannot:
+docs/design.md, "Weights under graphs".
 """
 
 from __future__ import annotations

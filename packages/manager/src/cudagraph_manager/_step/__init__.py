@@ -1,1 +1,1 @@
-"""The step path: the static buffers, the outputs' cut, eager steps and decode loops."""
+"""The steps: the step path, eager steps, and run_loop's run."""

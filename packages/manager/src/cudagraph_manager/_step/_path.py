@@ -79,7 +79,11 @@ class StepPath(Generic[OutputT]):
         entry = None if graph is None else graph.entry  # read once: a background capture may store it
         if graph is None or entry is None:
             return self.eager.without_graph(batch, route, graph, dummy)
-        context = self.prepare(batch, graph)
+        if self._weights.needs_check():  # a tensor the graphs read was assigned, or the model moved
+            self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
+        # The attention's metadata first: a builder refuses a batch before a static buffer is touched.
+        context = graph.context if graph.builder is None else graph.build(batch)
+        self._buffers.copy_in(batch, graph.num_tokens, graph.num_reqs)
         if context is None:
             entry.replay()
         else:  # a PIECEWISE replay runs its eager breaks, which read the forward context
@@ -98,19 +102,6 @@ class StepPath(Generic[OutputT]):
             batch.num_tokens, batch.uniform_decode, batch.num_active_loras, batch.invalid_modes
         )
         return self._graphs[route.descriptor] if isinstance(route, Dispatch) else None
-
-    def prepare(self, batch: StepBatch, graph: PlannedGraph[OutputT]) -> ForwardContext | None:
-        """Before a replay of ``graph``: the weights checked, the metadata built, the batch copied in.
-
-        Returns the forward context a PIECEWISE replay runs under (``None``:
-        FULL, or no attention builder). The metadata comes first: a builder
-        refuses a batch before a static buffer is touched.
-        """
-        if self._weights.needs_check():  # a tensor the graphs read was assigned, or the model moved
-            self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
-        context = graph.context if graph.builder is None else graph.build(batch)
-        self._buffers.copy_in(batch, graph.num_tokens, graph.num_reqs)
-        return context
 
     def check_weights(self) -> None:
         """``WeightsReplacedError`` if a tensor the graphs read was replaced (checked where one may be)."""
