@@ -14,7 +14,7 @@ from typing import Final, Generic, cast
 import torch
 
 from cudagraph_capture import OutputGuard
-from cudagraph_dispatch import FORWARD_CONTEXT_VAR, CUDAGraphMode, Dispatch, ForwardContext, Route
+from cudagraph_dispatch import FORWARD_CONTEXT_VAR, CUDAGraphMode, Dispatch, Route
 
 from .._batch import StepBatch
 from .._graphs import GraphTable, PlannedGraph
