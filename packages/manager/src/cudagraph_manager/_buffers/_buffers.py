@@ -26,6 +26,7 @@ from ._static import Rows, StaticInput
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 _Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's disabled modes
+_Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
 RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
@@ -149,7 +150,7 @@ class StaticBuffers:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
     def check(
-        self, inputs: Mapping[str, torch.Tensor], uniform_decode: bool, loras: int = 0, invalid: _Modes = NO_MODES
+        self, inputs: _Inputs, uniform_decode: bool, loras: int = 0, invalid: _Modes = NO_MODES
     ) -> StepBatch:
         """A step's inputs checked into its ``StepBatch``; ``ValueError`` names a bad input (README)."""
         if len(inputs) != len(self.buffers):
