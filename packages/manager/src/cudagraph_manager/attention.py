@@ -1,0 +1,37 @@
+"""The attention tier: what an attention backend needs to run under the manager's graphs.
+
+A backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
+(``StepBatch``) as the forward runs it (``BatchShape``); the model reads it
+with ``attention_metadata(builder)``; ``pad_offsets`` and ``pad_rows`` pad
+per-request tensors as graphs read them. ``check_attention_support`` checks
+the level a backend declares against replays. docs/design.md, "The attention
+seam", says when the manager calls what.
+"""
+
+from ._attention._seam import attention_metadata as attention_metadata
+from ._attention._seam import metadata_extra as metadata_extra
+from ._attention._seam import pad_offsets as pad_offsets
+from ._attention._seam import pad_rows as pad_rows
+from ._batch import BatchShape as BatchShape
+from ._batch import StepBatch as StepBatch
+from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
+from ._support_check import BatchKind as BatchKind
+from ._support_check import KindCheck as KindCheck
+from ._support_check import SupportCheck as SupportCheck
+from ._support_check import SupportLevelError as SupportLevelError
+from ._support_check import check_attention_support as check_attention_support
+
+__all__ = [
+    "AttentionMetadataBuilder",
+    "BatchKind",
+    "BatchShape",
+    "KindCheck",
+    "StepBatch",
+    "SupportCheck",
+    "SupportLevelError",
+    "attention_metadata",
+    "check_attention_support",
+    "metadata_extra",
+    "pad_offsets",
+    "pad_rows",
+]
