@@ -4,8 +4,8 @@ A backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
 (``StepBatch``) as the forward runs it (``BatchShape``); the model reads it
 with ``attention_metadata(builder)``; ``pad_offsets`` and ``pad_rows`` pad
 per-request tensors as graphs read them. ``check_attention_support`` checks
-the level a backend declares against replays. docs/design.md, "The attention
-seam", says when the manager calls what.
+the level a backend declares against replays. When the manager calls what:
+docs/design.md, "The attention seam".
 """
 
 from ._attention._seam import attention_metadata as attention_metadata
