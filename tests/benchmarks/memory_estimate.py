@@ -85,7 +85,7 @@ def main(model_name: str, mode_name: str, max_size: int, compiled: bool) -> dict
         "pool_growth_mib": [
             (g.descriptor.num_tokens, g.pool_bytes / mib) for g in report.graphs if g.pool_bytes
         ],
-        "report_driver_mib": report.driver_bytes / mib,
+        "report_driver_mib": report.outside_allocator_bytes / mib,
         "ours_time_share": ours_s / capture_s,
         "vllm_time_share": vllm_s / capture_s,
     }

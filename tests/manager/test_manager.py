@@ -507,7 +507,8 @@ def test_report_prints_an_aligned_table() -> None:
     report = CaptureReport(graphs, seconds=0.25, reserved_bytes=5 * 2**30, device_bytes=5 * 2**30 + 6 * 2**20)
     lines = str(report).splitlines()
     assert lines[0] == (
-        "Captured 3 CUDA graph(s) in 0.250 s; pool 3.0 MiB, reserved 5.0 GiB, device 5.0 GiB (driver 6.0 MiB)"
+        "Captured 3 CUDA graph(s) in 0.250 s; pool 3.0 MiB, reserved 5.0 GiB, "
+        "device 5.0 GiB (outside the allocator 6.0 MiB)"
     )
     # The phases: the graphs' sums, and what the capture's wall time spent besides.
     assert lines[1] == "warm-up 0.004 s, recording 0.007 s, instantiation 0.002 s, rest 0.237 s"
@@ -521,7 +522,7 @@ def test_report_prints_an_aligned_table() -> None:
     assert table[4].split()[:6] == ["PIECEWISE", "1", "-", "no", "0", "0.0005"]
     assert table[5].split() == ["total", "0.0138", "0.0040", "0.0066", "0.0023", "3.0", "MiB", "6.0", "MiB"]
     assert report.pool_bytes == 3 * 2**20 + 1536
-    assert report.driver_bytes == 6 * 2**20
+    assert report.outside_allocator_bytes == 6 * 2**20
     assert report.num_graphs == 3
     assert graphs[0].rest_seconds == pytest.approx(0.0123 - 0.004 - 0.006 - 0.002)
     phases = report.phases

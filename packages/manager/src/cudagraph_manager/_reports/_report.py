@@ -73,9 +73,10 @@ class CaptureReport:
     the end; ``reserved_bytes`` is the growth of reserved device memory over
     it (the graphs' pool plus the allocator blocks of the eager warm-ups).
     ``device_bytes`` is what the device's free memory (``cudaMemGetInfo``)
-    lost over it: ``reserved_bytes`` plus ``driver_bytes``, the memory the
-    driver took outside torch's allocator (the graphs' executables, the
-    cuBLAS handles a capture thread creates). Counted: the pool, the
+    lost over it: ``reserved_bytes`` plus ``outside_allocator_bytes``, the
+    memory taken outside torch's allocator (the graphs' executables, whose
+    share per recording is each graph's ``driver_bytes``, and the cuBLAS
+    handles a capture thread creates). Counted: the pool, the
     warm-ups' allocator blocks, the executables, and whatever another thread
     or process allocated on the device meanwhile. Not counted: the static
     buffers (allocated with the manager), and the shared pool's anchor graph
@@ -104,7 +105,7 @@ class CaptureReport:
         return len(self.graphs)
 
     @property
-    def driver_bytes(self) -> int:
+    def outside_allocator_bytes(self) -> int:
         """What the device lost outside torch's allocator: ``device_bytes - reserved_bytes``."""
         return self.device_bytes - self.reserved_bytes
 
@@ -129,7 +130,8 @@ class CaptureReport:
         header = (
             f"Captured {self.num_graphs} CUDA graph(s) in {self.seconds:.3f} s; "
             f"pool {format_bytes(self.pool_bytes)}, reserved {format_bytes(self.reserved_bytes)}, "
-            f"device {format_bytes(self.device_bytes)} (driver {format_bytes(self.driver_bytes)})"
+            f"device {format_bytes(self.device_bytes)} "
+            f"(outside the allocator {format_bytes(self.outside_allocator_bytes)})"
         )
         phases = self.phases
         header += f"\n{phases}"
