@@ -1,11 +1,13 @@
-"""Examples built on the manager: the reference decoders and the demo.
+"""Examples built on the manager: the reference decoders, the demo and their backends.
 
-Imported only on purpose (``import cudagraph_manager`` does not load this
-package): the reference decoder registers a ``torch.library`` custom op, and
-neither it nor the demo belongs to the library's import path. ``compiled``
-(the decoder compiled for capture; it registers a second op) is not imported
-here either: import it on its own. Neither is ``testing`` (random step
-inputs and the paged oracle): tests and demos import it on purpose.
+The repository's top-level ``examples/``, shipped in no wheel: run them from
+the repository root (``python -m examples.demo``). Imported only on purpose
+(``import cudagraph_manager`` never loads them): the reference decoder
+registers a ``torch.library`` custom op, and neither it nor the demo belongs
+to the library's import path. ``compiled`` (the decoder compiled for
+capture; it registers a second op) is not imported here either: import it
+on its own. Neither is ``inputs`` (random step inputs): the examples and the
+tests import it on purpose.
 
 - ``config``: ``DecoderConfig``; ``body``: the weights every decoder shares.
 - ``reference``: ``ReferenceDecoder``, a KV cache row per request.

@@ -12,7 +12,7 @@ capture, eager steps) it is plain attention, so one compiled model serves
 FULL, PIECEWISE and FULL_AND_PIECEWISE managers.
 
 Importing this module registers the op ``cudagraph_manager::breakable_cached_attention``
-(``cudagraph_manager.examples`` does not import it).
+(``examples`` does not import it).
 """
 
 from __future__ import annotations

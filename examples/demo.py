@@ -1,6 +1,6 @@
 """Capture and replay the reference decoder, check it against eager, time both.
 
-``python -m cudagraph_manager.demo`` (what ``make demo`` runs). On a GPU it
+``python -m examples.demo`` (what ``make demo`` runs). On a GPU it
 builds the 8-layer paged decoder (d=1024, bf16), captures every graph of
 ``--mode`` (``FULL_AND_PIECEWISE``) over ``CaptureSizes.default(256)``,
 prints the report (``--mode FULL --attention split_decode``: a downgrade),
@@ -30,9 +30,9 @@ from cudagraph_manager import CUDAGraphManager, StaticInput
 
 from .config import DecoderConfig
 from .demo_loop import show_decode_loops
+from .inputs import make_paged_inputs, make_step_inputs
 from .paged import BACKENDS, PagedDecoder, PagedLayout, paged_static_inputs
 from .reference import ReferenceDecoder, static_inputs
-from .testing import make_paged_inputs, make_step_inputs
 
 _DTYPES: Final = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Graph vs eager: the same kernels, but a padded batch may pick other GEMM
@@ -153,7 +153,7 @@ def _time_ms(fn: Callable[[], object], *, iters: int, warmup: int, cuda: bool) -
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m cudagraph_manager.demo",
+        prog="python -m examples.demo",
         description="Capture the reference decoder's graphs, replay them, check and time them against eager.",
     )
     parser.add_argument("--max-size", type=int, default=256, help="largest capture size (default 256)")

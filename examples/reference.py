@@ -256,7 +256,7 @@ class ReferenceDecoder(nn.Module):
         return self.body.run(input_ids, meta.cos, meta.sin, attend)
 
     def step(self, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False) -> torch.Tensor:
-        """``forward`` on a dict of step inputs (``examples.testing.make_step_inputs``), typed.
+        """``forward`` on a dict of step inputs (``examples.inputs.make_step_inputs``), typed.
 
         ``uniform_decode`` is accepted for symmetry with ``PagedDecoder.step``:
         this attention reads whole cache rows whatever the batch.

@@ -9,7 +9,7 @@ One module per concern:
 - ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends.
 - ``model``: ``PagedDecoder`` and ``make_backend`` (``BACKENDS`` by name).
 
-Random inputs and the float64 oracle are in ``examples.testing``.
+Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``tests.manager.oracles``).
 
     model = PagedDecoder(config, backend="gather")
     manager = CUDAGraphManager(

@@ -6,8 +6,8 @@ from typing import Final
 
 import torch
 
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import (
+from examples.config import DecoderConfig
+from examples.reference import (
     INPUT_NAMES,
     AttentionMetadata,
     ReferenceDecoder,

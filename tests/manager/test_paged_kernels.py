@@ -27,15 +27,15 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
-from cudagraph_manager.examples.paged.batch import paged_static_inputs
-from cudagraph_manager.examples.paged.layout import PagedLayout
-from cudagraph_manager.examples.paged.split_decode import (
+from examples.paged.batch import paged_static_inputs
+from examples.paged.layout import PagedLayout
+from examples.paged.split_decode import (
     SplitDecodeAttention,
     planned_attention,
     split_count,
     split_decode_attention,
 )
-from cudagraph_manager.examples.paged.varlen import (
+from examples.paged.varlen import (
     PAGED_VARLEN,
     VarlenPagedAttention,
     gathered_key_slots,
