@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Final, NamedTuple
 
 import torch
 
-from cudagraph_capture import eager_break_during_capture
 from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
-from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, per_forward
+from .backend import EagerBreakAttention, per_forward
+from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
 from .gather import token_pages
-from .layout import PagedLayout, page_of_slot, write_kv
+from .layout import PagedLayout, page_of_slot
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -134,7 +134,7 @@ def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.
     return kv_num_blocks[None, None], kv_indices[None, None]
 
 
-class FlexPagedAttention:
+class FlexPagedAttention(EagerBreakAttention):
     """torch's FlexAttention over the pages, its block mask built in the forward from ``PagedMetadata``.
 
     Arguments:
@@ -160,7 +160,7 @@ class FlexPagedAttention:
         breakable: bool = True,
         validate: bool = True,
     ) -> None:
-        check_bool("breakable", breakable)
+        super().__init__(breakable=breakable)
         if compile is not None:
             check_bool("compile", compile)
         #: The cache's paging (``resize`` changes its page count).
@@ -183,7 +183,6 @@ class FlexPagedAttention:
                 f"pages hold a multiple of {_KEY_BLOCK} keys; got {layout.page_size} (pages of any size: "
                 "the gather, varlen or split_decode backends)"
             )
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
 
     def resize(self, num_pages: int) -> None:
         """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
@@ -198,30 +197,9 @@ class FlexPagedAttention:
     def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
         return FlexMetadata(self.buffers.views(shape), self.page_of_slot)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, H, D]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         plan = per_forward(meta.derived, lambda: self._plan(meta))
-        write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
         values = kv_cache[1].view(1, -1, heads, head_dim).transpose(1, 2)

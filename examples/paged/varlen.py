@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.nn.attention import varlen
 
-from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
+from .backend import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata
-from .layout import PagedLayout, write_kv
+from .layout import PagedLayout
 
 #: The installed ``varlen_attn``'s keyword parameters.
 _PARAMETERS: Final = frozenset(inspect.signature(varlen.varlen_attn).parameters)
@@ -252,7 +252,7 @@ class VarlenMetadata:
     key_slots: torch.Tensor | None  # [R * max_seq_len] int64
 
 
-class VarlenPagedAttention:
+class VarlenPagedAttention(EagerBreakAttention):
     """FlashAttention (``varlen_attn``) over the pages: a ``PagedBackend`` whose FULL graphs serve any batch.
 
     Arguments:
@@ -276,7 +276,7 @@ class VarlenPagedAttention:
         paged: bool | None = None,
         validate: bool = True,
     ) -> None:
-        check_bool("breakable", breakable)
+        super().__init__(breakable=breakable)
         self.layout: Final = layout
         self.paged: Final = _choose_paged(paged, layout, device)
         name = "varlen_paged" if self.paged else "varlen_gathered"
@@ -286,7 +286,6 @@ class VarlenPagedAttention:
         self._cu_seq_k: Final = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self._key_slots: Final = torch.zeros(rows * layout.max_seq_len, dtype=torch.int64, device=device)
         self._views: Final[dict[BatchShape, VarlenMetadata]] = {}
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> VarlenMetadata:
         """``batch`` padded to ``shape``, and on the gathered path its key map (device ops)."""
@@ -315,28 +314,7 @@ class VarlenPagedAttention:
                 self._views[paged.shape] = meta
         return meta
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, h, d]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         paged = meta.paged
         bounds = (paged.max_query_len, paged.max_seq_len)

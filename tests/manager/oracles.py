@@ -13,8 +13,7 @@ import torch
 
 from cudagraph_dispatch import AttentionSupport, GraphSupport
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
-from examples.paged import PagedBuffers, PagedDecoder, PagedLayout, PagedMetadata
-from examples.paged.layout import write_kv
+from examples.paged import EagerBreakAttention, PagedBuffers, PagedDecoder, PagedLayout, PagedMetadata
 
 
 def dense_reference(
@@ -37,7 +36,7 @@ class _OracleMetadata:
     paged: PagedMetadata
 
 
-class PerRequestAttention:
+class PerRequestAttention(EagerBreakAttention):
     """Attention one token at a time over its request's logical keys, in float64: the tests' oracle.
 
     A ``PagedBackend`` that no graph may hold (``NEVER``, no PIECEWISE split).
@@ -48,6 +47,7 @@ class PerRequestAttention:
     def __init__(
         self, layout: PagedLayout, *, max_tokens: int, max_reqs: int, device: torch.device | str | None
     ) -> None:
+        super().__init__(breakable=False)
         self.layout: Final = layout
         self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device)
 
@@ -57,16 +57,7 @@ class PerRequestAttention:
     def build_for_capture(self, shape: BatchShape, /) -> _OracleMetadata:
         return _OracleMetadata(self.buffers.views(shape))
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self).paged
         page_size, scratch = self.layout.page_size, self.layout.scratch_page
         keys_all, values_all = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [slots, heads, dim]
