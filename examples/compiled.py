@@ -23,7 +23,8 @@ import torch
 
 from cudagraph_manager import CompiledModel, compile_for_capture
 
-from .reference import ReferenceDecoder, breakable_cached_attention, static_inputs
+from .reference import ReferenceDecoder, static_inputs
+from .reference_attention import breakable_cached_attention
 
 #: ``cached_attention`` behind a break point, as one opaque op for the compiler.
 compiled_cached_attention: Final = torch.library.custom_op(

@@ -34,7 +34,7 @@ from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 from .backend import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata
 from .layout import PagedLayout
-from .varlen import causal_rows
+from .varlen_kernels import causal_rows
 
 #: Request-chunk work items the decode kernel aims for: ``split_count`` splits keys until
 #: requests times splits reaches this.

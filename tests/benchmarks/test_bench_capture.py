@@ -54,7 +54,8 @@ from cudagraph_capture import (
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, set_forward_context
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
-from examples.reference import AttentionMetadata, ReferenceDecoder, cached_attention
+from examples.reference import ReferenceDecoder
+from examples.reference_attention import AttentionMetadata, cached_attention
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.manager.reference_support import StaticStep
 from tests.torch_support import rel_err

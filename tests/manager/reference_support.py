@@ -7,12 +7,8 @@ from typing import Final
 import torch
 
 from examples.config import DecoderConfig
-from examples.reference import (
-    INPUT_NAMES,
-    AttentionMetadata,
-    ReferenceDecoder,
-    static_inputs,
-)
+from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
+from examples.reference_attention import AttentionMetadata
 
 #: Steps of the GPU decoder tests, (num_tokens, uniform): exact capture sizes
 #: (of 1, 2, 4, 8, 16), padded sizes, one token, and one above the largest size.

@@ -35,13 +35,8 @@ from examples.paged.split_decode import (
     split_count,
     split_decode_attention,
 )
-from examples.paged.varlen import (
-    PAGED_VARLEN,
-    VarlenPagedAttention,
-    gathered_key_slots,
-    paged_kernel_accepts,
-    varlen_paged_attention,
-)
+from examples.paged.varlen import VarlenPagedAttention, paged_kernel_accepts
+from examples.paged.varlen_kernels import PAGED_VARLEN, gathered_key_slots, varlen_paged_attention
 from tests.manager.helpers import FakeEngines
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 

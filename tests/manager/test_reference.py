@@ -29,14 +29,8 @@ from examples.config import DecoderConfig
 from examples.demo import main as demo_main
 from examples.demo import run_graph, schedule
 from examples.inputs import make_step_inputs
-from examples.reference import (
-    INPUT_NAMES,
-    ReferenceDecoder,
-    breakable_cached_attention,
-    cached_attention,
-    static_inputs,
-    traced_cached_attention,
-)
+from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
+from examples.reference_attention import breakable_cached_attention, cached_attention, traced_cached_attention
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.reference_support import GPU_STEPS, StaticStep, pad_step_inputs
 from tests.torch_support import rel_err
