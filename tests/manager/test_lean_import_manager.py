@@ -2,8 +2,9 @@
 
 The reference decoder registers a ``torch.library`` op and the demo pulls in
 argparse and the decoder; both live in the repository's top-level ``examples``
-(in no wheel), imported on purpose. Checked in a fresh interpreter, with a positive control (importing
-the examples does register the op), so the check can fail.
+(in no wheel), imported on purpose. Checked in a fresh interpreter, with a
+positive control (importing the examples does register the op), so the check
+can fail.
 """
 
 from __future__ import annotations
