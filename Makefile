@@ -44,11 +44,11 @@ $(STAMP): pyproject.toml packages/*/pyproject.toml
 
 setup: $(STAMP)  ## Create .venv: pinned dev tools, torch (see TORCH_INDEX_URL), the packages editable
 
-typecheck: $(STAMP)  ## mypy --strict over the three src folders and tests/, one run
+typecheck: $(STAMP)  ## mypy --strict over the three src folders, examples/ and tests/, one run
 	$(VENV)/bin/mypy
 
 lint: $(STAMP)  ## ruff check
-	$(VENV)/bin/ruff check packages tests
+	$(VENV)/bin/ruff check packages examples tests
 
 test: typecheck  ## Type check, then the tests (GPU tests skip without CUDA)
 	$(VPY) -m pytest $(PYTEST_FLAGS)
@@ -89,8 +89,8 @@ endef
 bench: $(STAMP)  ## Benchmarks: JSON, a Markdown table and a plot under $(BENCH_DIR)
 	$(call run_benchmarks,$(VPY),.)
 
-demo: $(STAMP)  ## The main job: capture and replay the reference decoder
-	$(VPY) -m cudagraph_manager.demo
+demo: $(STAMP)  ## The main job: capture and replay the reference decoder (examples/, from the root)
+	$(VPY) -m examples.demo
 
 gpu: gpu-test gpu-bench  ## Tests, then benchmarks, with $(PYTHON) and no installs
 

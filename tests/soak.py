@@ -113,9 +113,9 @@ import torch
 from cudagraph_capture import resolve_device
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, EagerReason
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
 
 _NONE: Final = CUDAGraphMode.NONE
 _FULL: Final = CUDAGraphMode.FULL

@@ -59,9 +59,9 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput, compile_for_capture
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.demo import main as demo_main
-from cudagraph_manager.examples.reference import ReferenceDecoder
+from examples.config import DecoderConfig
+from examples.demo import main as demo_main
+from examples.reference import ReferenceDecoder
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
@@ -945,7 +945,7 @@ def test_uniform_step_without_request_rows_is_a_multiple_of_q(backend: Backend) 
 # BAD_DEMO_ARGS: command lines of the demo; argparse errors, never a traceback
 # ---------------------------------------------------------------------------
 
-DEMO_PROG: Final = "python -m cudagraph_manager.demo"
+DEMO_PROG: Final = "python -m examples.demo"
 
 
 def demo_args(argv: str, pattern: str, *marks: pytest.MarkDecorator) -> object:
@@ -992,7 +992,7 @@ def test_kv_sizing_answers_help_and_bad_arguments_before_looking_for_a_device(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The newcomer's 4: ``--help`` and ``bogus`` both answered "needs a CUDA device" before."""
-    from cudagraph_manager.examples.kv_sizing import main as kv_sizing_main
+    from examples.kv_sizing import main as kv_sizing_main
 
     with pytest.raises(SystemExit) as done:
         kv_sizing_main(["--help"])
@@ -1013,7 +1013,7 @@ def test_several_gpus_refuses_a_world_size_its_decoder_cannot_shard(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The newcomer's 11: a traceback from every rank before; one usage line now, no rank started."""
-    from cudagraph_manager.examples.several_gpus import main as several_gpus_main
+    from examples.several_gpus import main as several_gpus_main
 
     with pytest.raises(SystemExit) as done:
         several_gpus_main(["--device", "cpu", "--world-size", "3"])

@@ -17,8 +17,12 @@ _CITATION: Final = re.compile(r'docs/design\.md[^"\n]{0,12}"([^"]+)"|docs/design
 
 
 def _sources() -> list[Path]:
-    """The packages' and tests' Python files, this one (which names the pattern) left out."""
-    found = {*ROOT.glob("packages/*/src/**/*.py"), *ROOT.glob("tests/**/*.py")}
+    """The packages', examples' and tests' Python files, this one (which names the pattern) left out."""
+    found = {
+        *ROOT.glob("packages/*/src/**/*.py"),
+        *ROOT.glob("examples/**/*.py"),
+        *ROOT.glob("tests/**/*.py"),
+    }
     return sorted(found - {Path(__file__).resolve()})
 
 
@@ -58,7 +62,7 @@ def test_the_map_names_every_module_of_the_manager_in_its_folder() -> None:
     modules = {
         "/".join(p.relative_to(package).parts)
         for p in package.glob("*/*.py")
-        if p.parent.name not in ("ranks", "examples") and p.name != "__init__.py"
+        if p.parent.name != "ranks" and p.name != "__init__.py"
     }
     modules |= {p.name for p in package.glob("*.py")}
     modules |= {f"{p.name}/" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}

@@ -67,23 +67,30 @@ def _run(args: list[str], cwd: Path, env: Mapping[str, str]) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def dispatch_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh sdist and wheel of packages/dispatch in a new temporary folder; the wheel's path."""
+def _build_wheel(package: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh sdist and wheel of ``package`` in a new temporary folder; the wheel's path."""
     missing = [name for name in ("build", "hatchling") if importlib.util.find_spec(name) is None]
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed here (the dev dependency group has them)")
     out = tmp_path_factory.mktemp("dist")
     _run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(DISPATCH)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(package)],
         cwd=out,
         env=_hermetic_env(),
     )
     wheels = sorted(out.glob("*.whl"))
     sdists = sorted(out.glob("*.tar.gz"))
-    assert [w.name for w in wheels] == [f"cudagraph_dispatch-{_source_version()}-py3-none-any.whl"]
+    assert len(wheels) == 1, wheels
     assert len(sdists) == 1, sdists
     return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def dispatch_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh sdist and wheel of packages/dispatch; the wheel's path."""
+    wheel = _build_wheel(DISPATCH, tmp_path_factory)
+    assert wheel.name == f"cudagraph_dispatch-{_source_version()}-py3-none-any.whl"
+    return wheel
 
 
 def _source_version() -> str:
@@ -128,6 +135,26 @@ def test_wheel_description_is_the_readme(dispatch_wheel: Path) -> None:
     assert "Description-Content-Type: text/markdown" in header_lines
     assert not [line for line in header_lines if line.startswith("Requires-Dist:")]
     assert body.strip() == (DISPATCH / "README.md").read_text().strip()
+
+
+def test_the_manager_wheel_holds_its_own_modules_only(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No example, no demo: the manager's wheel is its package's modules, py.typed and its metadata.
+
+    The examples live in the repository's top-level ``examples/`` (docs/design.md, "Layers").
+    """
+    wheel = _build_wheel(REPO / "packages" / "manager", tmp_path_factory)
+    with ZipFile(wheel) as archive:
+        names = archive.namelist()
+    package = REPO / "packages" / "manager" / "src" / "cudagraph_manager"
+    own = {
+        f"cudagraph_manager/{path.relative_to(package).as_posix()}"
+        for path in package.rglob("*")
+        if path.suffix == ".py" or path.name == "py.typed"
+    }
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info/"  # cudagraph_manager-0.1.0.dist-info/
+    assert not [n for n in names if "examples" in n.split("/") or n.endswith("/demo.py")], names
+    assert {n for n in names if not n.startswith(dist_info)} == own
+    assert {"METADATA", "WHEEL", "RECORD"} <= {n.removeprefix(dist_info) for n in names}
 
 
 # -- the README's install commands, with a CPU torch: the rank examples on one machine --
@@ -201,8 +228,10 @@ def test_readme_installs_then_the_rank_example_over_gloo_and_shm(tmp_path: Path)
     assert no_numpy is True
     assert versions == [_source_version()] * 3
     for backend in ("gloo", "shm"):
-        example = ["-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "8"]
-        out = _run([str(python), "-I", *example, "--backend", backend], cwd=tmp_path, env=env)
+        # From the repository root, as the examples run (they ship in no wheel); -E -s is -I but for
+        # the root on the path, which holds examples/ and no package: those come from the wheels.
+        example = ["-E", "-s", "-m", "examples.several_gpus", "--device", "cpu", "--steps", "8"]
+        out = _run([str(python), *example, "--backend", backend], cwd=REPO, env=env)
         assert f"8 steps on 2 ranks agreeing over {backend}: 0 replayed, 8 eager" in out, out
         worst = float(out.rsplit("largest difference from the unsharded decoder: ", 1)[1].split()[0])
         assert worst < 1e-4, out

@@ -46,10 +46,10 @@ COVERED: Final = {
     "make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu": (
         "not run: download.pytorch.org is not reachable here; make setup without it runs in every CI run"
     ),
-    "python -m cudagraph_manager.examples.several_gpus": (
+    "python -m examples.several_gpus": (
         "tests.manager.test_ranks::test_the_several_gpus_example_runs_on_two_gpus"
     ),
-    "python -m cudagraph_manager.examples.several_gpus --device cpu": (
+    "python -m examples.several_gpus --device cpu": (
         "tests.manager.test_ranks::test_the_several_gpus_example_runs_on_cpu"
     ),
 }

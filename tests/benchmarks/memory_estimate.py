@@ -22,8 +22,8 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, compile_for_capture
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from examples.config import DecoderConfig
+from examples.reference import ReferenceDecoder, static_inputs
 from tests.benchmarks.vllm_estimate import vllm_style_estimate
 
 MODELS = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}

@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig, RankRequest
 from cudagraph_manager import CUDAGraphManager, RankAgreement
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
+from examples.tensor_parallel import TensorParallelDecoder
 from tests.benchmarks.support import interleave
 from tests.ranks_support import Result, rank_main
 

@@ -30,8 +30,8 @@ import torch
 from cudagraph_capture import CaptureOptions
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, StaticInput
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from examples.config import DecoderConfig
+from examples.reference import ReferenceDecoder, static_inputs
 
 MODELS: Final = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}
 ROUNDS: Final = 3

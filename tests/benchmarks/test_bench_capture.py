@@ -52,9 +52,10 @@ from cudagraph_capture import (
     eager_break_during_capture,
 )
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, set_forward_context
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import AttentionMetadata, ReferenceDecoder, cached_attention
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder
+from examples.reference_attention import AttentionMetadata, cached_attention
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.manager.reference_support import StaticStep
 from tests.torch_support import rel_err

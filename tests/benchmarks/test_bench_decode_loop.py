@@ -39,10 +39,10 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import BatchShape, CUDAGraphManager, DecodeLoop, LoopState, StepBatch, metadata_extra
-from cudagraph_manager.examples import DecoderConfig
-from cudagraph_manager.examples.demo_loop import host_loop
-from cudagraph_manager.examples.paged import PAGED_INPUT_NAMES, PagedDecoder, PagedLayout, paged_static_inputs
-from cudagraph_manager.examples.paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_advance
+from examples import DecoderConfig
+from examples.demo_loop import host_loop
+from examples.paged import PAGED_INPUT_NAMES, PagedDecoder, PagedLayout, paged_static_inputs
+from examples.paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_advance
 from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave
 
 pytestmark = pytest.mark.gpu

@@ -121,8 +121,8 @@ def test_bench_output_memo_against_cutting(benchmark: BenchmarkFixture) -> None:
 def test_bench_weights_check_against_nothing(benchmark: BenchmarkFixture) -> None:
     """``WeightWatch.needs_check()``, the replay's weights check (target: <= 0.5 us), reference decoder."""
     from cudagraph_manager._memory._weights import WeightWatch
-    from cudagraph_manager.examples.config import DecoderConfig
-    from cudagraph_manager.examples.reference import ReferenceDecoder
+    from examples.config import DecoderConfig
+    from examples.reference import ReferenceDecoder
 
     watch = WeightWatch(ReferenceDecoder(DecoderConfig(), device="cuda"))
     watch.take()

@@ -1,6 +1,6 @@
 """KV sizing end to end in fresh processes: no out-of-memory, the leftover explained (GPU).
 
-Each run is ``python -m cudagraph_manager.examples.kv_sizing MODEL --json``
+Each run is ``python -m examples.kv_sizing MODEL --json``
 (profile an eager step, estimate the graphs, fill the device with a KV cache
 up to the estimate and a 512 MiB margin, capture, serve). Recorded: runs
 that failed (an out-of-memory error fails one), the estimate's signed error

@@ -49,11 +49,11 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, StaticInput
 from cudagraph_manager._compiled import dynamo_compiles
-from cudagraph_manager.examples.compiled import compile_decoder
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.demo import run_graph
-from cudagraph_manager.examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.compiled import compile_decoder
+from examples.config import DecoderConfig
+from examples.demo import run_graph
+from examples.inputs import make_step_inputs
+from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.manager.reference_support import pad_step_inputs
 from tests.torch_support import rel_err

@@ -42,8 +42,9 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.paged import (
+from examples.config import DecoderConfig
+from examples.inputs import make_paged_inputs
+from examples.paged import (
     BACKENDS,
     PagedBackend,
     PagedDecoder,
@@ -51,7 +52,6 @@ from cudagraph_manager.examples.paged import (
     make_backend,
     paged_static_inputs,
 )
-from cudagraph_manager.examples.testing import make_paged_inputs
 from tests.benchmarks.support import BenchmarkFixture, interleave
 from tests.torch_support import rel_err
 

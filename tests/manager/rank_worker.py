@@ -297,10 +297,10 @@ def tensor_parallel(args: Sequence[str]) -> Result:
     device; every rank draws the same steps (a tensor-parallel group runs one
     batch). On the CPU the all-reduces run over gloo, inside the fake engines' replays.
     """
-    from cudagraph_manager.examples.config import DecoderConfig
-    from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-    from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
-    from cudagraph_manager.examples.testing import make_step_inputs
+    from examples.config import DecoderConfig
+    from examples.inputs import make_step_inputs
+    from examples.reference import ReferenceDecoder, static_inputs
+    from examples.tensor_parallel import TensorParallelDecoder
 
     (device_kind,) = args
     _, device = _setup(device_kind)
@@ -356,9 +356,9 @@ def tensor_parallel_memory(args: Sequence[str]) -> Result:
     benchmark is), then timed: the estimate, and the capture whose report
     measures the device's drop of free memory.
     """
-    from cudagraph_manager.examples.config import DecoderConfig
-    from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-    from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder
+    from examples.config import DecoderConfig
+    from examples.reference import ReferenceDecoder, static_inputs
+    from examples.tensor_parallel import TensorParallelDecoder
 
     (device_kind,) = args
     _, device = _setup(device_kind)

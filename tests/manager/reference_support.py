@@ -6,13 +6,9 @@ from typing import Final
 
 import torch
 
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import (
-    INPUT_NAMES,
-    AttentionMetadata,
-    ReferenceDecoder,
-    static_inputs,
-)
+from examples.config import DecoderConfig
+from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
+from examples.reference_attention import AttentionMetadata
 
 #: Steps of the GPU decoder tests, (num_tokens, uniform): exact capture sizes
 #: (of 1, 2, 4, 8, 16), padded sizes, one token, and one above the largest size.

@@ -32,9 +32,9 @@ from cudagraph_dispatch import (
 )
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, NoGraphError
 from cudagraph_manager._capture import _background as _background_module
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
 from tests.torch_support import rel_err
 
 from .helpers import (

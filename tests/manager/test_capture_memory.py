@@ -17,8 +17,8 @@ import torch
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
 from cudagraph_manager._memory._device import reserved_bytes
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
+from examples.config import DecoderConfig
+from examples.reference import ReferenceDecoder, static_inputs
 
 pytestmark = pytest.mark.gpu
 

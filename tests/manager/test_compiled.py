@@ -36,11 +36,11 @@ from cudagraph_capture._recorder import Entry as _Entry
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
 from cudagraph_manager._compiled import dynamo_compiles
-from cudagraph_manager.examples.compiled import compile_decoder, compiled_cached_attention
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.demo import run_graph
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.compiled import compile_decoder, compiled_cached_attention
+from examples.config import DecoderConfig
+from examples.demo import run_graph
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.helpers import FakeEngines
 from tests.manager.reference_support import GPU_STEPS
@@ -60,7 +60,7 @@ EXPECTED_COMPILES: Final = 2
 STEPS: Final = GPU_STEPS
 TOL: Final = 1e-4  # fp32, full-precision matmuls: rounding only
 _ROOT: Final = Path(__file__).resolve().parents[2]
-_EXAMPLES: Final = _ROOT / "packages/manager/src/cudagraph_manager/examples"
+_EXAMPLES: Final = _ROOT / "examples"
 
 
 def _compiles() -> int:
@@ -298,7 +298,7 @@ def test_the_docs_show_the_compiled_example_and_the_op_as_they_are() -> None:
 @pytest.mark.gpu
 def test_the_compiled_example_runs_as_written() -> None:
     pytest.importorskip("triton")
-    stdout = run_fresh("-m", "cudagraph_manager.examples.compiled_engine")
+    stdout = run_fresh("-m", "examples.compiled_engine")
     assert "Captured 70 " in stdout
     assert " replays (" in stdout  # print(manager.stats)
 

@@ -40,9 +40,9 @@ from cudagraph_manager import (
     StepBatch,
     metadata_extra,
 )
-from cudagraph_manager.examples import DecoderConfig
-from cudagraph_manager.examples.demo_loop import show_decode_loops
-from cudagraph_manager.examples.paged import (
+from examples import DecoderConfig
+from examples.demo_loop import show_decode_loops
+from examples.paged import (
     PAGED_INPUT_NAMES,
     FlexPagedAttention,
     PagedBackend,
@@ -50,15 +50,15 @@ from cudagraph_manager.examples.paged import (
     PagedLayout,
     paged_static_inputs,
 )
-from cudagraph_manager.examples.paged.loop import (
+from examples.paged.loop import (
     NO_TOKEN,
     PagedAdvance,
     decode_batch,
     greedy,
     greedy_advance,
 )
-from cudagraph_manager.examples.paged.model import make_backend
-from cudagraph_manager.examples.paged.varlen import VarlenPagedAttention
+from examples.paged.model import make_backend
+from examples.paged.varlen import VarlenPagedAttention
 
 CPU_CONFIG: Final = DecoderConfig.small()
 #: (backend, page size) on the CPU: flex runs eagerly (any page size), varlen's gathered path.

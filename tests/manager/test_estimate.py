@@ -24,9 +24,9 @@ from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
 from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
 from tests.strategies import plan_sizes
 
 from .helpers import INPUTS, Backend, ToyModel, config_for, make_manager

@@ -20,10 +20,9 @@ from typing import Final
 
 import pytest
 
-_SRC: Final = Path(__file__).resolve().parents[2] / "packages/manager/src"
-_PACKAGE: Final = _SRC / "cudagraph_manager"
-#: The examples, and the short entry point of the demo (``python -m cudagraph_manager.demo``).
-_MODULE_FILES: Final = sorted([*(_PACKAGE / "examples").rglob("*.py"), _PACKAGE / "demo.py"])
+_ROOT: Final = Path(__file__).resolve().parents[2]
+#: The examples, the repository's top-level ``examples/`` (``python -m examples.demo`` from the root).
+_MODULE_FILES: Final = sorted((_ROOT / "examples").rglob("*.py"))
 #: Top-level statements a library may hold: they run no program when imported.
 _LIBRARY_STATEMENTS: Final = (
     ast.Import,
@@ -37,7 +36,7 @@ _LIBRARY_STATEMENTS: Final = (
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(_SRC).with_suffix("").parts
+    parts = path.relative_to(_ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -69,6 +68,7 @@ def test_every_runnable_example_answers_help(path: Path) -> None:
         text=True,
         timeout=120,
         env=env,
+        cwd=_ROOT,
         check=False,
     )
     assert done.returncode == 0, f"{_module_name(path)} --help: exit {done.returncode}\n{done.stderr[-2000:]}"
@@ -76,9 +76,9 @@ def test_every_runnable_example_answers_help(path: Path) -> None:
 
 
 def test_the_runnable_examples_are_the_ones_the_readme_names() -> None:
-    """The README's list of runnable examples is the one found here (with the demo's entry point)."""
-    readme = (_SRC.parents[2] / "README.md").read_text()
+    """The README's list of runnable examples is the one found here."""
+    readme = (_ROOT / "README.md").read_text()
     sentence = readme.split("Every runnable example", 1)[1].split("answers `--help`", 1)[0]
-    named = {f"cudagraph_manager.examples.{name}" for name in re.findall(r"`(\w+)`,?", sentence)}
+    named = {f"examples.{name}" for name in re.findall(r"`(\w+)`,?", sentence)}
     runnable = {_module_name(path) for path in _MODULE_FILES if _is_runnable(path)}
-    assert runnable == named | {"cudagraph_manager.demo"}
+    assert runnable == named

@@ -1,6 +1,6 @@
 """The engine's start-up: estimate the graphs, give the KV cache the rest, capture (GPU, a fresh process).
 
-``python -m cudagraph_manager.examples.kv_sizing reference --json`` profiles
+``python -m examples.kv_sizing reference --json`` profiles
 an eager step, estimates every graph of the reference decoder's plan, fills
 the device with a KV cache up to the estimate and a 512 MiB margin, captures
 every graph and serves a decode step: no out-of-memory error, the step
@@ -25,7 +25,7 @@ GRANULE: Final = 2 * MIB
 
 def run_kv_sizing(model: str, *flags: str) -> dict[str, float]:
     """The example in a fresh process; its figures."""
-    return fresh_json("-m", "cudagraph_manager.examples.kv_sizing", model, *flags, "--json")
+    return fresh_json("-m", "examples.kv_sizing", model, *flags, "--json")
 
 
 def check_kv_sizing(figures: dict[str, float]) -> None:

@@ -1,9 +1,10 @@
 """``import cudagraph_manager`` loads the library only: no example code, no custom op.
 
 The reference decoder registers a ``torch.library`` op and the demo pulls in
-argparse and the decoder; both live in ``cudagraph_manager.examples``, imported
-on purpose. Checked in a fresh interpreter, with a positive control (importing
-the examples does register the op), so the check can fail.
+argparse and the decoder; both live in the repository's top-level ``examples``
+(in no wheel), imported on purpose. Checked in a fresh interpreter, with a
+positive control (importing the examples does register the op), so the check
+can fail.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def ours():
 import {module}
 from cudagraph_manager._compiled import dynamo_compiles
 print(json.dumps({{
-    "modules": sorted(m for m in sys.modules if m.startswith("cudagraph_manager")),
+    "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("cudagraph_manager", "examples")),
     "ops": ours(),
     "cuda_initialized": torch.cuda.is_initialized(),
     "compiles": dynamo_compiles(),
@@ -49,9 +50,7 @@ def test_import_loads_no_example_code_and_registers_no_op() -> None:
     modules = report["modules"]
     assert isinstance(modules, list)
     assert "cudagraph_manager" in modules
-    assert [
-        m for m in modules if m.startswith(("cudagraph_manager.examples", "cudagraph_manager.demo"))
-    ] == []
+    assert [m for m in modules if m.split(".")[0] == "examples"] == []
     assert report["ops"] == []
     assert report["cuda_initialized"] is False
     # compile_for_capture is there, but dynamo and inductor load when it is called, not before;
@@ -62,7 +61,10 @@ def test_import_loads_no_example_code_and_registers_no_op() -> None:
 
 def test_importing_the_examples_registers_the_reference_op() -> None:
     """The positive control: the probe sees the op once the examples are imported."""
-    report = _probe("cudagraph_manager.examples")
+    report = _probe("examples")
+    modules = report["modules"]
+    assert isinstance(modules, list)
+    assert "examples.reference" in modules  # the probe sees example modules when they are loaded
     assert report["ops"] == ["cudagraph_manager::cached_attention"]
     assert report["cuda_initialized"] is False
 
@@ -70,7 +72,7 @@ def test_importing_the_examples_registers_the_reference_op() -> None:
 def test_the_compiled_example_registers_its_op_and_a_compile_is_counted() -> None:
     """The compiled decoder's op is registered on its own import; ``dynamo_compiles`` sees a compile."""
     report = probe(
-        _PROBE.format(module="cudagraph_manager.examples.compiled")
+        _PROBE.format(module="examples.compiled")
         + "\nbefore = dynamo_compiles()"
         + "\ntorch.compile(lambda x: x + 1, backend='eager')(torch.zeros(2))"
         + "\nprint(json.dumps({'ops': ours(), 'before': before, 'after': dynamo_compiles()}))"
@@ -84,21 +86,19 @@ def test_the_compiled_example_registers_its_op_and_a_compile_is_counted() -> Non
     assert report["after"] == 1
 
 
-_EXAMPLE: Final = Path(__file__).resolve().parents[2] / (
-    "packages/manager/src/cudagraph_manager/examples/in_an_engine.py"
-)
+_EXAMPLE: Final = Path(__file__).resolve().parents[2] / "examples/in_an_engine.py"
 
 
 def test_the_readme_shows_the_engine_example_as_it_is() -> None:
     """The README's "In an engine" block is the example file's code, so the two cannot drift."""
     code = _EXAMPLE.read_text().split('"""', 2)[2].lstrip("\n")
-    readme = (_EXAMPLE.parents[5] / "README.md").read_text()
+    readme = (_EXAMPLE.parents[1] / "README.md").read_text()
     assert f"```python\n{code}```" in readme
 
 
 @pytest.mark.gpu
 def test_the_engine_example_runs_as_written() -> None:
-    stdout = run_fresh("-m", "cudagraph_manager.examples.in_an_engine")
+    stdout = run_fresh("-m", "examples.in_an_engine")
     assert "Captured " in stdout
     assert " replays (" in stdout  # print(manager.stats)
 
@@ -109,7 +109,7 @@ def test_the_cuda_examples_say_they_need_cuda_on_a_cpu(example: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the message where there is no CUDA device")
     done = subprocess.run(
-        [sys.executable, "-m", f"cudagraph_manager.examples.{example}"],
+        [sys.executable, "-m", f"examples.{example}"],
         capture_output=True,
         text=True,
         env=subprocess_env(),

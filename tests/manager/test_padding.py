@@ -16,8 +16,8 @@ from hypothesis import given
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import BatchShape, StepBatch, pad_offsets, pad_rows
-from cudagraph_manager.examples.paged.batch import PAD_REQUEST, PagedBuffers, check_paged_batch
-from cudagraph_manager.examples.paged.layout import PagedLayout
+from examples.paged.batch import PAD_REQUEST, PagedBuffers, check_paged_batch
+from examples.paged.layout import PagedLayout
 from tests.strategies import PagedStepCase, padded_query_lens, paged_steps
 
 

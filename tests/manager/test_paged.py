@@ -27,15 +27,16 @@ from cudagraph_dispatch import (
     ModeNotSupportedError,
 )
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder
-from cudagraph_manager.examples.paged import (
+from examples import DecoderConfig, ReferenceDecoder
+from examples.inputs import make_paged_inputs
+from examples.paged import (
     FlexPagedAttention,
     PagedDecoder,
     PagedLayout,
     paged_static_inputs,
     tile_unions,
 )
-from cudagraph_manager.examples.testing import dense_reference, make_paged_inputs
+from tests.manager.oracles import dense_reference
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 M: Final = CUDAGraphMode

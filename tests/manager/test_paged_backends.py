@@ -20,9 +20,10 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, EagerReason, GraphSupport
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager.examples import DecoderConfig
-from cudagraph_manager.examples.paged import PagedDecoder, PagedLayout, paged_static_inputs
-from cudagraph_manager.examples.testing import dense_reference, make_paged_inputs
+from examples import DecoderConfig
+from examples.inputs import make_paged_inputs
+from examples.paged import PagedDecoder, PagedLayout, paged_static_inputs
+from tests.manager.oracles import dense_reference
 from tests.torch_support import rel_err
 
 pytestmark = pytest.mark.gpu

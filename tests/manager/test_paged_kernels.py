@@ -27,21 +27,16 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
-from cudagraph_manager.examples.paged.batch import paged_static_inputs
-from cudagraph_manager.examples.paged.layout import PagedLayout
-from cudagraph_manager.examples.paged.split_decode import (
+from examples.paged.batch import paged_static_inputs
+from examples.paged.layout import PagedLayout
+from examples.paged.split_decode import (
     SplitDecodeAttention,
     planned_attention,
     split_count,
     split_decode_attention,
 )
-from cudagraph_manager.examples.paged.varlen import (
-    PAGED_VARLEN,
-    VarlenPagedAttention,
-    gathered_key_slots,
-    paged_kernel_accepts,
-    varlen_paged_attention,
-)
+from examples.paged.varlen import VarlenPagedAttention, paged_kernel_accepts
+from examples.paged.varlen_kernels import PAGED_VARLEN, gathered_key_slots, varlen_paged_attention
 from tests.manager.helpers import FakeEngines
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 

@@ -321,7 +321,7 @@ def test_the_several_gpus_example_runs_on_cpu() -> None:
     graphs were "not captured" (the newcomer's 1).
     """
     done = subprocess.run(
-        [sys.executable, "-m", "cudagraph_manager.examples.several_gpus", "--device", "cpu", "--steps", "6"],
+        [sys.executable, "-m", "examples.several_gpus", "--device", "cpu", "--steps", "6"],
         capture_output=True,
         text=True,
         env=subprocess_env(),
@@ -337,7 +337,7 @@ def test_the_several_gpus_example_runs_on_cpu() -> None:
 @pytest.mark.gpu
 @two_gpus
 def test_the_several_gpus_example_runs_on_two_gpus() -> None:
-    stdout = run_fresh("-m", "cudagraph_manager.examples.several_gpus", "--device", "cuda", "--steps", "32")
+    stdout = run_fresh("-m", "examples.several_gpus", "--device", "cuda", "--steps", "32")
     assert "32 steps on 2 ranks agreeing over gloo: 32 replayed, 0 eager" in stdout
     _check_example(stdout, 32)
 

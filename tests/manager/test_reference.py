@@ -24,19 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager.examples import demo
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.demo import main as demo_main
-from cudagraph_manager.examples.demo import run_graph, schedule
-from cudagraph_manager.examples.reference import (
-    INPUT_NAMES,
-    ReferenceDecoder,
-    breakable_cached_attention,
-    cached_attention,
-    static_inputs,
-    traced_cached_attention,
-)
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples import demo
+from examples.config import DecoderConfig
+from examples.demo import main as demo_main
+from examples.demo import run_graph, schedule
+from examples.inputs import make_step_inputs
+from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
+from examples.reference_attention import breakable_cached_attention, cached_attention, traced_cached_attention
 from tests.capture.test_lean_import_capture import run_fresh
 from tests.manager.reference_support import GPU_STEPS, StaticStep, pad_step_inputs
 from tests.torch_support import rel_err
@@ -499,8 +493,7 @@ def test_demo_fails_loudly_above_tolerance(
 
 def test_importing_the_examples_does_not_initialize_cuda() -> None:
     code = (
-        "import torch, cudagraph_manager.examples.reference, cudagraph_manager.examples.demo\n"
-        "import cudagraph_manager.demo\n"
+        "import torch, examples.reference, examples.demo\n"
         "assert not torch.cuda.is_initialized(), 'importing initialized CUDA'\n"
     )
     env = dict(os.environ)
@@ -589,10 +582,10 @@ def test_demo_gpu_path_captures_replays_and_checks(capsys: pytest.CaptureFixture
 
 
 def test_make_demo_runs_as_written() -> None:
-    """``make demo``'s command, ``python -m cudagraph_manager.demo`` with no arguments, in a fresh process.
+    """``make demo``'s command, ``python -m examples.demo`` with no arguments, in a fresh process.
 
     On the CPU it takes the CPU path; on a GPU it captures and replays. Either
     way it must end with its OK line.
     """
-    stdout = run_fresh("-m", "cudagraph_manager.demo")
+    stdout = run_fresh("-m", "examples.demo")
     assert stdout.splitlines()[-1].startswith("OK: all ")

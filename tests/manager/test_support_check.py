@@ -540,8 +540,8 @@ def test_the_readme_example_runs_as_written() -> None:
 
 def _split_decode_check(backend: str, declare: GraphSupport) -> SupportCheck:
     """The check over ``SplitDecodeAttention`` in the one-layer model of ``test_paged_kernels``."""
-    from cudagraph_manager.examples.paged.batch import paged_static_inputs
-    from cudagraph_manager.examples.paged.split_decode import SplitDecodeAttention
+    from examples.paged.batch import paged_static_inputs
+    from examples.paged.split_decode import SplitDecodeAttention
     from tests.manager.test_paged_kernels import _AttentionModel, _layout, random_step
 
     device = torch.device("cpu") if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())

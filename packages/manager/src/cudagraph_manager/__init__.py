@@ -8,7 +8,7 @@ monolithic engine, PIECEWISE through the breakable one), cut the outputs back.
 ``compile_for_capture`` compiles a model for it (inductor, one compile for
 every size, no inductor graphs). Importing this package does not initialize
 CUDA, loads neither dynamo nor inductor, and loads no example code:
-the reference decoder and the demo live in ``cudagraph_manager.examples``.
+the reference decoder and the demo live in the repository's ``examples/``.
 """
 
 from cudagraph_dispatch import EagerReason as EagerReason

@@ -27,7 +27,8 @@ from cudagraph_manager import BatchShape, StepBatch, metadata_extra
 
 from ..body import DecoderBody, LayerCaches
 from ..config import DecoderConfig
-from .batch import PAGED_INPUT_NAMES, PagedBackend, paged_static_inputs
+from .backend import PagedBackend
+from .batch import PAGED_INPUT_NAMES, paged_static_inputs
 from .flex import FlexPagedAttention
 from .gather import GatherPagedAttention
 from .layout import PagedLayout

@@ -1,29 +1,20 @@
-"""Random step inputs and a float64 oracle for the example models: imported on purpose, by tests and demos.
+"""Random step inputs for the example models: imported on purpose, by the runnable examples and the tests.
 
-Not imported by ``cudagraph_manager.examples``: like ``trio.testing``, test
-helpers load only where they are used.
+Not imported by ``examples``: helpers load only where they are used. The
+paged backends' float64 oracle is the tests' own (``tests.manager.oracles``).
 
 - ``make_step_inputs``: a random step of ``ReferenceDecoder`` (``cache_rows``).
 - ``make_paged_inputs``: a random step of ``PagedDecoder`` on a randomly
   paged cache (``PAGED_INPUT_NAMES``).
 - ``request_lengths``: the tokens of each request of a random step.
-- ``dense_reference``: a paged step computed one request at a time in
-  float64, without paging tricks (slow): the oracle of the paged backends.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Final
-
 import torch
 
-from cudagraph_dispatch import AttentionSupport, GraphSupport
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
-
 from .config import DecoderConfig
-from .paged import PagedBuffers, PagedDecoder, PagedLayout, PagedMetadata
-from .paged.layout import write_kv
+from .paged import PagedLayout
 
 
 def make_step_inputs(
@@ -158,67 +149,3 @@ def make_paged_inputs(
         "seq_lens": torch.tensor(ends, dtype=torch.int32).to(device),  # [R]
         "block_table": table.to(device),  # [R, pages_per_seq]
     }
-
-
-def dense_reference(
-    model: PagedDecoder, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False
-) -> torch.Tensor:
-    """The step computed without paging tricks: each token's keys gathered in order, float64 attention.
-
-    An oracle for tests (slow: a Python loop over tokens). Same weights and
-    caches as ``model``; the cache is written as ``model`` would write it.
-    """
-    num_tokens, num_reqs = inputs["input_ids"].shape[0], inputs["query_lens"].shape[0]
-    oracle = PerRequestAttention(
-        model.layout, max_tokens=num_tokens, max_reqs=num_reqs, device=model.body.device
-    )
-    return model.with_backend(oracle).step(inputs, uniform_decode=uniform_decode)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _OracleMetadata:
-    paged: PagedMetadata
-
-
-class PerRequestAttention:
-    """Attention one token at a time over its request's logical keys, in float64: the tests' oracle.
-
-    A ``PagedBackend`` that no graph may hold (``NEVER``, no PIECEWISE split).
-    """
-
-    support: Final = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="per_request")
-
-    def __init__(
-        self, layout: PagedLayout, *, max_tokens: int, max_reqs: int, device: torch.device | str | None
-    ) -> None:
-        self.layout: Final = layout
-        self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device)
-
-    def build(self, batch: StepBatch, shape: BatchShape, /) -> _OracleMetadata:
-        return _OracleMetadata(self.buffers.fill(batch, shape))
-
-    def build_for_capture(self, shape: BatchShape, /) -> _OracleMetadata:
-        return _OracleMetadata(self.buffers.views(shape))
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
-        meta = attention_metadata(self).paged
-        page_size, scratch = self.layout.page_size, self.layout.scratch_page
-        keys_all, values_all = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [slots, heads, dim]
-        for t in range(q.shape[0]):
-            r, position = int(meta.req_ids[t]), int(meta.positions[t])
-            row = meta.block_table[max(r, 0)].long()
-            pages = row if r >= 0 else torch.full_like(row, scratch)
-            logical = torch.arange(position + 1, device=q.device)
-            slots = pages[logical // page_size] * page_size + logical % page_size  # [position + 1]
-            keys, values = keys_all[slots].double(), values_all[slots].double()  # [L, heads, head_dim]
-            scores = torch.einsum("hd,lhd->hl", q[t].double(), keys) * q.shape[-1] ** -0.5
-            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(out.dtype)

@@ -13,47 +13,26 @@ fills it, and the cache's slot-to-page table. What the block mask needs
 (page owners, tile unions) is derived from it inside the forward, once per
 step (the first layer's attention), with capturable ops: a FULL graph
 rebuilds it on every replay, at no host cost; and since the mask is built
-from fixed-shape tensors, a FULL graph serves any batch: ``ALWAYS``.
+from fixed-shape tensors, a FULL graph serves any batch: ``ALWAYS``. The
+kernel, and the mask it makes from these tensors, is ``flex_kernel``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, NamedTuple
+from typing import Final, NamedTuple
 
 import torch
 
-from cudagraph_capture import eager_break_during_capture
 from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
-from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, per_forward
+from .backend import EagerBreakAttention, per_forward
+from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
+from .flex_kernel import KEY_BLOCK, Q_TILE, paged_flex
 from .gather import token_pages
-from .layout import PagedLayout, page_of_slot, write_kv
-
-if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
-
-#: The block mask's query tile: it lists the pages each tile of this many query rows reads. Small,
-#: so that a packed tile of decode tokens reads few requests' pages.
-_Q_TILE: Final = 16
-#: FlexAttention's kernel on CUDA: the general kernel with 16-row query and 64-key blocks, forced
-#: because it beat the defaults (flex decoding under dynamic shapes, and static shapes) for decode
-#: and packed mixed batches alike (the figures: ``docs/benchmarks-notes.md``). The key block
-#: is why pages hold a multiple of 64 keys on CUDA: a block-mask entry is one page, and the
-#: fused kernel requires the mask's key block to be a multiple of its own (``BLOCK_N``). A
-#: smaller ``BLOCK_N`` for small pages is possible but unmeasured; pages of 16 are served by
-#: ``gather``, ``varlen`` and ``split_decode``.
-_KEY_BLOCK: Final = 64
-_KERNEL_OPTIONS: Final[dict[str, bool | int]] = {
-    "FORCE_USE_FLEX_ATTENTION": True,
-    "BLOCK_M": _Q_TILE,
-    "BLOCK_N": _KEY_BLOCK,
-}
-#: How often the compiled FlexAttention may specialize (shapes, layouts) before dynamo gives up.
-_RECOMPILE_LIMIT: Final = 32
+from .layout import PagedLayout, page_of_slot
 
 
 class _FlexPlan(NamedTuple):
@@ -120,10 +99,10 @@ def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.
     cache's page count.
     """
     num_tokens, width = pages.shape
-    tiles = -(-num_tokens // _Q_TILE)
-    padded = torch.full((tiles * _Q_TILE, width), scratch, dtype=pages.dtype, device=pages.device)
+    tiles = -(-num_tokens // Q_TILE)
+    padded = torch.full((tiles * Q_TILE, width), scratch, dtype=pages.dtype, device=pages.device)
     padded[:num_tokens] = pages
-    ordered = padded.view(tiles, _Q_TILE * width).sort(dim=-1).values  # [tiles, 16 * M]
+    ordered = padded.view(tiles, Q_TILE * width).sort(dim=-1).values  # [tiles, 16 * M]
     repeat = torch.cat(
         (torch.zeros_like(ordered[:, :1], dtype=torch.bool), ordered[:, 1:] == ordered[:, :-1]), -1
     )
@@ -134,12 +113,12 @@ def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.
     return kv_num_blocks[None, None], kv_indices[None, None]
 
 
-class FlexPagedAttention:
+class FlexPagedAttention(EagerBreakAttention):
     """torch's FlexAttention over the pages, its block mask built in the forward from ``PagedMetadata``.
 
     Arguments:
         layout: the cache's paging; on CUDA its page size must be a multiple
-            of 64 (the kernel's key block, ``_KEY_BLOCK``).
+            of 64 (the kernel's key block, ``flex_kernel.KEY_BLOCK``).
         max_tokens, max_reqs: the largest batch its metadata buffers hold.
         device: where they (and the slot-to-page table) live.
         compile: run the fused Triton kernels (default: on CUDA); eager
@@ -160,7 +139,7 @@ class FlexPagedAttention:
         breakable: bool = True,
         validate: bool = True,
     ) -> None:
-        check_bool("breakable", breakable)
+        super().__init__(breakable=breakable)
         if compile is not None:
             check_bool("compile", compile)
         #: The cache's paging (``resize`` changes its page count).
@@ -177,13 +156,12 @@ class FlexPagedAttention:
         self.page_of_slot = page_of_slot(layout, device)
         #: Whether ``attend`` runs the fused (compiled) kernel.
         self.compiled: Final = self.page_of_slot.is_cuda if compile is None else compile
-        if self.compiled and layout.page_size % _KEY_BLOCK:
+        if self.compiled and layout.page_size % KEY_BLOCK:
             raise ValueError(
-                f"page_size: FlexAttention's fused kernel reads keys in blocks of {_KEY_BLOCK}, so its "
-                f"pages hold a multiple of {_KEY_BLOCK} keys; got {layout.page_size} (pages of any size: "
+                f"page_size: FlexAttention's fused kernel reads keys in blocks of {KEY_BLOCK}, so its "
+                f"pages hold a multiple of {KEY_BLOCK} keys; got {layout.page_size} (pages of any size: "
                 "the gather, varlen or split_decode backends)"
             )
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
 
     def resize(self, num_pages: int) -> None:
         """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
@@ -198,30 +176,9 @@ class FlexPagedAttention:
     def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
         return FlexMetadata(self.buffers.views(shape), self.page_of_slot)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, H, D]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         plan = per_forward(meta.derived, lambda: self._plan(meta))
-        write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
         values = kv_cache[1].view(1, -1, heads, head_dim).transpose(1, 2)
@@ -240,7 +197,7 @@ class FlexPagedAttention:
         page_size, query_len = layout.page_size, paged.shape.query_len
         if query_len is not None:  # one batch row per request: its block-table row, its used pages
             num_reqs = paged.block_table.shape[0]
-            tiles = -(-query_len // _Q_TILE)
+            tiles = -(-query_len // Q_TILE)
             counts = (paged.seq_lens.clamp(min=1) + page_size - 1) // page_size  # [R]
             kv_num_blocks = counts.int()[:, None, None].expand(num_reqs, 1, tiles)  # [R, 1, tiles]
             kv_indices = paged.block_table[:, None, None, :].expand(
@@ -261,78 +218,3 @@ class FlexPagedAttention:
             paged.req_ids.view(rows),  # [B, Q]
             paged.positions.view(rows),  # [B, Q]
         )
-
-
-@functools.cache
-def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]:
-    """FlexAttention over pages of ``page_size``: ``f(queries, keys, values, *_FlexPlan)``.
-
-    ``queries [B, heads, Q, head_dim]``; ``keys``, ``values [1, heads, S,
-    head_dim]`` (every slot of every page); query ``(b, q)`` is the token of
-    request ``query_req[b, q]`` at ``query_pos[b, q]``, and it sees the keys
-    of its request's pages at positions up to its own. The block mask is
-    made inside the function from tensors only, so one compiled function
-    (``compiled``: ``torch.compile``, dynamic shapes, the fused kernel's
-    options) serves every step; a mask closure made outside would be a new
-    object per step for the compiler to guard on.
-    """
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-    def attend(
-        queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *metadata: torch.Tensor
-    ) -> torch.Tensor:
-        block_mask = _block_mask(BlockMask, page_size, (queries.shape[2], keys.shape[2]), *metadata)
-        return flex_attention(
-            queries,
-            keys,
-            values,
-            block_mask=block_mask,
-            scale=queries.shape[-1] ** -0.5,
-            kernel_options=_KERNEL_OPTIONS if compiled else None,  # type: ignore[arg-type]  # a TypedDict in torch's stubs
-        )
-
-    if not compiled:
-        return attend
-    compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
-
-    def attend_compiled(*args: torch.Tensor) -> torch.Tensor:
-        # Up to 8 specializations are expected (packed or per request; 1, under 128 or more
-        # queries; one request or more), which meets dynamo's default limit of 8.
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return compiled_attend(*args)
-
-    return attend_compiled
-
-
-def _block_mask(
-    mask_type: type[BlockMask],
-    page_size: int,
-    seq_lengths: tuple[int, int],
-    kv_num_blocks: torch.Tensor,
-    kv_indices: torch.Tensor,
-    owner: torch.Tensor,
-    page_shift: torch.Tensor,
-    page_of_slot: torch.Tensor,
-    query_req: torch.Tensor,
-    query_pos: torch.Tensor,
-) -> BlockMask:
-    """The step's block mask, from tensors only (``paged_flex``): each query sees its request's past.
-
-    ``mask_type`` is torch's ``BlockMask``, imported by the caller (this module imports it lazily).
-    """
-
-    def visible(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        # Table look-ups and one addition: no arithmetic of kv_idx with a constant (the
-        # division by the page size failed to generate in inductor 2.11).
-        page = page_of_slot[kv_idx]
-        same_request = owner[page] == query_req[b, q_idx]
-        return same_request & (page_shift[page] + kv_idx <= query_pos[b, q_idx])
-
-    return mask_type.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        BLOCK_SIZE=(_Q_TILE, page_size),
-        mask_mod=visible,
-        seq_lengths=seq_lengths,
-        compute_q_blocks=False,
-    )

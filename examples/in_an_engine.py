@@ -1,4 +1,4 @@
-"""The README's "In an engine" example, whole: ``python -m cudagraph_manager.examples.in_an_engine``."""
+"""The README's "In an engine" example, whole: ``python -m examples.in_an_engine``."""
 
 import argparse
 

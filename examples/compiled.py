@@ -12,7 +12,7 @@ capture, eager steps) it is plain attention, so one compiled model serves
 FULL, PIECEWISE and FULL_AND_PIECEWISE managers.
 
 Importing this module registers the op ``cudagraph_manager::breakable_cached_attention``
-(``cudagraph_manager.examples`` does not import it).
+(``examples`` does not import it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 
 from cudagraph_manager import CompiledModel, compile_for_capture
 
-from .reference import ReferenceDecoder, breakable_cached_attention, static_inputs
+from .reference import ReferenceDecoder, static_inputs
+from .reference_attention import breakable_cached_attention
 
 #: ``cached_attention`` behind a break point, as one opaque op for the compiler.
 compiled_cached_attention: Final = torch.library.custom_op(

@@ -18,12 +18,12 @@ from typing import Final, NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
-from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, GraphSupport
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
-from .batch import PagedBuffers, PagedMetadata, per_forward
-from .layout import PagedLayout, write_kv
+from .backend import EagerBreakAttention, per_forward
+from .batch import PagedBuffers, PagedMetadata
+from .layout import PagedLayout
 
 
 def token_pages(layout: PagedLayout, meta: PagedMetadata) -> torch.Tensor:
@@ -53,7 +53,7 @@ class GatherMetadata:
     derived: list[tuple[object, _GatherPlan]] = dataclasses.field(default_factory=list, compare=False)
 
 
-class GatherPagedAttention:
+class GatherPagedAttention(EagerBreakAttention):
     """Each token's pages gathered whole, then SDPA with a mask: the toy attention, on pages.
 
     Arguments:
@@ -77,7 +77,7 @@ class GatherPagedAttention:
         breakable: bool = True,
         validate: bool = True,
     ) -> None:
-        check_bool("breakable", breakable)
+        super().__init__(breakable=breakable)
         #: The cache's paging (``resize`` changes its page count).
         self.layout = layout
         self.dtype: Final = dtype
@@ -87,7 +87,6 @@ class GatherPagedAttention:
             PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
         )
         self.buffers = self._new_buffers(layout)
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
 
     def resize(self, num_pages: int) -> None:
         """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
@@ -100,30 +99,9 @@ class GatherPagedAttention:
     def build_for_capture(self, shape: BatchShape, /) -> GatherMetadata:
         return GatherMetadata(self.buffers.views(shape))
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, H, D]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         pages, mask = per_forward(meta.derived, lambda: self._plan(meta.paged))
-        write_kv(kv_cache, slot_mapping, k, v)
         num_tokens, heads, head_dim = q.shape
         rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
         rows = rows.view(2, num_tokens, -1, heads, head_dim).transpose(2, 3)  # [2, T, heads, M * page, dim]

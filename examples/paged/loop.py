@@ -40,7 +40,8 @@ from cudagraph_manager import LoopState, attention_metadata
 
 from .batch import PagedMetadata
 from .model import PagedDecoder
-from .varlen import VarlenMetadata, gathered_key_slots
+from .varlen import VarlenMetadata
+from .varlen_kernels import gathered_key_slots
 
 #: What a finished request's rows of the tokens hold: no token was generated at that step.
 NO_TOKEN: Final = -1

@@ -5,11 +5,13 @@ One module per concern:
 - ``layout``: how the cache is paged (``PagedLayout``, the scratch page).
 - ``batch``: the step's inputs (``PAGED_INPUT_NAMES``, ``paged_static_inputs``)
   and the metadata every backend builds from them (``PagedMetadata`` in
-  ``PagedBuffers``), the ``PagedBackend`` protocol.
+  ``PagedBuffers``).
+- ``backend``: the ``PagedBackend`` protocol, and ``EagerBreakAttention``,
+  the backends' base: ``attend`` as an eager break, written once.
 - ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends.
 - ``model``: ``PagedDecoder`` and ``make_backend`` (``BACKENDS`` by name).
 
-Random inputs and the float64 oracle are in ``examples.testing``.
+Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``tests.manager.oracles``).
 
     model = PagedDecoder(config, backend="gather")
     manager = CUDAGraphManager(
@@ -17,9 +19,10 @@ Random inputs and the float64 oracle are in ``examples.testing``.
     )
 """
 
+from .backend import EagerBreakAttention as EagerBreakAttention
+from .backend import PagedBackend as PagedBackend
 from .batch import PAD_REQUEST as PAD_REQUEST
 from .batch import PAGED_INPUT_NAMES as PAGED_INPUT_NAMES
-from .batch import PagedBackend as PagedBackend
 from .batch import PagedBuffers as PagedBuffers
 from .batch import PagedMetadata as PagedMetadata
 from .batch import paged_static_inputs as paged_static_inputs
@@ -38,6 +41,7 @@ __all__ = [
     "BACKENDS",
     "PAD_REQUEST",
     "PAGED_INPUT_NAMES",
+    "EagerBreakAttention",
     "FlexMetadata",
     "FlexPagedAttention",
     "GatherMetadata",

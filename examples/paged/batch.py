@@ -9,29 +9,18 @@ by request in block-table order; a request's tokens sit at the last
 with constants (position 0, the scratch slot) and hands the real batch to
 the backend, which builds ``PagedMetadata`` padded to the batch the forward
 runs as (``PagedBuffers.fill``), in buffers it keeps at fixed addresses.
-
-``PagedBackend`` is what a backend is: the builder of its own metadata type
-(``AttentionMetadataBuilder``) and the attention op the layers call, which
-reads that metadata back with ``attention_metadata(self)``.
+What a backend is: ``backend``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Final, Protocol, TypeVar
+from typing import Final
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphMode, check_bool, get_forward_context
-from cudagraph_manager import (
-    AttentionMetadataBuilder,
-    BatchShape,
-    StaticInput,
-    StepBatch,
-    pad_offsets,
-    pad_rows,
-)
+from cudagraph_dispatch import CUDAGraphMode, check_bool
+from cudagraph_manager import BatchShape, StaticInput, StepBatch, pad_offsets, pad_rows
 
 from .layout import PagedLayout
 
@@ -46,9 +35,6 @@ PAGED_INPUT_NAMES: Final[tuple[str, ...]] = (
 )
 #: The request of a padding token: no request owns the scratch page.
 PAD_REQUEST: Final = -1
-
-M = TypeVar("M")
-M_co = TypeVar("M_co", covariant=True)
 
 
 def paged_static_inputs(layout: PagedLayout) -> dict[str, StaticInput]:
@@ -267,42 +253,3 @@ def _describe(layout: PagedLayout, problems: list[bool], num_tokens: int) -> str
         num_pages=layout.num_pages,
     )
     return f"{name}: {text}"
-
-
-class PagedBackend(AttentionMetadataBuilder[M_co], Protocol[M_co]):
-    """A paged attention backend: the builder of its metadata ``M``, and the op the layers call.
-
-    ``attend(q, k, v, kv_cache, slot_mapping, out)`` writes the step's K/V at
-    ``slot_mapping`` and the attention of ``q`` into ``out`` (all ``[T,
-    heads, head_dim]``), reading its metadata with
-    ``attention_metadata(self)``. ``layout`` is the cache's paging.
-    """
-
-    @property
-    def layout(self) -> PagedLayout: ...
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None: ...
-
-
-P = TypeVar("P")
-
-
-def per_forward(cache: list[tuple[object, P]], derive: Callable[[], P]) -> P:
-    """``derive()`` once per forward: kept in ``cache`` under the forward's context, for its other layers.
-
-    Every forward runs under a context object of its own (a step, a
-    warm-up, a recording, a loop iteration), so the next forward derives
-    again from the metadata as it then is (docs/design.md, "The attention seam").
-    """
-    forward = get_forward_context()
-    if not cache or cache[0][0] is not forward:
-        cache[:] = [(forward, derive())]
-    return cache[0][1]

@@ -1,13 +1,11 @@
-"""FlashAttention over the pages through torch's ``varlen_attn``: one kernel for every batch.
+"""The kernel calls of the varlen backend: torch's ``varlen_attn`` over the pages, and its stand-in.
 
 ``varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)`` attends packed
 requests: request ``r`` has queries ``cu_seq_q[r]:cu_seq_q[r + 1]`` and keys
 ``cu_seq_k[r]:cu_seq_k[r + 1]``, causal with the last query on the last key
 (bottom-right, as FlashAttention aligns ``q_len != k_len``). Its host values
-are bounds (``max_q``, ``max_k``) and the offsets are tensors, so with the
-offsets padded with the padded total and ``max_q`` chosen per key, one FULL
-graph replays any batch of its key: ``VarlenPagedAttention`` declares
-``ALWAYS``.
+are bounds (``max_q``, ``max_k``), its offsets tensors (``varlen`` says why
+that lets one FULL graph serve any batch of its key).
 
 How the kernel reads the keys depends on the installed torch:
 
@@ -30,7 +28,6 @@ rows are independent, so nothing of them reaches a real row.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Final
@@ -38,13 +35,6 @@ from typing import Final
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.nn.attention import varlen
-
-from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport, check_bool
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
-
-from .batch import PagedBuffers, PagedMetadata
-from .layout import PagedLayout, write_kv
 
 #: The installed ``varlen_attn``'s keyword parameters.
 _PARAMETERS: Final = frozenset(inspect.signature(varlen.varlen_attn).parameters)
@@ -236,143 +226,3 @@ def causal_rows(
         q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible
     )  # [heads, n, head_dim]
     return torch.where(visible.any(-1)[:, None, None], result.transpose(0, 1), 0.0)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class VarlenMetadata:
-    """``VarlenPagedAttention``'s metadata: the paged batch, and the gathered path's key map.
-
-    ``cu_seq_k``, ``key_slots``: ``gathered_key_slots`` of the batch, in
-    buffers of the backend (``None`` on the paged path). The host bounds
-    (``paged.max_query_len``, ``paged.max_seq_len``) depend on the shape alone.
-    """
-
-    paged: PagedMetadata
-    cu_seq_k: torch.Tensor | None  # [R + 1] int32
-    key_slots: torch.Tensor | None  # [R * max_seq_len] int64
-
-
-class VarlenPagedAttention:
-    """FlashAttention (``varlen_attn``) over the pages: a ``PagedBackend`` whose FULL graphs serve any batch.
-
-    Arguments:
-        layout: the cache's paging (any page size).
-        max_tokens, max_reqs: the largest batch; the buffers are sized once for it.
-        device: where the buffers live; on CUDA the model computes in float16 or bfloat16.
-        breakable: ``attend`` is an eager break, so PIECEWISE graphs split at it.
-        paged: read the pages through the block table (default: where the installed
-            ``varlen_attn`` takes one and, on CUDA, accepts this page size); ``False``: gathered.
-        validate: ``PagedBuffers``' check of each real batch (one host sync).
-    """
-
-    def __init__(
-        self,
-        layout: PagedLayout,
-        *,
-        max_tokens: int,
-        max_reqs: int,
-        device: torch.device | str | None = None,
-        breakable: bool = True,
-        paged: bool | None = None,
-        validate: bool = True,
-    ) -> None:
-        check_bool("breakable", breakable)
-        self.layout: Final = layout
-        self.paged: Final = _choose_paged(paged, layout, device)
-        name = "varlen_paged" if self.paged else "varlen_gathered"
-        self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name=name)
-        self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
-        rows = 0 if self.paged else max_reqs
-        self._cu_seq_k: Final = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-        self._key_slots: Final = torch.zeros(rows * layout.max_seq_len, dtype=torch.int64, device=device)
-        self._views: Final[dict[BatchShape, VarlenMetadata]] = {}
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
-
-    def build(self, batch: StepBatch, shape: BatchShape, /) -> VarlenMetadata:
-        """``batch`` padded to ``shape``, and on the gathered path its key map (device ops)."""
-        meta = self._view(self.buffers.fill(batch, shape))
-        if meta.cu_seq_k is not None and meta.key_slots is not None:
-            paged = meta.paged
-            cu_seq_k, slots = gathered_key_slots(
-                paged.seq_lens, paged.block_table, self.layout.page_size, paged.max_seq_len
-            )
-            meta.cu_seq_k.copy_(cu_seq_k)
-            meta.key_slots.copy_(slots)
-        return meta
-
-    def build_for_capture(self, shape: BatchShape, /) -> VarlenMetadata:
-        """The buffers of ``shape`` as they are (host only)."""
-        return self._view(self.buffers.views(shape))
-
-    def _view(self, paged: PagedMetadata) -> VarlenMetadata:
-        meta = self._views.get(paged.shape)
-        if meta is None:
-            num_reqs = paged.shape.num_reqs
-            cu_seq_k = None if self.paged else self._cu_seq_k[: num_reqs + 1]
-            key_slots = None if self.paged else self._key_slots[: num_reqs * paged.max_seq_len]
-            meta = VarlenMetadata(paged, cu_seq_k, key_slots)
-            if paged.shape.mode is not CUDAGraphMode.NONE:  # graph shapes only: eager ones are many
-                self._views[paged.shape] = meta
-        return meta
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, h, d]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
-        meta = attention_metadata(self)
-        paged = meta.paged
-        bounds = (paged.max_query_len, paged.max_seq_len)
-        if meta.cu_seq_k is None or meta.key_slots is None:
-            result = paged_varlen(
-                q, kv_cache, paged.query_start_loc, paged.seq_lens, paged.block_table, *bounds
-            )
-        else:
-            result = gathered_varlen(
-                q, kv_cache, paged.query_start_loc, meta.cu_seq_k, meta.key_slots, *bounds
-            )
-        out.copy_(result)
-
-
-def _choose_paged(paged: bool | None, layout: PagedLayout, device: torch.device | str | None) -> bool:
-    """The path: as asked (``ValueError`` where the installed torch cannot), else the paged where it runs."""
-    if paged is not None:
-        if paged and not PAGED_VARLEN:
-            raise ValueError(f"paged: varlen_attn of torch {torch.__version__} takes no block_table")
-        return paged
-    if not PAGED_VARLEN:
-        return False
-    where = torch.empty(0, device=device).device
-    return where.type != "cuda" or paged_kernel_accepts(layout.page_size, where)
-
-
-def paged_kernel_accepts(page_size: int, device: torch.device) -> bool:
-    """Whether ``varlen_attn`` on ``device`` reads pages of ``page_size`` (one tiny call, at start-up)."""
-    dtype, head_dim = torch.bfloat16, 64
-    q = torch.zeros(1, 1, head_dim, dtype=dtype, device=device)  # [T, heads, head_dim]
-    kv_cache = torch.zeros(2, 2, page_size, 1, head_dim, dtype=dtype, device=device)
-    cu_seq_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    block_table = torch.ones(1, 1, dtype=torch.int32, device=device)
-    try:
-        paged_varlen(q, kv_cache, cu_seq_q, seq_lens, block_table, 1, page_size)
-    except RuntimeError:
-        return False
-    return True

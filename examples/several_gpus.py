@@ -1,6 +1,6 @@
 """Several GPUs: the reference decoder, tensor parallel, captured and replayed on every rank.
 
-``python -m cudagraph_manager.examples.several_gpus [--world-size 2] [--device cuda|cpu]
+``python -m examples.several_gpus [--world-size 2] [--device cuda|cpu]
 [--backend gloo|shm|nccl]`` starts one process per rank (rank ``r`` on GPU ``r``; ``--device cpu`` runs
 the same code over gloo, eagerly). ``--backend`` is the ranks' agreement
 (``RankAgreement(backend=...)``: gloo by default, shared memory between the
@@ -25,11 +25,11 @@ from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, RankAgreement
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.tensor_parallel import TensorParallelDecoder, check_shards
-from cudagraph_manager.examples.testing import make_step_inputs
 from cudagraph_manager.ranks import Backend
+from examples.config import DecoderConfig
+from examples.inputs import make_step_inputs
+from examples.reference import ReferenceDecoder, static_inputs
+from examples.tensor_parallel import TensorParallelDecoder, check_shards
 
 
 def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Backend = "gloo") -> None:
@@ -83,7 +83,7 @@ def _free_port() -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m cudagraph_manager.examples.several_gpus", description=__doc__.splitlines()[0]
+        prog="python -m examples.several_gpus", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--world-size", type=int, default=2, help="ranks (one GPU each with --device cuda)")
     default_device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,6 @@
 """The "Compiled models" example of docs/compiled.md, whole.
 
-``python -m cudagraph_manager.examples.compiled_engine`` runs it.
+``python -m examples.compiled_engine`` runs it.
 """
 
 import argparse
@@ -9,9 +9,9 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, compile_for_capture
-from cudagraph_manager.examples import DecoderConfig, ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.compiled import compiled_cached_attention
-from cudagraph_manager.examples.testing import make_step_inputs
+from examples import DecoderConfig, ReferenceDecoder, static_inputs
+from examples.compiled import compiled_cached_attention
+from examples.inputs import make_step_inputs
 
 parser = argparse.ArgumentParser(description="Compile and capture the reference decoder, then replay (CUDA).")
 parser.parse_args()  # --help: it takes no options

@@ -26,7 +26,8 @@ from torch import nn
 
 from .body import DecoderLayer, rms_norm, rotate
 from .config import DecoderConfig
-from .reference import AttentionMetadata, AttentionOp, ReferenceDecoder, build_attention_metadata
+from .reference import ReferenceDecoder
+from .reference_attention import AttentionMetadata, AttentionOp, build_attention_metadata
 
 
 def check_shards(config: DecoderConfig, world_size: int) -> None:

@@ -28,13 +28,13 @@ from typing import Final
 
 import torch
 
-from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport, check_bool
+from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport
 from cudagraph_manager import BatchShape, StepBatch, attention_metadata
 
+from .backend import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata
-from .layout import PagedLayout, write_kv
-from .varlen import causal_rows
+from .layout import PagedLayout
+from .varlen_kernels import causal_rows
 
 #: Request-chunk work items the decode kernel aims for: ``split_count`` splits keys until
 #: requests times splits reaches this.
@@ -146,7 +146,7 @@ class SplitDecodeMetadata:
     read: list[tuple[int, ...]] = dataclasses.field(default_factory=list, compare=False)
 
 
-class SplitDecodeAttention:
+class SplitDecodeAttention(EagerBreakAttention):
     """Flash-decoding for decodes, a host-planned path for the rest: a ``PagedBackend`` below ``ALWAYS``.
 
     Arguments:
@@ -170,11 +170,10 @@ class SplitDecodeAttention:
         declare: GraphSupport = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         validate: bool = True,
     ) -> None:
-        check_bool("breakable", breakable)
+        super().__init__(breakable=breakable)
         self.layout: Final = layout
         self.support: Final = AttentionSupport(declare, piecewise=breakable, name="split_decode")
         self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
-        self._run: Final = eager_break_during_capture(self._attend) if breakable else self._attend
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> SplitDecodeMetadata:
         """``batch`` padded to ``shape`` (device ops); the planned path's plan as ``_plan`` says."""
@@ -200,28 +199,7 @@ class SplitDecodeAttention:
         plan = shape_plan(shape) if shape.mode is CUDAGraphMode.FULL else None
         return SplitDecodeMetadata(paged, None, plan)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write the step's K/V at ``slot_mapping``, the attention of ``q`` into ``out`` (``[T, h, d]``)."""
-        self._run(q, k, v, kv_cache, slot_mapping, out)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        write_kv(kv_cache, slot_mapping, k, v)
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         paged = meta.paged
         if meta.num_splits is not None:  # one token per request: T == R

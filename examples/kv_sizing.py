@@ -1,6 +1,6 @@
 """Size the KV cache from the memory the CUDA graphs will leave: estimate, allocate, then capture.
 
-``python -m cudagraph_manager.examples.kv_sizing [reference|8b_like] [--attention rows|flex|gather]
+``python -m examples.kv_sizing [reference|8b_like] [--attention rows|flex|gather]
 [--margin-mib N] [--json]``
 
 ``--attention rows`` (the default) sizes the reference decoder's cache in
@@ -27,10 +27,10 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, MemoryEstimate
-from cudagraph_manager.examples.config import DecoderConfig
-from cudagraph_manager.examples.paged import BACKENDS, PagedDecoder, paged_static_inputs
-from cudagraph_manager.examples.reference import ReferenceDecoder, static_inputs
-from cudagraph_manager.examples.testing import make_paged_inputs, make_step_inputs
+from examples.config import DecoderConfig
+from examples.inputs import make_paged_inputs, make_step_inputs
+from examples.paged import BACKENDS, PagedDecoder, paged_static_inputs
+from examples.reference import ReferenceDecoder, static_inputs
 
 #: What stays free after the capture: eager steps above the largest size, other allocations.
 DEFAULT_MARGIN_MIB: Final = 512
@@ -93,7 +93,7 @@ def start_up(
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, checked before anything touches the device (``--help`` works anywhere)."""
     parser = argparse.ArgumentParser(
-        prog="python -m cudagraph_manager.examples.kv_sizing",
+        prog="python -m examples.kv_sizing",
         description="Size a KV cache from the memory the CUDA graphs leave: estimate, allocate, capture.",
     )
     parser.add_argument("model", nargs="?", choices=sorted(MODELS), default="reference")
