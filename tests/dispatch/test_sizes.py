@@ -172,4 +172,3 @@ def test_the_bucket_machinery_is_public_and_agrees_with_pad(sizes: CaptureSizes)
             if 0 < bucket <= len(sizes.sizes)
             else (sizes.sizes[0] if bucket == 0 else None)
         )
-
