@@ -22,7 +22,7 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, GraphEntry, LoopKind
+from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, GraphEntry, LoopKind, LoopPolicy
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     NO_MODES,
@@ -183,8 +183,7 @@ class DecodeLoops(Generic[OutputT]):
                 body,
                 stop=self._stop,
                 max_steps=config.max_steps,
-                unroll=config.unroll,
-                kind=config.kind,
+                policy=LoopPolicy(config.kind, config.unroll),
                 options=options,
                 descriptor=key.descriptor,
             )
