@@ -1,17 +1,11 @@
 """The recorder: one capture of a runnable for one batch descriptor, for both engines.
 
-``GraphRecorder`` does what every capture does: the process-wide switch, the
-device, stream and pool, the device's capture lock, the warm-ups, the error
-that names the descriptor, the outputs held weakly. Its two kinds differ only
-in how the work is recorded: one CUDA graph (``MonolithicRecorder``), or
-graph segments split at eager breaks (``BreakableRecorder``). A recorder is a
-``GraphEngine`` (``graph_engine`` builds one): a runner that keeps the entries
-itself calls ``warm_up`` and ``record``; the wrappers (``_wrapper``) keep a
-table of its entries and follow the forward context.
-
-One capture makes one ``Entry``: the subclass's ``_record`` hands back the
-graph's owner, the strong outputs and the instantiation seconds, and
-``capture`` builds the entry from them.
+``GraphRecorder`` does what every capture does (docs/design.md,
+"Capture engines"); its two kinds differ only in how the work is recorded:
+one CUDA graph (``MonolithicRecorder``), or graph segments split at eager
+breaks (``BreakableRecorder``). A runner that keeps its entries itself takes a
+recorder from ``graph_engine``; the wrappers (``_wrapper``) keep a table of
+them. One capture makes one ``Entry``.
 """
 
 from __future__ import annotations

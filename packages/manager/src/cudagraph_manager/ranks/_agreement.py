@@ -1,11 +1,7 @@
 """Ranks that step together: one small all-reduce per step makes them agree.
 
-Ranks whose graphs hold collectives (tensor-parallel all-reduces) or whose
-models exchange tokens (data-parallel MoE all-to-alls) must launch the same
-kind of step at the same time: a graph with NCCL operations is itself a
-collective, so one rank replaying while another runs eagerly, or two ranks
-replaying graphs of different sizes, hangs or corrupts both. ``RankAgreement``
-is the group those ranks agree over. Each exchange is one all-reduce of a
+``RankAgreement`` is the group those ranks agree over (docs/design.md,
+"Ranks", says why they must). Each exchange is one all-reduce of a
 ``[world_size, fields]`` int64 table in which every rank fills its own row
 (the layout of vLLM's ``coordinate_batch_across_dp``), so every rank reads
 every rank's values and computes the same answer locally.

@@ -3,14 +3,8 @@
 Each exchange is one round: every rank writes its row and then the round's
 sequence number into its own cell, then waits until every other cell shows
 that number, and reads the rows. Two copies of the table alternate by the
-round's parity, so a rank that finished reading round ``k`` and writes round
-``k + 1`` never overwrites a cell another rank is still reading (no rank can
-start round ``k + 2`` before every rank wrote ``k + 1``, which each does only
-after reading ``k``).
-
-The protocol relies on stores becoming visible in program order (the row
-before its sequence number), which x86-64 guarantees and weaker memory
-models (Arm) do not; so it is offered on x86-64 only.
+round's parity. Offered on x86-64 only (docs/design.md, "Ranks", says why
+this is safe there and not elsewhere).
 """
 
 from __future__ import annotations
