@@ -27,6 +27,7 @@ from cudagraph_capture import (
     DeviceLoop,
     LoopFallback,
     LoopKind,
+    LoopPolicy,
     loop_fallback_counts,
     set_capture_enabled,
 )
@@ -249,7 +250,7 @@ def fake_loop(
     unroll: int = 4,
     kind: LoopKind | None = None,
 ) -> DeviceLoop:
-    spec = LoopSpec.checked(decoder.body, decoder.stop, max_steps, unroll, kind, KEY)
+    spec = LoopSpec.checked(decoder.body, decoder.stop, max_steps, LoopPolicy(kind, unroll), KEY)
     return build_loop(spec, graphs or FakeGraphs(), conditional or FakeConditional())
 
 
@@ -411,7 +412,7 @@ def test_a_body_that_fails_in_its_warm_up_raises_a_capture_error() -> None:
     def body(steps: torch.Tensor) -> None:
         raise ValueError("a bad body")
 
-    spec = LoopSpec.checked(body, torch.zeros((), dtype=torch.bool), 4, 2, None, KEY)
+    spec = LoopSpec.checked(body, torch.zeros((), dtype=torch.bool), 4, LoopPolicy(unroll=2), KEY)
     with pytest.raises(CaptureError, match="a bad body"):
         build_loop(spec, FakeGraphs(), FakeConditional())
 
@@ -438,8 +439,8 @@ def _capture_kwargs(**changes: object) -> dict[str, object]:
         ({"max_steps": 0}, "max_steps"),
         ({"max_steps": True}, "max_steps"),
         ({"max_steps": 4.0}, "max_steps"),
-        ({"unroll": 0}, "unroll"),
-        ({"kind": "while"}, "kind"),
+        ({"policy": "while"}, "policy"),
+        ({"policy": LoopKind.WHILE}, "policy"),
         ({"descriptor": 8}, "descriptor"),
     ],
 )
@@ -449,9 +450,23 @@ def test_bad_arguments_raise_value_error_naming_them(changes: dict[str, object],
         DeviceLoop.capture(**kwargs)  # type: ignore[arg-type]  # checked at run time, as untyped callers call it
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"unroll": 0}, "unroll"),
+        ({"unroll": True}, "unroll"),
+        ({"unroll": 2.0}, "unroll"),
+        ({"kind": "while"}, "kind"),
+    ],
+)
+def test_a_bad_loop_policy_raises_value_error_naming_the_field(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        LoopPolicy(**fields)  # type: ignore[arg-type]  # checked at run time, as untyped callers call it
+
+
 def test_the_spec_keeps_a_view_of_the_callers_flag() -> None:
     stop = torch.zeros(1, dtype=torch.int32)
-    spec = LoopSpec.checked(lambda steps: None, stop, 4, 2, None, None)
+    spec = LoopSpec.checked(lambda steps: None, stop, 4, LoopPolicy(unroll=2), None)
     assert spec.stop.shape == ()
     assert spec.stop.data_ptr() == stop.data_ptr()
 
@@ -567,9 +582,22 @@ def cuda() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def captured(decoder: Decoder, **kwargs: object) -> DeviceLoop:
-    loop = DeviceLoop.capture(decoder.body, stop=decoder.stop, max_steps=MAX_STEPS, descriptor=KEY, **kwargs)  # type: ignore[arg-type]
-    if kwargs.get("kind") is None:
+def captured(
+    decoder: Decoder,
+    *,
+    kind: LoopKind | None = None,
+    unroll: int = 8,
+    options: CaptureOptions | None = None,
+) -> DeviceLoop:
+    loop = DeviceLoop.capture(
+        decoder.body,
+        stop=decoder.stop,
+        max_steps=MAX_STEPS,
+        policy=LoopPolicy(kind, unroll),
+        options=options,
+        descriptor=KEY,
+    )
+    if kind is None:
         assert loop.kind is LoopKind.WHILE, loop.fallback_reason
     return loop
 

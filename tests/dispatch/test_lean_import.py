@@ -6,22 +6,42 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 _PROBE = """
 import json, sys
-import cudagraph_dispatch
-print(json.dumps({
-    "imported": "cudagraph_dispatch" in sys.modules,
+import {module}
+print(json.dumps({{
+    "imported": "{module}" in sys.modules,
     "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
-}))
+}}))
 """
 
 
-def test_import_does_not_load_torch() -> None:
-    """In a fresh interpreter, importing cudagraph_dispatch leaves torch (and its submodules) unloaded."""
+@pytest.mark.parametrize(
+    "module", ["cudagraph_dispatch", "cudagraph_dispatch.support", "cudagraph_dispatch.lowlevel"]
+)
+def test_import_does_not_load_torch(module: str) -> None:
+    """In a fresh interpreter, importing the package or a tier of it loads no torch module."""
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", _PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["imported"] is True
     assert result["torch"] == []
+
+
+def test_the_tiers_re_export_the_top_levels_objects() -> None:
+    """Each name of ``support`` and ``lowlevel`` is the object of the same name at the top level."""
+    import cudagraph_dispatch
+    from cudagraph_dispatch import lowlevel, support
+
+    for tier in (support, lowlevel):
+        assert tier.__all__, tier.__name__
+        for name in tier.__all__:
+            assert getattr(tier, name) is getattr(cudagraph_dispatch, name), f"{tier.__name__}.{name}"

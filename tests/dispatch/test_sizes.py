@@ -172,12 +172,3 @@ def test_the_bucket_machinery_is_public_and_agrees_with_pad(sizes: CaptureSizes)
             if 0 < bucket <= len(sizes.sizes)
             else (sizes.sizes[0] if bucket == 0 else None)
         )
-
-
-def test_the_old_name_of_the_dense_buckets_warns_and_answers_the_same() -> None:
-    sizes = CaptureSizes([1, 2, 4, 8])
-    with pytest.warns(
-        DeprecationWarning, match=r"dense_slots is deprecated: it is CaptureSizes\.dense_buckets"
-    ):
-        old = sizes.dense_slots
-    assert old == sizes.dense_buckets

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from cudagraph_capture import CaptureError
-from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager
 from tests.torch_support import as_tensor, highest_fp32_matmul_precision, rel_err
 
@@ -113,12 +113,37 @@ def _build(mode: CUDAGraphMode) -> tuple[WorkspaceModel, WorkspaceModel, CUDAGra
 
 
 def _capture_until(manager: CUDAGraphManager[torch.Tensor], model: WorkspaceModel, failing: int) -> None:
-    """``capture()`` stopped by a model error at ``failing`` tokens: the larger keys are captured."""
+    """``capture()`` stopped by a model error at ``failing`` tokens: the keys before it are captured.
+
+    Keys are captured in plan order (PIECEWISE, then FULL, largest first) and
+    a failure keeps the keys before it, so exactly the plan's keys before the
+    first key of ``failing`` tokens hold a graph. Each key is probed with a
+    step that the dispatcher routes to it: it replays if and only if captured.
+    """
+    plan = [(mode, key) for mode, keys in manager.dispatcher.capture_plan() for key in keys]
+    failed_at = next(i for i, (_, key) in enumerate(plan) if key.num_tokens == failing)
+    expected = {key for _, key in plan[:failed_at]}
     model.fail_recording_at = {failing}
-    with pytest.raises(CaptureError, match=f"planted model error while recording {failing} tokens"):
+    with pytest.raises(CaptureError, match=f"planted model error while recording {failing} tokens") as caught:
         manager.capture(progress=False)
     model.fail_recording_at = set()
-    assert manager.num_captured > 0
+    assert caught.value.descriptor == plan[failed_at][1]
+    assert expected
+    assert all(key.num_tokens > failing for key in expected)
+    assert manager.num_captured == len(expected)
+    replayed: set[BatchDescriptor] = set()
+    with torch.no_grad():
+        for mode, key in plan:
+            assert manager.dispatcher.dispatch(key.num_tokens, uniform_decode=key.uniform) == (mode, key)
+            num_reqs = key.num_reqs or min(key.num_tokens, MAX_NUM_SEQS)
+            batch = make_batch(key.num_tokens, num_reqs, torch.device("cuda"), seed=key.num_tokens)
+            replays = manager.stats.num_replays
+            manager.run_batch(batch, uniform_decode=key.uniform)
+            if manager.stats.num_replays == replays + 1:
+                replayed.add(key)
+    torch.cuda.synchronize()
+    manager.reset_stats()  # the probes' steps are not the test's
+    assert replayed == expected
 
 
 @contextlib.contextmanager

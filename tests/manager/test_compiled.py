@@ -326,9 +326,11 @@ def test_a_model_compiled_per_size_recaptures_without_compiling_and_replays_like
 ) -> None:
     """A model that compiles once per size is compiled in the first capture's warm-ups, one per key.
 
-    A recapture warms up only the smallest key (``_needs_warm_up``) and
-    compiles nothing: a compile inside a recording would fail, so a size the
-    first warm-ups had not compiled would show here. Every replay is
+    A recapture warms up only the smallest key (the ``WarmUpRule`` of
+    ``cudagraph_manager/_capture/_warm_up.py``: ``foreground`` warms a key's
+    first capture and each mode's smallest) and compiles nothing: a compile
+    inside a recording would fail, so a size the first warm-ups had not
+    compiled would show here. Every replay is
     compared with eager on fresh random inputs, before and after.
     """
     torch._dynamo.reset()

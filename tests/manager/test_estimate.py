@@ -20,7 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudagraph_capture import CaptureDisabledError, set_capture_enabled
+from cudagraph_capture import CaptureDisabledError, capture_disabled_reason, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
 from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
@@ -143,15 +143,29 @@ def test_the_estimate_predicts_the_capture_and_leaves_nothing_behind(mode: CUDAG
 
 @pytest.mark.gpu
 def test_a_disabled_capture_is_refused_by_the_estimate_too() -> None:
+    """Refused before anything is probed: no key named, no graph, no memory; the next estimate is whole."""
     model = ToyModel(torch.device("cuda"))
     manager = CUDAGraphManager(model, INPUTS, config_for(CUDAGraphMode.FULL))
+    ((_, keys),) = manager.dispatcher.capture_plan()  # FULL over 7 sizes, largest first
+    reserved = torch.cuda.memory_reserved()
     set_capture_enabled(False)
     try:
-        with pytest.raises(CaptureDisabledError):
+        why = capture_disabled_reason()
+        with pytest.raises(CaptureDisabledError) as caught:
             manager.estimate_memory()
     finally:
         set_capture_enabled(True)
-    assert manager.estimate_memory().total_bytes > 0
+    assert why is not None
+    assert str(caught.value) == why  # the estimate as a whole is refused: no descriptor appended
+    assert caught.value.descriptor is None
+    assert manager.num_captured == 0
+    assert torch.cuda.memory_reserved() <= reserved  # nothing allocated: no probe pool, no warm-up
+    estimate = manager.estimate_memory()  # the refusal left nothing behind: every key, the usual probes
+    assert estimate.no_graphs is None
+    assert estimate.num_graphs == len(keys)
+    assert [probe.descriptor for probe in estimate.probes] == probe_keys(keys, lambda key: key.num_tokens)
+    assert estimate.total_bytes == estimate.warmup_bytes + estimate.pool_bytes + estimate.driver_bytes
+    assert manager.num_captured == 0
 
 
 #: Probes' (pool, driver) bytes: pool growth can be negative (torch's cache shrank), driver in 2 MiB steps.

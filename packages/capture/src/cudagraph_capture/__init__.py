@@ -25,6 +25,7 @@ from ._gc import collector_paused as collector_paused
 from ._guard import OutputGuard as OutputGuard
 from ._loop import DeviceLoop as DeviceLoop
 from ._loop import LoopKind as LoopKind
+from ._loop import LoopPolicy as LoopPolicy
 from ._loop import loop_fallback_counts as loop_fallback_counts
 from ._options import CaptureOptions as CaptureOptions
 from ._pool import GraphPool as GraphPool
@@ -56,6 +57,7 @@ __all__ = [
     "GraphPool",
     "LoopFallback",
     "LoopKind",
+    "LoopPolicy",
     "OutputGuard",
     "capture_disabled_reason",
     "capture_enabled",

@@ -5,19 +5,8 @@ are decorated with ``eager_break_during_capture``. Inside a breakable capture
 a call to one ends the current graph segment, runs the op eagerly on the
 capture stream, records it, and starts a new segment. Replay runs the
 recorded steps in order on the caller's stream: graph, op, graph, ...
-
-Each segment is replayed as soon as it is captured, before the eager op that
-follows it runs. A captured segment has only been recorded, not run, so
-without this the eager op would read whatever the pool memory held (indices
-included: an out-of-range gather is a device-side assert that kills the
-process). With it, a capture computes the same values as an eager forward,
-and its outputs are valid when the capture ends.
-
-``execute=False`` records only: no segment runs and no eager op is called
-during the capture (each returns ``None`` there), so the capture writes no
-memory at all; the outputs hold their values from the first ``replay()``.
-A model runner that captures while another thread serves steps from the
-same pool and buffers needs exactly that.
+A capture replays each segment as soon as it is recorded; ``execute=False``
+records only, running nothing (docs/design.md, "Capture engines", says why).
 """
 
 from __future__ import annotations
@@ -159,7 +148,6 @@ class BreakableCUDAGraphCapture:
             raise
         return self
 
-    # __exit__'s protocol signature, repeated in set_forward_context: boilerplate, not shared logic.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -1,29 +1,18 @@
 """A WHILE loop graph built with the CUDA driver, through cuda-bindings: the loop engine's device layer.
 
-The engine (``_loop``) hands over a body graph that torch captured into the
-graph pool and the loop's device scalars; this layer builds, with the
-driver API, one graph that runs the body until the condition says stop::
+From a body graph that torch captured into the graph pool and the loop's
+device scalars (``_loop``), this layer builds one graph that runs the body
+until the condition says stop::
 
     loop_start(steps)                    steps = 0
     WHILE handle (1 on every launch):    the body runs once before the first check
         child graph: the body            a clone of torch's graph: its nodes, not its memory
         loop_next(handle, steps, ...)    steps += 1; handle = steps < limit && !stop
 
-The condition kernels are compiled with NVRTC once per device and loaded
-into the device's primary context (torch's), for the life of the process.
-A loop's executable is freed with its ``CudaWhileGraph``; the graph pool
-memory its body's nodes use belongs to the torch graph, which the engine
-keeps alive as long as the executable.
-
-Nothing here imports cuda-bindings at import time: ``load_conditional``
-does, when a WHILE loop is first built on a device. Whatever makes a WHILE
-loop impossible here (the bindings missing, an old torch or driver, NVRTC
-failing, the driver refusing the graph) raises ``LoopUnavailableError`` with a
-``LoopFallback`` reason, and the engine falls back.
-
-cuda-bindings ships no type information: the modules are typed here by the
-protocols ``_Driver`` and ``_Nvrtc``, which name only what this layer calls,
-with the CUDA API's own names (hence the naming exemptions below).
+``load_conditional`` imports cuda-bindings and compiles the condition kernels
+(NVRTC, once per device); whatever makes a WHILE loop impossible raises
+``LoopUnavailableError`` with a ``LoopFallback`` reason. The protocols
+``_Driver`` and ``_Nvrtc`` type the calls made here, with the CUDA API's names.
 """
 
 # ruff: noqa: N802, N815  (the protocols spell the CUDA API's names)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 from cudagraph_dispatch import BatchDescriptor
 
 
@@ -20,3 +24,25 @@ class CaptureError(RuntimeError):
 
 class CaptureDisabledError(CaptureError):
     """A capture was attempted after ``set_capture_enabled(False)``."""
+
+
+@contextlib.contextmanager
+def failures_named(engine: str, descriptor: BatchDescriptor | None, what: str) -> Iterator[None]:
+    """Errors of a capture of ``what`` (``"the graph"``) for ``descriptor``, named after ``engine``.
+
+    A ``CaptureError`` passes as it is; another ``Exception`` is raised as a
+    ``CaptureError`` naming its type, chained to it. ``KeyboardInterrupt`` and
+    ``SystemExit`` are never wrapped, but get a note of what they interrupted.
+    """
+    try:
+        yield
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise CaptureError(
+            f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor
+        ) from error
+    except BaseException as error:
+        if sys.version_info >= (3, 11):
+            error.add_note(f"{engine}: interrupted while capturing {what} of {descriptor}")
+        raise

@@ -1,40 +1,14 @@
 """The loop engine: up to ``max_steps`` iterations of a captured step in one launch (``DeviceLoop``).
 
-A decode loop runs its step until every request is done or a step limit is
-reached. Driven from the host, every step ends in a read-back of a stop flag
-(a host synchronization) and the next launch. ``DeviceLoop`` captures the
-step once and, where it can, runs the whole loop on the device:
-
-- ``WHILE``: the body is captured as a torch CUDA graph into the graph pool,
-  by torch's own capture (under the device's capture lock, on the capture
-  stream, with the cuBLAS workspace rule of ``_segment``), kept as a
-  ``cudaGraph_t`` (``keep_graph=True``, never instantiated). ``_conditional``
-  then builds a second graph with the driver API: a WHILE node whose body is
-  a child-graph clone of that graph followed by a one-thread condition
-  kernel. One launch runs the loop with no host synchronization.
-  Why not capture the body into the WHILE node's body graph during an outer
-  torch capture (the feasibility script's way)? There, torch's capture filter
-  does not route the body stream's allocations to the pool (its capture id
-  differs), so they would have to be rerouted by hand through private
-  allocator calls. Here torch captures the body exactly as it captures every
-  other graph, so its memory is the pool's, and the driver only copies nodes.
-- ``UNROLLED`` (fallback): a torch graph of ``unroll`` iterations, launched
-  until the limit with one read-back of the stop flag per launch (the last
-  launch of a loop reads nothing back).
-- ``HOST_LOOP`` (fallback): a torch graph of one iteration, replayed, with a
-  read-back after each (``unroll=1`` asks for this fallback).
-
-Where WHILE is impossible (``LoopFallback``: no cuda-bindings, an old torch
-or driver, NVRTC failing, the driver refusing the graph), the loop falls
-back; each reason is logged once per process at WARNING (logger
-``cudagraph_capture``) and counted (``loop_fallback_counts()``).
-
-The steps counter: ``steps`` (``[]`` int64, on the device) is 0 when a launch
-starts and counts the iterations that ran before ``stop`` was set; the body
-reads it as its iteration index. Under WHILE the condition kernel adds 1
-after each iteration; in the fallbacks each iteration adds ``stop == 0`` as
-it was before the body, so an iteration run after stop (an unrolled graph's
-tail) counts nothing, and every kind counts the same.
+``DeviceLoop.capture`` captures a decode step once and runs the loop on the
+device where it can: ``WHILE``, the body captured by torch into the graph
+pool, run by a WHILE conditional node that ``_conditional`` builds with the
+driver API around it (one launch, no host synchronization). Where WHILE is
+impossible (``LoopFallback``), it falls back to ``UNROLLED`` (a graph of
+``unroll`` iterations, the stop flag read back after each launch) or
+``HOST_LOOP`` (a graph of one iteration, read back after each), logging
+each reason once per process and counting it (``loop_fallback_counts()``).
+docs/design.md, "Decode loops", says why the body is captured this way.
 """
 
 from __future__ import annotations
@@ -43,7 +17,6 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Final, Protocol
@@ -62,7 +35,7 @@ from ._conditional import (
     load_conditional,
 )
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError
+from ._errors import CaptureError, failures_named
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import capture_lock, capture_stream, shared_pool
@@ -83,6 +56,30 @@ class LoopKind(enum.Enum):
     HOST_LOOP = "host_loop"  # a launch per iteration, the stop flag read back after each
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoopPolicy:
+    """Which kind a ``DeviceLoop`` runs as.
+
+    ``kind``: ``None`` picks ``WHILE``, falling back where it cannot be
+    built; a kind forces it (a forced ``WHILE`` that cannot be built makes the
+    capture raise ``CaptureError``). ``unroll``: iterations per launch of the
+    ``UNROLLED`` fallback; 1 makes the fallback ``HOST_LOOP``. A bad field
+    raises ``ValueError`` naming it.
+    """
+
+    kind: LoopKind | None = None
+    unroll: int = 8
+
+    def __post_init__(self) -> None:
+        given: object = self.kind  # checked at run time: callers may not be typed
+        if given is not None and not isinstance(given, LoopKind):
+            raise ValueError(f"kind: expected a LoopKind or None, got {given!r}")
+        check_int("unroll", self.unroll, minimum=1)
+
+
+_DEFAULT_POLICY: Final = LoopPolicy()
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LoopSpec:
     """What ``DeviceLoop.capture`` was asked for, checked (``checked``); ``stop`` is a ``[]`` view."""
@@ -90,13 +87,12 @@ class LoopSpec:
     body: LoopBody
     stop: torch.Tensor
     max_steps: int
-    unroll: int
-    kind: LoopKind | None
+    policy: LoopPolicy
     descriptor: BatchDescriptor | None
 
     @staticmethod
     def checked(
-        body: object, stop: object, max_steps: object, unroll: object, kind: object, descriptor: object
+        body: object, stop: object, max_steps: object, policy: object, descriptor: object
     ) -> LoopSpec:
         """The spec, or ``ValueError`` naming the first bad argument (nothing is touched)."""
         if not callable(body):
@@ -109,13 +105,12 @@ class LoopSpec:
             )
             raise ValueError(f"stop: expected a one-element bool or int32 tensor, got {shown!r}")
         limit = check_int("max_steps", max_steps, minimum=1)
-        per_launch = check_int("unroll", unroll, minimum=1)
-        if kind is not None and not isinstance(kind, LoopKind):
-            raise ValueError(f"kind: expected a LoopKind or None, got {kind!r}")
+        if not isinstance(policy, LoopPolicy):
+            raise ValueError(f"policy: expected a LoopPolicy, got {policy!r}")
         if descriptor is not None and not isinstance(descriptor, BatchDescriptor):
             raise ValueError(f"descriptor: expected a BatchDescriptor or None, got {descriptor!r}")
         # A view, never a copy: the loop must read the very flag the body writes.
-        return LoopSpec(body, stop.view(()), limit, per_launch, kind, descriptor)
+        return LoopSpec(body, stop.view(()), limit, policy, descriptor)
 
 
 class LoopGraphs(Protocol):
@@ -268,8 +263,7 @@ class DeviceLoop:
         *,
         stop: torch.Tensor,
         max_steps: int,
-        unroll: int = 8,
-        kind: LoopKind | None = None,
+        policy: LoopPolicy = _DEFAULT_POLICY,
         options: CaptureOptions | None = None,
         descriptor: BatchDescriptor | None = None,
     ) -> DeviceLoop:
@@ -286,35 +280,30 @@ class DeviceLoop:
             stop: a one-element bool or int32 CUDA tensor the body sets; the
                 caller clears it before each launch.
             max_steps: the most iterations a launch may run (>= 1).
-            unroll: iterations per launch of the ``UNROLLED`` fallback; 1 makes
-                the fallback ``HOST_LOOP``.
-            kind: ``None`` picks WHILE, falling back; a kind forces it (a
-                forced WHILE that cannot be built raises ``CaptureError``).
+            policy: which kind runs the loop (``LoopPolicy``: WHILE, falling back).
             options: ``CaptureOptions`` (pool, stream, warm-up runs, gc policy).
             descriptor: the key that errors name.
 
         The body runs ``options.warmup_runs`` times eagerly before it is
-        recorded, so the tensors it writes hold undefined values afterwards:
-        refill them (and clear ``stop``) before the first launch. Bad
-        arguments raise ``ValueError`` before anything runs; a failed capture
-        raises ``CaptureError`` naming ``descriptor`` and keeps nothing.
+        recorded: refill the tensors it writes (and clear ``stop``) before the
+        first launch. Bad arguments raise ``ValueError`` before anything runs;
+        a failed capture raises ``CaptureError`` naming ``descriptor``.
         """
-        spec = LoopSpec.checked(body, stop, max_steps, unroll, kind, descriptor)
+        spec = LoopSpec.checked(body, stop, max_steps, policy, descriptor)
         if not spec.stop.is_cuda:
             raise ValueError(f"stop: expected a CUDA tensor, got one on {spec.stop.device}")
-        options = CaptureOptions.given(options)
-        check_capture_enabled(spec.descriptor)
-        if THREAD.breakable is not None:
-            raise CaptureError(
-                "DeviceLoop: cannot capture inside an active breakable capture", spec.descriptor
-            )
-        device = spec.stop.device.index
-        assert device is not None  # a CUDA tensor's device has an index
-        return build_loop(spec, TorchGraphs(options, device, spec.descriptor), load_conditional)
+        graphs = TorchGraphs(CaptureOptions.given(options), _capture_device(spec), spec.descriptor)
+        return build_loop(spec, graphs, load_conditional)
 
     @property
     def steps_taken(self) -> torch.Tensor:
-        """``[]`` int64 on the device: the iterations the last launch ran (valid once it is done)."""
+        """``[]`` int64 on the device: the iterations the last launch ran (valid once it is done).
+
+        The iterations run before ``stop`` was set, under every kind alike: a
+        WHILE loop's condition kernel adds 1 after each iteration; a fallback
+        iteration adds ``stop == 0`` as it was before its body, so one that
+        runs after stop (an unrolled graph's tail) counts nothing.
+        """
         return self._cells.steps
 
     def launch(self, max_steps: int | None = None) -> None:
@@ -330,6 +319,16 @@ class DeviceLoop:
         self._run(steps)
 
 
+def _capture_device(spec: LoopSpec) -> int:
+    """The CUDA device of ``spec``'s flag, where a loop is captured; ``CaptureError`` if none may start."""
+    check_capture_enabled(spec.descriptor)
+    if THREAD.breakable is not None:
+        raise CaptureError("DeviceLoop: cannot capture inside an active breakable capture", spec.descriptor)
+    device = spec.stop.device.index
+    assert device is not None  # a CUDA tensor's device has an index
+    return device
+
+
 def build_loop(
     spec: LoopSpec, graphs: LoopGraphs, conditional: Callable[[int], ConditionalLoops]
 ) -> DeviceLoop:
@@ -343,19 +342,8 @@ def build_loop(
     # Allocated outside the pool and the capture: the loop's own, as long as it lives.
     steps = torch.zeros((), dtype=torch.int64, device=stop.device)
     cells = LoopCells(steps, torch.full((), spec.max_steps, dtype=torch.int64, device=stop.device), stop)
-    try:
-        with graphs.session():
-            kind, run, why = _record_loop(spec, graphs, cells, conditional)
-    except CaptureError:
-        raise
-    except Exception as error:
-        raise CaptureError(
-            f"DeviceLoop: capture failed with {type(error).__name__}: {error}", spec.descriptor
-        ) from error
-    except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
-        if sys.version_info >= (3, 11):
-            error.add_note(f"DeviceLoop: interrupted while capturing the loop of {spec.descriptor}")
-        raise
+    with failures_named("DeviceLoop", spec.descriptor, "the loop"), graphs.session():
+        kind, run, why = _record_loop(spec, graphs, cells, conditional)
     if why is not None:
         _note_fallback(why, kind)
     return DeviceLoop(spec, cells, kind, run, why)
@@ -367,17 +355,17 @@ def _record_loop(
     """Record the loop's graphs (inside the session): WHILE first unless a fallback is forced."""
     graphs.warm_up(lambda: spec.body(cells.steps))
     why: LoopUnavailableError | None = None
-    if spec.kind in (None, LoopKind.WHILE):
+    if spec.policy.kind in (None, LoopKind.WHILE):
         try:
             return LoopKind.WHILE, _while_run(spec, graphs, cells, conditional), None
         except LoopUnavailableError as error:
-            if spec.kind is LoopKind.WHILE:
+            if spec.policy.kind is LoopKind.WHILE:
                 raise CaptureError(
                     f"DeviceLoop: WHILE was asked for, and {error}", spec.descriptor
                 ) from error
             why = error
-    kind = spec.kind or (LoopKind.UNROLLED if spec.unroll > 1 else LoopKind.HOST_LOOP)
-    unroll = 1 if kind is LoopKind.HOST_LOOP else min(spec.unroll, spec.max_steps)
+    kind = spec.policy.kind or (LoopKind.UNROLLED if spec.policy.unroll > 1 else LoopKind.HOST_LOOP)
+    unroll = 1 if kind is LoopKind.HOST_LOOP else min(spec.policy.unroll, spec.max_steps)
     iteration = _counted(spec.body, cells)
     single = graphs.record(iteration, instantiate=True)
     unrolled = single if unroll == 1 else graphs.record(_repeated(iteration, unroll), instantiate=True)

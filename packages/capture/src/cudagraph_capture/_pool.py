@@ -1,16 +1,10 @@
-"""One graph memory pool per device, usable for the life of the process.
+"""One graph memory pool per device, usable for the life of the process; its capture stream and lock.
 
-A pool handle from ``torch.cuda.graph_pool_handle()`` is only good while some
-graph holds it: once every graph captured into it is freed, the caching
-allocators (device and, on torch 2.11, host) mark the pool freeable, and the
-next capture into that handle fails an internal assert. The shared pool is
-therefore pinned by an *anchor*: a one-kernel graph captured into it at
-creation, which keeps the pool's use count above zero for as long as the pool
-is the device's shared pool.
-
-``release_graph_memory`` ends that: it retires the shared pool (the next
-capture creates a new one) and frees its anchor, so the pool's memory goes
-back to the device once the last graph captured into it is freed.
+The shared pool is pinned by an *anchor*, a one-kernel graph captured into it
+at creation (docs/design.md, "Capture engines", says why).
+``release_graph_memory`` retires the shared pool (the next capture creates a
+new one) and frees its anchor, so the pool's memory goes back to the device
+once the last graph captured into it is freed.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """The recorder: one capture of a runnable for one batch descriptor, for both engines.
 
-``GraphRecorder`` does what every capture does: the process-wide switch, the
-device, stream and pool, the device's capture lock, the warm-ups, the error
-that names the descriptor, the outputs held weakly. Its two kinds differ only
-in how the work is recorded: one CUDA graph (``MonolithicRecorder``), or
-graph segments split at eager breaks (``BreakableRecorder``). A recorder is a
-``GraphEngine`` (``graph_engine`` builds one): a runner that keeps the entries
-itself calls ``warm_up`` and ``record``; the wrappers (``_wrapper``) keep a
-table of its entries and follow the forward context.
-
-One capture makes one ``Entry``: the subclass's ``_record`` hands back the
-graph's owner, the strong outputs and the instantiation seconds, and
-``capture`` builds the entry from them.
+``GraphRecorder`` does what every capture does (docs/design.md,
+"Capture engines"); its two kinds differ only in how the work is recorded:
+one CUDA graph (``MonolithicRecorder``), or graph segments split at eager
+breaks (``BreakableRecorder``). A runner that keeps its entries itself takes a
+recorder from ``graph_engine``; the wrappers (``_wrapper``) keep a table of
+them. One capture makes one ``Entry``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -33,7 +26,7 @@ from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMo
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError
+from ._errors import CaptureError, failures_named
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
@@ -167,25 +160,15 @@ class GraphRecorder(Generic[R]):
         names ``descriptor``; the failed graph is freed before it is raised.
         """
         device, pool = self._ready(descriptor)
-        try:
-            with capture_lock(device):  # another thread's capture on this device waits for this one
-                stream = self._stream(device)
-                if execute and self.options.warmup_runs:
-                    self._warm_up(descriptor, stream, args, kwargs, extra)
-                run = functools.partial(self.runnable, *args, **kwargs)
-                start = time.perf_counter()
-                owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
-                recorded_s = time.perf_counter() - start
-        except CaptureError:
-            raise
-        except Exception as error:
-            raise CaptureError(
-                f"{self.name}: capture failed with {type(error).__name__}: {error}", descriptor
-            ) from error
-        except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
-            if sys.version_info >= (3, 11):
-                error.add_note(f"{self.name}: interrupted while capturing the graph of {descriptor}")
-            raise
+        # Another thread's capture on this device waits for this one (the lock).
+        with failures_named(self.name, descriptor, "the graph"), capture_lock(device):
+            stream = self._stream(device)
+            if execute and self.options.warmup_runs:
+                self._warm_up(descriptor, stream, args, kwargs, extra)
+            run = functools.partial(self.runnable, *args, **kwargs)
+            start = time.perf_counter()
+            owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
+            recorded_s = time.perf_counter() - start
         if execute and not self.EXECUTES:
             owner.replay()
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None

@@ -1,25 +1,11 @@
-"""Low-level capture steps shared by both engines.
+"""Low-level capture steps shared by both engines: one graph segment begun, ended or aborted.
 
-Both engines capture on a side stream (like ``torch.cuda.graph``): the
-capture stream first waits for the caller's stream, so the capture sees
-every write queued before it, and the caller's stream waits for the capture
-stream afterwards, so eager work run during a breakable capture is ordered
-before whatever the caller does next. No host synchronization is needed.
-
-cuBLAS workspaces: torch caches one per (handle, stream), allocated at the
-first GEMM on a stream, and a captured GEMM bakes its address in. The
-engines' warm-ups run on the capture stream, so that first GEMM is eager and
-its workspace comes from the ordinary allocator; and destroying any graph
-captured on that stream (``clear()``, ``discard()``, a caller's graph whose
-pooled stream is the same) drops the cached workspace (torch 2.11's
-``CUDAGraph.reset``, pytorch/pytorch#193402). The freed block then goes to
-other tensors, or back to the driver, while every live graph still writes
-to it: silent corruption, or an illegal address. So the cache is dropped
-right before each capture, and the capture allocates its workspace from the
-graph pool, which outlives it (the shared pool is pinned); and again right
-after, so eager work never runs on a pool block. A freed pool block is only
-ever handed to later captures into the same pool, whose graphs replay one at
-a time, as the pool's other memory is.
+Both engines capture on a side stream (``on_side_stream``) ordered after the
+caller's stream, and the caller's stream after it, with no host
+synchronization. Around each segment they drop torch's cached cuBLAS
+workspaces, so a captured GEMM takes its workspace from the graph pool
+(docs/design.md, "Capture engines", and the README's "cuBLAS workspaces" say
+why).
 """
 
 from __future__ import annotations

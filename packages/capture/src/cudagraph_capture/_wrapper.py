@@ -2,23 +2,16 @@
 
 Two ways in, one table of captured graphs:
 
-- As a model layer (vLLM's contract): a call reads the forward context
-  (``cudagraph_dispatch``). With no context, NONE, or a mode the wrapper does
-  not serve, it calls its runnable; otherwise it captures on the first call
-  for the context's descriptor and replays that graph on every later call.
+- As a model layer (vLLM's contract): a call reads the forward context. With
+  no context, NONE, or a mode the wrapper does not serve, it calls its
+  runnable; otherwise the first call for a descriptor captures and later
+  calls replay.
 - Directly: ``capture(descriptor, ...)``, ``is_captured(descriptor)`` and
-  ``replay(descriptor)``, with no forward context to set and read back on
-  every step.
+  ``replay(descriptor)``, with no forward context to set.
 
-A wrapper is also a ``GraphEngine`` (``warm_up``, ``record``), by passing
-those calls to its recorder; its table is not involved. A model runner that
-keeps its graphs itself (``cudagraph_manager``) takes the recorder directly
-instead (``graph_engine``). Both ways capture through the recorder
-(``_recorder``), which does the capture and checks the arguments; the
-wrapper adds the table and the forward-context contract.
-
-A wrapper keeps no input buffers: the caller keeps its inputs at fixed
-addresses and copies new data into them before each replay.
+The recorder (``_recorder``) does the capture; a wrapper adds the table, and
+passes ``warm_up`` and ``record`` (``GraphEngine``) to it. A wrapper keeps no
+input buffers: the caller keeps its inputs at fixed addresses.
 """
 
 from __future__ import annotations

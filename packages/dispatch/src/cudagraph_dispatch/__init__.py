@@ -15,8 +15,6 @@ from ._context import get_forward_context as get_forward_context
 from ._context import set_forward_context as set_forward_context
 from ._descriptor import BatchDescriptor as BatchDescriptor
 from ._dispatcher import CUDAGraphDispatcher as CUDAGraphDispatcher
-from ._dispatcher import Dispatch as Dispatch
-from ._dispatcher import Route as Route
 from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._protocols import GraphDispatcher as GraphDispatcher
 from ._ranks import agree_across_ranks as agree_across_ranks
@@ -24,6 +22,8 @@ from ._reasons import EagerReason as EagerReason
 from ._request import NO_MODES as NO_MODES
 from ._request import RankRequest as RankRequest
 from ._request import StepRequest as StepRequest
+from ._rule import Dispatch as Dispatch
+from ._rule import Route as Route
 from ._sizes import MAX_CAPTURE_SIZE as MAX_CAPTURE_SIZE
 from ._sizes import CaptureSizes as CaptureSizes
 from ._support import AttentionSupport as AttentionSupport

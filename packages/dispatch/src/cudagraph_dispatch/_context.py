@@ -80,7 +80,6 @@ class set_forward_context:  # noqa: N801 - used as a function-style context mana
         self._token = _CURRENT.set(self._context)
         return self._context
 
-    # __exit__'s protocol signature, repeated in BreakableCUDAGraphCapture: boilerplate, not shared logic.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from ._descriptor import BatchDescriptor
-from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
+from ._rule import Dispatch
 
 
 class GraphDispatcher(Protocol):

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ._descriptor import BatchDescriptor
-from ._dispatcher import Dispatch
 from ._modes import CUDAGraphMode
 from ._protocols import GraphDispatcher
 from ._request import NO_MODES, StepRequest
+from ._rule import Dispatch
 
 
 def agree_across_ranks(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Final
@@ -92,16 +91,6 @@ class CaptureSizes:
     @property
     def dense_buckets(self) -> tuple[int, ...]:
         """The bucket of every count below ``len(dense_buckets)``, by count: a look-up, not a bisection."""
-        return self._dense_buckets
-
-    @property
-    def dense_slots(self) -> tuple[int, ...]:
-        """Deprecated name of ``dense_buckets`` (warns; removed in 0.2)."""
-        warnings.warn(
-            "CaptureSizes.dense_slots is deprecated: it is CaptureSizes.dense_buckets; removed in 0.2",
-            DeprecationWarning,
-            stacklevel=2,
-        )
         return self._dense_buckets
 
     def representatives(self) -> tuple[int, ...]:

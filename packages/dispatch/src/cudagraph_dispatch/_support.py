@@ -118,45 +118,64 @@ def resolve_mode(
     vLLM's policy in its order, with a step 0 for an attention that does not
     split (docs/design.md, "Attention support", states the rules). Each
     downgrade is logged once, at WARNING, with its reason; ``strict=True``
-    raises ``ModeNotSupportedError`` instead of the first.
+    raises ``ModeNotSupportedError`` instead of the first. A bad argument
+    raises ``ValueError`` naming it.
     """
-    if not isinstance(config, DispatchConfig):
-        raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
-    if not isinstance(support, AttentionSupport):
-        raise ValueError(f"support: expected an AttentionSupport, got {support!r}")
-    check_bool("strict", strict)
+    _check_resolve_arguments(config, support, strict)
     level, query_len, split = support.level, config.uniform_decode_query_len, support.piecewise
+    downgrade = _Downgrades(config, support, strict)
     mode = config.mode
-    reasons: list[str] = []
-
-    def downgrade(to: CUDAGraphMode, why: str) -> CUDAGraphMode:
-        message = f"{mode.name} -> {to.name}: {why}"
-        if strict:
-            raise ModeNotSupportedError(
-                f"mode: {config.mode.name} needs FULL graphs that {support.name} "
-                f"({level.name}) cannot replay: {why}; pass {to.name}, or resolve without strict"
-            )
-        _LOG.warning("CUDA graph mode %s (%s supports %s)", message, support.name, level.name)
-        reasons.append(message)
-        return to
-
     fallback = _PIECEWISE if split else _NONE
     fallback_why = "PIECEWISE graphs split at the attention" if split else "the attention does not split"
     if not split and mode.mixed_mode() is _PIECEWISE and level is not GraphSupport.ALWAYS:
         mode = downgrade(
+            mode,
             CUDAGraphMode.FULL_DECODE_ONLY if mode.decode_mode() is _FULL else _NONE,
             "the attention does not split, so PIECEWISE graphs hold it and serve mixed batches: "
             "that needs ALWAYS",
         )
     if mode.mixed_mode() is _FULL and level is not GraphSupport.ALWAYS:
         mode = downgrade(
+            mode,
             CUDAGraphMode.FULL_AND_PIECEWISE if split else CUDAGraphMode.FULL_DECODE_ONLY,
             "mixed prefill/decode batches need ALWAYS for FULL graphs",
         )
     if mode.decode_mode() is _FULL and level is GraphSupport.NEVER:
-        mode = downgrade(fallback, f"no FULL graph at NEVER; {fallback_why}")
+        mode = downgrade(mode, fallback, f"no FULL graph at NEVER; {fallback_why}")
     if mode.decode_mode() is _FULL and query_len > 1 and level < GraphSupport.UNIFORM_BATCH:
-        mode = downgrade(
-            fallback, f"uniform decode of {query_len} tokens per request needs UNIFORM_BATCH; {fallback_why}"
-        )
-    return ModeResolution(config.mode, mode, support, query_len, tuple(reasons))
+        why = f"uniform decode of {query_len} tokens per request needs UNIFORM_BATCH; {fallback_why}"
+        mode = downgrade(mode, fallback, why)
+    return ModeResolution(config.mode, mode, support, query_len, tuple(downgrade.reasons))
+
+
+def _check_resolve_arguments(config: object, support: object, strict: object) -> None:
+    """``resolve_mode``'s arguments: ``ValueError`` naming the first bad one."""
+    if not isinstance(config, DispatchConfig):
+        raise ValueError(f"config: expected a DispatchConfig, got {config!r}")
+    if not isinstance(support, AttentionSupport):
+        raise ValueError(f"support: expected an AttentionSupport, got {support!r}")
+    check_bool("strict", strict)
+
+
+class _Downgrades:
+    """One resolution's downgrades, in order: each logged at WARNING, or the first raised if ``strict``."""
+
+    __slots__ = ("config", "reasons", "strict", "support")
+
+    def __init__(self, config: DispatchConfig, support: AttentionSupport, strict: bool) -> None:
+        self.config: Final = config
+        self.support: Final = support
+        self.strict: Final = strict
+        self.reasons: Final[list[str]] = []
+
+    def __call__(self, mode: CUDAGraphMode, to: CUDAGraphMode, why: str) -> CUDAGraphMode:
+        """``to``, the mode that ``mode`` is downgraded to because ``why``; raises if ``strict``."""
+        support, message = self.support, f"{mode.name} -> {to.name}: {why}"
+        if self.strict:
+            raise ModeNotSupportedError(
+                f"mode: {self.config.mode.name} needs FULL graphs that {support.name} "
+                f"({support.level.name}) cannot replay: {why}; pass {to.name}, or resolve without strict"
+            )
+        _LOG.warning("CUDA graph mode %s (%s supports %s)", message, support.name, support.level.name)
+        self.reasons.append(message)
+        return to

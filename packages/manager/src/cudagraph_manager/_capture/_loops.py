@@ -14,7 +14,7 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop
+from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, LoopPolicy
 from cudagraph_dispatch import CUDAGraphMode, ForwardContext
 
 from .._batch import StepBatch
@@ -89,8 +89,7 @@ class LoopCapture(Generic[OutputT]):
                 body,
                 stop=buffers.stop,
                 max_steps=config.max_steps,
-                unroll=config.unroll,
-                kind=config.kind,
+                policy=LoopPolicy(config.kind, config.unroll),
                 options=options,
                 descriptor=graph.descriptor,
             )

@@ -1,11 +1,7 @@
 """Ranks that step together: one small all-reduce per step makes them agree.
 
-Ranks whose graphs hold collectives (tensor-parallel all-reduces) or whose
-models exchange tokens (data-parallel MoE all-to-alls) must launch the same
-kind of step at the same time: a graph with NCCL operations is itself a
-collective, so one rank replaying while another runs eagerly, or two ranks
-replaying graphs of different sizes, hangs or corrupts both. ``RankAgreement``
-is the group those ranks agree over. Each exchange is one all-reduce of a
+``RankAgreement`` is the group those ranks agree over (docs/design.md,
+"Ranks", says why they must). Each exchange is one all-reduce of a
 ``[world_size, fields]`` int64 table in which every rank fills its own row
 (the layout of vLLM's ``coordinate_batch_across_dp``), so every rank reads
 every rank's values and computes the same answer locally.
@@ -90,38 +86,14 @@ class RankAgreement:
         timeout: datetime.timedelta | None = None,
     ) -> None:
         _check_arguments(group, backend, timeout)
-        if backend is None:
-            if group is None:
-                group = dist.group.WORLD
-            assert group is not None  # initialized above
-            chosen = str(dist.get_backend(group))
-        else:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            # shm: a gloo group of the same ranks sets the shared table up. A
-            # subgroup synchronizes among its members only: data-parallel
-            # groups of a DP x TP world each build theirs independently.
-            group = dist.new_group(
-                ranks,
-                backend="gloo" if backend == "shm" else backend,
-                timeout=timeout,
-                use_local_synchronization=ranks is not None,
-            )
-            chosen = backend
+        group, chosen = _agreement_group(group, backend, timeout)
         self._group: Final = group
         self._backend: Final = chosen
         self._rank: Final = dist.get_rank(group)
         self._world_size: Final = dist.get_world_size(group)
         self._timeout: Final = timeout  # None: the group's own
-        if self._backend == "nccl":
-            from cudagraph_capture import resolve_device
-
-            target = resolve_device(device)
-            if target.type != "cuda":
-                raise ValueError(f"device: the nccl backend exchanges on a CUDA device, got {device!r}")
-            self._device: torch.device = target
-        else:
-            self._device = torch.device("cpu")
-        # nccl: per row width, a pinned host table and its device twin, reused by every exchange.
+        self._device: Final = _exchange_device(chosen, device)
+        # nccl: per table size, a pinned host table and its device twin, reused by every exchange.
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._table: Final = (
             SharedTable(group, self._rank, self._world_size, (timeout or _DEFAULT_TIMEOUT).total_seconds())
@@ -166,35 +138,45 @@ class RankAgreement:
         start = self._rank * width
         table[start : start + width] = row
         tensor = torch.tensor(table, dtype=torch.int64)
-        if self._device.type != "cuda":
-            try:
-                dist.all_reduce(tensor, group=self._group)  # each entry is one rank's: the sum is the table
-            except RuntimeError as error:
-                if "timed out" not in str(error).lower():
-                    raise
-                waited = "its timeout" if self._timeout is None else f"{self._timeout.total_seconds():g} s"
-                raise TimeoutError(
-                    f"rank {self._rank} of {self._world_size}: the exchange over {self._backend} timed out "
-                    f"after {waited}: a rank did not arrive (it stopped, hangs, or steps differently)"
-                ) from error
-            flat: list[int] = tensor.tolist()
+        if self._device.type == "cuda":
+            flat = self._all_reduced_on_device(tensor)
         else:
-            host, device = self._staged(width)
-            host.copy_(tensor)
-            device.copy_(host, non_blocking=True)  # pinned: a DMA on the current stream, no staging
-            dist.all_reduce(device, group=self._group)
-            host.copy_(device, non_blocking=True)
-            # The host reads the table now: wait for this stream (it also frees host for the next exchange).
-            torch.cuda.current_stream(self._device).synchronize()
-            flat = host.tolist()
+            flat = self._all_reduced_on_cpu(tensor)
         return [tuple(flat[r * width : (r + 1) * width]) for r in range(self._world_size)]
 
-    def _staged(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pinned host table and its device twin for rows of ``width`` ints (made once)."""
-        staged = self._staging.get(width)
+    def _all_reduced_on_cpu(self, table: torch.Tensor) -> list[int]:
+        """Every rank's ``table`` (CPU) summed over the group; ``TimeoutError`` if a rank is missing."""
+        try:
+            dist.all_reduce(table, group=self._group)  # each entry is one rank's: the sum is the table
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            waited = "its timeout" if self._timeout is None else f"{self._timeout.total_seconds():g} s"
+            raise TimeoutError(
+                f"rank {self._rank} of {self._world_size}: the exchange over {self._backend} timed out "
+                f"after {waited}: a rank did not arrive (it stopped, hangs, or steps differently)"
+            ) from error
+        flat: list[int] = table.tolist()
+        return flat
+
+    def _all_reduced_on_device(self, table: torch.Tensor) -> list[int]:
+        """The sum of every rank's ``table`` (a CPU tensor), all-reduced on this rank's CUDA device."""
+        host, device = self._staged(table.numel())
+        host.copy_(table)
+        device.copy_(host, non_blocking=True)  # pinned: a DMA on the current stream, no staging
+        dist.all_reduce(device, group=self._group)
+        host.copy_(device, non_blocking=True)
+        # The host reads the table now: wait for this stream (it also frees host for the next exchange).
+        torch.cuda.current_stream(self._device).synchronize()
+        flat: list[int] = host.tolist()
+        return flat
+
+    def _staged(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pinned host table and its device twin for tables of ``size`` ints (made once)."""
+        staged = self._staging.get(size)
         if staged is None:
-            host = torch.zeros(width * self._world_size, dtype=torch.int64).pin_memory()
-            staged = self._staging[width] = (host, torch.empty_like(host, device=self._device))
+            host = torch.zeros(size, dtype=torch.int64).pin_memory()
+            staged = self._staging[size] = (host, torch.empty_like(host, device=self._device))
         return staged
 
     def agree_step(
@@ -319,6 +301,42 @@ class RankAgreement:
 
     def __repr__(self) -> str:
         return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"
+
+
+def _agreement_group(
+    group: dist.ProcessGroup | None, backend: Backend | None, timeout: datetime.timedelta | None
+) -> tuple[dist.ProcessGroup, str]:
+    """The group the exchanges run over, and its backend: ``group`` itself for ``backend=None``.
+
+    Otherwise a new group of the same ranks (a collective over ``group``
+    alone); shm's is a gloo group, which sets the shared table up. A subgroup
+    synchronizes among its members only: the data-parallel groups of a
+    DP x TP world each build theirs independently.
+    """
+    if backend is None:
+        chosen = group if group is not None else dist.group.WORLD
+        assert chosen is not None  # torch.distributed is initialized (checked)
+        return chosen, str(dist.get_backend(chosen))
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    made = dist.new_group(
+        ranks,
+        backend="gloo" if backend == "shm" else backend,
+        timeout=timeout,
+        use_local_synchronization=ranks is not None,
+    )
+    return made, backend
+
+
+def _exchange_device(backend: str, device: torch.device | str | int | None) -> torch.device:
+    """Where the exchanges' tables live: ``device`` (a CUDA one) for nccl, else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    from cudagraph_capture import resolve_device
+
+    target = resolve_device(device)
+    if target.type != "cuda":
+        raise ValueError(f"device: the nccl backend exchanges on a CUDA device, got {device!r}")
+    return target
 
 
 def _check_arguments(group: object, backend: object, timeout: object) -> None:

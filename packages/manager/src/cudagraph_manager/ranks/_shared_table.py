@@ -3,14 +3,8 @@
 Each exchange is one round: every rank writes its row and then the round's
 sequence number into its own cell, then waits until every other cell shows
 that number, and reads the rows. Two copies of the table alternate by the
-round's parity, so a rank that finished reading round ``k`` and writes round
-``k + 1`` never overwrites a cell another rank is still reading (no rank can
-start round ``k + 2`` before every rank wrote ``k + 1``, which each does only
-after reading ``k``).
-
-The protocol relies on stores becoming visible in program order (the row
-before its sequence number), which x86-64 guarantees and weaker memory
-models (Arm) do not; so it is offered on x86-64 only.
+round's parity. Offered on x86-64 only (docs/design.md, "Ranks", says why
+this is safe there and not elsewhere).
 """
 
 from __future__ import annotations
@@ -81,6 +75,32 @@ def make_table_file(path: str, size: int) -> None:
         os.close(fd)
 
 
+def _file_of_rank_0(size: int, rank: int, world_size: int, group: dist.ProcessGroup) -> tuple[str, str]:
+    """The table file of ``size`` bytes that rank 0 makes, its path learnt by every rank (collective).
+
+    Returns the path and rank 0's problem making it (``""`` when none).
+    """
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"cudagraph-ranks-{uuid.uuid4().hex}")
+    problem = ""
+    if rank == 0:
+        try:
+            make_table_file(path, size)
+        except OSError as error:
+            problem = f"rank 0 could not make {path}: {error}"
+    path, problem = gather_texts(f"{path}\n{problem}", rank, world_size, group)[0].split("\n", 1)
+    return path, problem
+
+
+def _map_file(path: str, size: int, rank: int) -> tuple[mmap.mmap | None, str]:
+    """The first ``size`` bytes of ``path`` mapped, and ``""``; or ``None`` and why not."""
+    try:
+        with open(path, "r+b") as f:
+            return mmap.mmap(f.fileno(), size), ""
+    except OSError as error:
+        return None, f"rank {rank} could not map {path}: {error}"
+
+
 class SharedTable:
     """One ``[world_size, MAX_WIDTH]`` int64 table per round, in a file mapped by every rank of one host."""
 
@@ -95,23 +115,9 @@ class SharedTable:
         hosts = gather_texts(platform.node(), rank, world_size, group)
         if len(set(hosts)) > 1:
             raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         size = 2 * world_size * _CELL.size
-        path = os.path.join(folder, f"cudagraph-ranks-{uuid.uuid4().hex}")
-        problem = ""
-        if rank == 0:
-            try:
-                make_table_file(path, size)
-            except OSError as error:
-                problem = f"rank 0 could not make {path}: {error}"
-        path, problem = gather_texts(f"{path}\n{problem}", rank, world_size, group)[0].split("\n", 1)
-        mapped: mmap.mmap | None = None
-        if not problem:
-            try:
-                with open(path, "r+b") as f:
-                    mapped = mmap.mmap(f.fileno(), size)
-            except OSError as error:
-                problem = f"rank {rank} could not map {path}: {error}"
+        path, problem = _file_of_rank_0(size, rank, world_size, group)
+        mapped, problem = _map_file(path, size, rank) if not problem else (None, problem)
         problems = gather_texts(problem, rank, world_size, group)  # also: every rank has mapped it
         if rank == 0 and os.path.exists(path):
             os.unlink(path)  # the name can go, the mappings stay
