@@ -26,6 +26,7 @@ LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
         ("_config",),
         ("_support",),
         ("_context",),
+        ("_rule",),
         ("_dispatcher",),
         ("_protocols",),
         ("_ranks",),

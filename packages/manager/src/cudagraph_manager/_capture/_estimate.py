@@ -105,10 +105,9 @@ def estimate_memory(
     warm_ups: WarmUps,
     loops: LoopProbes[OutputT] | None = None,
 ) -> MemoryEstimate:
-    """Probe, measure and extrapolate; synchronizes the calling stream.
+    """Probe, measure and extrapolate; synchronizes the calling stream (``loops``: a group of their own).
 
-    ``warm_ups``: the capture's (the rule's); ``loops``: the decode loops the
-    capture adds, probed as a group of their own. The probes' pool is freed.
+    ``warm_ups``: the capture's (the rule's). The probes' own pool is freed at the end.
     """
     start = time.perf_counter()
     check_capture_enabled(None)
@@ -122,9 +121,8 @@ def estimate_memory(
             warmup = measure_warm_ups(_largest_warmed(grouped, engines, warm_ups), buffers, device)
             groups = _probe_plan(grouped, engines, buffers, smallest_of_modes(pending), kept)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
-                groups.append(
-                    (loops.graphs, functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept))
-                )
+                probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
+                groups.append((loops.graphs, probe_loop))
             probes, pool_total, driver_total = _probe_groups(groups)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
