@@ -141,7 +141,7 @@ def test_a_loop_is_released_and_recaptured() -> None:
 
 def test_run_loop_needs_a_decode_loop_and_checks_its_arguments() -> None:
     plain = CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu")
-    with pytest.raises(RuntimeError, match="built without decode_loop="):
+    with pytest.raises(RuntimeError, match=r"built without ManagerOptions\(decode_loop=\.\.\.\)"):
         _run(plain, [1], [1], None)
     manager = _manager(Backend.of("cpu"))
     with pytest.raises(ValueError, match="max_steps: expected an integer <= 12"):

@@ -22,6 +22,7 @@ from ._attention._seam import pad_rows as pad_rows
 from ._attention._support_check import BatchKind as BatchKind
 from ._attention._support_check import KindCheck as KindCheck
 from ._attention._support_check import SupportCheck as SupportCheck
+from ._attention._support_check import SupportCheckOptions as SupportCheckOptions
 from ._attention._support_check import SupportLevelError as SupportLevelError
 from ._attention._support_check import check_attention_support as check_attention_support
 from ._capture._background import BackgroundCapture as BackgroundCapture
@@ -30,6 +31,8 @@ from ._compiled import compile_for_capture as compile_for_capture
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
+from ._options import AttentionOptions as AttentionOptions
+from ._options import ManagerOptions as ManagerOptions
 from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._protocols import GraphEngineFactory as GraphEngineFactory
 from ._protocols import ModelOutput as ModelOutput
@@ -51,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionMetadataBuilder",
+    "AttentionOptions",
     "BackgroundCapture",
     "BatchKind",
     "BatchShape",
@@ -65,6 +69,7 @@ __all__ = [
     "LoopResult",
     "LoopState",
     "KindCheck",
+    "ManagerOptions",
     "ManagerStats",
     "MemoryEstimate",
     "ModelOutput",
@@ -76,6 +81,7 @@ __all__ = [
     "StaticInput",
     "StepBatch",
     "SupportCheck",
+    "SupportCheckOptions",
     "SupportLevelError",
     "WeightsReplacedError",
     "attention_metadata",

@@ -23,11 +23,10 @@ from typing import Final, Generic, TypeAlias, cast
 import torch
 from torch import Tensor
 
-from cudagraph_capture import CaptureOptions, OutputGuard
+from cudagraph_capture import OutputGuard
 from cudagraph_dispatch import (
     FORWARD_CONTEXT_VAR,
     NO_MODES,
-    AttentionSupport,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     Dispatch,
@@ -42,14 +41,13 @@ from ._attention._seam import StepBatch
 from ._capture._background import BackgroundCapture
 from ._capture._capturer import Capturer, agree_plan
 from ._capture._planned import replays_by_size
+from ._options import ManagerOptions
 from ._parts import ManagerParts
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from ._protocols import OutputT
 from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate
-from ._step._decode_loop import DecodeLoop, LoopResult
+from ._step._decode_loop import LoopResult
 from ._step._eager import EagerSteps
-from ._step._outputs import OutputRows
 from ._step._static import StaticInput
-from .ranks import RankAgreement
 
 _Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's invalid modes
 
@@ -61,18 +59,14 @@ class CUDAGraphManager(Generic[OutputT]):
     tuple, list or dict of tensors; each input gets a static buffer on
     ``device`` (default: the current CUDA device, else the CPU, where every
     step runs eagerly on the padded buffers). ``config`` decides which
-    graphs exist, ``options`` go to the capture engines (``engine_factory``
-    replaces them), ``output_rows`` says which count each output's rows
-    follow. ``strict`` raises ``NoGraphError`` where a step would run
-    eagerly. ``check_overwritten_outputs`` (a debug check) makes outputs
-    unreadable once a later replay may have overwritten them. ``ranks``:
-    data- or tensor-parallel ranks capture one plan and take one route per
-    step. ``metadata_builder`` builds the attention's metadata on every path
-    (``attention_metadata(builder)`` reads it); ``attention`` (default: its
-    ``support``, else the model's ``graph_support()``) resolves the mode.
-    ``decode_loop`` lets ``run_loop`` take many decode steps per call. One
-    step at a time: ``run`` while another thread is inside a method of this
-    manager raises ``RuntimeError``. README and docs/design.md say more.
+    graphs exist. ``strict`` raises ``NoGraphError`` where a step would run
+    eagerly. ``options`` (``ManagerOptions``) holds the rest: the capture
+    engines' options and factory, which count each output's rows follow, a
+    debug check of overwritten outputs, the ranks that step together, the
+    attention (``AttentionOptions``: its support, strictness and metadata
+    builder) and a decode loop for ``run_loop``. One step at a time: ``run``
+    while another thread is inside a method of this manager raises
+    ``RuntimeError``. README and docs/design.md say more.
     """
 
     def __init__(
@@ -83,32 +77,11 @@ class CUDAGraphManager(Generic[OutputT]):
         *,
         device: torch.device | str | int | None = None,
         strict: bool = False,
-        options: CaptureOptions | None = None,
-        output_rows: OutputRows = "tokens",
-        engine_factory: GraphEngineFactory | None = None,
-        check_overwritten_outputs: bool = False,
-        ranks: RankAgreement | None = None,
-        attention: AttentionSupport | None = None,
-        strict_attention: bool = False,
-        metadata_builder: AttentionMetadataBuilder[object] | None = None,
-        decode_loop: DecodeLoop[OutputT] | None = None,
+        options: ManagerOptions[OutputT] | None = None,
     ) -> None:
-        checked = check_arguments(
-            model,
-            inputs,
-            config,
-            device=device,
-            strict=strict,
-            options=options,
-            output_rows=output_rows,
-            engine_factory=engine_factory,
-            check_overwritten_outputs=check_overwritten_outputs,
-            ranks=ranks,
-            attention=attention,
-            strict_attention=strict_attention,
-            metadata_builder=metadata_builder,
-            decode_loop=decode_loop,
-        )
+        checked = check_arguments(model, inputs, config, device, strict, options)
+        given: ManagerOptions[OutputT] = ManagerOptions() if options is None else options
+        ranks = given.ranks
         parts = self._parts = ManagerParts.of(
             model, checked, strict, None if ranks is None else ranks.world_size
         )
@@ -116,10 +89,10 @@ class CUDAGraphManager(Generic[OutputT]):
         self._buffers: Final = parts.buffers
         self._layout: Final = parts.layout  # from the first outputs seen
         self._counts: Final = parts.counts
-        self._guard: Final = _output_guard() if check_overwritten_outputs else None
+        self._guard: Final = _output_guard() if given.check_overwritten_outputs else None
         self._ranks: Final = ranks
         self._eager: Final = EagerSteps(parts)
-        self._capturer: Final = Capturer(parts, checked.factory, checked.options, decode_loop)
+        self._capturer: Final = Capturer(parts, checked.factory, checked.options, given.decode_loop)
         self._keys: Final = self._capturer.keys  # the plan's keys; a key's entry says if it is captured
         self._step_lock: Final = threading.Lock()
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
@@ -332,7 +305,7 @@ class CUDAGraphManager(Generic[OutputT]):
         max_steps: int | None = None,
         **inputs: Tensor,
     ) -> LoopResult:
-        """Up to ``max_steps`` decode steps of a uniform batch in one call (``decode_loop=``).
+        """Up to ``max_steps`` decode steps of a uniform batch in one call (``ManagerOptions.decode_loop``).
 
         The inputs as keywords or in one mapping (``batch``), one token per
         request, checked as ``run`` checks. On the device where ``capture()``
@@ -341,7 +314,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         loops = self._capturer.loops
         if loops is None:
-            raise RuntimeError("run_loop: this manager was built without decode_loop=")
+            raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:
@@ -362,9 +335,9 @@ _BUSY: Final = (
     "(serialize the calls, or use a manager per thread)"
 )
 _NO_BACKGROUND_WITH_RANKS: Final = (
-    "start_capture: a manager with ranks= captures with capture(), on every rank at once; "
-    "a background capture would interleave its collectives with the serving steps' "
-    "differently on each rank"
+    "start_capture: a manager with ranks (ManagerOptions.ranks) captures with capture(), "
+    "on every rank at once; a background capture would interleave its collectives with the "
+    "serving steps' differently on each rank"
 )
 
 
@@ -373,4 +346,4 @@ def _output_guard() -> OutputGuard:
     try:
         return OutputGuard()
     except ValueError as error:
-        raise ValueError(f"check_overwritten_outputs: {error}") from None
+        raise ValueError(f"options.check_overwritten_outputs: {error}") from None
