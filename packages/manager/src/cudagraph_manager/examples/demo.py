@@ -26,7 +26,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions, StaticInput
 
 from .config import DecoderConfig
 from .demo_loop import show_decode_loops
@@ -318,8 +318,11 @@ def _manager(
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager over the model (its attention's builder, where it has one), not captured yet."""
     builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(
+        attention=AttentionOptions(metadata_builder=builder)
+    )
     return CUDAGraphManager(
-        decoder.model.forward, decoder.inputs, dispatch_config, device=device, metadata_builder=builder
+        decoder.model.forward, decoder.inputs, dispatch_config, device=device, options=options
     )
 
 

@@ -12,8 +12,9 @@ One module per concern:
 Random inputs and the float64 oracle are in ``examples.testing``.
 
     model = PagedDecoder(config, backend="gather")
+    attention = AttentionOptions(metadata_builder=model.backend)
     manager = CUDAGraphManager(
-        model, paged_static_inputs(model.layout), dispatch, metadata_builder=model.backend
+        model, paged_static_inputs(model.layout), dispatch, options=ManagerOptions(attention=attention)
     )
 """
 
