@@ -72,7 +72,7 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
     ``seconds``, failed with an ``AttributeError`` inside ``capture()``.
     """
     from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, StaticInput
+    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, ManagerOptions, StaticInput
 
     (code,) = [b for b in python_blocks(ROOT / "packages/capture/README.md") if "class RerunEngine" in b]
     namespace: dict[str, object] = {"__name__": "readme_example"}
@@ -85,7 +85,11 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
 
     config = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([2, 4, 8]), max_num_seqs=8)
     manager = CUDAGraphManager(
-        model, {"x": StaticInput((8,))}, config, device="cpu", engine_factory=engine_factory
+        model,
+        {"x": StaticInput((8,))},
+        config,
+        device="cpu",
+        options=ManagerOptions(engine_factory=engine_factory),
     )
     report = manager.capture()
     assert manager.num_captured == 3

@@ -28,8 +28,10 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import (
+    AttentionOptions,
     BatchShape,
     CUDAGraphManager,
+    ManagerOptions,
     StaticInput,
     StepBatch,
     attention_metadata,
@@ -133,9 +135,10 @@ def _manager(
         INPUTS,
         config,
         device=backend.device,
-        engine_factory=backend.factory,
-        metadata_builder=builder,
-        attention=attention,
+        options=ManagerOptions(
+            engine_factory=backend.factory,
+            attention=AttentionOptions(metadata_builder=builder, support=attention),
+        ),
     )
     return manager, model
 
@@ -292,22 +295,20 @@ def test_attention_metadata_outside_a_forward_or_for_another_builder_raises() ->
 
 @pytest.mark.parametrize("bad", [object(), "builder", 3])
 def test_a_bad_builder_is_named(bad: object) -> None:
-    with pytest.raises(ValueError, match="metadata_builder: expected an AttentionMetadataBuilder"):
-        CUDAGraphManager(
-            SeamModel(ToyBuilder()),
-            INPUTS,
-            config_for(M.FULL),
-            device="cpu",
-            metadata_builder=bad,  # type: ignore[arg-type]  # the check under test
-        )
+    with pytest.raises(
+        ValueError, match=r"^attention\.metadata_builder: expected an AttentionMetadataBuilder"
+    ):
+        AttentionOptions(metadata_builder=bad)  # type: ignore[arg-type]  # the check under test
 
 
 def test_a_builder_needs_a_request_input() -> None:
-    with pytest.raises(ValueError, match=r"metadata_builder: .* no input has rows='reqs'"):
+    with pytest.raises(
+        ValueError, match=r"^options\.attention\.metadata_builder: .* no input has rows='reqs'"
+    ):
         CUDAGraphManager(
             SeamModel(ToyBuilder()),
             {"x": INPUTS["x"]},
             config_for(M.FULL),
             device="cpu",
-            metadata_builder=ToyBuilder(),
+            options=ManagerOptions(attention=AttentionOptions(metadata_builder=ToyBuilder())),
         )

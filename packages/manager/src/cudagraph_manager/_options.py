@@ -21,6 +21,31 @@ from ._step._outputs import OutputRows, check_output_rows
 from .ranks import RankAgreement
 
 
+def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
+    """``builder`` if it is ``None`` or has the protocol's members; else ``ValueError`` naming ``name``."""
+    if builder is None:
+        return None
+    lacks = [
+        f"{member}()"
+        for member in ("build", "build_for_capture")
+        if not callable(getattr(builder, member, None))
+    ]
+    if not isinstance(getattr(builder, "support", None), AttentionSupport):
+        lacks.append("a support of type AttentionSupport")
+    if lacks:
+        raise ValueError(
+            f"{name}: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
+            f"which lacks {', '.join(lacks)}"
+        )
+    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
+
+
+def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:
+    """``ValueError`` naming ``field`` and ``value`` unless ``value`` is ``None`` or a ``kind``."""
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(f"{field}: expected {expected}, got {value!r:.80}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttentionOptions:
     """The model's attention, as the manager sees it (``ManagerOptions.attention``).
@@ -96,28 +121,3 @@ class ManagerOptions(Generic[OutputT]):
             raise ValueError(
                 "options.decode_loop: ranks step together through run(); a loop would step alone"
             )
-
-
-def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:
-    """``ValueError`` naming ``field`` and ``value`` unless ``value`` is ``None`` or a ``kind``."""
-    if value is not None and not isinstance(value, kind):
-        raise ValueError(f"{field}: expected {expected}, got {value!r:.80}")
-
-
-def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
-    """``builder`` if it is ``None`` or has the protocol's members; else ``ValueError`` naming ``name``."""
-    if builder is None:
-        return None
-    lacks = [
-        f"{member}()"
-        for member in ("build", "build_for_capture")
-        if not callable(getattr(builder, member, None))
-    ]
-    if not isinstance(getattr(builder, "support", None), AttentionSupport):
-        lacks.append("a support of type AttentionSupport")
-    if lacks:
-        raise ValueError(
-            f"{name}: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
-            f"which lacks {', '.join(lacks)}"
-        )
-    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
