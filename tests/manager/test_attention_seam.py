@@ -123,7 +123,7 @@ def _batch(num_tokens: int, num_reqs: int, seed: int, device: str = "cpu") -> di
 def _manager(
     mode: CUDAGraphMode,
     builder: ToyBuilder,
-    attention: AttentionSupport | None = None,
+    support: AttentionSupport | None = None,
     backend: Backend | None = None,
 ) -> tuple[CUDAGraphManager[torch.Tensor], SeamModel]:
     """A manager of a ``SeamModel`` on ``backend`` (default: the CPU with fake engines)."""
@@ -137,7 +137,7 @@ def _manager(
         device=backend.device,
         options=ManagerOptions(
             engine_factory=backend.factory,
-            attention=AttentionOptions(metadata_builder=builder, support=attention),
+            attention=AttentionOptions(support=support, metadata_builder=builder),
         ),
     )
     return manager, model
@@ -261,8 +261,8 @@ def test_the_builders_support_resolves_the_mode_and_steps_are_counted(backend_na
     torch.testing.assert_close(manager.run_batch(decode, uniform_decode=True), _reference(model, decode))
     assert dict(manager.stats.replays) == {(M.PIECEWISE, 4): 1, (M.FULL, 4): 1}
     assert [shape.mode for kind, *_, shape in builder.calls[-2:]] == [M.PIECEWISE, M.FULL]
-    # ``attention=`` still overrides what the builder declares.
-    overridden, _ = _manager(M.FULL, ToyBuilder(decode_only), attention=AttentionSupport(name="override"))
+    # ``AttentionOptions.support`` still overrides what the builder declares.
+    overridden, _ = _manager(M.FULL, ToyBuilder(decode_only), support=AttentionSupport(name="override"))
     assert overridden.stats.resolution is not None
     assert overridden.stats.resolution.mode is M.FULL
 

@@ -1,8 +1,8 @@
 """Outputs read after they were overwritten, and two threads in one manager.
 
 Outputs alias graph memory until the next run. With
-``check_overwritten_outputs=True`` reading an earlier step's output after a
-later replay raises (GPU); without it, the earlier output silently shows the
+``ManagerOptions(check_overwritten_outputs=True)`` reading an earlier step's
+output after a later replay raises (GPU); without it, the earlier output silently shows the
 later step's numbers, which is why the check exists. A second thread calling
 ``run`` while one is inside it gets a clear error; the first step is unharmed.
 """
