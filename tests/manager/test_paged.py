@@ -249,7 +249,7 @@ def test_a_backend_of_another_layout_is_refused_by_name() -> None:
 @pytest.mark.parametrize("backend", ["gather", "flex"])
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.NONE])
 def test_the_manager_builds_the_backends_metadata_on_the_cpu(backend: str, mode: CUDAGraphMode) -> None:
-    """Through the seam (``AttentionOptions(metadata_builder=model.backend)``), padded steps equal the oracle."""
+    """Through the seam (``AttentionOptions(metadata_builder=...)``), padded steps equal the oracle."""
     layout = PagedLayout.for_config(SMALL, page_size=8)
     model = PagedDecoder(SMALL, layout=layout, backend=backend)
     config = DispatchConfig(mode, CaptureSizes.default(32), max_num_seqs=16)

@@ -317,10 +317,8 @@ def _manager(
     decoder: Decoder, dispatch_config: DispatchConfig, device: torch.device
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager over the model (its attention's builder, where it has one), not captured yet."""
-    builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
-    options: ManagerOptions[torch.Tensor] = ManagerOptions(
-        attention=AttentionOptions(metadata_builder=builder)
-    )
+    seam = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None  # the builder
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(attention=AttentionOptions(metadata_builder=seam))
     return CUDAGraphManager(
         decoder.model.forward, decoder.inputs, dispatch_config, device=device, options=options
     )
