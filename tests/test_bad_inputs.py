@@ -62,6 +62,7 @@ from cudagraph_dispatch import (
 from cudagraph_manager import (
     AttentionOptions,
     CUDAGraphManager,
+    DecodeLoop,
     ManagerOptions,
     RankAgreement,
     StaticInput,
@@ -168,6 +169,12 @@ def _wait_for(timeout: object) -> object:
     manager = construct()()
     assert isinstance(manager, CUDAGraphManager)
     return manager.start_capture().wait(cast(float, timeout))
+
+
+def _loop_with_ranks() -> object:
+    """``ManagerOptions`` with a decode loop and ranks (an agreement's stand-in: no process group)."""
+    ranks = object.__new__(RankAgreement)  # isinstance holds; nothing of it is used
+    return ManagerOptions(ranks=ranks, decode_loop=DecodeLoop(lambda *_: None, max_steps=4))
 
 
 def _capture_with_progress(progress: object) -> object:
@@ -647,6 +654,11 @@ BAD_INPUTS: Final = [
         "manager-decode_loop-function",
         construct(fields={"decode_loop": _identity}),
         r"^options\.decode_loop: expected a DecodeLoop or None, got <function _identity",
+    ),
+    row(
+        "manager-decode_loop-with-ranks",
+        call(_loop_with_ranks),
+        r"^options\.decode_loop: ranks step together through run\(\); a loop would step alone$",
     ),
     row(
         "manager-attention-support",
