@@ -85,6 +85,10 @@ class ManagerOptions(Generic[OutputT]):
             take one route per step.
         attention: the model's attention (``AttentionOptions``).
         decode_loop: lets ``run_loop`` take many decode steps per call.
+
+    Generic over the model's output type, which ``decode_loop``'s ``advance``
+    takes: built inside the manager's call it is inferred; a variable holding
+    options without a loop is annotated (``ManagerOptions[torch.Tensor]``).
     """
 
     capture: CaptureOptions | None = None
