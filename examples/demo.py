@@ -26,7 +26,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions, StaticInput
 
 from .config import DecoderConfig
 from .demo_args import OVERFLOW, parse_args
@@ -165,9 +165,8 @@ def _manager(
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager over the model (its attention's builder, where it has one), not captured yet."""
     builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
-    return CUDAGraphManager(
-        decoder.model.forward, decoder.inputs, dispatch_config, device=device, metadata_builder=builder
-    )
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(attention=AttentionOptions(metadata_builder=builder))
+    return CUDAGraphManager(decoder.model.forward, decoder.inputs, dispatch_config, device=device, options=options)
 
 
 def run_graph(

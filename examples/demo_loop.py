@@ -22,7 +22,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState
+from cudagraph_manager import AttentionOptions, CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
 
 from .paged import PagedDecoder, paged_static_inputs
 from .paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_advance
@@ -53,8 +53,10 @@ def show_decode_loops(model: object, mode: CUDAGraphMode, *, cpu: bool, seed: in
         paged_static_inputs(model.layout),
         dispatch,
         device=model.body.device,
-        metadata_builder=model.backend,
-        decode_loop=DecodeLoop(advance, max_steps=max_steps),
+        options=ManagerOptions(
+            attention=AttentionOptions(metadata_builder=model.backend),
+            decode_loop=DecodeLoop(advance, max_steps=max_steps),
+        ),
     )
     with torch.no_grad():
         manager.capture(progress=False)

@@ -26,7 +26,13 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CaptureReport, CUDAGraphManager, MemoryEstimate
+from cudagraph_manager import (
+    AttentionOptions,
+    CaptureReport,
+    CUDAGraphManager,
+    ManagerOptions,
+    MemoryEstimate,
+)
 from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs, make_step_inputs
 from examples.paged import BACKENDS, PagedDecoder, paged_static_inputs
@@ -127,8 +133,13 @@ def main(argv: list[str]) -> KvSizing:
         manager = CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True)
     else:
         model = PagedDecoder(decoder, backend=attention, device="cuda")
+        seam = AttentionOptions(metadata_builder=model.backend)
         manager = CUDAGraphManager(
-            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+            model,
+            paged_static_inputs(model.layout),
+            config,
+            strict=True,
+            options=ManagerOptions(attention=seam),
         )
     with torch.no_grad():
         sizing = start_up(manager, model, margin_mib * 2**20)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, RankAgreement
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement
 from cudagraph_manager.ranks import Backend
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
@@ -50,7 +50,7 @@ def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Bac
         static_inputs(config),
         DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes((1, 2, 4, 8, 16)), config.max_num_seqs),
         device=device,
-        ranks=RankAgreement(backend=backend, timeout=timeout),  # one small exchange per step
+        options=ManagerOptions(ranks=RankAgreement(backend=backend, timeout=timeout)),  # an exchange per step
     )
     report = manager.capture()  # every rank, the same plan: checked before the first capture
     g = torch.Generator().manual_seed(1)  # a TP group runs one batch: the same steps on every rank

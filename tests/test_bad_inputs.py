@@ -51,6 +51,7 @@ from cudagraph_dispatch import (
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
+    GraphSupport,
     RankRequest,
     agree_across_ranks,
     check_bool,
@@ -58,7 +59,15 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, RankAgreement, StaticInput, compile_for_capture
+from cudagraph_manager import (
+    AttentionOptions,
+    CUDAGraphManager,
+    DecodeLoop,
+    ManagerOptions,
+    RankAgreement,
+    StaticInput,
+    compile_for_capture,
+)
 from examples.config import DecoderConfig
 from examples.demo import main as demo_main
 from examples.reference import ReferenceDecoder
@@ -121,26 +130,32 @@ def _collector_paused(gc_disable: object) -> None:
         pass
 
 
-def construct(*, watch_factory: bool = True, **overrides: object) -> Callable[[], object]:
+def construct(
+    *, watch_factory: bool = True, fields: Mapping[str, object] | None = None, **overrides: object
+) -> Callable[[], object]:
     """A CPU ``CUDAGraphManager`` from valid arguments with ``overrides`` applied, deferred.
 
-    With ``watch_factory`` (and no ``engine_factory`` override), a rejection
-    must also come before any engine was built: the engine factory is the
-    caller's code, and calling it is a state change.
+    ``fields``: of the ``ManagerOptions`` built inside the call (over the fake
+    engines' factory), so a bad field is rejected there, when the options are
+    built; an ``options`` override replaces them. With ``watch_factory`` (and
+    no ``engine_factory`` field), a rejection must also come before any engine
+    was built: the engine factory is the caller's code, and calling it is a
+    state change.
     """
 
     def build() -> object:
         engines = FakeEngines()
-        arguments: dict[str, object] = {
-            "model": ToyModel(CPU),
-            "inputs": INPUTS,
-            "config": config_for(M.FULL),
-            "device": "cpu",
-            "engine_factory": engines,
-            **overrides,
-        }
+        make_options = cast(Callable[..., object], ManagerOptions)  # fields deliberately of any type
         make = cast(Callable[..., object], CUDAGraphManager)  # arguments deliberately of any type
         try:
+            arguments: dict[str, object] = {
+                "model": ToyModel(CPU),
+                "inputs": INPUTS,
+                "config": config_for(M.FULL),
+                "device": "cpu",
+                "options": make_options(**{"engine_factory": engines, **(fields or {})}),
+                **overrides,
+            }
             return make(**arguments)
         except ValueError:
             assert not (watch_factory and engines.engines), "rejected after the engine factory ran"
@@ -154,6 +169,12 @@ def _wait_for(timeout: object) -> object:
     manager = construct()()
     assert isinstance(manager, CUDAGraphManager)
     return manager.start_capture().wait(cast(float, timeout))
+
+
+def _loop_with_ranks() -> object:
+    """``ManagerOptions`` with a decode loop and ranks (an agreement's stand-in: no process group)."""
+    ranks = object.__new__(RankAgreement)  # isinstance holds; nothing of it is used
+    return ManagerOptions(ranks=ranks, decode_loop=DecodeLoop(lambda *_: None, max_steps=4))
 
 
 def _capture_with_progress(progress: object) -> object:
@@ -538,7 +559,19 @@ BAD_INPUTS: Final = [
     row(
         "manager-options-dict",
         construct(options={"gc_disable": True}),
-        re.escape("options: expected CaptureOptions or None, got {'gc_disable': True}"),
+        re.escape("options: expected ManagerOptions or None, got {'gc_disable': True}"),
+    ),
+    row(
+        "manager-options-capture-options",
+        construct(options=CaptureOptions(gc_disable=False)),
+        r"^options: expected ManagerOptions or None, "
+        r"got CaptureOptions\(weak_ref_output=True, gc_disable=False.*; "
+        r"CaptureOptions go in ManagerOptions\(capture=\.\.\.\)$",
+    ),
+    row(
+        "manager-options-capture-dict",
+        construct(fields={"capture": {"gc_disable": True}}),
+        re.escape("options.capture: expected CaptureOptions or None, got {'gc_disable': True}"),
     ),
     row(
         "manager-device-meta",
@@ -567,41 +600,102 @@ BAD_INPUTS: Final = [
     ),
     row(
         "manager-output_rows-unknown",
-        construct(output_rows="rows"),
-        re.escape("output_rows: expected 'tokens', 'reqs' or None, got 'rows'"),
+        construct(fields={"output_rows": "rows"}),
+        re.escape("options.output_rows: expected 'tokens', 'reqs' or None, got 'rows'"),
     ),
     row(
         "manager-output_rows-list",
-        construct(output_rows=["reqs"]),
-        re.escape("output_rows: expected 'tokens', 'reqs', None, a mapping or a tuple of them, got ['reqs']"),
+        construct(fields={"output_rows": ["reqs"]}),
+        re.escape(
+            "options.output_rows: expected 'tokens', 'reqs', None, a mapping or a tuple of them, got ['reqs']"
+        ),
     ),
     row(
         "manager-output_rows-bad-entry",
-        construct(output_rows={"a": "token"}),
-        re.escape("output_rows['a']: expected 'tokens', 'reqs' or None, got 'token'"),
+        construct(fields={"output_rows": {"a": "token"}}),
+        re.escape("options.output_rows['a']: expected 'tokens', 'reqs' or None, got 'token'"),
     ),
     row(
         "manager-output_rows-int-key",
-        construct(output_rows={0: "reqs"}),
-        re.escape("output_rows: a mapping is keyed by the output dict's keys (str), got 0"),
+        construct(fields={"output_rows": {0: "reqs"}}),
+        re.escape("options.output_rows: a mapping is keyed by the output dict's keys (str), got 0"),
     ),
     row(
         "manager-output_rows-reqs-without-reqs-input",
-        construct(inputs={"x": StaticInput((DIM,))}, output_rows="reqs"),
-        re.escape("output_rows: an output follows 'reqs', but no input has rows='reqs'"),
+        construct(inputs={"x": StaticInput((DIM,))}, fields={"output_rows": "reqs"}),
+        re.escape("options.output_rows: an output follows 'reqs', but no input has rows='reqs'"),
     ),
     row(
         "manager-check_overwritten_outputs-string",
-        construct(check_overwritten_outputs="yes", watch_factory=False),
-        re.escape("check_overwritten_outputs: expected True or False, got 'yes'"),
+        construct(fields={"check_overwritten_outputs": "yes"}, watch_factory=False),
+        re.escape("options.check_overwritten_outputs: expected True or False, got 'yes'"),
     ),
     row(
         "manager-check_overwritten_outputs-string-before-the-engines",
-        construct(check_overwritten_outputs="yes"),
-        re.escape("check_overwritten_outputs: expected True or False, got 'yes'"),
+        construct(fields={"check_overwritten_outputs": "yes"}),
+        re.escape("options.check_overwritten_outputs: expected True or False, got 'yes'"),
     ),
-    row("manager-engine_factory-int", construct(engine_factory=3), r"engine_factory.*3"),
-    row("manager-ranks-int", construct(ranks=2), re.escape("ranks: expected a RankAgreement or None, got 2")),
+    row(
+        "manager-check_overwritten_outputs-int",
+        construct(fields={"check_overwritten_outputs": 1}),
+        re.escape("options.check_overwritten_outputs: expected True or False, got 1"),
+    ),
+    row(
+        "manager-engine_factory-int",
+        construct(fields={"engine_factory": 3}),
+        re.escape("options.engine_factory: expected None or a GraphEngineFactory, got 3"),
+    ),
+    row(
+        "manager-ranks-int",
+        construct(fields={"ranks": 2}),
+        re.escape("options.ranks: expected a RankAgreement or None, got 2"),
+    ),
+    row(
+        "manager-decode_loop-function",
+        construct(fields={"decode_loop": _identity}),
+        r"^options\.decode_loop: expected a DecodeLoop or None, got <function _identity",
+    ),
+    row(
+        "manager-decode_loop-with-ranks",
+        call(_loop_with_ranks),
+        r"^options\.decode_loop: ranks step together through run\(\); a loop would step alone$",
+    ),
+    row(
+        "manager-attention-support",
+        construct(fields={"attention": AttentionSupport()}),
+        r"^options\.attention: expected AttentionOptions, "
+        r"got AttentionSupport\(level=<GraphSupport.ALWAYS.*; "
+        r"it goes in AttentionOptions\(support=\.\.\.\)$",
+    ),
+    row(
+        "manager-attention-none",
+        construct(fields={"attention": None}),
+        re.escape("options.attention: expected AttentionOptions, got None"),
+    ),
+    # -- AttentionOptions --
+    row(
+        "attention-support-level",
+        call(AttentionOptions, support=GraphSupport.ALWAYS),
+        re.escape("attention.support: expected an AttentionSupport or None, got <GraphSupport.ALWAYS"),
+    ),
+    row(
+        "attention-strict-string",
+        call(AttentionOptions, strict="yes"),
+        re.escape("attention.strict: expected True or False, got 'yes'"),
+    ),
+    row(
+        "attention-strict-int",
+        call(AttentionOptions, strict=1),
+        re.escape("attention.strict: expected True or False, got 1"),
+    ),
+    row(
+        "attention-metadata_builder-object",
+        call(AttentionOptions, metadata_builder="builder"),
+        re.escape(
+            "attention.metadata_builder: expected an AttentionMetadataBuilder, got 'builder', "
+            "which lacks build(), build_for_capture(), a support of type AttentionSupport"
+        ),
+    ),
     # -- RankAgreement (checked before it looks for a process group) --
     row("ranks-group-string", call(RankAgreement, "world"), re.escape("group: expected a torch.distributed")),
     row("ranks-backend-mpi", call(RankAgreement, backend="mpi"), r"backend: expected 'gloo', 'nccl'.*'mpi'"),
@@ -927,7 +1021,11 @@ def test_uniform_step_without_request_rows_is_a_multiple_of_q(backend: Backend) 
     """Issue 33: no "reqs" input to count the requests, so the dispatcher's route refuses 5 tokens at q=2."""
     config = config_for(M.FULL_AND_PIECEWISE, query_len=2)
     manager = CUDAGraphManager(
-        _double, {"x": StaticInput((DIM,))}, config, device=backend.device, engine_factory=backend.factory
+        _double,
+        {"x": StaticInput((DIM,))},
+        config,
+        device=backend.device,
+        options=ManagerOptions(engine_factory=backend.factory),
     )
     manager.capture()
     manager.run(x=torch.randn(8, DIM, device=backend.device))  # real data in the buffers

@@ -49,7 +49,7 @@ LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
         ("_reports",),
         ("_protocols",),
         ("_attention",),
-        ("_graphs", "_decode_loop"),
+        ("_graphs", "_decode_loop", "_options"),
         ("_arguments",),
         ("_parts",),
         ("_step",),

@@ -64,6 +64,31 @@ def test_the_manager_readmes_seam_example_runs_and_pads_offsets_with_the_padded_
         torch.testing.assert_close(out, table(ids) + table(ids[first]))
 
 
+@pytest.mark.parametrize("engines", ["as written", "fake engines"])
+def test_the_manager_readmes_options_example_runs(engines: str) -> None:
+    """One ``ManagerOptions`` value: capture options, output rows, the attention's support (CPU and GPU).
+
+    As written it replays on a GPU and runs eagerly on a CPU; with the tests'
+    fake engines (``engine_factory``) the CPU takes the graph path too.
+    """
+    from cudagraph_dispatch import CUDAGraphMode
+    from cudagraph_manager import CUDAGraphManager
+    from tests.manager.helpers import FakeEngines
+
+    (block,) = [b for b in python_blocks(ROOT / "packages/manager/README.md") if "warmup_runs=2" in b]
+    if engines == "fake engines":
+        given = "capture=CaptureOptions(warmup_runs=2),"
+        assert given in block
+        block = block.replace(given, given + " engine_factory=FakeEngines(),")
+    namespace: dict[str, object] = {"__name__": "__main__", "FakeEngines": FakeEngines}
+    exec(compile(block, "packages/manager/README.md", "exec", dont_inherit=True), namespace)
+    manager = namespace["manager"]
+    assert isinstance(manager, CUDAGraphManager)
+    assert manager.dispatcher.resolution.mode is CUDAGraphMode.FULL_AND_PIECEWISE
+    graphs = engines == "fake engines" or torch.cuda.is_available()
+    assert manager.stats.replays_of(CUDAGraphMode.PIECEWISE) == (1 if graphs else 0)
+
+
 def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
     """Issue 33: the README's custom engine, as written, is a GraphEngine a manager captures and replays with.
 
@@ -72,7 +97,7 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
     ``seconds``, failed with an ``AttributeError`` inside ``capture()``.
     """
     from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, StaticInput
+    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, ManagerOptions, StaticInput
 
     (code,) = [b for b in python_blocks(ROOT / "packages/capture/README.md") if "class RerunEngine" in b]
     namespace: dict[str, object] = {"__name__": "readme_example"}
@@ -85,7 +110,11 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
 
     config = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([2, 4, 8]), max_num_seqs=8)
     manager = CUDAGraphManager(
-        model, {"x": StaticInput((8,))}, config, device="cpu", engine_factory=engine_factory
+        model,
+        {"x": StaticInput((8,))},
+        config,
+        device="cpu",
+        options=ManagerOptions(engine_factory=engine_factory),
     )
     report = manager.capture()
     assert manager.num_captured == 3

@@ -14,8 +14,9 @@ One module per concern:
 Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``tests.manager.oracles``).
 
     model = PagedDecoder(config, backend="gather")
+    attention = AttentionOptions(metadata_builder=model.backend)
     manager = CUDAGraphManager(
-        model, paged_static_inputs(model.layout), dispatch, metadata_builder=model.backend
+        model, paged_static_inputs(model.layout), dispatch, options=ManagerOptions(attention=attention)
     )
 """
 

@@ -2,9 +2,9 @@
 
 ``PagedDecoder`` owns the weights (``DecoderBody``) and one paged cache per
 layer, ``[2, num_pages, page_size, heads, head_dim]``; its backend is the
-attention seam's builder (``CUDAGraphManager(..., metadata_builder=
-model.backend)``) and the op each layer calls. ``make_backend`` builds a
-backend by name (``BACKENDS``).
+attention seam's builder (the manager's ``ManagerOptions(attention=
+AttentionOptions(metadata_builder=model.backend))``) and the op each layer
+calls. ``make_backend`` builds a backend by name (``BACKENDS``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class PagedDecoder(nn.Module):
     block_table) -> [T, hidden]`` (``PAGED_INPUT_NAMES``; ``paged.batch``
     says the shapes and padding). The attention reads the step's metadata
     from the forward context: run it through a ``CUDAGraphManager`` built
-    with ``metadata_builder=model.backend``, or with ``step``.
+    with ``AttentionOptions(metadata_builder=model.backend)``, or with ``step``.
 
     Arguments:
         config: the shapes (``DecoderConfig``).

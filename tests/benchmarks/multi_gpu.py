@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig, RankRequest
-from cudagraph_manager import CUDAGraphManager, RankAgreement
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
@@ -93,7 +93,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             DispatchConfig(mode, sizes, config.max_num_seqs, 1),
             device=device,
             strict=True,
-            ranks=ranks,
+            options=ManagerOptions(ranks=ranks),
         )
         built.capture()
         return built

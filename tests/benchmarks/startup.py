@@ -29,7 +29,7 @@ import torch
 
 from cudagraph_capture import CaptureOptions
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CaptureReport, CUDAGraphManager, StaticInput
+from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, StaticInput
 from examples.config import DecoderConfig
 from examples.reference import ReferenceDecoder, static_inputs
 
@@ -105,7 +105,9 @@ def main(model_name: str, mode_name: str, *, cold: bool, max_size: int = MAX_SIZ
     mode = CUDAGraphMode[mode_name]
     dispatch = DispatchConfig(mode, CaptureSizes.default(max_size), max_num_seqs=config.max_num_seqs)
     manager = CUDAGraphManager(decoder.forward, inputs, dispatch)
-    no_warmup = CUDAGraphManager(decoder.forward, inputs, dispatch, options=CaptureOptions(warmup_runs=0))
+    no_warmup = CUDAGraphManager(
+        decoder.forward, inputs, dispatch, options=ManagerOptions(capture=CaptureOptions(warmup_runs=0))
+    )
     result: dict[str, object] = {
         "model": model_name,
         "mode": mode_name,

@@ -38,7 +38,16 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import BatchShape, CUDAGraphManager, DecodeLoop, LoopState, StepBatch, metadata_extra
+from cudagraph_manager import (
+    AttentionOptions,
+    BatchShape,
+    CUDAGraphManager,
+    DecodeLoop,
+    LoopState,
+    ManagerOptions,
+    StepBatch,
+    metadata_extra,
+)
 from examples import DecoderConfig
 from examples.demo_loop import host_loop
 from examples.paged import PAGED_INPUT_NAMES, PagedDecoder, PagedLayout, paged_static_inputs
@@ -97,8 +106,10 @@ def _manager(
         model,
         paged_static_inputs(model.layout),
         dispatch,
-        metadata_builder=model.backend,
-        decode_loop=DecodeLoop(advance, max_steps=steps, unroll=8, kind=kind),
+        options=ManagerOptions(
+            decode_loop=DecodeLoop(advance, max_steps=steps, unroll=8, kind=kind),
+            attention=AttentionOptions(metadata_builder=model.backend),
+        ),
     )
 
 

@@ -47,7 +47,7 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, StaticInput
+from cudagraph_manager import CaptureReport, CompiledModel, CUDAGraphManager, ManagerOptions, StaticInput
 from cudagraph_manager._compiled import dynamo_compiles
 from examples.compiled import compile_decoder
 from examples.config import DecoderConfig
@@ -796,7 +796,10 @@ def _bench_capture(
     pool = torch.cuda.graph_pool_handle()  # a pool of its own: its segments are this capture's memory
     config = DispatchConfig(CUDAGraphMode.FULL, sizes, max_num_seqs=decoder.config.max_num_seqs)
     manager = CUDAGraphManager(
-        decoder.forward, static_inputs(decoder.config), config, options=CaptureOptions(pool=pool)
+        decoder.forward,
+        static_inputs(decoder.config),
+        config,
+        options=ManagerOptions(capture=CaptureOptions(pool=pool)),
     )
     decoder.step(make_step_inputs(decoder.config, _CAPTURE_MAX, uniform_decode=False, device="cuda"))
     reports: list[CaptureReport] = []

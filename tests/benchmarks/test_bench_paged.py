@@ -41,7 +41,14 @@ from cudagraph_dispatch import (
     GraphSupport,
     set_forward_context,
 )
-from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
+from cudagraph_manager import (
+    AttentionOptions,
+    BatchShape,
+    CUDAGraphManager,
+    ManagerOptions,
+    StepBatch,
+    metadata_extra,
+)
 from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import (
@@ -90,7 +97,11 @@ def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.T
     for name, mode in _MODES.items():
         config = DispatchConfig(mode, _SIZES, max_num_seqs=model.config.max_num_seqs)
         manager = CUDAGraphManager(
-            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+            model,
+            paged_static_inputs(model.layout),
+            config,
+            strict=True,
+            options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
         )
         with torch.no_grad():
             manager.capture(progress=False)
@@ -282,7 +293,11 @@ def test_paged_8b_capture_and_estimate(benchmark: BenchmarkFixture, model: Paged
 
     def capture_once() -> None:
         manager = CUDAGraphManager(
-            model, paged_static_inputs(model.layout), config, strict=True, metadata_builder=model.backend
+            model,
+            paged_static_inputs(model.layout),
+            config,
+            strict=True,
+            options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
         )
         with torch.no_grad():
             estimate = manager.estimate_memory()

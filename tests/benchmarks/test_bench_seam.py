@@ -21,8 +21,10 @@ import torch
 
 from cudagraph_dispatch import AttentionSupport, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import (
+    AttentionOptions,
     BatchShape,
     CUDAGraphManager,
+    ManagerOptions,
     StaticInput,
     StepBatch,
     attention_metadata,
@@ -75,7 +77,9 @@ def _manager(builder: _Builder | None) -> CUDAGraphManager[torch.Tensor]:
         return x * 2  # [T]
 
     config = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([_TOKENS]), max_num_seqs=_REQS)
-    manager = CUDAGraphManager(double, _INPUTS, config, metadata_builder=builder)
+    manager = CUDAGraphManager(
+        double, _INPUTS, config, options=ManagerOptions(attention=AttentionOptions(metadata_builder=builder))
+    )
     manager.capture(progress=False)
     return manager
 

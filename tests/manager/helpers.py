@@ -34,7 +34,7 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, Rows, StaticInput
+from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, ManagerOptions, Rows, StaticInput
 from tests.torch_support import as_tensor as as_tensor
 from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision
 from tests.torch_support import rel_err as rel_err
@@ -354,7 +354,7 @@ def make_manager(
         config_for(mode) if config is None else config,
         device=backend.device,
         strict=strict,
-        engine_factory=backend.factory,
+        options=ManagerOptions(engine_factory=backend.factory),
     )
 
 
@@ -403,5 +403,9 @@ class FirstRecordingGate:
     def manager_on_cpu(self, model: ToyModel) -> CUDAGraphManager[torch.Tensor]:
         """A FULL manager of ``model`` on the CPU whose fake engines pass through this gate."""
         return CUDAGraphManager(
-            model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(self)
+            model,
+            INPUTS,
+            config_for(CUDAGraphMode.FULL),
+            device="cpu",
+            options=ManagerOptions(engine_factory=FakeEngines(self)),
         )

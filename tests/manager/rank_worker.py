@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from cudagraph_capture import set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, RankAgreement, RanksDisagreeError
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement, RanksDisagreeError
 from cudagraph_manager.ranks import Backend
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
@@ -135,8 +135,7 @@ def data_parallel(args: Sequence[str]) -> Result:
         INPUTS,
         config_for(CUDAGraphMode.FULL_AND_PIECEWISE),
         device=device,
-        engine_factory=_engines(device),
-        ranks=ranks,
+        options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
     )
     report = manager.capture()
     result: Result = {"captured": report.num_graphs, "backend": ranks.backend, **_where(device)}
@@ -189,8 +188,7 @@ def capture_faults(args: Sequence[str]) -> Result:
         INPUTS,
         DispatchConfig(_FULL, CaptureSizes(sizes), 16, 1),
         device=device,
-        engine_factory=_engines(device),
-        ranks=ranks,
+        options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
     )
     try:
         mismatched.estimate_memory()  # the probes too: a rank's probes would not meet the others'
@@ -210,8 +208,7 @@ def capture_faults(args: Sequence[str]) -> Result:
         INPUTS,
         config_for(_FULL),
         device=device,
-        engine_factory=_engines(device),
-        ranks=ranks,
+        options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
     )
     set_capture_enabled(rank != 1)
     try:
@@ -235,8 +232,7 @@ def capture_faults(args: Sequence[str]) -> Result:
         INPUTS,
         config_for(_FULL),
         device=device,
-        engine_factory=_engines(device),
-        ranks=ranks,
+        options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
     )
     try:
         manager.capture()
@@ -317,8 +313,7 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             DispatchConfig(mode, CaptureSizes((1, 2, 4, 8, 16, 32)), config.max_num_seqs, 1),
             device=device,
             strict=True,
-            engine_factory=_engines(device),
-            ranks=ranks,
+            options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
         )
         report = manager.capture()
         g = torch.Generator().manual_seed(7)  # the same steps on every rank
@@ -366,7 +361,9 @@ def tensor_parallel_memory(args: Sequence[str]) -> Result:
     config = DecoderConfig()
     sharded = TensorParallelDecoder(ReferenceDecoder(config, device=device))
     plan = DispatchConfig(CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(512), config.max_num_seqs, 1)
-    manager = CUDAGraphManager(sharded, static_inputs(config), plan, device=device, ranks=ranks)
+    manager = CUDAGraphManager(
+        sharded, static_inputs(config), plan, device=device, options=ManagerOptions(ranks=ranks)
+    )
     with torch.no_grad():
         manager.estimate_memory()
         manager.capture(progress=False)

@@ -28,8 +28,10 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import (
+    AttentionOptions,
     BatchShape,
     CUDAGraphManager,
+    ManagerOptions,
     StaticInput,
     StepBatch,
     attention_metadata,
@@ -121,7 +123,7 @@ def _batch(num_tokens: int, num_reqs: int, seed: int, device: str = "cpu") -> di
 def _manager(
     mode: CUDAGraphMode,
     builder: ToyBuilder,
-    attention: AttentionSupport | None = None,
+    support: AttentionSupport | None = None,
     backend: Backend | None = None,
 ) -> tuple[CUDAGraphManager[torch.Tensor], SeamModel]:
     """A manager of a ``SeamModel`` on ``backend`` (default: the CPU with fake engines)."""
@@ -133,9 +135,10 @@ def _manager(
         INPUTS,
         config,
         device=backend.device,
-        engine_factory=backend.factory,
-        metadata_builder=builder,
-        attention=attention,
+        options=ManagerOptions(
+            engine_factory=backend.factory,
+            attention=AttentionOptions(support=support, metadata_builder=builder),
+        ),
     )
     return manager, model
 
@@ -258,8 +261,8 @@ def test_the_builders_support_resolves_the_mode_and_steps_are_counted(backend_na
     torch.testing.assert_close(manager.run_batch(decode, uniform_decode=True), _reference(model, decode))
     assert dict(manager.stats.replays) == {(M.PIECEWISE, 4): 1, (M.FULL, 4): 1}
     assert [shape.mode for kind, *_, shape in builder.calls[-2:]] == [M.PIECEWISE, M.FULL]
-    # ``attention=`` still overrides what the builder declares.
-    overridden, _ = _manager(M.FULL, ToyBuilder(decode_only), attention=AttentionSupport(name="override"))
+    # ``AttentionOptions.support`` still overrides what the builder declares.
+    overridden, _ = _manager(M.FULL, ToyBuilder(decode_only), support=AttentionSupport(name="override"))
     assert overridden.stats.resolution is not None
     assert overridden.stats.resolution.mode is M.FULL
 
@@ -292,22 +295,20 @@ def test_attention_metadata_outside_a_forward_or_for_another_builder_raises() ->
 
 @pytest.mark.parametrize("bad", [object(), "builder", 3])
 def test_a_bad_builder_is_named(bad: object) -> None:
-    with pytest.raises(ValueError, match="metadata_builder: expected an AttentionMetadataBuilder"):
-        CUDAGraphManager(
-            SeamModel(ToyBuilder()),
-            INPUTS,
-            config_for(M.FULL),
-            device="cpu",
-            metadata_builder=bad,  # type: ignore[arg-type]  # the check under test
-        )
+    with pytest.raises(
+        ValueError, match=r"^attention\.metadata_builder: expected an AttentionMetadataBuilder"
+    ):
+        AttentionOptions(metadata_builder=bad)  # type: ignore[arg-type]  # the check under test
 
 
 def test_a_builder_needs_a_request_input() -> None:
-    with pytest.raises(ValueError, match=r"metadata_builder: .* no input has rows='reqs'"):
+    with pytest.raises(
+        ValueError, match=r"^options\.attention\.metadata_builder: .* no input has rows='reqs'"
+    ):
         CUDAGraphManager(
             SeamModel(ToyBuilder()),
             {"x": INPUTS["x"]},
             config_for(M.FULL),
             device="cpu",
-            metadata_builder=ToyBuilder(),
+            options=ManagerOptions(attention=AttentionOptions(metadata_builder=ToyBuilder())),
         )

@@ -30,7 +30,7 @@ from cudagraph_dispatch import (
     DispatchConfig,
     get_forward_context,
 )
-from cudagraph_manager import BackgroundCapture, CUDAGraphManager, NoGraphError
+from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions, NoGraphError
 from cudagraph_manager._capture import _background as _background_module
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
@@ -193,7 +193,11 @@ def test_a_key_that_fails_once_is_tried_again() -> None:
             raise CaptureError("invalidated", None)
 
     manager = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(fail_first)
+        model,
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines(fail_first)),
     )
     handle = manager.start_capture()
     handle.wait(WAIT_S)
@@ -229,7 +233,11 @@ def test_a_ready_graph_replays_while_another_key_records() -> None:
             _wait(gate)
 
     manager = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(hold_the_second)
+        model,
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines(hold_the_second)),
     )
     handle = manager.start_capture()
     try:
@@ -255,7 +263,7 @@ def test_strict_allows_eager_steps_only_while_capturing() -> None:
         config_for(FULL),
         device="cpu",
         strict=True,
-        engine_factory=FakeEngines(lambda: _wait(gate)),
+        options=ManagerOptions(engine_factory=FakeEngines(lambda: _wait(gate))),
     )
     handle = manager.start_capture()
     batch = make_batch(5, 3, CPU, seed=0)
@@ -274,7 +282,7 @@ def test_calls_that_would_race_the_capture_are_refused() -> None:
         INPUTS,
         config_for(FULL),
         device="cpu",
-        engine_factory=FakeEngines(lambda: _wait(gate)),
+        options=ManagerOptions(engine_factory=FakeEngines(lambda: _wait(gate))),
     )
     handle = manager.start_capture()
     try:
@@ -423,7 +431,9 @@ def test_the_collector_is_paused_one_key_at_a_time(monkeypatch: pytest.MonkeyPat
         INPUTS,
         config_for(FULL),
         device="cpu",
-        engine_factory=FakeEngines(lambda: recorded_paused.append(not gc.isenabled())),
+        options=ManagerOptions(
+            engine_factory=FakeEngines(lambda: recorded_paused.append(not gc.isenabled()))
+        ),
     )
     was_enabled = gc.isenabled()
     manager.start_capture().wait(WAIT_S)

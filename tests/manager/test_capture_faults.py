@@ -34,7 +34,7 @@ from torch.nn.functional import linear
 
 from cudagraph_capture import CaptureError, CaptureOptions, GraphPool, eager_break_during_capture
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 from tests.torch_support import as_tensor, highest_fp32_matmul_precision, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -170,7 +170,9 @@ def _config(mode: CUDAGraphMode) -> DispatchConfig:
 
 
 def _manager(model: FaultyMLP, mode: CUDAGraphMode, pool: PinnedPool) -> CUDAGraphManager[torch.Tensor]:
-    return CUDAGraphManager(model, INPUTS, _config(mode), options=CaptureOptions(pool=pool.handle))
+    return CUDAGraphManager(
+        model, INPUTS, _config(mode), options=ManagerOptions(capture=CaptureOptions(pool=pool.handle))
+    )
 
 
 def _plan(manager: CUDAGraphManager[torch.Tensor]) -> list[BatchDescriptor]:

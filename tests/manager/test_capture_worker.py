@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager._capture._worker import CaptureWorker, capture_worker
 from tests.capture.test_lean_import_capture import run_fresh
 
@@ -40,7 +40,11 @@ class _Threads:
 def _manager(hook: _Threads, model: ToyModel | None = None) -> CUDAGraphManager[torch.Tensor]:
     model = ToyModel(CPU) if model is None else model
     return CUDAGraphManager(
-        model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(hook)
+        model,
+        INPUTS,
+        config_for(CUDAGraphMode.FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines(hook)),
     )
 
 
@@ -130,7 +134,11 @@ def _wake_warm_ups() -> tuple[int, int, float]:
     engines = FakeEngines()
     model = ToyModel(CPU)
     manager = CUDAGraphManager(
-        model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=engines
+        model,
+        INPUTS,
+        config_for(CUDAGraphMode.FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=engines),
     )
     manager.start_capture().wait(WAIT_S)
     first = engines.engines[CUDAGraphMode.FULL].warm_ups

@@ -34,7 +34,13 @@ from cudagraph_capture import (
 )
 from cudagraph_capture._recorder import Entry as _Entry
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CompiledModel, CUDAGraphManager, StaticInput, compile_for_capture
+from cudagraph_manager import (
+    CompiledModel,
+    CUDAGraphManager,
+    ManagerOptions,
+    StaticInput,
+    compile_for_capture,
+)
 from cudagraph_manager._compiled import dynamo_compiles
 from examples.compiled import compile_decoder, compiled_cached_attention
 from examples.config import DecoderConfig
@@ -119,7 +125,11 @@ def test_the_capture_report_counts_the_compiles_of_its_capture() -> None:
     )
     config = DispatchConfig(CUDAGraphMode.FULL, SIZES, max_num_seqs=CONFIG.max_num_seqs)
     manager = CUDAGraphManager(
-        compiled, static_inputs(CONFIG), config, device="cpu", engine_factory=FakeEngines()
+        compiled,
+        static_inputs(CONFIG),
+        config,
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines()),
     )
     with torch.no_grad():
         first = manager.capture()
@@ -244,7 +254,11 @@ def test_manager_over_the_compiled_decoder_replays_like_eager(
     engines = _Engines()
     config = DispatchConfig(mode, SIZES, max_num_seqs=CONFIG.max_num_seqs)
     manager = CUDAGraphManager(
-        compiled.compiled, static_inputs(CONFIG), config, device="cuda", engine_factory=engines
+        compiled.compiled,
+        static_inputs(CONFIG),
+        config,
+        device="cuda",
+        options=ManagerOptions(engine_factory=engines),
     )
     first = _compiles() == compiled.compiles_before
     report = manager.capture()

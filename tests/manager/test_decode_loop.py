@@ -32,11 +32,13 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import (
+    AttentionOptions,
     BatchShape,
     CUDAGraphManager,
     DecodeLoop,
     LoopResult,
     LoopState,
+    ManagerOptions,
     StepBatch,
     metadata_extra,
 )
@@ -384,8 +386,10 @@ def loop_manager(
         paged_static_inputs(model.layout),
         dispatch,
         device=model.body.device,
-        metadata_builder=model.backend,
-        decode_loop=DecodeLoop(advance, max_steps=max_steps, kind=kind),
+        options=ManagerOptions(
+            decode_loop=DecodeLoop(advance, max_steps=max_steps, kind=kind),
+            attention=AttentionOptions(metadata_builder=model.backend),
+        ),
     )
 
 

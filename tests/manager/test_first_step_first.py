@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import BackgroundCapture, CUDAGraphManager
+from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions
 from cudagraph_manager._capture._background import BackgroundTimings
 
 from .helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
@@ -64,7 +64,11 @@ def _manager(
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager on the fake engines; its background captures wait for the first step as ``timings`` say."""
     manager = CUDAGraphManager(
-        model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu", engine_factory=FakeEngines(hook)
+        model,
+        INPUTS,
+        config_for(CUDAGraphMode.FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines(hook)),
     )
     if timings is not None:
         manager._capturer.background_timings = timings

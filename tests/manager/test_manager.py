@@ -35,6 +35,7 @@ from cudagraph_manager import (
     CapturedGraph,
     CaptureReport,
     CUDAGraphManager,
+    ManagerOptions,
     ManagerStats,
     NoGraphError,
     StaticInput,
@@ -145,8 +146,7 @@ def test_dict_outputs_are_cut_per_output_rows(backend: Backend, mode: CUDAGraphM
         INPUTS,
         config_for(mode),
         device=backend.device,
-        output_rows=DictModel.OUTPUT_ROWS,
-        engine_factory=backend.factory,
+        options=ManagerOptions(output_rows=DictModel.OUTPUT_ROWS, engine_factory=backend.factory),
     )
     manager.capture()
     for i, (n, r) in enumerate([(5, 3), (8, 8), (40, 9)]):  # padded, exact, eager
@@ -204,7 +204,11 @@ def test_each_graph_sees_its_rows_of_the_static_buffers(backend: Backend, mode: 
 
     config = config_for(mode, query_len=2)
     manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-        recording, INPUTS, config, device=backend.device, engine_factory=backend.factory
+        recording,
+        INPUTS,
+        config,
+        device=backend.device,
+        options=ManagerOptions(engine_factory=backend.factory),
     )
     manager.capture()
     assert seen.keys() == manager.dispatcher.keys(FULL) | manager.dispatcher.keys(PIECEWISE)
@@ -407,7 +411,7 @@ def test_capture_pauses_gc_and_restores_it_also_on_error() -> None:
     engines = FakeEngines(on_capture=observe)
     model = ToyModel(torch.device("cpu"))
     manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device="cpu", engine_factory=engines
+        model, INPUTS, config_for(FULL), device="cpu", options=ManagerOptions(engine_factory=engines)
     )
     with pytest.raises(RuntimeError, match="capture failed"):
         manager.capture()
@@ -426,7 +430,11 @@ def test_capture_pauses_gc_and_restores_it_also_on_error() -> None:
 def test_capture_progress_bar(capsys: pytest.CaptureFixture[str], progress: bool | None) -> None:
     pytest.importorskip("tqdm")
     manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-        ToyModel(torch.device("cpu")), INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines()
+        ToyModel(torch.device("cpu")),
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines()),
     )
     manager.capture(progress=progress)
     err = capsys.readouterr().err
@@ -441,13 +449,21 @@ def test_output_rows_are_checked_at_the_warm_up() -> None:
         return inputs["x"][:1]  # [1, DIM] whatever the batch: not per token
 
     manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-        first_row, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines()
+        first_row,
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines()),
     )
     with pytest.raises(ValueError, match=r"model output: shape \(1, 32\) does not have the 32 rows"):
         manager.capture()
     assert manager.num_captured == 0
     unsliced: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-        first_row, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(), output_rows=None
+        first_row,
+        INPUTS,
+        config_for(FULL),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines(), output_rows=None),
     )
     unsliced.capture()
     batch = make_batch(5, 3, torch.device("cpu"), seed=0)
@@ -467,8 +483,7 @@ def test_tuple_and_list_outputs_are_cut_by_index() -> None:
         INPUTS,
         config_for(FULL),
         device="cpu",
-        engine_factory=FakeEngines(),
-        output_rows=("tokens", "reqs"),
+        options=ManagerOptions(engine_factory=FakeEngines(), output_rows=("tokens", "reqs")),
     )
     tupled.capture()
     doubled, scaled = tupled.run_batch(batch)
@@ -479,8 +494,7 @@ def test_tuple_and_list_outputs_are_cut_by_index() -> None:
         INPUTS,
         config_for(PIECEWISE),
         device="cpu",
-        engine_factory=FakeEngines(),
-        output_rows=("tokens", "reqs"),
+        options=ManagerOptions(engine_factory=FakeEngines(), output_rows=("tokens", "reqs")),
     )
     as_list.capture()
     out = as_list.run_batch(batch)
@@ -536,7 +550,7 @@ def test_a_fake_capture_splits_its_seconds_into_phases() -> None:
         INPUTS,
         config_for(FULL),
         device="cpu",
-        engine_factory=FakeEngines(),
+        options=ManagerOptions(engine_factory=FakeEngines()),
     )
     report = manager.capture(progress=False)
     assert report.num_graphs > 1
@@ -606,7 +620,7 @@ def test_replays_pass_the_engine_the_tensors_it_captured() -> None:
         INPUTS,
         config_for(CUDAGraphMode.FULL_AND_PIECEWISE),
         device=device,
-        options=CaptureOptions(check_input_addresses=True),
+        options=ManagerOptions(capture=CaptureOptions(check_input_addresses=True)),
     )
     with highest_fp32_matmul_precision():
         manager.capture()
@@ -684,7 +698,9 @@ def test_a_recapture_warms_up_only_the_smallest_key_of_each_mode(mode: CUDAGraph
     """
     engines = FakeEngines()
     model = ToyModel(torch.device("cpu"))
-    manager = CUDAGraphManager(model, INPUTS, config_for(mode), device="cpu", engine_factory=engines)
+    manager = CUDAGraphManager(
+        model, INPUTS, config_for(mode), device="cpu", options=ManagerOptions(engine_factory=engines)
+    )
     first = manager.capture(progress=False)
     plan = manager.dispatcher.capture_plan()
     assert sum(e.warm_ups for e in engines.engines.values()) == first.num_graphs  # every first use

@@ -18,7 +18,7 @@ import torch
 
 from cudagraph_capture import CaptureOptions, GraphPool, capture_stream
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager, StaticInput
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 
 from .helpers import (
     INPUTS,
@@ -62,7 +62,7 @@ def _construct(**overrides: object) -> object:
         "inputs": INPUTS,
         "config": config_for(FULL),
         "device": "cpu",
-        "engine_factory": FakeEngines(),
+        "options": ManagerOptions(engine_factory=FakeEngines()),
         **overrides,
     }
     build = cast(Callable[..., object], CUDAGraphManager)  # arguments deliberately of any type
@@ -106,8 +106,7 @@ def test_valid_construction_keeps_options_and_device() -> None:
         config_for(FULL),
         device="cpu",
         strict=True,
-        options=given,
-        engine_factory=factory,
+        options=ManagerOptions(capture=given, engine_factory=factory),
     )
     assert manager.device == CPU
     assert manager.num_captured == 0
@@ -178,9 +177,14 @@ def test_static_input_accepts_representable_pad_values(dtype: torch.dtype, pad_v
 # ---------------------------------------------------------------------------
 
 
-def _capture_with(model: Callable[..., torch.Tensor], **kwargs: object) -> CUDAGraphManager[torch.Tensor]:
-    build = cast(Callable[..., CUDAGraphManager[torch.Tensor]], CUDAGraphManager)
-    manager = build(model, INPUTS, config_for(FULL), device="cpu", engine_factory=FakeEngines(), **kwargs)
+def _options(**fields: object) -> ManagerOptions[torch.Tensor]:
+    """``ManagerOptions(**fields)``: the fields of the tables below, of any type."""
+    return cast(Callable[..., ManagerOptions[torch.Tensor]], ManagerOptions)(**fields)
+
+
+def _capture_with(model: Callable[..., torch.Tensor], **fields: object) -> CUDAGraphManager[torch.Tensor]:
+    options = _options(engine_factory=FakeEngines(), **fields)
+    manager = CUDAGraphManager(model, INPUTS, config_for(FULL), device="cpu", options=options)
     manager.capture()
     return manager
 
@@ -249,7 +253,7 @@ def test_bad_model_outputs_fail_the_capture(case: str) -> None:
 # Model outputs of eager steps: checked as a capture's are (never returned as is)
 # ---------------------------------------------------------------------------
 
-#: (model, manager keyword arguments, the error's pattern). The row counts in the
+#: (model, the manager's option fields, the error's pattern). The row counts in the
 #: patterns are those of the unpadded step (5 tokens, 3 requests) or, on the CPU's
 #: padded path, of the padded key (8 and 8).
 EAGER_BAD_OUTPUTS: Final[dict[str, tuple[Callable[..., torch.Tensor], dict[str, object], str]]] = {
@@ -294,9 +298,9 @@ def test_bad_model_outputs_of_an_eager_step_raise(case: str, device: str) -> Non
     if device == "cpu" and case == "token rows under reqs":
         pytest.skip("the padded key has as many request rows as token rows: indistinguishable")
     model, kwargs, pattern = EAGER_BAD_OUTPUTS[case]
-    build = cast(Callable[..., CUDAGraphManager[torch.Tensor]], CUDAGraphManager)
     factory = {"engine_factory": FakeEngines()} if device == "fake-engines" else {}
-    manager = build(model, INPUTS, config_for(FULL), device="cpu", **factory, **kwargs)
+    options = _options(**factory, **kwargs)
+    manager = CUDAGraphManager(model, INPUTS, config_for(FULL), device="cpu", options=options)
     if case == "structure changes with the size":
         manager.run_batch(make_batch(2, 2, CPU, seed=0))  # the first outputs seen: a tuple
     with pytest.raises(ValueError, match=pattern):

@@ -1,8 +1,8 @@
 """Outputs read after they were overwritten, and two threads in one manager.
 
 Outputs alias graph memory until the next run. With
-``check_overwritten_outputs=True`` reading an earlier step's output after a
-later replay raises (GPU); without it, the earlier output silently shows the
+``ManagerOptions(check_overwritten_outputs=True)`` reading an earlier step's
+output after a later replay raises (GPU); without it, the earlier output silently shows the
 later step's numbers, which is why the check exists. A second thread calling
 ``run`` while one is inside it gets a clear error; the first step is unharmed.
 """
@@ -17,7 +17,7 @@ import torch
 
 from cudagraph_capture import OutputGuard
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
 
 from .helpers import (
     INPUTS,
@@ -38,7 +38,11 @@ FULL: Final = CUDAGraphMode.FULL
 def _guarded(model: ToyModel, *, check: bool) -> CUDAGraphManager[torch.Tensor]:
     device = torch.device("cuda", torch.cuda.current_device())
     manager = CUDAGraphManager(
-        model, INPUTS, config_for(FULL), device=device, check_overwritten_outputs=check
+        model,
+        INPUTS,
+        config_for(FULL),
+        device=device,
+        options=ManagerOptions(check_overwritten_outputs=check),
     )
     manager.capture()
     return manager
@@ -83,10 +87,13 @@ def test_without_the_check_an_old_output_shows_the_new_numbers() -> None:
 )
 def test_the_check_needs_a_torch_build_that_can_mark_storages() -> None:
     with pytest.raises(
-        ValueError, match="check_overwritten_outputs: OutputGuard: this torch build cannot mark"
+        ValueError, match=r"^options\.check_overwritten_outputs: OutputGuard: this torch build cannot mark"
     ):
         CUDAGraphManager(
-            ToyModel(torch.device("cpu")), INPUTS, config_for(FULL), check_overwritten_outputs=True
+            ToyModel(torch.device("cpu")),
+            INPUTS,
+            config_for(FULL),
+            options=ManagerOptions(check_overwritten_outputs=True),
         )
     # The newcomer's 6: the guard built alone names itself, not a manager argument it does not have.
     with pytest.raises(ValueError, match=r"^OutputGuard: this torch build cannot mark storages"):
@@ -94,14 +101,10 @@ def test_the_check_needs_a_torch_build_that_can_mark_storages() -> None:
 
 
 def test_check_overwritten_outputs_must_be_a_bool() -> None:
-    with pytest.raises(ValueError, match="check_overwritten_outputs: expected True or False, got 'yes'"):
-        CUDAGraphManager(
-            ToyModel(torch.device("cpu")),
-            INPUTS,
-            config_for(FULL),
-            device="cpu",
-            check_overwritten_outputs="yes",  # type: ignore[arg-type]  # the wrong type is the point
-        )
+    with pytest.raises(
+        ValueError, match=r"^options\.check_overwritten_outputs: expected True or False, got 'yes'"
+    ):
+        ManagerOptions(check_overwritten_outputs="yes")  # type: ignore[arg-type]  # the wrong type is the point
 
 
 @pytest.mark.parametrize("captured", [True, False], ids=["replay", "eager"])
@@ -163,7 +166,7 @@ def test_clear_and_capture_wait_for_a_run_in_progress_and_a_run_meanwhile_is_ref
         INPUTS,
         config_for(CUDAGraphMode.FULL),
         device="cpu",
-        engine_factory=FakeEngines(hold_the_capture),
+        options=ManagerOptions(engine_factory=FakeEngines(hold_the_capture)),
     )
     manager.capture()
     cleared = threading.Event()

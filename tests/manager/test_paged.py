@@ -26,7 +26,7 @@ from cudagraph_dispatch import (
     GraphSupport,
     ModeNotSupportedError,
 )
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions
 from examples import DecoderConfig, ReferenceDecoder
 from examples.inputs import make_paged_inputs
 from examples.paged import (
@@ -111,7 +111,11 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
     config = DispatchConfig(M.FULL, CaptureSizes.default(16), max_num_seqs=16, uniform_decode_query_len=3)
     assert model.graph_support().level is GraphSupport.ALWAYS
     kept = CUDAGraphManager(
-        model, paged_static_inputs(layout), config, device="cpu", metadata_builder=model.backend
+        model,
+        paged_static_inputs(layout),
+        config,
+        device="cpu",
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
     )
     assert kept.dispatcher.resolution.mode is M.FULL
     declared = AttentionSupport(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, name="decode_only")
@@ -120,9 +124,10 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
             model,
             paged_static_inputs(layout),
             config,
-            attention=declared,
             device="cpu",
-            metadata_builder=model.backend,
+            options=ManagerOptions(
+                attention=AttentionOptions(support=declared, metadata_builder=model.backend)
+            ),
         )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     assert len(caplog.records) == 2
@@ -137,10 +142,10 @@ def test_the_manager_takes_the_models_support_and_reports_the_resolution(
             model,
             paged_static_inputs(layout),
             config,
-            attention=declared,
-            strict_attention=True,
             device="cpu",
-            metadata_builder=model.backend,
+            options=ManagerOptions(
+                attention=AttentionOptions(support=declared, strict=True, metadata_builder=model.backend)
+            ),
         )
 
 
@@ -245,12 +250,16 @@ def test_a_backend_of_another_layout_is_refused_by_name() -> None:
 @pytest.mark.parametrize("backend", ["gather", "flex"])
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.NONE])
 def test_the_manager_builds_the_backends_metadata_on_the_cpu(backend: str, mode: CUDAGraphMode) -> None:
-    """Through the seam (``metadata_builder=model.backend``), padded steps equal the oracle."""
+    """Through the seam (``AttentionOptions(metadata_builder=...)``), padded steps equal the oracle."""
     layout = PagedLayout.for_config(SMALL, page_size=8)
     model = PagedDecoder(SMALL, layout=layout, backend=backend)
     config = DispatchConfig(mode, CaptureSizes.default(32), max_num_seqs=16)
     manager = CUDAGraphManager(
-        model, paged_static_inputs(layout), config, device="cpu", metadata_builder=model.backend
+        model,
+        paged_static_inputs(layout),
+        config,
+        device="cpu",
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
     )
     generator = torch.Generator().manual_seed(4)
     for num_tokens, uniform in ((5, True), (13, False), (1, False), (16, True)):
@@ -307,7 +316,7 @@ def test_every_replay_equals_eager_on_random_paged_layouts(backend: str, mode: C
         paged_static_inputs(layout),
         dispatch,
         strict=not eager_mixed,
-        metadata_builder=model.backend,
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
     )
     with torch.no_grad():
         report = manager.capture()
@@ -376,8 +385,10 @@ def test_spec_decode_under_a_single_token_level_never_replays_full() -> None:
         paged_static_inputs(layout),
         dispatch,
         strict=True,
-        attention=declared,  # the flex kernel, declared at a decode-only kernel's level
-        metadata_builder=model.backend,
+        options=ManagerOptions(
+            # the flex kernel, declared at a decode-only kernel's level
+            attention=AttentionOptions(support=declared, metadata_builder=model.backend)
+        ),
     )
     assert manager.dispatcher.resolution.mode is M.PIECEWISE
     with torch.no_grad():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, EagerReason, GraphSupport
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions
 from examples import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import PagedDecoder, PagedLayout, paged_static_inputs
@@ -64,7 +64,10 @@ def _model(backend: str, page_size: int, seed: int) -> PagedDecoder:
 def _manager(model: PagedDecoder, mode: CUDAGraphMode) -> CUDAGraphManager[torch.Tensor]:
     dispatch = DispatchConfig(mode, CaptureSizes.default(LARGEST), max_num_seqs=CONFIG.max_num_seqs)
     return CUDAGraphManager(
-        model, paged_static_inputs(model.layout), dispatch, metadata_builder=model.backend
+        model,
+        paged_static_inputs(model.layout),
+        dispatch,
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
     )
 
 

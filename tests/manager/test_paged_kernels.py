@@ -26,7 +26,14 @@ from cudagraph_dispatch import (
     resolve_mode,
     set_forward_context,
 )
-from cudagraph_manager import BatchShape, CUDAGraphManager, StepBatch, metadata_extra
+from cudagraph_manager import (
+    AttentionOptions,
+    BatchShape,
+    CUDAGraphManager,
+    ManagerOptions,
+    StepBatch,
+    metadata_extra,
+)
 from examples.paged.batch import paged_static_inputs
 from examples.paged.layout import PagedLayout
 from examples.paged.split_decode import (
@@ -366,8 +373,9 @@ def _manager_run(
         paged_static_inputs(layout),
         config,
         device="cpu",
-        engine_factory=FakeEngines(),
-        metadata_builder=backend,
+        options=ManagerOptions(
+            engine_factory=FakeEngines(), attention=AttentionOptions(metadata_builder=backend)
+        ),
     )
     manager.capture()
     errors = []

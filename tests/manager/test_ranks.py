@@ -151,7 +151,9 @@ def _check_faults(run: RankRun) -> None:
     assert r0["failure_captured"] == r1["failure_captured"] == 2
     assert r0["recaptured"] == r1["recaptured"] == 7  # FULL over sizes 1, 2, 4, 8, 16, 24, 32
     for result in (r0, r1):
-        assert str(result["background"]).startswith("start_capture: a manager with ranks= captures with")
+        assert str(result["background"]).startswith(
+            "start_capture: a manager with ranks (ManagerOptions.ranks) captures with"
+        )
         assert result["after_replayed"] == ["FULL:8"]
         err = result["after_err"]
         assert isinstance(err, float), err

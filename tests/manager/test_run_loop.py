@@ -19,7 +19,7 @@ from torch import nn
 
 from cudagraph_capture import LoopKind
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, StaticInput
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, ManagerOptions, StaticInput
 from tests.manager.helpers import BACKENDS, Backend, config_for
 
 M: Final = CUDAGraphMode
@@ -68,8 +68,7 @@ def _manager(backend: Backend, kind: LoopKind | None = None) -> CUDAGraphManager
         INPUTS,
         config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
         device=backend.device,
-        engine_factory=backend.factory,
-        decode_loop=loop,
+        options=ManagerOptions(engine_factory=backend.factory, decode_loop=loop),
     )
 
 
@@ -141,7 +140,7 @@ def test_a_loop_is_released_and_recaptured() -> None:
 
 def test_run_loop_needs_a_decode_loop_and_checks_its_arguments() -> None:
     plain = CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu")
-    with pytest.raises(RuntimeError, match="built without decode_loop="):
+    with pytest.raises(RuntimeError, match=r"built without ManagerOptions\(decode_loop=\.\.\.\)"):
         _run(plain, [1], [1], None)
     manager = _manager(Backend.of("cpu"))
     with pytest.raises(ValueError, match="max_steps: expected an integer <= 12"):
@@ -166,16 +165,18 @@ def test_a_bad_decode_loop_is_named(kwargs: dict[str, object], named: str) -> No
 
 
 def test_a_decode_loop_needs_one_token_per_request() -> None:
-    with pytest.raises(ValueError, match="decode_loop: a decode loop takes one token per request"):
+    with pytest.raises(ValueError, match=r"^options\.decode_loop: a decode loop takes one token per request"):
         CUDAGraphManager(
             ToyDecoder(),
             INPUTS,
             config_for(M.FULL, query_len=2),
             device="cpu",
-            decode_loop=DecodeLoop(advance, max_steps=4),
+            options=ManagerOptions(decode_loop=DecodeLoop(advance, max_steps=4)),
         )
-    with pytest.raises(ValueError, match="decode_loop: expected a DecodeLoop"):
-        CUDAGraphManager(ToyDecoder(), INPUTS, config_for(M.FULL), device="cpu", decode_loop=advance)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"^options\.decode_loop: expected a DecodeLoop or None, got <function"
+    ):
+        ManagerOptions(decode_loop=advance)  # type: ignore[arg-type]  # the check under test
 
 
 @pytest.mark.gpu
@@ -196,7 +197,7 @@ def test_a_loop_above_the_largest_size_is_refused_before_a_buffer_is_touched() -
         INPUTS,
         config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=16),
         device="cpu",
-        decode_loop=DecodeLoop(advance, max_steps=4),
+        options=ManagerOptions(decode_loop=DecodeLoop(advance, max_steps=4)),
     )
     before = {name: t.clone() for name, t in manager.static_buffers.items()}
     with pytest.raises(
@@ -219,7 +220,7 @@ def test_a_loop_of_no_request_runs_nothing() -> None:
         INPUTS,
         config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
         device="cpu",
-        decode_loop=DecodeLoop(counting, max_steps=4),
+        options=ManagerOptions(decode_loop=DecodeLoop(counting, max_steps=4)),
     )
     result = _run(manager, [], [], None)
     assert result.steps == 0
@@ -241,7 +242,7 @@ def test_a_loop_that_fails_to_capture_leaves_its_key_on_the_host_loop(
         INPUTS,
         config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4, 8), max_num_seqs=8),
         device="cuda",
-        decode_loop=DecodeLoop(refusing, max_steps=MAX_STEPS),
+        options=ManagerOptions(decode_loop=DecodeLoop(refusing, max_steps=MAX_STEPS)),
     )
     with caplog.at_level("WARNING", logger="cudagraph_manager"):
         report = manager.capture()

@@ -34,7 +34,7 @@ from cudagraph_dispatch import (
     ForwardContext,
     get_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, NoGraphError
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, NoGraphError
 from tests.strategies import invalid_mode_sets, manager_step_shapes
 
 from .helpers import (
@@ -124,7 +124,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.engines = FakeEngines(self._on_capture)
         self.strict = strict
         self.manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
-            self.model, INPUTS, self.config, device=CPU, strict=strict, engine_factory=self.engines
+            self.model,
+            INPUTS,
+            self.config,
+            device=CPU,
+            strict=strict,
+            options=ManagerOptions(engine_factory=self.engines),
         )
         self.plan = [key for _, keys in self.manager.dispatcher.capture_plan() for key in keys]
         self.modes = {key: mode for mode, keys in self.manager.dispatcher.capture_plan() for key in keys}

@@ -17,7 +17,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
 
 from .helpers import INPUTS, FakeEngines, FakeEntry, ToyModel, config_for, make_batch
 
@@ -27,7 +27,11 @@ CPU: Final = torch.device("cpu")
 def _trace_step(mode: CUDAGraphMode) -> tuple[list[str], list[tuple[str, str]], int]:
     """(our frames at the replay, our functions called before it, key hashes before it) of one step."""
     manager = CUDAGraphManager(
-        ToyModel(CPU), INPUTS, config_for(mode), device="cpu", engine_factory=FakeEngines()
+        ToyModel(CPU),
+        INPUTS,
+        config_for(mode),
+        device="cpu",
+        options=ManagerOptions(engine_factory=FakeEngines()),
     )
     manager.capture(progress=False)
     batch = make_batch(5, 3, CPU, seed=0)

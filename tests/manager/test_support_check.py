@@ -26,7 +26,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar, cast
 
 import pytest
 import torch
@@ -48,6 +48,7 @@ from cudagraph_manager import (
     StaticInput,
     StepBatch,
     SupportCheck,
+    SupportCheckOptions,
     SupportLevelError,
     attention_metadata,
     check_attention_support,
@@ -264,21 +265,19 @@ class Toy:
             builder, ToyAttentionModel(builder, device), device, BakingEngines() if backend == "cpu" else None
         )
 
-    def check(self, **options: object) -> SupportCheck:
+    def check(self, **fields: object) -> SupportCheck:
         with highest_fp32_matmul_precision():  # no TF32: held kinds replay eager's values to rounding
-            return self._check(options)
+            return self._check(fields)
 
-    def _check(self, options: Mapping[str, object]) -> SupportCheck:
-        return check_attention_support(
-            self.model,
-            INPUTS,
-            self.builder,
-            toy_batches(self.device),
+    def _check(self, fields: Mapping[str, object]) -> SupportCheck:
+        options = SupportCheckOptions(
             sizes=SIZES,
             max_num_seqs=MAX_NUM_SEQS,
-            device=self.device,
             engine_factory=self.engines,
-            **options,  # type: ignore[arg-type]  # the tests' keyword options, checked by the function
+            **fields,  # type: ignore[arg-type]  # the tests' option fields, checked when built
+        )
+        return check_attention_support(
+            self.model, INPUTS, self.builder, toy_batches(self.device), device=self.device, options=options
         )
 
 
@@ -420,50 +419,72 @@ def test_the_same_seed_draws_the_same_batches() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "match"),
+    ("arguments", "fields", "match"),
     [
-        ({"make_batch": "not callable"}, "make_batch: expected a callable"),
-        ({"builder": None}, "builder: expected an AttentionMetadataBuilder, got None"),
-        ({"builder": object()}, "builder: expected an AttentionMetadataBuilder.*lacks build"),
-        ({"model": 3}, "model: expected a callable"),
-        ({"inputs": [1]}, "inputs"),
-        ({"sizes": ()}, "sizes: expected at least one size"),
-        ({"sizes": (0, 2)}, r"sizes\[0\]: expected an integer >= 1"),
-        ({"sizes": "12"}, "sizes: expected a sequence of integers"),
-        ({"sizes": 4}, "sizes: expected a sequence of integers"),
-        ({"sizes": (3,)}, r"sizes: \(3,\) plan no FULL graph for uniform batches of 2 token"),
-        ({"sizes": (16,)}, "plan no FULL graph for uniform batches of 1 token"),
-        ({"max_num_seqs": 0}, "max_num_seqs: expected an integer >= 1, got 0"),
-        ({"max_num_seqs": True}, "max_num_seqs: expected an integer >= 1, got True"),
-        ({"query_len": 1}, "query_len: expected an integer >= 2, got 1"),
-        ({"query_len": 2.0}, "query_len: expected an integer >= 2, got 2.0"),
-        ({"trials": 0}, "trials: expected an integer >= 1, got 0"),
-        ({"rtol": 0.0}, "rtol: expected a finite number > 0, got 0.0"),
-        ({"rtol": math.nan}, "rtol: expected a finite number > 0, got nan"),
-        ({"rtol": True}, "rtol: expected a finite number > 0, got True"),
-        ({"rtol": "1e-2"}, "rtol: expected a finite number > 0"),
-        ({"seed": 1.5}, "seed: expected an integer, got 1.5"),
-        ({"on_overdeclared": "ignore"}, "on_overdeclared: expected 'raise' or 'warn', got 'ignore'"),
-        ({"engine_factory": None}, "device: checking FULL graphs needs a CUDA device or an engine_factory"),
-        ({"engine_factory": 3}, "engine_factory: expected None or a GraphEngineFactory"),
-        ({"output_rows": "rows"}, "output_rows"),
+        ({"make_batch": "not callable"}, {}, "^make_batch: expected a callable"),
+        ({"builder": None}, {}, "^builder: expected an AttentionMetadataBuilder, got None"),
+        ({"builder": object()}, {}, "^builder: expected an AttentionMetadataBuilder.*lacks build"),
+        ({"model": 3}, {}, "^model: expected a callable"),
+        ({"inputs": [1]}, {}, "inputs"),
+        ({"options": {"sizes": (1,)}}, {}, r"^options: expected SupportCheckOptions or None, got \{'sizes'"),
+        ({}, {"sizes": ()}, r"^options\.sizes: expected at least one size"),
+        ({}, {"sizes": (0, 2)}, r"^options\.sizes\[0\]: expected an integer >= 1"),
+        ({}, {"sizes": "12"}, r"^options\.sizes: expected a sequence of integers"),
+        ({}, {"sizes": 4}, r"^options\.sizes: expected a sequence of integers"),
+        ({}, {"sizes": (3,)}, r"^options\.sizes: \(3,\) plan no FULL graph for uniform batches of 2 token"),
+        ({}, {"sizes": (16,)}, r"^options\.sizes: .* plan no FULL graph for uniform batches of 1 token"),
+        ({}, {"max_num_seqs": 0}, r"^options\.max_num_seqs: expected an integer >= 1, got 0"),
+        ({}, {"max_num_seqs": True}, r"^options\.max_num_seqs: expected an integer >= 1, got True"),
+        ({}, {"query_len": 1}, r"^options\.query_len: expected an integer >= 2, got 1"),
+        ({}, {"query_len": 2.0}, r"^options\.query_len: expected an integer >= 2, got 2.0"),
+        ({}, {"trials": 0}, r"^options\.trials: expected an integer >= 1, got 0"),
+        ({}, {"rtol": 0.0}, r"^options\.rtol: expected a finite number > 0, got 0.0"),
+        ({}, {"rtol": math.nan}, r"^options\.rtol: expected a finite number > 0, got nan"),
+        ({}, {"rtol": True}, r"^options\.rtol: expected a finite number > 0, got True"),
+        ({}, {"rtol": "1e-2"}, r"^options\.rtol: expected a finite number > 0"),
+        ({}, {"seed": 1.5}, r"^options\.seed: expected an integer, got 1.5"),
+        ({}, {"seed": False}, r"^options\.seed: expected an integer, got False"),
+        (
+            {},
+            {"on_overdeclared": "ignore"},
+            r"^options\.on_overdeclared: expected 'raise' or 'warn', got 'ignore'",
+        ),
+        (
+            {},
+            {"engine_factory": None},
+            r"^device: checking FULL graphs needs a CUDA device or an options\.engine_factory",
+        ),
+        ({}, {"engine_factory": 3}, r"^options\.engine_factory: expected None or a GraphEngineFactory"),
+        (
+            {},
+            {"output_rows": "rows"},
+            r"^options\.output_rows: expected 'tokens', 'reqs' or None, got 'rows'",
+        ),
     ],
 )
-def test_bad_arguments_raise_before_anything_runs(options: dict[str, object], match: str) -> None:
+def test_bad_arguments_raise_before_anything_runs(
+    arguments: dict[str, object], fields: dict[str, object], match: str
+) -> None:
+    """A bad argument raises when the check is called; a bad option field when its options are built."""
     toy = Toy.of("cpu", serves=ALWAYS, declares=ALWAYS)
-    arguments: dict[str, object] = {
-        "model": toy.model,
-        "inputs": INPUTS,
-        "builder": toy.builder,
-        "make_batch": toy_batches(toy.device),
-        "sizes": SIZES,
-        "max_num_seqs": MAX_NUM_SEQS,
-        "device": "cpu",
-        "engine_factory": toy.engines,
-        **options,
-    }
+    make_options = cast(Callable[..., SupportCheckOptions], SupportCheckOptions)  # fields of any type
+
+    def check() -> SupportCheck:
+        given: dict[str, object] = {
+            "model": toy.model,
+            "inputs": INPUTS,
+            "builder": toy.builder,
+            "make_batch": toy_batches(toy.device),
+            "device": "cpu",
+            "options": make_options(
+                **{"sizes": SIZES, "max_num_seqs": MAX_NUM_SEQS, "engine_factory": toy.engines, **fields}
+            ),
+            **arguments,
+        }
+        return check_attention_support(**given)  # type: ignore[arg-type]  # deliberately wrong arguments
+
     with pytest.raises(ValueError, match=match):
-        check_attention_support(**arguments)  # type: ignore[arg-type]  # deliberately wrong arguments
+        check()
     assert (toy.model.calls, toy.builder.builds) == (0, 0)
 
 
@@ -477,7 +498,12 @@ def test_a_bad_batch_names_make_batch() -> None:
 
     with pytest.raises(ValueError, match="make_batch: input 'x' of a uniform_single_token batch of 1 tokens"):
         check_attention_support(
-            toy.model, INPUTS, toy.builder, short, device="cpu", engine_factory=toy.engines
+            toy.model,
+            INPUTS,
+            toy.builder,
+            short,
+            device="cpu",
+            options=SupportCheckOptions(engine_factory=toy.engines),
         )
     with pytest.raises(ValueError, match="make_batch: expected a mapping with the inputs"):
         check_attention_support(
@@ -486,7 +512,7 @@ def test_a_bad_batch_names_make_batch() -> None:
             toy.builder,
             lambda *_: {"x": torch.zeros(1, DIM)},
             device="cpu",
-            engine_factory=toy.engines,
+            options=SupportCheckOptions(engine_factory=toy.engines),
         )
 
 
@@ -564,10 +590,12 @@ def _split_decode_check(backend: str, declare: GraphSupport) -> SupportCheck:
             paged_static_inputs(layout),
             attention,
             make,
-            sizes=(1, 2, 4, 8, 16, 32),
-            max_num_seqs=8,
             device=device,
-            engine_factory=BakingEngines() if backend == "cpu" else None,
+            options=SupportCheckOptions(
+                sizes=(1, 2, 4, 8, 16, 32),
+                max_num_seqs=8,
+                engine_factory=BakingEngines() if backend == "cpu" else None,
+            ),
         )
 
 

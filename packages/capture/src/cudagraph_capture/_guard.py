@@ -21,7 +21,7 @@ class OutputGuard:
     (non-owning aliases of graph memory); before the next replay, ``retire``
     sets an access error on those storages, so reading them raises instead of
     returning the later step's numbers. Used by
-    ``CUDAGraphManager(check_overwritten_outputs=True)``.
+    ``CUDAGraphManager`` with ``ManagerOptions(check_overwritten_outputs=True)``.
     """
 
     __slots__ = ("_live", "_steps")

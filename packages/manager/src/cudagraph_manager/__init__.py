@@ -31,6 +31,8 @@ from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
+from ._options import AttentionOptions as AttentionOptions
+from ._options import ManagerOptions as ManagerOptions
 from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._protocols import GraphEngineFactory as GraphEngineFactory
 from ._protocols import ModelOutput as ModelOutput
@@ -51,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionMetadataBuilder",
+    "AttentionOptions",
     "BackgroundCapture",
     "BatchKind",
     "BatchShape",
@@ -65,6 +68,7 @@ __all__ = [
     "LoopResult",
     "LoopState",
     "KindCheck",
+    "ManagerOptions",
     "ManagerStats",
     "MemoryEstimate",
     "ModelOutput",
@@ -76,6 +80,7 @@ __all__ = [
     "StaticInput",
     "StepBatch",
     "SupportCheck",
+    "SupportCheckOptions",
     "SupportLevelError",
     "WeightsReplacedError",
     "attention_metadata",

@@ -1,15 +1,17 @@
 """``CUDAGraphManager``'s constructor arguments, checked before anything is allocated.
 
 Each bad argument raises ``ValueError`` naming it, in the order of the
-signature's concerns (callables first, then the config, the inputs and the
-options), so the manager's constructor builds only from checked values.
+signature's concerns (the model first, then the options' type, the config,
+the inputs, and what the options must agree with), so the manager's
+constructor builds only from checked values. The options checked their own
+fields when they were built (``_options``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import cast
+from typing import Final, cast
 
 import torch
 
@@ -17,11 +19,11 @@ from cudagraph_capture import CaptureOptions, graph_engine, resolve_device
 from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
 
 from ._buffers._buffers import check_inputs_spec
-from ._buffers._outputs import OutputRows, RowsSpec, check_output_rows, uses_reqs
+from ._buffers._outputs import RowsSpec, check_output_rows, uses_reqs
 from ._buffers._static import StaticInput
 from ._decode_loop import DecodeLoop
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory
-from .ranks import RankAgreement
+from ._options import AttentionOptions, ManagerOptions
+from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,50 +47,58 @@ def check_arguments(
     model: object,
     inputs: Mapping[str, StaticInput],
     config: DispatchConfig,
-    *,
     device: torch.device | str | int | None,
     strict: bool,
-    options: CaptureOptions | None,
-    output_rows: OutputRows,
-    engine_factory: object,
-    check_overwritten_outputs: bool,
-    ranks: RankAgreement | None,
-    attention: AttentionSupport | None = None,
-    strict_attention: bool = False,
-    metadata_builder: object = None,
-    decode_loop: object = None,
+    options: ManagerOptions[OutputT] | None,
 ) -> Arguments:
-    """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one)."""
+    """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one).
+
+    ``options`` checked its own fields when it was built; here, what they
+    must agree with (the model, the inputs, the config, the device).
+    """
     if not callable(model):
         raise ValueError(f"model: expected a callable, got {model!r:.80}")
-    if engine_factory is not None and not callable(engine_factory):
-        raise ValueError(f"engine_factory: expected None or a GraphEngineFactory, got {engine_factory!r:.80}")
-    check_bool("check_overwritten_outputs", check_overwritten_outputs)
-    given_ranks: object = ranks
-    if given_ranks is not None and not isinstance(given_ranks, RankAgreement):
-        raise ValueError(f"ranks: expected a RankAgreement or None, got {ranks!r:.80}")
-    check_bool("strict_attention", strict_attention)
-    builder = check_builder(metadata_builder)
-    support = attention if attention is not None else declared_support(model, builder)
-    # Checks config and attention, and resolves the mode against the attention (ModeNotSupportedError
-    # if strict).
-    dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=strict_attention)
+    checked_options = _given_options(options)
+    attention = checked_options.attention
+    builder = attention.metadata_builder
+    support = attention.support if attention.support is not None else declared_support(model, builder)
+    # Checks the config, and resolves the mode against the attention (ModeNotSupportedError if strict).
+    dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=attention.strict)
     checked = check_inputs_spec(inputs)
     check_bool("strict", strict)
-    checked_options = CaptureOptions.given(options)
-    rows = check_output_rows(output_rows)
+    rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
-    check_decode_loop(decode_loop, config, ranks)
+    _check_decode_loop(checked_options.decode_loop, config)
     resolved = resolve_device(device)
+    factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
-        if engine_factory is None and resolved.type != "cuda"
+        if factory is None and resolved.type != "cuda"
         else None
     )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
-    factory = cast(GraphEngineFactory, graph_engine if engine_factory is None else engine_factory)
-    return Arguments(dispatcher, checked, checked_options, rows, resolved, no_graphs, builder, factory)
+    capture = CaptureOptions.given(checked_options.capture)
+    engines = cast(GraphEngineFactory, graph_engine) if factory is None else factory
+    return Arguments(dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines)
+
+
+def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:
+    """``options``, or the defaults for ``None``; anything else raises ``ValueError`` naming ``options``."""
+    if options is None:
+        return ManagerOptions()
+    given: object = options
+    if not isinstance(given, ManagerOptions):
+        hint = _MOVED.get(type(given), "")
+        raise ValueError(f"options: expected ManagerOptions or None, got {given!r:.80}{hint}")
+    return options
+
+
+#: Where a value passed as ``options=`` goes instead (the keyword once took ``CaptureOptions``).
+_MOVED: Final[Mapping[type, str]] = {
+    CaptureOptions: "; CaptureOptions go in ManagerOptions(capture=...)",
+    AttentionOptions: "; AttentionOptions go in ManagerOptions(attention=...)",
+}
 
 
 def _check_request_counts(
@@ -98,44 +108,23 @@ def _check_request_counts(
     if any(spec.rows == "reqs" for spec in inputs.values()):
         return
     if uses_reqs(rows):
-        raise ValueError("output_rows: an output follows 'reqs', but no input has rows='reqs' to count them")
+        raise ValueError(
+            "options.output_rows: an output follows 'reqs', but no input has rows='reqs' to count them"
+        )
     if builder is not None:
         raise ValueError(
-            "metadata_builder: an attention's metadata is per request, but no input has rows='reqs' "
-            "to count the requests"
+            "options.attention.metadata_builder: an attention's metadata is per request, but no input "
+            "has rows='reqs' to count the requests"
         )
 
 
-def check_decode_loop(decode_loop: object, config: DispatchConfig, ranks: RankAgreement | None) -> None:
-    """``decode_loop`` is ``None``, or a ``DecodeLoop`` this manager can run (``ValueError`` naming it)."""
-    if decode_loop is None:
-        return
-    if not isinstance(decode_loop, DecodeLoop):
-        raise ValueError(f"decode_loop: expected a DecodeLoop or None, got {decode_loop!r:.80}")
-    if config.uniform_decode_query_len != 1:
+def _check_decode_loop(decode_loop: DecodeLoop[OutputT] | None, config: DispatchConfig) -> None:
+    """A decode loop takes one token per request: the config's uniform decodes must too."""
+    if decode_loop is not None and config.uniform_decode_query_len != 1:
         raise ValueError(
-            "decode_loop: a decode loop takes one token per request, but the config's "
+            "options.decode_loop: a decode loop takes one token per request, but the config's "
             f"uniform_decode_query_len is {config.uniform_decode_query_len}"
         )
-    if ranks is not None:
-        raise ValueError("decode_loop: ranks step together through run(); a loop would step alone")
-
-
-def check_builder(builder: object) -> AttentionMetadataBuilder[object] | None:
-    """``builder`` if it is ``None`` or has the protocol's methods; ``ValueError`` naming what it lacks."""
-    if builder is None:
-        return None
-    lacks = [
-        f"{name}()" for name in ("build", "build_for_capture") if not callable(getattr(builder, name, None))
-    ]
-    if not isinstance(getattr(builder, "support", None), AttentionSupport):
-        lacks.append("a support of type AttentionSupport")
-    if lacks:
-        raise ValueError(
-            f"metadata_builder: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
-            f"which lacks {', '.join(lacks)}"
-        )
-    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
 
 
 def declared_support(

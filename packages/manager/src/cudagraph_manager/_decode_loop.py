@@ -44,7 +44,7 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeLoop(Generic[OutputT]):
-    """``decode_loop=``: the advance of one decode step, and how many steps a call may loop.
+    """``ManagerOptions.decode_loop``: the advance of one decode step, and how many steps a call may loop.
 
     ``advance(outputs, inputs, state)``: from the step's outputs (the padded
     key's rows) write the next step's inputs in place into ``inputs`` (the

@@ -20,10 +20,9 @@ from typing import Final, Generic
 import torch
 from torch import Tensor
 
-from cudagraph_capture import CaptureOptions, OutputGuard
+from cudagraph_capture import OutputGuard
 from cudagraph_dispatch import (
     NO_MODES,
-    AttentionSupport,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
@@ -31,19 +30,18 @@ from cudagraph_dispatch import (
 )
 
 from ._arguments import check_arguments
-from ._buffers._outputs import OutputRows
 from ._buffers._static import StaticInput
 from ._capture._background import BackgroundCapture
 from ._capture._capturer import Capturer, agree_plan
-from ._decode_loop import DecodeLoop, LoopResult
+from ._decode_loop import LoopResult
 from ._graphs import GraphTable
+from ._options import ManagerOptions
 from ._parts import ManagerParts
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from ._protocols import OutputT
 from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate
 from ._step._eager import EagerSteps
 from ._step._loop import LoopSteps
 from ._step._path import StepPath
-from .ranks import RankAgreement
 
 
 class CUDAGraphManager(Generic[OutputT]):
@@ -54,8 +52,10 @@ class CUDAGraphManager(Generic[OutputT]):
     ``device`` (default: the current CUDA device, else the CPU, where every
     step runs eagerly on the padded buffers). ``config`` decides which graphs
     exist. ``strict`` raises ``NoGraphError`` where a step would run eagerly.
-    The other options: the package README. One call at a time: ``run`` while
-    another thread is inside a method of this manager raises ``RuntimeError``.
+    ``options`` (``ManagerOptions``) holds the rest: the engines' options and
+    factory, the outputs' rows, a debug check of overwritten outputs, the
+    ranks, the attention (``AttentionOptions``) and a decode loop. One call at
+    a time: ``run`` while another thread is inside a method raises ``RuntimeError``.
     """
 
     def __init__(
@@ -66,37 +66,15 @@ class CUDAGraphManager(Generic[OutputT]):
         *,
         device: torch.device | str | int | None = None,
         strict: bool = False,
-        options: CaptureOptions | None = None,
-        output_rows: OutputRows = "tokens",
-        engine_factory: GraphEngineFactory | None = None,
-        check_overwritten_outputs: bool = False,
-        ranks: RankAgreement | None = None,
-        attention: AttentionSupport | None = None,
-        strict_attention: bool = False,
-        metadata_builder: AttentionMetadataBuilder[object] | None = None,
-        decode_loop: DecodeLoop[OutputT] | None = None,
+        options: ManagerOptions[OutputT] | None = None,
     ) -> None:
-        checked = check_arguments(
-            model,
-            inputs,
-            config,
-            device=device,
-            strict=strict,
-            options=options,
-            output_rows=output_rows,
-            engine_factory=engine_factory,
-            check_overwritten_outputs=check_overwritten_outputs,
-            ranks=ranks,
-            attention=attention,
-            strict_attention=strict_attention,
-            metadata_builder=metadata_builder,
-            decode_loop=decode_loop,
-        )
-        parts = self._parts = ManagerParts.of(model, checked, strict, ranks, decode_loop)
+        checked = check_arguments(model, inputs, config, device, strict, options)
+        given: ManagerOptions[OutputT] = ManagerOptions() if options is None else options
+        parts = self._parts = ManagerParts.of(model, checked, strict, given.ranks, given.decode_loop)
         self._table: Final = GraphTable[OutputT](parts.dispatcher, parts.buffers, parts.builder)
         self._capturer: Final = Capturer(parts, self._table, checked.factory, checked.options)
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
-        self._guard: Final = _output_guard() if check_overwritten_outputs else None
+        self._guard: Final = _output_guard() if given.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)
         self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard)
         self._loops: Final = (
@@ -270,14 +248,14 @@ class CUDAGraphManager(Generic[OutputT]):
         max_steps: int | None = None,
         **inputs: Tensor,
     ) -> LoopResult:
-        """Up to ``max_steps`` decode steps of a uniform batch in one call (``decode_loop=``); synchronizes.
+        """Up to ``max_steps`` decode steps of a uniform batch in one call (``ManagerOptions.decode_loop``).
 
         The inputs as keywords or in one mapping (``batch``), one token per
         request, checked as ``run`` checks them. ``LoopResult.tokens`` is
         valid until the next ``run_loop`` or capture.
         """
         if self._loops is None:
-            raise RuntimeError("run_loop: this manager was built without decode_loop=")
+            raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")
         if batch is not None and inputs:
             raise ValueError("batch: pass the inputs as keywords or in one mapping, not both")
         if not self._step_lock.acquire(blocking=False):
@@ -294,9 +272,9 @@ _BUSY: Final = (
     "(serialize the calls, or use a manager per thread)"
 )
 _NO_BACKGROUND_WITH_RANKS: Final = (
-    "start_capture: a manager with ranks= captures with capture(), on every rank at once; "
-    "a background capture would interleave its collectives with the serving steps' "
-    "differently on each rank"
+    "start_capture: a manager with ranks (ManagerOptions.ranks) captures with capture(), "
+    "on every rank at once; a background capture would interleave its collectives with the "
+    "serving steps' differently on each rank"
 )
 
 
@@ -305,4 +283,4 @@ def _output_guard() -> OutputGuard:
     try:
         return OutputGuard()
     except ValueError as error:
-        raise ValueError(f"check_overwritten_outputs: {error}") from None
+        raise ValueError(f"options.check_overwritten_outputs: {error}") from None

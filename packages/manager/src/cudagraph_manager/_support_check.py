@@ -37,15 +37,16 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     DispatchConfig,
     GraphSupport,
+    check_int,
     set_forward_context,
 )
 
-from ._arguments import check_builder
 from ._attention._seam import metadata_extra
 from ._batch import BatchShape, StepBatch
 from ._buffers._outputs import OutputRows
 from ._buffers._static import StaticInput
 from ._manager import CUDAGraphManager
+from ._options import AttentionOptions, ManagerOptions, check_builder
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
 
 
@@ -155,53 +156,94 @@ class SupportLevelError(ValueError):
         self.check: Final = check
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupportCheckOptions:
+    """How ``check_attention_support`` checks (``options=``): the graphs per kind, the batches, the verdict.
+
+    Arguments:
+        sizes, max_num_seqs, query_len: the graphs per kind (``DispatchConfig``'s
+            meanings); ``query_len >= 2``: the uniform kind's tokens per request.
+        trials: random batches per graph, each padded to it.
+        rtol: the largest relative error (L2) of a replay against eager that holds.
+        seed: seeds the CPU generator ``make_batch`` draws from.
+        on_overdeclared: ``"raise"`` (``SupportLevelError``) or ``"warn"`` when the
+            declared level is above the verified one.
+        output_rows, engine_factory: as in ``ManagerOptions``.
+    """
+
+    sizes: Sequence[int] | CaptureSizes = DEFAULT_SIZES
+    max_num_seqs: int = 8
+    query_len: int = 2
+    trials: int = 2
+    rtol: float = 1e-2
+    seed: int = 0
+    on_overdeclared: Literal["raise", "warn"] = "raise"
+    output_rows: OutputRows = "tokens"
+    engine_factory: GraphEngineFactory | None = None
+
+    def __post_init__(self) -> None:
+        _capture_sizes(self.sizes)
+        for name, value, least in (
+            ("max_num_seqs", self.max_num_seqs, 1),
+            ("query_len", self.query_len, 2),
+            ("trials", self.trials, 1),
+        ):
+            check_int(f"options.{name}", value, minimum=least)
+        seed: object = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"options.seed: expected an integer, got {seed!r}")
+        rtol: object = self.rtol
+        if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not 0.0 < rtol < math.inf:
+            raise ValueError(f"options.rtol: expected a finite number > 0, got {rtol!r}")
+        if self.on_overdeclared not in ("raise", "warn"):
+            raise ValueError(
+                f"options.on_overdeclared: expected 'raise' or 'warn', got {self.on_overdeclared!r}"
+            )
+        ManagerOptions(output_rows=self.output_rows, engine_factory=self.engine_factory)  # their checks
+
+    def manager_options(self, builder: AttentionMetadataBuilder[object]) -> ManagerOptions[ModelOutput]:
+        """A kind's manager's options: the builder's FULL graphs forced (``ALWAYS``: nothing downgraded)."""
+        forced = AttentionSupport(GraphSupport.ALWAYS, piecewise=False, name=builder.support.name)
+        attention = AttentionOptions(support=forced, metadata_builder=builder)
+        return ManagerOptions(
+            output_rows=self.output_rows, engine_factory=self.engine_factory, attention=attention
+        )
+
+
 def check_attention_support(
     model: Callable[..., ModelOutput],
     inputs: Mapping[str, StaticInput],
     builder: AttentionMetadataBuilder[object],
     make_batch: MakeBatch,
     *,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    max_num_seqs: int = 8,
-    query_len: int = 2,
-    trials: int = 2,
-    rtol: float = 1e-2,
-    seed: int = 0,
-    output_rows: OutputRows = "tokens",
     device: torch.device | str | int | None = None,
-    on_overdeclared: Literal["raise", "warn"] = "raise",
-    engine_factory: GraphEngineFactory | None = None,
+    options: SupportCheckOptions | None = None,
 ) -> SupportCheck:
     """Check the level ``builder`` declares: FULL graphs of each batch kind, replayed against eager.
 
     Arguments:
-        model, inputs, output_rows, device, engine_factory: as for ``CUDAGraphManager``.
+        model, inputs, device: as for ``CUDAGraphManager``.
         builder: the attention's builder; ``builder.support.level`` is checked.
         make_batch: ``make_batch(kind, num_tokens, num_reqs, generator)``, a
             fresh random batch of ``kind`` (input name -> tensor on the device),
-            drawn from the CPU ``generator`` (seeded with ``seed``).
-        sizes, max_num_seqs, query_len: the graphs per kind (``DispatchConfig``'s
-            meanings); ``query_len >= 2``: the uniform kind's tokens per request.
-        trials: random batches per graph, each padded to it.
-        rtol: the largest relative error (L2) of a replay against eager that holds.
-        on_overdeclared: ``"raise"`` (``SupportLevelError``) or ``"warn"`` when the
-            declared level is above the verified one.
+            drawn from the CPU ``generator`` (seeded with ``options.seed``).
+        options: ``SupportCheckOptions`` (``None``: the defaults).
 
     Arguments are checked before anything runs; the graphs are freed before
     it returns. The replays and the eager references write the model's state
     (a KV cache; each eager run repeats its replay's batch): check before serving.
     """
-    support = _check_arguments(
-        builder, make_batch, max_num_seqs, query_len, trials, rtol, seed, on_overdeclared
-    )
-    configs = {kind: _config(kind, _capture_sizes(sizes), max_num_seqs, query_len) for kind in BatchKind}
-    managers = _managers(model, inputs, builder, configs, output_rows, device, engine_factory)
-    run = _Run(model, inputs, builder, make_batch, trials, rtol, torch.Generator().manual_seed(seed))
+    support, checked = _check_arguments(builder, make_batch, options)
+    sizes = _capture_sizes(checked.sizes)
+    configs = {kind: _config(kind, sizes, checked.max_num_seqs, checked.query_len) for kind in BatchKind}
+    managers = _managers(model, inputs, builder, configs, checked, device)
+    generator = torch.Generator().manual_seed(checked.seed)
+    run = _Run(model, inputs, builder, make_batch, checked.trials, checked.rtol, generator)
     with torch.no_grad():
         kinds = tuple(_check_kind(run, kind, manager) for kind, manager in managers.items())
-    result = SupportCheck(support.name, support.level, _verified(kinds), kinds, float(rtol))
+    result = SupportCheck(support.name, support.level, _verified(kinds), kinds, float(checked.rtol))
     if result.overdeclared:
-        if on_overdeclared == "raise":
+        if checked.on_overdeclared == "raise":
             raise SupportLevelError(result)
         warnings.warn(str(SupportLevelError(result)), UserWarning, stacklevel=2)
     return result
@@ -212,72 +254,42 @@ def _managers(
     inputs: Mapping[str, StaticInput],
     builder: AttentionMetadataBuilder[object],
     configs: Mapping[BatchKind, DispatchConfig],
-    output_rows: OutputRows,
+    options: SupportCheckOptions,
     device: torch.device | str | int | None,
-    engine_factory: GraphEngineFactory | None,
 ) -> dict[BatchKind, CUDAGraphManager[ModelOutput]]:
     """One strict manager per kind, its FULL graphs forced (``ALWAYS``: nothing downgraded); none captured."""
-    if engine_factory is None and resolve_device(device).type != "cuda":
+    if options.engine_factory is None and resolve_device(device).type != "cuda":
         raise ValueError(
-            "device: checking FULL graphs needs a CUDA device or an engine_factory, "
+            "device: checking FULL graphs needs a CUDA device or an options.engine_factory, "
             f"and the device is {resolve_device(device)}"
         )
-    forced = AttentionSupport(GraphSupport.ALWAYS, piecewise=False, name=builder.support.name)
+    manager_options = options.manager_options(builder)
     managers = {
-        kind: CUDAGraphManager(
-            model,
-            inputs,
-            config,
-            device=device,
-            strict=True,
-            output_rows=output_rows,
-            engine_factory=engine_factory,
-            attention=forced,
-            metadata_builder=builder,
-        )
+        kind: CUDAGraphManager(model, inputs, config, device=device, strict=True, options=manager_options)
         for kind, config in configs.items()
     }
     for kind, manager in managers.items():
         if not _replayed_keys(kind, manager):
             sizes = configs[kind].capture_sizes.sizes
-            raise ValueError(f"sizes: {sizes} plan no FULL graph for {_what(kind, configs[kind])}")
+            raise ValueError(f"options.sizes: {sizes} plan no FULL graph for {_what(kind, configs[kind])}")
     return managers
 
 
 def _check_arguments(
-    builder: object,
-    make_batch: object,
-    max_num_seqs: object,
-    query_len: object,
-    trials: object,
-    rtol: object,
-    seed: object,
-    on_overdeclared: object,
-) -> AttentionSupport:
-    """The builder's declared support: ``ValueError`` names a bad argument (the managers check the rest)."""
+    builder: object, make_batch: object, options: object
+) -> tuple[AttentionSupport, SupportCheckOptions]:
+    """The builder's declared support, and the options (``None``: the defaults); ``ValueError`` naming one."""
     if builder is None:
         raise ValueError("builder: expected an AttentionMetadataBuilder, got None")
-    try:
-        checked = check_builder(builder)
-    except ValueError as error:
-        raise ValueError(f"builder{str(error).removeprefix('metadata_builder')}") from None
+    checked = check_builder("builder", builder)
     assert checked is not None
     if not callable(make_batch):
         raise ValueError(f"make_batch: expected a callable, got {make_batch!r:.80}")
-    for name, value, least in (
-        ("max_num_seqs", max_num_seqs, 1),
-        ("query_len", query_len, 2),
-        ("trials", trials, 1),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed: expected an integer, got {seed!r}")
-    if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not 0.0 < rtol < math.inf:
-        raise ValueError(f"rtol: expected a finite number > 0, got {rtol!r}")
-    if on_overdeclared not in ("raise", "warn"):
-        raise ValueError(f"on_overdeclared: expected 'raise' or 'warn', got {on_overdeclared!r}")
-    return checked.support
+    if options is None:
+        return checked.support, SupportCheckOptions()
+    if not isinstance(options, SupportCheckOptions):
+        raise ValueError(f"options: expected SupportCheckOptions or None, got {options!r:.80}")
+    return checked.support, options
 
 
 def _capture_sizes(sizes: object) -> CaptureSizes:
@@ -285,11 +297,11 @@ def _capture_sizes(sizes: object) -> CaptureSizes:
     if isinstance(sizes, CaptureSizes):
         return sizes
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
-        raise ValueError(f"sizes: expected a sequence of integers >= 1, got {sizes!r:.80}")
+        raise ValueError(f"options.sizes: expected a sequence of integers >= 1, got {sizes!r:.80}")
     try:
         return CaptureSizes(sizes)
     except ValueError as error:
-        raise ValueError(f"sizes{str(error).removeprefix('capture_sizes')}") from None
+        raise ValueError(f"options.sizes{str(error).removeprefix('capture_sizes')}") from None
 
 
 def _config(kind: BatchKind, sizes: CaptureSizes, max_num_seqs: int, query_len: int) -> DispatchConfig:

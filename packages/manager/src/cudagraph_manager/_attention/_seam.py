@@ -48,8 +48,8 @@ def attention_metadata(builder: AttentionMetadataBuilder[M]) -> M:
     if not isinstance(built, _Built):
         raise RuntimeError(
             "attention_metadata: no attention metadata in the forward context; call it inside a forward "
-            "run by a CUDAGraphManager built with metadata_builder= (or under set_forward_context("
-            "..., **metadata_extra(builder, metadata)))"
+            "run by a CUDAGraphManager built with AttentionOptions(metadata_builder=...) (or under "
+            "set_forward_context(..., **metadata_extra(builder, metadata)))"
         )
     if built.builder is not builder:
         raise RuntimeError(

@@ -73,7 +73,7 @@ class RankAgreement:
     (after which this agreement is out of step: build a new one, or end the
     process); over nccl, NCCL's watchdog aborts the process instead.
 
-    Give it to ``CUDAGraphManager(..., ranks=...)``; every rank of the group
+    Give it to ``CUDAGraphManager(..., options=ManagerOptions(ranks=...))``; every rank of the group
     then runs the same mode at the same padded size on each ``run()``.
     """
 

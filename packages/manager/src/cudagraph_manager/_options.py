@@ -1,0 +1,127 @@
+"""``CUDAGraphManager``'s options, as typed values: ``ManagerOptions`` and its ``AttentionOptions``.
+
+Each value checks its own fields when it is built (``ValueError`` naming
+``options.<field>`` or ``attention.<field>`` and the value), so a bad option
+fails where it is written. The checks that need the model, the inputs or the
+config (an output that follows requests needs a ``"reqs"`` input, a decode
+loop needs one token per request) are the constructor's (``_arguments``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Generic
+
+from cudagraph_capture import CaptureOptions
+from cudagraph_dispatch import AttentionSupport, check_bool
+
+from ._buffers._outputs import OutputRows, check_output_rows
+from ._decode_loop import DecodeLoop
+from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from .ranks import RankAgreement
+
+
+def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
+    """``builder`` if it is ``None`` or has the protocol's members; else ``ValueError`` naming ``name``."""
+    if builder is None:
+        return None
+    lacks = [
+        f"{member}()"
+        for member in ("build", "build_for_capture")
+        if not callable(getattr(builder, member, None))
+    ]
+    if not isinstance(getattr(builder, "support", None), AttentionSupport):
+        lacks.append("a support of type AttentionSupport")
+    if lacks:
+        raise ValueError(
+            f"{name}: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
+            f"which lacks {', '.join(lacks)}"
+        )
+    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
+
+
+def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:
+    """``ValueError`` naming ``field`` and ``value`` unless ``value`` is ``None`` or a ``kind``."""
+    if value is not None and not isinstance(value, kind):
+        raise ValueError(f"{field}: expected {expected}, got {value!r:.80}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """The model's attention, as the manager sees it (``ManagerOptions.attention``).
+
+    Arguments:
+        support: what a FULL graph of the attention replays correctly; the
+            configured mode is resolved against it (default: the builder's
+            ``support``, else the model's ``graph_support()``, else ``ALWAYS``).
+        strict: raise ``ModeNotSupportedError`` instead of downgrading the mode.
+        metadata_builder: the attention's ``AttentionMetadataBuilder``, called on
+            every path (``attention_metadata(builder)`` reads its metadata back).
+    """
+
+    support: AttentionSupport | None = None
+    strict: bool = False
+    metadata_builder: AttentionMetadataBuilder[object] | None = None
+
+    def __post_init__(self) -> None:
+        _check_optional("attention.support", self.support, AttentionSupport, "an AttentionSupport or None")
+        check_bool("attention.strict", self.strict)
+        check_builder("attention.metadata_builder", self.metadata_builder)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManagerOptions(Generic[OutputT]):
+    """What a ``CUDAGraphManager`` may be given besides its model, inputs and config (``options=``).
+
+    Arguments:
+        capture: the capture engines' ``CaptureOptions`` (``None``: the defaults).
+        engine_factory: builds the capture engines instead of
+            ``cudagraph_capture.graph_engine`` (another engine, or a fake).
+        output_rows: which count each output's rows follow: ``"tokens"``,
+            ``"reqs"``, ``None`` (not batched), or a mapping or tuple of them.
+        check_overwritten_outputs: a debug check: outputs become unreadable
+            once a later replay may have overwritten them.
+        ranks: the data- or tensor-parallel ranks that capture one plan and
+            take one route per step.
+        attention: the model's attention (``AttentionOptions``).
+        decode_loop: lets ``run_loop`` take many decode steps per call.
+
+    Generic over the model's output type, which ``decode_loop``'s ``advance``
+    takes: built inside the manager's call it is inferred; a variable holding
+    options without a loop is annotated (``ManagerOptions[torch.Tensor]``).
+    """
+
+    capture: CaptureOptions | None = None
+    engine_factory: GraphEngineFactory | None = None
+    output_rows: OutputRows = "tokens"
+    check_overwritten_outputs: bool = False
+    ranks: RankAgreement | None = None
+    attention: AttentionOptions = AttentionOptions()
+    decode_loop: DecodeLoop[OutputT] | None = None
+
+    def __post_init__(self) -> None:
+        _check_optional("options.capture", self.capture, CaptureOptions, "CaptureOptions or None")
+        factory: object = self.engine_factory
+        if factory is not None and not callable(factory):
+            raise ValueError(
+                f"options.engine_factory: expected None or a GraphEngineFactory, got {factory!r:.80}"
+            )
+        try:
+            check_output_rows(self.output_rows)
+        except ValueError as error:  # its message starts with the field's name
+            raise ValueError(f"options.{error}") from None
+        check_bool("options.check_overwritten_outputs", self.check_overwritten_outputs)
+        _check_optional("options.ranks", self.ranks, RankAgreement, "a RankAgreement or None")
+        attention: object = self.attention
+        if not isinstance(attention, AttentionOptions):
+            hint = (
+                "; it goes in AttentionOptions(support=...)"
+                if isinstance(attention, AttentionSupport)
+                else ""
+            )
+            raise ValueError(f"options.attention: expected AttentionOptions, got {attention!r:.80}{hint}")
+        _check_optional("options.decode_loop", self.decode_loop, DecodeLoop, "a DecodeLoop or None")
+        if self.decode_loop is not None and self.ranks is not None:
+            raise ValueError(
+                "options.decode_loop: ranks step together through run(); a loop would step alone"
+            )
