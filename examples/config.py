@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from cudagraph_dispatch import check_int
+from cudagraph_dispatch.lowlevel import check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

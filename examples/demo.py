@@ -26,7 +26,8 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
-from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions, StaticInput
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
+from cudagraph_manager.attention import AttentionOptions
 
 from .config import DecoderConfig
 from .demo_args import OVERFLOW, parse_args
@@ -165,8 +166,12 @@ def _manager(
 ) -> CUDAGraphManager[torch.Tensor]:
     """A manager over the model (its attention's builder, where it has one), not captured yet."""
     builder = decoder.model.backend if isinstance(decoder.model, PagedDecoder) else None
-    options: ManagerOptions[torch.Tensor] = ManagerOptions(attention=AttentionOptions(metadata_builder=builder))
-    return CUDAGraphManager(decoder.model.forward, decoder.inputs, dispatch_config, device=device, options=options)
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(
+        attention=AttentionOptions(metadata_builder=builder)
+    )
+    return CUDAGraphManager(
+        decoder.model.forward, decoder.inputs, dispatch_config, device=device, options=options
+    )
 
 
 def run_graph(

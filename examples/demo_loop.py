@@ -22,7 +22,8 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import AttentionOptions, CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions
 
 from .paged import PagedDecoder, paged_static_inputs
 from .paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_advance

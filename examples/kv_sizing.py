@@ -26,13 +26,8 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import (
-    AttentionOptions,
-    CaptureReport,
-    CUDAGraphManager,
-    ManagerOptions,
-    MemoryEstimate,
-)
+from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, MemoryEstimate
+from cudagraph_manager.attention import AttentionOptions
 from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs, make_step_inputs
 from examples.paged import BACKENDS, PagedDecoder, paged_static_inputs

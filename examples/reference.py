@@ -37,7 +37,7 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
-from cudagraph_dispatch import check_bool
+from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_manager import StaticInput
 
 from .body import DecoderBody, LayerCaches

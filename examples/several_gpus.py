@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement
-from cudagraph_manager.ranks import Backend
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.ranks import Backend, RankAgreement
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs

@@ -110,9 +110,16 @@ from typing import Final, NamedTuple
 
 import torch
 
-from cudagraph_capture import resolve_device
-from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dispatch, DispatchConfig
-from cudagraph_manager import CaptureReport, CUDAGraphManager, EagerReason
+from cudagraph_capture.lowlevel import resolve_device
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    Dispatch,
+    DispatchConfig,
+    EagerReason,
+)
+from cudagraph_manager import CaptureReport, CUDAGraphManager
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs

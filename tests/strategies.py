@@ -18,16 +18,15 @@ from typing import Final
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import (
-    AttentionSupport,
     BatchDescriptor,
     CaptureSizes,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
-    GraphSupport,
     StepRequest,
 )
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 #: The largest capture size any strategy here produces.
 MAX_CAPTURE_SIZE: Final = 2**20

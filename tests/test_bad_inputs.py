@@ -36,38 +36,27 @@ from cudagraph_capture import (
     CaptureOptions,
     CUDAGraphWrapper,
     capture_enabled,
-    capture_stream,
-    collector_paused,
     eager_break_during_capture,
-    release_graph_memory,
-    resolve_device,
     set_capture_enabled,
     shared_pool,
 )
+from cudagraph_capture.lowlevel import capture_stream, collector_paused, release_graph_memory, resolve_device
 from cudagraph_dispatch import (
-    AttentionSupport,
     BatchDescriptor,
     CaptureSizes,
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
-    GraphSupport,
     RankRequest,
     agree_across_ranks,
-    check_bool,
-    check_int,
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import (
-    AttentionOptions,
-    CUDAGraphManager,
-    DecodeLoop,
-    ManagerOptions,
-    RankAgreement,
-    StaticInput,
-    compile_for_capture,
-)
+from cudagraph_dispatch.lowlevel import check_bool, check_int
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, ManagerOptions, StaticInput, compile_for_capture
+from cudagraph_manager.attention import AttentionOptions
+from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
 from examples.demo import main as demo_main
 from examples.reference import ReferenceDecoder

@@ -97,7 +97,8 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
     ``seconds``, failed with an ``AttributeError`` inside ``capture()``.
     """
     from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-    from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, ManagerOptions, StaticInput
+    from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
+    from cudagraph_manager.lowlevel import GraphEngineFactory
 
     (code,) = [b for b in python_blocks(ROOT / "packages/capture/README.md") if "class RerunEngine" in b]
     namespace: dict[str, object] = {"__name__": "readme_example"}

@@ -17,8 +17,9 @@ from typing import Final, Protocol, TypeVar
 import torch
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import check_bool, get_forward_context
-from cudagraph_manager import AttentionMetadataBuilder
+from cudagraph_dispatch import get_forward_context
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_manager.attention import AttentionMetadataBuilder
 
 from .layout import PagedLayout, write_kv
 

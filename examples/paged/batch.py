@@ -19,8 +19,10 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphMode, check_bool
-from cudagraph_manager import BatchShape, StaticInput, StepBatch, pad_offsets, pad_rows
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_manager import StaticInput
+from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_rows
 
 from .layout import PagedLayout
 

@@ -25,8 +25,9 @@ from typing import Final, NamedTuple
 
 import torch
 
-from cudagraph_dispatch import AttentionSupport, GraphSupport, check_bool
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention, per_forward
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata

@@ -18,8 +18,8 @@ from typing import Final, NamedTuple
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
-from cudagraph_dispatch import AttentionSupport, GraphSupport
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention, per_forward
 from .batch import PagedBuffers, PagedMetadata

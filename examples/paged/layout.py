@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from cudagraph_dispatch import check_int
+from cudagraph_dispatch.lowlevel import check_int
 
 
 class SequenceLimits(Protocol):

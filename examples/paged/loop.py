@@ -35,8 +35,9 @@ from typing import Final
 import torch
 from torch import Tensor
 
-from cudagraph_dispatch import check_int
-from cudagraph_manager import LoopState, attention_metadata
+from cudagraph_dispatch.lowlevel import check_int
+from cudagraph_manager import LoopState
+from cudagraph_manager.attention import attention_metadata
 
 from .batch import PagedMetadata
 from .model import PagedDecoder

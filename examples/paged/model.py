@@ -15,15 +15,10 @@ from typing import Final, Protocol, TypeVar, cast, runtime_checkable
 import torch
 from torch import nn
 
-from cudagraph_dispatch import (
-    AttentionSupport,
-    BatchDescriptor,
-    CUDAGraphMode,
-    check_bool,
-    check_int,
-    set_forward_context,
-)
-from cudagraph_manager import BatchShape, StepBatch, metadata_extra
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_dispatch.lowlevel import check_bool, check_int
+from cudagraph_dispatch.support import AttentionSupport
+from cudagraph_manager.attention import BatchShape, StepBatch, metadata_extra
 
 from ..body import DecoderBody, LayerCaches
 from ..config import DecoderConfig

@@ -15,8 +15,9 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import AttentionSupport, CUDAGraphMode, GraphSupport
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig, RankRequest
-from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs

@@ -38,16 +38,8 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import (
-    AttentionOptions,
-    BatchShape,
-    CUDAGraphManager,
-    DecodeLoop,
-    LoopState,
-    ManagerOptions,
-    StepBatch,
-    metadata_extra,
-)
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples import DecoderConfig
 from examples.demo_loop import host_loop
 from examples.paged import PAGED_INPUT_NAMES, PagedDecoder, PagedLayout, paged_static_inputs

@@ -39,7 +39,8 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions, GraphPool
+from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions
+from cudagraph_capture.lowlevel import GraphPool
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,

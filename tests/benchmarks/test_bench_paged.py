@@ -38,17 +38,11 @@ from cudagraph_dispatch import (
     CaptureSizes,
     CUDAGraphMode,
     DispatchConfig,
-    GraphSupport,
     set_forward_context,
 )
-from cudagraph_manager import (
-    AttentionOptions,
-    BatchShape,
-    CUDAGraphManager,
-    ManagerOptions,
-    StepBatch,
-    metadata_extra,
-)
+from cudagraph_dispatch.support import GraphSupport
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import (

@@ -19,17 +19,10 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_dispatch import AttentionSupport, CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import (
-    AttentionOptions,
-    BatchShape,
-    CUDAGraphManager,
-    ManagerOptions,
-    StaticInput,
-    StepBatch,
-    attention_metadata,
-    pad_rows,
-)
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch.support import AttentionSupport
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
+from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, attention_metadata, pad_rows
 from tests.benchmarks.support import BenchmarkFixture, interleave
 
 pytestmark = pytest.mark.gpu

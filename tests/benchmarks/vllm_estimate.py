@@ -26,8 +26,8 @@ from cudagraph_capture import (
     CUDAGraphWrapper,
     GraphEngine,
     GraphEntry,
-    capture_lock,
 )
+from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
 from tests.benchmarks.startup import key_views

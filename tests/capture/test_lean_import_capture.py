@@ -103,12 +103,3 @@ def test_cuda_bindings_are_imported_only_by_a_device_loop() -> None:
     """Neither ``import cudagraph_capture`` nor the other engines import cuda-bindings (the loop engine's)."""
     assert probe(_BINDINGS_PROBE) == {"new": []}
 
-
-def test_the_lowlevel_tier_re_exports_the_top_levels_objects() -> None:
-    """Each name of ``cudagraph_capture.lowlevel`` is the object of the same name at the top level."""
-    import cudagraph_capture
-    from cudagraph_capture import lowlevel
-
-    assert len(lowlevel.__all__) == 13
-    for name in lowlevel.__all__:
-        assert getattr(lowlevel, name) is getattr(cudagraph_capture, name), name

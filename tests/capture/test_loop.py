@@ -25,10 +25,8 @@ from cudagraph_capture import (
     CaptureError,
     CaptureOptions,
     DeviceLoop,
-    LoopFallback,
     LoopKind,
     LoopPolicy,
-    loop_fallback_counts,
     set_capture_enabled,
 )
 from cudagraph_capture._conditional import (
@@ -39,6 +37,7 @@ from cudagraph_capture._conditional import (
     open_conditional,
 )
 from cudagraph_capture._loop import LoopSpec, build_loop
+from cudagraph_capture.lowlevel import LoopFallback, loop_fallback_counts
 from cudagraph_dispatch import BatchDescriptor
 from tests.capture.helpers import sleep_gpu
 from tests.test_readmes import python_blocks

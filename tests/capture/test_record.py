@@ -32,11 +32,10 @@ from cudagraph_capture import (
     CUDAGraphWrapper,
     GraphEngine,
     GraphEntry,
-    RecordSeconds,
-    capture_stream,
     graph_engine,
 )
 from cudagraph_capture._recorder import Entry
+from cudagraph_capture.lowlevel import RecordSeconds, capture_stream
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context
 from tests.capture.helpers import (
     DIM,

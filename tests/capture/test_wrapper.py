@@ -25,8 +25,8 @@ from cudagraph_capture import (
     CUDAGraphWrapper,
     capture_enabled,
     set_capture_enabled,
-    weak_ref_tensors,
 )
+from cudagraph_capture.lowlevel import weak_ref_tensors
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from tests.capture.helpers import (
     CAPTURING_CASES,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudagraph_dispatch import check_bool, check_int
+from cudagraph_dispatch.lowlevel import check_bool, check_int
 
 
 class _Level(enum.IntEnum):

@@ -35,13 +35,3 @@ def test_import_does_not_load_torch(module: str) -> None:
     assert result["imported"] is True
     assert result["torch"] == []
 
-
-def test_the_tiers_re_export_the_top_levels_objects() -> None:
-    """Each name of ``support`` and ``lowlevel`` is the object of the same name at the top level."""
-    import cudagraph_dispatch
-    from cudagraph_dispatch import lowlevel, support
-
-    for tier in (support, lowlevel):
-        assert tier.__all__, tier.__name__
-        for name in tier.__all__:
-            assert getattr(tier, name) is getattr(cudagraph_dispatch, name), f"{tier.__name__}.{name}"

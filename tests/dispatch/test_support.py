@@ -16,17 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudagraph_dispatch import (
-    AttentionSupport,
-    CaptureSizes,
-    CUDAGraphDispatcher,
-    CUDAGraphMode,
-    Dispatch,
-    DispatchConfig,
-    GraphSupport,
-    ModeNotSupportedError,
-    resolve_mode,
-)
+from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, Dispatch, DispatchConfig
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport, ModeNotSupportedError, resolve_mode
 from tests.strategies import active_lora_counts, attention_supports, dispatch_configs, step_count
 
 M: Final = CUDAGraphMode

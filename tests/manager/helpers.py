@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.nn.functional import linear
 
-from cudagraph_capture import CaptureOptions, RecordSeconds, eager_break_during_capture
+from cudagraph_capture import CaptureOptions, eager_break_during_capture
+from cudagraph_capture.lowlevel import RecordSeconds
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -34,7 +35,8 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, GraphEngineFactory, ManagerOptions, Rows, StaticInput
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, Rows, StaticInput
+from cudagraph_manager.lowlevel import GraphEngineFactory
 from tests.torch_support import as_tensor as as_tensor
 from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision
 from tests.torch_support import rel_err as rel_err

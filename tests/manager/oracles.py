@@ -11,8 +11,8 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import AttentionSupport, GraphSupport
-from cudagraph_manager import BatchShape, StepBatch, attention_metadata
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 from examples.paged import EagerBreakAttention, PagedBuffers, PagedDecoder, PagedLayout, PagedMetadata
 
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from cudagraph_capture import set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager, ManagerOptions, RankAgreement, RanksDisagreeError
-from cudagraph_manager.ranks import Backend
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
 

@@ -19,20 +19,12 @@ import torch
 from torch import nn
 
 from cudagraph_capture import eager_break_during_capture
-from cudagraph_dispatch import (
-    AttentionSupport,
-    BatchDescriptor,
-    CUDAGraphMode,
-    EagerReason,
-    GraphSupport,
-    set_forward_context,
-)
-from cudagraph_manager import (
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, set_forward_context
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
+from cudagraph_manager.attention import (
     AttentionOptions,
     BatchShape,
-    CUDAGraphManager,
-    ManagerOptions,
-    StaticInput,
     StepBatch,
     attention_metadata,
     metadata_extra,

@@ -22,7 +22,8 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture import CaptureError, collector_paused
+from cudagraph_capture import CaptureError
+from cudagraph_capture.lowlevel import collector_paused
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,

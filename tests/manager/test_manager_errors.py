@@ -16,7 +16,8 @@ from typing import Final, TypeVar, cast
 import pytest
 import torch
 
-from cudagraph_capture import CaptureOptions, GraphPool, capture_stream
+from cudagraph_capture import CaptureOptions
+from cudagraph_capture.lowlevel import GraphPool, capture_stream
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 

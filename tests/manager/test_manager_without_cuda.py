@@ -16,8 +16,8 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager, EagerReason, NoGraphError
+from cudagraph_dispatch import CUDAGraphMode, EagerReason
+from cudagraph_manager import CUDAGraphManager, NoGraphError
 
 from .helpers import (
     INPUTS,

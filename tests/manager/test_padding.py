@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import BatchShape, StepBatch, pad_offsets, pad_rows
+from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_rows
 from examples.paged.batch import PAD_REQUEST, PagedBuffers, check_paged_batch
 from examples.paged.layout import PagedLayout
 from tests.strategies import PagedStepCase, padded_query_lens, paged_steps

@@ -18,15 +18,10 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_dispatch import (
-    AttentionSupport,
-    CaptureSizes,
-    CUDAGraphMode,
-    DispatchConfig,
-    GraphSupport,
-    ModeNotSupportedError,
-)
-from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport, ModeNotSupportedError
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions
 from examples import DecoderConfig, ReferenceDecoder
 from examples.inputs import make_paged_inputs
 from examples.paged import (

@@ -18,8 +18,10 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, EagerReason, GraphSupport
-from cudagraph_manager import AttentionOptions, CUDAGraphManager, ManagerOptions
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, EagerReason
+from cudagraph_dispatch.support import GraphSupport
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions
 from examples import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import PagedDecoder, PagedLayout, paged_static_inputs

@@ -22,18 +22,11 @@ from cudagraph_dispatch import (
     CaptureSizes,
     CUDAGraphMode,
     DispatchConfig,
-    GraphSupport,
-    resolve_mode,
     set_forward_context,
 )
-from cudagraph_manager import (
-    AttentionOptions,
-    BatchShape,
-    CUDAGraphManager,
-    ManagerOptions,
-    StepBatch,
-    metadata_extra,
-)
+from cudagraph_dispatch.support import GraphSupport, resolve_mode
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples.paged.batch import paged_static_inputs
 from examples.paged.layout import PagedLayout
 from examples.paged.split_decode import (

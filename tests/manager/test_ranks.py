@@ -23,7 +23,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_manager import RankAgreement
+from cudagraph_manager.ranks import RankAgreement
 from cudagraph_manager.ranks._shared_table import make_table_file, shared_memory_supported
 from tests.capture.test_lean_import_capture import run_fresh, subprocess_env
 from tests.manager.helpers import TOL

@@ -32,20 +32,15 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_capture import CaptureOptions, RecordSeconds
-from cudagraph_dispatch import (
-    AttentionSupport,
-    BatchDescriptor,
-    CUDAGraphMode,
-    GraphSupport,
-    get_forward_context,
-    set_forward_context,
-)
-from cudagraph_manager import (
+from cudagraph_capture import CaptureOptions
+from cudagraph_capture.lowlevel import RecordSeconds
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context, set_forward_context
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+from cudagraph_manager import StaticInput
+from cudagraph_manager.attention import (
     BatchKind,
     BatchShape,
     KindCheck,
-    StaticInput,
     StepBatch,
     SupportCheck,
     SupportCheckOptions,

@@ -18,7 +18,8 @@ from typing import Final, ParamSpec, TypeVar
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, check_bool
+from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch.lowlevel import check_bool
 
 from ._device import require_cuda
 from ._enabled import check_capture_enabled

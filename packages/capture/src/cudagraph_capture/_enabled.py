@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from cudagraph_dispatch import BatchDescriptor, check_bool
+from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch.lowlevel import check_bool
 
 from ._errors import CaptureDisabledError
 

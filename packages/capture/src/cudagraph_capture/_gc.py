@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from cudagraph_dispatch import check_bool
+from cudagraph_dispatch.lowlevel import check_bool
 
 
 def collect_before_capture(gc_disable: bool) -> None:

@@ -23,7 +23,8 @@ from typing import Final, Protocol
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, check_int
+from cudagraph_dispatch import BatchDescriptor
+from cudagraph_dispatch.lowlevel import check_int
 
 from ._conditional import (
     ConditionalLoops,

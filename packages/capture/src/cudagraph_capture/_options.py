@@ -7,7 +7,7 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import check_bool, check_int
+from cudagraph_dispatch.lowlevel import check_bool, check_int
 
 from ._pool import GraphPool, check_pool, check_stream
 

@@ -21,7 +21,8 @@ import torch
 from torch.cuda import Stream
 from torch.utils import _pytree as pytree
 
-from cudagraph_dispatch import FORWARD_CONTEXT_VAR, BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda

@@ -21,12 +21,8 @@ from typing import Final, Generic, ParamSpec, TypeVar
 
 import torch
 
-from cudagraph_dispatch import (
-    FORWARD_CONTEXT_VAR,
-    BatchDescriptor,
-    CUDAGraphMode,
-    ForwardContext,
-)
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._options import CaptureOptions

@@ -15,6 +15,7 @@ from ._enabled import check_capture_enabled as check_capture_enabled
 from ._gc import collector_paused as collector_paused
 from ._guard import OutputGuard as OutputGuard
 from ._loop import loop_fallback_counts as loop_fallback_counts
+from ._pool import GraphPool as GraphPool
 from ._pool import capture_lock as capture_lock
 from ._pool import capture_stream as capture_stream
 from ._pool import release_graph_memory as release_graph_memory
@@ -22,6 +23,7 @@ from ._protocols import RecordSeconds as RecordSeconds
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 
 __all__ = [
+    "GraphPool",
     "LoopFallback",
     "OutputGuard",
     "RecordSeconds",

@@ -11,14 +11,6 @@ CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in the repository's ``examples/``.
 """
 
-from cudagraph_dispatch import EagerReason as EagerReason
-
-from ._attention._seam import attention_metadata as attention_metadata
-from ._attention._seam import metadata_extra as metadata_extra
-from ._attention._seam import pad_offsets as pad_offsets
-from ._attention._seam import pad_rows as pad_rows
-from ._batch import BatchShape as BatchShape
-from ._batch import StepBatch as StepBatch
 from ._buffers._outputs import OutputRows as OutputRows
 from ._buffers._static import Rows as Rows
 from ._buffers._static import StaticInput as StaticInput
@@ -31,62 +23,32 @@ from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
-from ._options import AttentionOptions as AttentionOptions
 from ._options import ManagerOptions as ManagerOptions
-from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
-from ._protocols import GraphEngineFactory as GraphEngineFactory
-from ._protocols import ModelOutput as ModelOutput
 from ._reports._report import CapturedGraph as CapturedGraph
 from ._reports._report import CapturePhases as CapturePhases
 from ._reports._report import CaptureReport as CaptureReport
 from ._reports._report import ManagerStats as ManagerStats
 from ._reports._report import MemoryEstimate as MemoryEstimate
-from ._support_check import BatchKind as BatchKind
-from ._support_check import KindCheck as KindCheck
-from ._support_check import SupportCheck as SupportCheck
-from ._support_check import SupportLevelError as SupportLevelError
-from ._support_check import check_attention_support as check_attention_support
-from .ranks import RankAgreement as RankAgreement
-from .ranks import RanksDisagreeError as RanksDisagreeError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionMetadataBuilder",
-    "AttentionOptions",
     "BackgroundCapture",
-    "BatchKind",
-    "BatchShape",
     "CUDAGraphManager",
     "CapturePhases",
     "CaptureReport",
     "CapturedGraph",
     "CompiledModel",
     "DecodeLoop",
-    "EagerReason",
-    "GraphEngineFactory",
     "LoopResult",
     "LoopState",
-    "KindCheck",
     "ManagerOptions",
     "ManagerStats",
     "MemoryEstimate",
-    "ModelOutput",
     "NoGraphError",
     "OutputRows",
-    "RankAgreement",
-    "RanksDisagreeError",
     "Rows",
     "StaticInput",
-    "StepBatch",
-    "SupportCheck",
-    "SupportCheckOptions",
-    "SupportLevelError",
     "WeightsReplacedError",
-    "attention_metadata",
-    "check_attention_support",
     "compile_for_capture",
-    "metadata_extra",
-    "pad_offsets",
-    "pad_rows",
 ]

@@ -15,8 +15,11 @@ from typing import Final, cast
 
 import torch
 
-from cudagraph_capture import CaptureOptions, graph_engine, resolve_device
-from cudagraph_dispatch import AttentionSupport, CUDAGraphDispatcher, DispatchConfig, check_bool
+from cudagraph_capture import CaptureOptions, graph_engine
+from cudagraph_capture.lowlevel import resolve_device
+from cudagraph_dispatch import CUDAGraphDispatcher, DispatchConfig
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_dispatch.support import AttentionSupport
 
 from ._buffers._buffers import check_inputs_spec
 from ._buffers._outputs import RowsSpec, check_output_rows, uses_reqs

@@ -16,7 +16,8 @@ from typing import Final, NamedTuple
 
 import torch
 
-from cudagraph_dispatch import NO_MODES, BatchDescriptor, CUDAGraphMode, StepRequest
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, StepRequest
+from cudagraph_dispatch.lowlevel import NO_MODES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Final, Generic, TypeVar
 
 import torch
 
-from cudagraph_dispatch import check_bool
+from cudagraph_dispatch.lowlevel import check_bool
 
 from ._buffers._buffers import check_inputs_spec
 from ._buffers._static import StaticInput

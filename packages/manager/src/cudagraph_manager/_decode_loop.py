@@ -15,7 +15,7 @@ from typing import Final, Generic
 import torch
 
 from cudagraph_capture import LoopKind
-from cudagraph_dispatch import check_int
+from cudagraph_dispatch.lowlevel import check_int
 
 from ._protocols import OutputT
 

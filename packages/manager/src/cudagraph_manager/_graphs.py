@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Final, Generic, cast
 
-from cudagraph_capture import DeviceLoop, GraphEntry, capture_lock
+from cudagraph_capture import DeviceLoop, GraphEntry
+from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
 from ._attention._seam import metadata_extra

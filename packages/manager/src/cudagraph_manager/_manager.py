@@ -20,14 +20,9 @@ from typing import Final, Generic
 import torch
 from torch import Tensor
 
-from cudagraph_capture import OutputGuard
-from cudagraph_dispatch import (
-    NO_MODES,
-    CUDAGraphDispatcher,
-    CUDAGraphMode,
-    DispatchConfig,
-    check_bool,
-)
+from cudagraph_capture.lowlevel import OutputGuard
+from cudagraph_dispatch import CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
 
 from ._arguments import check_arguments
 from ._buffers._static import StaticInput

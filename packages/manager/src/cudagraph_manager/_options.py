@@ -13,7 +13,8 @@ import dataclasses
 from typing import Generic
 
 from cudagraph_capture import CaptureOptions
-from cudagraph_dispatch import AttentionSupport, check_bool
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_dispatch.support import AttentionSupport
 
 from ._buffers._outputs import OutputRows, check_output_rows
 from ._decode_loop import DecodeLoop

@@ -14,7 +14,8 @@ from typing import Generic
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphDispatcher, ModeResolution
+from cudagraph_dispatch import CUDAGraphDispatcher
+from cudagraph_dispatch.support import ModeResolution
 
 from ._arguments import Arguments
 from ._buffers._buffers import StaticBuffers

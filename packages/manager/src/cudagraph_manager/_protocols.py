@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
-from cudagraph_dispatch import AttentionSupport, BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch.support import AttentionSupport
 
 from ._batch import BatchShape, StepBatch
 

@@ -29,17 +29,16 @@ from typing import Final, Literal, TypeAlias
 
 import torch
 
-from cudagraph_capture import resolve_device
+from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import (
-    AttentionSupport,
     BatchDescriptor,
     CaptureSizes,
     CUDAGraphMode,
     DispatchConfig,
-    GraphSupport,
-    check_int,
     set_forward_context,
 )
+from cudagraph_dispatch.lowlevel import check_int
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 from ._attention._seam import metadata_extra
 from ._batch import BatchShape, StepBatch

@@ -1,6 +1,7 @@
 """The attention tier: what an attention backend needs to run under the manager's graphs.
 
-A backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
+``AttentionOptions`` tells a manager the attention's support and builder. A
+backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
 (``StepBatch``) as the forward runs it (``BatchShape``); the model reads it
 with ``attention_metadata(builder)``; ``pad_offsets`` and ``pad_rows`` pad
 per-request tensors as graphs read them. ``check_attention_support`` checks
@@ -14,20 +15,24 @@ from ._attention._seam import pad_offsets as pad_offsets
 from ._attention._seam import pad_rows as pad_rows
 from ._batch import BatchShape as BatchShape
 from ._batch import StepBatch as StepBatch
+from ._options import AttentionOptions as AttentionOptions
 from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._support_check import BatchKind as BatchKind
 from ._support_check import KindCheck as KindCheck
 from ._support_check import SupportCheck as SupportCheck
+from ._support_check import SupportCheckOptions as SupportCheckOptions
 from ._support_check import SupportLevelError as SupportLevelError
 from ._support_check import check_attention_support as check_attention_support
 
 __all__ = [
     "AttentionMetadataBuilder",
+    "AttentionOptions",
     "BatchKind",
     "BatchShape",
     "KindCheck",
     "StepBatch",
     "SupportCheck",
+    "SupportCheckOptions",
     "SupportLevelError",
     "attention_metadata",
     "check_attention_support",

@@ -18,7 +18,8 @@ from typing import Final, TypeAlias
 
 import torch
 
-from cudagraph_dispatch import NO_MODES, CUDAGraphMode
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch.lowlevel import NO_MODES
 
 from .._batch import StepBatch
 from ._static import Rows, StaticInput

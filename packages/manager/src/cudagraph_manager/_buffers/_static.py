@@ -13,7 +13,7 @@ from typing import Final, Literal, TypeAlias
 
 import torch
 
-from cudagraph_dispatch import check_int
+from cudagraph_dispatch.lowlevel import check_int
 
 _INTEGER_DTYPES: Final = frozenset(
     {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64}

@@ -23,7 +23,7 @@ from typing import Final
 
 import torch
 
-from cudagraph_capture import capture_lock, capture_stream, collector_paused
+from cudagraph_capture.lowlevel import capture_lock, capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
 from .._protocols import CaptureJobs

@@ -20,9 +20,8 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import (
-    CaptureOptions,
-    GraphEngine,
+from cudagraph_capture import CaptureOptions, GraphEngine
+from cudagraph_capture.lowlevel import (
     GraphPool,
     capture_disabled_reason,
     collector_paused,

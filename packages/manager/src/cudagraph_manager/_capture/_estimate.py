@@ -19,8 +19,8 @@ from typing import Final, Generic, TypeVar
 
 import torch
 
-from cudagraph_capture import (
-    GraphEngine,
+from cudagraph_capture import GraphEngine
+from cudagraph_capture.lowlevel import (
     GraphPool,
     capture_lock,
     check_capture_enabled,

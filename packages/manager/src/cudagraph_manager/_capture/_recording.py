@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from cudagraph_capture import CaptureError, GraphEngine, GraphEntry, check_capture_enabled
+from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
+from cudagraph_capture.lowlevel import check_capture_enabled
 from cudagraph_dispatch import CUDAGraphMode, set_forward_context
 
 from .._attention._seam import metadata_extra

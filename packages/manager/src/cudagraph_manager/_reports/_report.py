@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, ModeResolution
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
+from cudagraph_dispatch.support import ModeResolution
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 

@@ -8,7 +8,7 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import ModeResolution
+from cudagraph_dispatch.support import ModeResolution
 
 from .._compiled import compiles_since, dynamo_compiles
 from .._memory._device import free_bytes, reserved_bytes

@@ -14,7 +14,8 @@ from typing import Final, Generic
 import torch
 
 from cudagraph_capture import GraphEntry
-from cudagraph_dispatch import FORWARD_CONTEXT_VAR, ForwardContext
+from cudagraph_dispatch import ForwardContext
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
 from .._attention._seam import metadata_extra
 from .._batch import BatchShape, StepBatch

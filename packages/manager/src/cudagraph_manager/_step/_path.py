@@ -13,8 +13,9 @@ from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_capture import OutputGuard
-from cudagraph_dispatch import FORWARD_CONTEXT_VAR, CUDAGraphMode, Dispatch, Route
+from cudagraph_capture.lowlevel import OutputGuard
+from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
 from .._batch import StepBatch
 from .._graphs import GraphTable, PlannedGraph

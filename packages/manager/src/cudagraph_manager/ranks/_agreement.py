@@ -331,7 +331,7 @@ def _exchange_device(backend: str, device: torch.device | str | int | None) -> t
     """Where the exchanges' tables live: ``device`` (a CUDA one) for nccl, else the CPU."""
     if backend != "nccl":
         return torch.device("cpu")
-    from cudagraph_capture import resolve_device
+    from cudagraph_capture.lowlevel import resolve_device
 
     target = resolve_device(device)
     if target.type != "cuda":

@@ -1,0 +1,72 @@
+"""The public API in tiers: a small top level per package, the rest in named tiers, one home per name.
+
+Like trio (``trio``, ``trio.lowlevel``, ``trio.testing``): what most users
+import is the packages' top level, at most ``MAX_TOP_LEVEL_NAMES`` names for
+the three together; the seams and helpers of engines built on them live in
+the tiers below. Every public name is documented in its package's README.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+MAX_TOP_LEVEL_NAMES: Final = 50
+#: Each package's public modules: its top level, then its tiers.
+PUBLIC: Final = {
+    "cudagraph_dispatch": ("cudagraph_dispatch", "cudagraph_dispatch.support", "cudagraph_dispatch.lowlevel"),
+    "cudagraph_capture": ("cudagraph_capture", "cudagraph_capture.lowlevel"),
+    "cudagraph_manager": (
+        "cudagraph_manager",
+        "cudagraph_manager.attention",
+        "cudagraph_manager.ranks",
+        "cudagraph_manager.lowlevel",
+    ),
+}
+
+
+def _names(module: str) -> list[str]:
+    names: list[str] = importlib.import_module(module).__all__
+    return names
+
+
+def test_the_top_levels_hold_at_most_the_limit() -> None:
+    counts = {package: len(_names(package)) for package in PUBLIC}
+    assert sum(counts.values()) <= MAX_TOP_LEVEL_NAMES, counts
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_every_public_name_has_one_home(package: str) -> None:
+    """A name is public in one module of its package: no tier repeats another's (or the top level's)."""
+    homes: dict[str, list[str]] = {}
+    for module in PUBLIC[package]:
+        for name in _names(module):
+            homes.setdefault(name, []).append(module)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
+@pytest.mark.parametrize("module", [m for modules in PUBLIC.values() for m in modules])
+def test_every_name_of_all_exists_and_is_documented(module: str) -> None:
+    loaded = importlib.import_module(module)
+    assert loaded.__all__, module
+    missing = [name for name in loaded.__all__ if not hasattr(loaded, name)]
+    assert not missing, f"{module}.__all__ names what it lacks: {missing}"
+    package = module.split(".")[0]
+    readme = (ROOT / "packages" / package.removeprefix("cudagraph_") / "README.md").read_text()
+    undocumented = [name for name in loaded.__all__ if f"`{name}" not in readme]
+    assert not undocumented, f"{module}: not in the package README: {undocumented}"
+
+
+def test_the_support_check_and_the_seam_are_not_top_level() -> None:
+    """The attention's seam and the low-level helpers left the top level for their tiers."""
+    import cudagraph_capture
+    import cudagraph_dispatch
+    import cudagraph_manager
+
+    assert not hasattr(cudagraph_manager, "attention_metadata")
+    assert not hasattr(cudagraph_capture, "capture_lock")
+    assert not hasattr(cudagraph_dispatch, "check_int")
