@@ -44,13 +44,10 @@ class CUDAGraphManager(Generic[OutputT]):
 
     ``model`` takes the ``inputs`` as keywords and returns a tensor or a flat
     tuple, list or dict of tensors; each input gets a static buffer on
-    ``device`` (default: the current CUDA device, else the CPU, where every
-    step runs eagerly on the padded buffers). ``config`` decides which graphs
-    exist. ``strict`` raises ``NoGraphError`` where a step would run eagerly.
-    ``options`` (``ManagerOptions``) holds the rest: the engines' options and
-    factory, the outputs' rows, a debug check of overwritten outputs, the
-    ranks, the attention (``AttentionOptions``) and a decode loop. One call at
-    a time: ``run`` while another thread is inside a method raises ``RuntimeError``.
+    ``device`` (default: the current CUDA device, else the CPU: steps run
+    eagerly). ``config`` decides which graphs exist; ``strict`` raises
+    ``NoGraphError`` where a step would run eagerly; ``options``: the rest
+    (``ManagerOptions``). One call at a time (``RuntimeError`` otherwise).
     """
 
     def __init__(
@@ -72,9 +69,8 @@ class CUDAGraphManager(Generic[OutputT]):
         self._guard: Final = _output_guard() if given.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)
         self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard)
-        self._loops: Final = (
-            None if parts.loop is None else LoopSteps(parts, parts.loop, self._table, self._path)
-        )
+        loop = parts.loop
+        self._loops: Final = None if loop is None else LoopSteps(parts, loop, self._table, self._path)
         self._step_lock: Final = threading.Lock()
 
     # -- accessors --
@@ -115,15 +111,10 @@ class CUDAGraphManager(Generic[OutputT]):
     # -- graphs --
 
     def capture(self, *, progress: bool | None = None) -> CaptureReport:
-        """Capture every key of the plan not captured yet (PIECEWISE, then FULL, largest first, one pool).
+        """Capture the plan's pending keys (PIECEWISE, then FULL, largest first); synchronizes once.
 
-        Per key: a warm-up on pad values, a recording that runs nothing (the
-        last ``run``'s outputs stay intact), its outputs checked. ``progress``:
-        a tqdm bar (default: when stderr is a terminal). Synchronizes the
-        calling stream once. With ``ranks``, a collective (README, "Ranks").
-
-        Raises:
-            CaptureError: naming the key; the keys before it stay captured.
+        ``progress``: a tqdm bar (default: when stderr is a terminal). With ranks, a collective.
+        Raises ``CaptureError`` naming the key; the keys before it stay captured.
         """
         if progress is not None:
             check_bool("progress", progress)
@@ -134,21 +125,15 @@ class CUDAGraphManager(Generic[OutputT]):
             return self._capturer.foreground(pending, self._parts.ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
-        """Predict what ``capture()`` of the pending keys will cost the device; synchronizes.
-
-        A few probe keys per mode are captured into a pool of their own,
-        measured and freed. With ``ranks``, a collective.
-        """
+        """What ``capture()`` of the pending keys will cost the device, from probes; synchronizes."""
         with self._exclusive("estimate_memory"):
             agree_plan(self._parts.ranks, self._table.pending(), self._parts.no_graphs)
             return self._capturer.estimate(self._parts.ranks)
 
     def start_capture(self) -> BackgroundCapture:
-        """Capture the pending keys in a thread while ``run()`` keeps serving (README, "Serving from step 0").
+        """Capture the pending keys in a thread while ``run()`` keeps serving; call it on the serving stream.
 
-        Call it from the serving thread, on the stream steps run on. Each key
-        replays from the step after its capture; until then its steps run
-        eagerly as ``not_captured`` (allowed in ``strict`` mode meanwhile).
+        A key's steps run eagerly as ``not_captured`` until its capture (allowed when ``strict``).
         """
         with self._exclusive("start_capture"):
             if self._parts.ranks is not None:
@@ -163,11 +148,7 @@ class CUDAGraphManager(Generic[OutputT]):
             self._capturer.drop_all()
 
     def release(self) -> None:
-        """Free every graph and give its memory back to the device (a sleep mode; README).
-
-        Stops a running background capture first. Steps run eagerly as
-        ``released`` until ``start_capture()`` or ``capture()``.
-        """
+        """Free every graph, give its memory back (a sleep); steps run eagerly until a capture."""
         with self._step_lock:
             if self._guard is not None:
                 self._guard.retire_all()
@@ -199,12 +180,8 @@ class CUDAGraphManager(Generic[OutputT]):
         """One step: its graph replayed on the padded batch, or the model run eagerly.
 
         Returns the outputs cut to the real rows: views of graph memory, valid
-        until the next ``run`` or ``run_loop`` (copy what must live longer),
-        detached from inputs that require grad (warned once).
-
-        Raises:
-            ValueError: a bad input, named, before a buffer is touched.
-            NoGraphError: in ``strict`` mode, where the step has no graph.
+        until the next ``run`` or ``run_loop``. Raises ``ValueError`` naming a
+        bad input before a buffer is touched; ``NoGraphError`` if ``strict``.
         """
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
@@ -243,20 +220,16 @@ class CUDAGraphManager(Generic[OutputT]):
         max_steps: int | None = None,
         **inputs: Tensor,
     ) -> LoopResult:
-        """Up to ``max_steps`` decode steps of a uniform batch in one call (``ManagerOptions.decode_loop``).
+        """Up to ``max_steps`` decode steps of a uniform batch (keywords or ``batch``); synchronizes once.
 
-        The inputs as keywords or in one mapping (``batch``), one token per
-        request, checked as ``run`` checks them. ``LoopResult.tokens`` is
-        valid until the next ``run_loop`` or capture.
+        ``LoopResult.tokens`` is valid until the next ``run_loop`` or capture.
         """
         if self._loops is None:
             raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")
-        if batch is not None and inputs:
-            raise ValueError("batch: pass the inputs as keywords or in one mapping, not both")
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(_BUSY)
         try:
-            return self._loops.run(inputs if batch is None else batch, max_steps)
+            return self._loops.run(batch, inputs, max_steps)
         finally:
             self._step_lock.release()
 

@@ -43,10 +43,17 @@ class LoopSteps(Generic[OutputT]):
         self._table: Final = table
         self._path: Final = path
 
-    def run(self, inputs: Mapping[str, torch.Tensor], max_steps: int | None) -> LoopResult:
-        """Up to ``max_steps`` steps of the uniform batch ``inputs`` (checked as ``run`` checks them)."""
+    def run(
+        self,
+        given: Mapping[str, torch.Tensor] | None,
+        named: Mapping[str, torch.Tensor],
+        max_steps: int | None,
+    ) -> LoopResult:
+        """Up to ``max_steps`` steps of a uniform batch, ``given`` or ``named`` (checked as ``run`` does)."""
+        if given is not None and named:
+            raise ValueError("batch: pass the inputs as keywords or in one mapping, not both")
         steps = check_loop_steps(self._buffers.config, max_steps)
-        batch = self._parts.buffers.check(inputs, True)
+        batch = self._parts.buffers.check(named if given is None else given, True)
         if batch.num_tokens == 0:  # an idle loop: no model call, no step
             return LoopResult(self._buffers.tokens[:0, :0], 0, None)
         graph, entry = self._route(batch)
