@@ -18,15 +18,11 @@ from typing import Final, TypeAlias
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_dispatch.lowlevel import NO_MODES
-
-from .._batch import StepBatch
 from ._static import Rows, StaticInput
 
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
-_Modes: TypeAlias = frozenset[CUDAGraphMode]  # a step's disabled modes
+_KINDS: Final = ("tokens", "reqs")
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
@@ -117,7 +113,7 @@ class StaticBuffer:
 class StaticBuffers:
     """Every declared input's buffer: the step's checks across inputs, and the copy in."""
 
-    __slots__ = ("_reqs_from", "buffers", "device", "max_num_seqs", "uniform_decode_query_len", "warned_grad")
+    __slots__ = ("_firsts", "buffers", "device", "max_num_seqs", "uniform_decode_query_len", "warned_grad")
 
     def __init__(
         self,
@@ -133,8 +129,10 @@ class StaticBuffers:
         self.buffers: Final = tuple(
             StaticBuffer(name, spec, max_rows[spec.rows], device) for name, spec in inputs.items()
         )
-        #: The first "reqs" input, which names the request count ("": none).
-        self._reqs_from: Final = next((b.name for b in self.buffers if b.rows == "reqs"), "")
+        #: The first "tokens" and "reqs" inputs, whose rows name the counts ("": none of the kind).
+        self._firsts: Final = tuple(
+            next((b.name for b in self.buffers if b.rows == kind), "") for kind in _KINDS
+        )
         self.max_num_seqs: Final = max_num_seqs
         self.uniform_decode_query_len: Final = uniform_decode_query_len
         self.device: Final = device
@@ -150,14 +148,13 @@ class StaticBuffers:
             if b.rows is not None:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
-    def check(
-        self, inputs: _Inputs, uniform_decode: bool, loras: int = 0, invalid: _Modes = NO_MODES
-    ) -> StepBatch:
-        """A step's inputs checked into its ``StepBatch``; ``ValueError`` names a bad input (README)."""
+    def check(self, inputs: _Inputs, uniform_decode: bool) -> tuple[int, int, bool]:
+        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs; ``ValueError`` names a bad input."""
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
-        num_tokens = num_reqs = -1  # -1: no input of the kind seen yet
+        num_tokens = num_reqs = 0
         requires_grad = False
+        first_tokens, first_reqs = self._firsts  # the inputs whose rows name num_tokens and num_reqs
         for b in self.buffers:
             x = inputs.get(b.name)
             size = x.shape if x.__class__ is _Tensor else None  # the usual step inline: a plain tensor
@@ -173,14 +170,14 @@ class StaticBuffers:
                 rows = self._slow_rows(b, x, inputs)
             requires_grad = requires_grad or x.requires_grad  # type: ignore[union-attr]  # a tensor
             if b.rows == "tokens":
-                if num_tokens != rows and num_tokens >= 0:
+                if rows != num_tokens and b.name is not first_tokens:
                     raise self._row_count_error(b, rows, num_tokens)
                 num_tokens = rows
             elif b.rows == "reqs":
-                if num_reqs != rows and num_reqs >= 0:
+                if rows != num_reqs and b.name is not first_reqs:
                     raise self._row_count_error(b, rows, num_reqs)
                 num_reqs = rows
-        if num_reqs >= 0 and (
+        if first_reqs and (
             num_reqs > self.max_num_seqs
             or num_reqs > num_tokens
             or (num_reqs == 0 and num_tokens > 0)
@@ -189,7 +186,7 @@ class StaticBuffers:
             self._check_requests(num_tokens, num_reqs, uniform_decode)  # raises, naming the input
         if requires_grad and not self.warned_grad:  # the step's one branch for it
             self._warn_requires_grad(inputs)
-        return StepBatch(num_tokens, max(num_reqs, 0), inputs, uniform_decode, loras, invalid, requires_grad)
+        return num_tokens, num_reqs, requires_grad
 
     def _slow_rows(self, b: StaticBuffer, x: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]) -> int:
         """The rows of input ``x`` off the usual path: its buffer's check names what is wrong."""
@@ -218,17 +215,24 @@ class StaticBuffers:
             stacklevel=5,  # run()'s caller: _warn_requires_grad <- check <- _step <- run
         )
 
-    def copy_in(self, batch: StepBatch, graph_tokens: int, graph_reqs: int) -> None:
+    def copy_in(
+        self,
+        inputs: _Inputs,
+        num_tokens: int,
+        num_reqs: int,
+        graph_tokens: int,
+        graph_reqs: int,
+        requires_grad: bool = False,
+    ) -> None:
         """Copy a checked step into the buffers, padded to a graph's row counts (on the current stream).
 
-        Under ``no_grad`` where some input requires grad (the copies would
-        record autograd history otherwise).
+        ``requires_grad``: some input requires grad, so the copies run under
+        ``no_grad`` (they would record autograd history otherwise).
         """
-        if batch.requires_grad and torch.is_grad_enabled():
+        if requires_grad and torch.is_grad_enabled():
             with torch.no_grad():
-                self.copy_in(batch, graph_tokens, graph_reqs)  # grad off: the loop below
+                self.copy_in(inputs, num_tokens, num_reqs, graph_tokens, graph_reqs)
             return
-        num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
         for b in self.buffers:
             x = inputs[b.name]
             if b.rows is None:
@@ -243,7 +247,7 @@ class StaticBuffers:
                 padding.fill_(b.pad_value)
 
     def _check_requests(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> None:
-        reqs_from = self._reqs_from
+        reqs_from = self._firsts[1]
         if num_reqs > self.max_num_seqs:
             raise ValueError(
                 f"run: input {reqs_from!r}: {num_reqs} rows (num_reqs) exceed "

@@ -308,11 +308,23 @@ class StepCounts:
             resolution=resolution,
         )
 
-    def stepped(self, padded_tokens: int, dummy: bool) -> None:
-        """A step of a key's row counts ran (replayed, or eagerly where no CUDA graphs exist)."""
+    def replayed(self, padded_tokens: int, dummy: bool) -> None:
+        """A step ran a key's graph (``dummy``: for an idle rank), ``padded_tokens`` rows of it padding."""
         self.padded_tokens += padded_tokens
         if dummy:
             self.dummy_steps += 1
+
+    def padded(self, padded_tokens: int) -> None:
+        """A step ran a key's rows eagerly (no CUDA graphs here), ``padded_tokens`` of them padding."""
+        self.padded_tokens += padded_tokens
+
+    def dummy(self) -> None:
+        """An idle rank's dummy step ran eagerly along the others' eager step."""
+        self.dummy_steps += 1
+
+    def idle(self) -> None:
+        """A step of 0 tokens: no model call."""
+        self.idle_steps += 1
 
     def eager_step(self, reason: EagerReason) -> None:
         self.eager[reason] = self.eager.get(reason, 0) + 1

@@ -52,7 +52,7 @@ class EagerSteps(Generic[OutputT]):
         runs is reported to it (captured next) and allowed in strict mode.
         ``dummy``: an idle rank runs a dummy step along with the others'.
         """
-        if batch.num_tokens == 0:  # an idle rank: an idle step without ranks never routes
+        if batch.num_tokens == 0:  # an idle step (EMPTY_BATCH), or an idle rank's part in the others'
             return self.dummy_step() if dummy else self.idle(batch)
         reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
         if reason is EagerReason.NOT_CAPTURED:
@@ -110,7 +110,7 @@ class EagerSteps(Generic[OutputT]):
         the model once, on the empty inputs, to learn their structure.
         """
         parts = self._parts
-        parts.counts.idle_steps += 1
+        parts.counts.idle()
         layout = parts.layout.layout
         if layout is None:
             with torch.no_grad(), self._context(BatchDescriptor(0), batch, BatchShape.eager(0, 0, False)):
@@ -127,7 +127,7 @@ class EagerSteps(Generic[OutputT]):
         parts = self._parts
         if parts.strict:
             raise NoGraphError(0, f"the other ranks of the {_world_size(parts)} run this step eagerly")
-        parts.counts.stepped(0, dummy=True)
+        parts.counts.dummy()
         parts.buffers.fill_padding(1, 1)
         padding = StepBatch.padding()
         with torch.no_grad(), self._context(BatchDescriptor(1), padding, BatchShape.eager(1, 1, False)):
@@ -140,11 +140,13 @@ class EagerSteps(Generic[OutputT]):
         """No CUDA graphs here: the step ``graph`` would replay, run on the padded static buffers."""
         parts = self._parts
         with torch.no_grad(), self._context(graph.descriptor, batch, graph.eager_shape):  # the copies too
-            parts.buffers.copy_in(batch, graph.num_tokens, graph.num_reqs)
+            parts.buffers.copy_in(
+                batch.inputs, batch.num_tokens, batch.num_reqs, graph.num_tokens, graph.num_reqs
+            )
             padded = parts.model(**graph.inputs)
         layout = parts.layout.of(padded)
         layout.check(padded, graph.num_tokens, graph.num_reqs)
-        parts.counts.stepped(graph.num_tokens - batch.num_tokens, dummy=False)
+        parts.counts.padded(graph.num_tokens - batch.num_tokens)
         return cast(OutputT, layout.cut(padded, batch.num_tokens, batch.num_reqs))
 
     def _context(

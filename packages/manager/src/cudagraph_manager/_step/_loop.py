@@ -15,7 +15,7 @@ import torch
 
 from cudagraph_capture import GraphEntry
 from cudagraph_dispatch import ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR, NO_MODES
 
 from .._attention._seam import metadata_extra
 from .._batch import BatchShape, StepBatch
@@ -53,7 +53,9 @@ class LoopSteps(Generic[OutputT]):
         if given is not None and named:
             raise ValueError("batch: pass the inputs as keywords or in one mapping, not both")
         steps = check_loop_steps(self._buffers.config, max_steps)
-        batch = self._parts.buffers.check(named if given is None else given, True)
+        inputs = named if given is None else given
+        num_tokens, num_reqs, grad = self._parts.buffers.check(inputs, True)
+        batch = StepBatch(num_tokens, num_reqs, inputs, True, 0, NO_MODES, grad)
         if batch.num_tokens == 0:  # an idle loop: no model call, no step
             return LoopResult(self._buffers.tokens[:0, :0], 0, None)
         graph, entry = self._route(batch)
@@ -98,7 +100,9 @@ class LoopSteps(Generic[OutputT]):
             descriptor, rows = graph.descriptor, (graph.num_tokens, graph.num_reqs)
         context = ForwardContext(shape.mode, descriptor, loop_metadata(self._parts, batch, shape))
         with torch.no_grad():
-            self._parts.buffers.copy_in(batch, *rows)
+            self._parts.buffers.copy_in(
+                batch.inputs, batch.num_tokens, batch.num_reqs, *rows, batch.requires_grad
+            )
             self._buffers.reset(batch.num_reqs, rows[1])
         return context, rows
 

@@ -14,7 +14,7 @@ from typing import Final, Generic, cast
 import torch
 
 from cudagraph_capture.lowlevel import OutputGuard
-from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route
+from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route, StepRequest
 from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
 from .._batch import StepBatch
@@ -69,22 +69,24 @@ class StepPath(Generic[OutputT]):
         invalid: frozenset[CUDAGraphMode],
     ) -> OutputT:
         """One step: check -> route -> build -> copy in -> replay -> count and cut; or an eager step."""
-        batch = self._buffers.check(inputs, uniform_decode, loras, invalid)
+        num_tokens, num_reqs, grad = self._buffers.check(inputs, uniform_decode)
         if self._ranks is not None:  # one exchange: every rank takes the same route
-            route, dummy = self._agreed_route(batch)
-        elif batch.num_tokens == 0:
-            return self.eager.idle(batch)
-        else:
-            route, dummy = self._dispatcher.route(batch.num_tokens, uniform_decode, loras, invalid), False
+            route, dummy = self._agreed_route(StepRequest(num_tokens, uniform_decode, loras, invalid))
+        else:  # 0 tokens route to EMPTY_BATCH: an idle step
+            route, dummy = self._dispatcher.route(num_tokens, uniform_decode, loras, invalid), False
         graph = self._graphs[route.descriptor] if isinstance(route, Dispatch) else None
         entry = None if graph is None else graph.entry  # read once: a background capture may store it
-        if graph is None or entry is None:
+        if graph is None or entry is None:  # the step's value is built off the replay's path only
+            batch = StepBatch(num_tokens, num_reqs, inputs, uniform_decode, loras, invalid, grad)
             return self.eager.without_graph(batch, route, graph, dummy)
         if self._weights.needs_check():  # a tensor the graphs read was assigned, or the model moved
             self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
-        # The attention's metadata first: a builder refuses a batch before a static buffer is touched.
-        context = graph.context if graph.builder is None else graph.build(batch)
-        self._buffers.copy_in(batch, graph.num_tokens, graph.num_reqs)
+        context = graph.context
+        if graph.builder is not None:  # its metadata first: a builder refuses before a buffer is touched
+            context = graph.build(
+                StepBatch(num_tokens, num_reqs, inputs, uniform_decode, loras, invalid, grad)
+            )
+        self._buffers.copy_in(inputs, num_tokens, num_reqs, graph.num_tokens, graph.num_reqs, grad)
         if context is None:
             entry.replay()
         else:  # a PIECEWISE replay runs its eager breaks, which read the forward context
@@ -93,8 +95,8 @@ class StepPath(Generic[OutputT]):
                 entry.replay()
             finally:
                 FORWARD_CONTEXT_VAR.reset(token)
-        out = graph.replayed(entry, self._layout.layout, batch.num_tokens, batch.num_reqs)
-        self._counts.stepped(graph.num_tokens - batch.num_tokens, dummy)
+        out = graph.replayed(entry, self._layout.layout, num_tokens, num_reqs)
+        self._counts.replayed(graph.num_tokens - num_tokens, dummy)
         return out if self._guard is None else cast(OutputT, self._guard.replayed(graph.descriptor, out))
 
     def route(self, batch: StepBatch) -> PlannedGraph[OutputT] | None:
@@ -109,7 +111,7 @@ class StepPath(Generic[OutputT]):
         if self._weights.needs_check():
             self._weights.check()
 
-    def _agreed_route(self, batch: StepBatch) -> tuple[Route, bool]:
+    def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
         """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
         assert self._ranks is not None
-        return self._ranks.route_step(self._dispatcher, batch.request(), can_replay=self._table.all_captured)
+        return self._ranks.route_step(self._dispatcher, request, can_replay=self._table.all_captured)
