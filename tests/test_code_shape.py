@@ -234,20 +234,25 @@ def test_the_private_import_check_finds_them(source: str, expected: int) -> None
 
 
 #: A planned graph's state that only the graph table's module writes (``PlannedGraph.keep``, ``replayed``,
-#: ``drop``, ``GraphTable.reset_replays``).
+#: ``drop``, ``GraphTable.reset_replays``); the table's ``loops`` likewise (``GraphTable.keep_loop``).
 PLANNED_GRAPH_STATE: Final = frozenset({"entry", "replays", "last_cut"})
 
 
 def test_a_planned_graphs_state_is_written_only_by_the_graph_table() -> None:
     planned = ROOT / "packages/manager/src/cudagraph_manager/_graphs.py"
     writes = [
-        f"{path.relative_to(ROOT)}:{node.lineno} .{target.attr}"
+        f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(target)}"
         for path, tree in _trees()
         if path != planned
         for node in ast.walk(tree)
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
         for written in (node.targets if isinstance(node, ast.Assign) else [node.target])
         for target in ast.walk(written)
-        if isinstance(target, ast.Attribute) and target.attr in PLANNED_GRAPH_STATE
+        if (isinstance(target, ast.Attribute) and target.attr in PLANNED_GRAPH_STATE)
+        or (  # the table's loops: ``table.loops[key] = loop``
+            isinstance(target, ast.Subscript)
+            and isinstance(target.value, ast.Attribute)
+            and target.value.attr == "loops"
+        )
     ]
     assert not writes, f"a PlannedGraph's state written outside _graphs.py: {writes}"

@@ -24,7 +24,7 @@ from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_capture.lowlevel import capture_disabled_reason
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, probe_keys
+from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, pick_probes
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
@@ -43,7 +43,7 @@ MODES: Final = (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_
 def test_the_probes_are_the_largest_then_keys_spread_to_the_smallest(backend: Backend) -> None:
     manager = make_manager(backend, ToyModel(backend.device))
     ((_, keys),) = manager.dispatcher.capture_plan()  # FULL over 7 sizes, largest first
-    chosen = probe_keys(keys, lambda key: key.num_tokens)
+    chosen = pick_probes(keys, lambda key: key.num_tokens)
     assert chosen[0] is keys[0]
     assert chosen[-1] is keys[-1]  # the smallest is probed
     assert len(chosen) == 1 + 2
@@ -51,7 +51,7 @@ def test_the_probes_are_the_largest_then_keys_spread_to_the_smallest(backend: Ba
 
 def test_the_probes_of_the_default_plan_are_spread_in_tokens() -> None:
     sizes = sorted(CaptureSizes.default(2048).sizes, reverse=True)  # 147, dense below 256
-    chosen = probe_keys(sizes, lambda size: size)
+    chosen = pick_probes(sizes, lambda size: size)
     assert len(chosen) == 1 + math.ceil(PROBE_SHARE * (len(sizes) - 1))
     gaps = [a - b for a, b in itertools.pairwise(chosen[1:])]
     assert max(gaps) <= 2 * min(gaps)  # even in tokens, where an even spread in keys would not be
@@ -66,7 +66,7 @@ def test_probes_are_few_spread_and_in_plan_order(sizes: list[int]) -> None:
     the last key are probed by position, the last being the one warmed up.
     """
     keys = list(range(len(sizes)))
-    chosen = probe_keys(keys, sizes.__getitem__)
+    chosen = pick_probes(keys, sizes.__getitem__)
     assert chosen[0] == 0
     assert chosen == sorted(set(chosen))  # distinct, in capture order
     others = len(keys) - 1
@@ -90,7 +90,7 @@ def test_several_keys_of_the_smallest_size_probe_the_last() -> None:
     """LoRA counts give a size several keys: the plan's last key is the probe that is warmed up."""
     sizes = [size for size in sorted(CaptureSizes.default(512).sizes, reverse=True) for _ in range(3)]
     keys = list(range(len(sizes)))
-    chosen = probe_keys(keys, sizes.__getitem__)
+    chosen = pick_probes(keys, sizes.__getitem__)
     assert chosen[-1] == keys[-1]
     assert chosen[1] == 1
 
@@ -164,7 +164,7 @@ def test_a_disabled_capture_is_refused_by_the_estimate_too() -> None:
     estimate = manager.estimate_memory()  # the refusal left nothing behind: every key, the usual probes
     assert estimate.no_graphs is None
     assert estimate.num_graphs == len(keys)
-    assert [probe.descriptor for probe in estimate.probes] == probe_keys(keys, lambda key: key.num_tokens)
+    assert [probe.descriptor for probe in estimate.probes] == pick_probes(keys, lambda key: key.num_tokens)
     assert estimate.total_bytes == estimate.warmup_bytes + estimate.pool_bytes + estimate.driver_bytes
     assert manager.num_captured == 0
 

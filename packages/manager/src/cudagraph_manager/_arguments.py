@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Final, cast
+from typing import Final, Generic, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Arguments:
+class Arguments(Generic[OutputT]):
     """What the constructor builds from: each argument checked, the defaults filled in."""
 
     dispatcher: CUDAGraphDispatcher
@@ -44,6 +44,8 @@ class Arguments:
     builder: AttentionMetadataBuilder[object] | None
     #: The capture engines' factory (the default: ``cudagraph_capture.graph_engine``).
     factory: GraphEngineFactory
+    #: The rest of the options, as given (``ManagerOptions``' defaults for ``None``).
+    given: ManagerOptions[OutputT]
 
 
 def check_arguments(
@@ -53,7 +55,7 @@ def check_arguments(
     device: torch.device | str | int | None,
     strict: bool,
     options: ManagerOptions[OutputT] | None,
-) -> Arguments:
+) -> Arguments[OutputT]:
     """Check every argument of ``CUDAGraphManager(...)`` (``ValueError`` naming the first bad one).
 
     ``options`` checked its own fields when it was built; here, what they
@@ -83,7 +85,9 @@ def check_arguments(
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
     capture = CaptureOptions.given(checked_options.capture)
     engines = cast(GraphEngineFactory, graph_engine) if factory is None else factory
-    return Arguments(dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines)
+    return Arguments(
+        dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines, checked_options
+    )
 
 
 def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:
@@ -97,7 +101,7 @@ def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[Ou
     return options
 
 
-#: Where a value passed as ``options=`` goes instead (the keyword once took ``CaptureOptions``).
+#: Where a value of another option type passed as ``options=`` belongs: a hint in the error.
 _MOVED: Final[Mapping[type, str]] = {
     CaptureOptions: "; CaptureOptions go in ManagerOptions(capture=...)",
     AttentionOptions: "; AttentionOptions go in ManagerOptions(attention=...)",

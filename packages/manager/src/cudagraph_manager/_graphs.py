@@ -5,7 +5,7 @@ replay) is the one place that says whether its key is captured: a capture
 stores it in one assignment after checking its outputs, so the serving
 thread replays it from its next step; ``drop()`` forgets it, which frees the
 graph. ``GraphTable`` holds them in capture order, with the decode loops
-captured for them, and is the only writer of both.
+captured for them; their state changes only through this module's methods.
 """
 
 from __future__ import annotations
@@ -174,6 +174,10 @@ class GraphTable(Generic[OutputT]):
     def reset_replays(self) -> None:
         for graph in self.graphs.values():
             graph.replays = 0
+
+    def keep_loop(self, descriptor: BatchDescriptor, loop: DeviceLoop) -> None:
+        """Store the decode loop captured for ``descriptor``'s graph: its ``run_loop`` runs it from now."""
+        self.loops[descriptor] = loop
 
     def drop(self, graph: PlannedGraph[OutputT]) -> None:
         """Free ``graph``'s entry (its key is not captured any more), under the device's capture lock."""

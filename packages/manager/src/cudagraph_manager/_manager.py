@@ -61,12 +61,11 @@ class CUDAGraphManager(Generic[OutputT]):
         options: ManagerOptions[OutputT] | None = None,
     ) -> None:
         checked = check_arguments(model, inputs, config, device, strict, options)
-        given: ManagerOptions[OutputT] = ManagerOptions() if options is None else options
-        parts = self._parts = ManagerParts.of(model, checked, strict, given.ranks, given.decode_loop)
+        parts = self._parts = ManagerParts.of(model, checked, strict)
         self._table: Final = GraphTable[OutputT](parts.dispatcher, parts.buffers, parts.builder)
         self._capturer: Final = Capturer(parts, self._table, checked.factory, checked.options)
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
-        self._guard: Final = _output_guard() if given.check_overwritten_outputs else None
+        self._guard: Final = _output_guard() if checked.given.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)
         self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard)
         loop = parts.loop
@@ -148,7 +147,7 @@ class CUDAGraphManager(Generic[OutputT]):
             self._capturer.drop_all()
 
     def release(self) -> None:
-        """Free every graph, give its memory back (a sleep); steps run eagerly until a capture."""
+        """Free every graph, give its memory back (a sleep): the last outputs die, steps run eagerly."""
         with self._step_lock:
             if self._guard is not None:
                 self._guard.retire_all()
@@ -222,7 +221,7 @@ class CUDAGraphManager(Generic[OutputT]):
     ) -> LoopResult:
         """Up to ``max_steps`` decode steps of a uniform batch (keywords or ``batch``); synchronizes once.
 
-        ``LoopResult.tokens`` is valid until the next ``run_loop`` or capture.
+        ``LoopResult.tokens`` is valid until the next ``run_loop``, capture or ``estimate_memory()``.
         """
         if self._loops is None:
             raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")

@@ -20,7 +20,7 @@ from cudagraph_dispatch.support import ModeResolution
 from ._arguments import Arguments
 from ._buffers._buffers import StaticBuffers
 from ._buffers._outputs import LayoutCell
-from ._decode_loop import DecodeLoop, LoopBuffers
+from ._decode_loop import LoopBuffers
 from ._protocols import AttentionMetadataBuilder, OutputT
 from ._reports._report import StepCounts
 from .ranks import RankAgreement
@@ -49,12 +49,7 @@ class ManagerParts(Generic[OutputT]):
 
     @classmethod
     def of(
-        cls,
-        model: Callable[..., OutputT],
-        checked: Arguments,
-        strict: bool,
-        ranks: RankAgreement | None,
-        decode_loop: DecodeLoop[OutputT] | None,
+        cls, model: Callable[..., OutputT], checked: Arguments[OutputT], strict: bool
     ) -> ManagerParts[OutputT]:
         """A manager's parts from its ``checked`` arguments: a static buffer per input, fresh counters."""
         config = checked.dispatcher.config
@@ -66,6 +61,7 @@ class ManagerParts(Generic[OutputT]):
             device=checked.device,
         )
         layout = LayoutCell(checked.rows)
+        decode_loop = checked.given.decode_loop
         loop = None if decode_loop is None else LoopBuffers(decode_loop, config.max_num_seqs, checked.device)
         return cls(
             model,
@@ -75,7 +71,7 @@ class ManagerParts(Generic[OutputT]):
             StepCounts(),
             checked.no_graphs,
             strict,
-            ranks,
+            checked.given.ranks,
             checked.builder,
             loop,
         )

@@ -68,7 +68,7 @@ class BackgroundTimings:
 class FirstStep:
     """The serving thread's first step after ``start_capture()``, which the first recording waits for.
 
-    ``served()`` (the step is queued), ``release()`` (``wait()``, ``stop()``)
+    ``served()`` (the step is queued), ``unblock()`` (``wait()``, ``stop()``)
     or the wait's own bound ends the wait for the step; after ``served()``,
     its device work is waited for too (polled, so ``stop()`` ends it).
     """
@@ -79,7 +79,7 @@ class FirstStep:
         self._event: Final = threading.Event()
         self._outputs: torch.cuda.Event | None = None  # recorded after the first step's work
 
-    def release(self) -> None:
+    def unblock(self) -> None:
         self._event.set()
 
     def served(self, device: torch.device) -> None:
@@ -196,7 +196,7 @@ class BackgroundCapture:
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
         ):
             raise ValueError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
-        self._first.release()  # the caller waits: the first recording need not wait for its step
+        self._first.unblock()  # the caller waits: the first recording need not wait for its step
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
         assert self._report is not None
@@ -209,7 +209,7 @@ class BackgroundCapture:
         calls it. Any thread.
         """
         self._stop.set()
-        self._first.release()
+        self._first.unblock()
 
     # -- the serving thread's side --
 

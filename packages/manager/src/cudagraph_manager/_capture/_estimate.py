@@ -41,21 +41,21 @@ from ._warm_up import WarmUps, smallest_of_modes
 PROBE_SHARE: Final = 0.08
 MIN_PROBES: Final = 2
 
-_K = TypeVar("_K")  # a planned key (tests pass stand-ins)
+_K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
 
 #: Engines that capture into a given pool, one per mode (the manager's factory, another pool).
 ProbeEngines = Callable[[CUDAGraphMode, GraphPool], GraphEngine[OutputT]]
 
 
-def probe_keys(keys: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
+def pick_probes(planned: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
     """A mode's probes, in plan order: its largest key, then ``k`` of the others spread over their sizes.
 
-    ``keys`` are largest first; ``tokens`` gives a key's size. The ``k`` are
+    ``planned`` (a mode's graphs) are largest first; ``tokens`` gives one's size. The ``k`` are
     the second largest, the smallest, and the keys nearest to sizes evenly
     spaced between them: even in tokens, not in keys, because a plan's keys
     are dense at small sizes and the pool's lumps are large at large ones.
     """
-    largest, others = keys[0], keys[1:]
+    largest, others = planned[0], planned[1:]
     k = min(len(others), max(MIN_PROBES, math.ceil(PROBE_SHARE * len(others))))
     if k <= 1:
         return [largest, *others[:k]]
@@ -90,7 +90,7 @@ def extrapolate(measured: Sequence[tuple[int, int]], num_keys: int) -> tuple[int
     pool = sum(p for p, _ in measured)
     driver = sum(d for _, d in measured)
     unprobed = num_keys - len(measured)
-    tail = measured[2:]  # not empty where a key is unprobed: probe_keys takes at least 2 then
+    tail = measured[2:]  # not empty where a key is unprobed: pick_probes takes at least 2 then
     if tail and unprobed > 0:
         pool += unprobed * max(0, min(p for p, _ in tail))
         driver += unprobed * (driver // len(measured))  # driver: the probes' sum, so far
@@ -200,11 +200,11 @@ def measure_warm_ups(
 def _probe_groups(
     groups: Sequence[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]],
 ) -> tuple[list[CapturedGraph], int, int]:
-    """Each group's probes (``probe_keys``) recorded, and the ``(pool, driver)`` bytes extrapolated to all."""
+    """Each group's probes (``pick_probes``) recorded, and the ``(pool, driver)`` bytes extrapolated."""
     probes: list[CapturedGraph] = []
     pool_total = driver_total = 0
     for graphs, probe in groups:
-        measured = [probe(graph) for graph in probe_keys(graphs, _num_tokens)]
+        measured = [probe(graph) for graph in pick_probes(graphs, _num_tokens)]
         probes += measured
         group_pool, group_driver = extrapolate(
             [(p.pool_bytes, p.driver_bytes) for p in measured], len(graphs)

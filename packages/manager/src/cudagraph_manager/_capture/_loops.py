@@ -65,7 +65,7 @@ class LoopCapture(Generic[OutputT]):
                     error,
                 )
                 continue
-            self._table.loops[graph.descriptor] = loop
+            self._table.keep_loop(graph.descriptor, loop)
             captured.append(record)
         return captured
 

@@ -66,7 +66,7 @@ def record(
     graph's warm-up; the bytes are the recording's alone (a warm-up's eager
     blocks are not the pool's). The caller checks the entry, then keeps it.
     """
-    with _capture_metadata(graph), RecordingBytes(device) as cost:
+    with RecordingBytes(device) as cost, _capture_metadata(graph):
         entry = engine.record(graph.descriptor, graph.inputs)
     spent = entry.seconds
     return entry, CapturedGraph(
@@ -90,7 +90,7 @@ def capture_graph(
     warm: bool,
     warmed_seconds: float = 0.0,
 ) -> CapturedGraph:
-    """Warm ``key`` up (``warm``), record its graph, check its outputs, keep the entry: it is captured.
+    """Warm ``graph`` up (``warm``), record it, check its outputs, keep the entry: it is captured.
 
     ``warmed_seconds``: a warm-up of it run earlier (the background
     capture's), counted in its seconds.

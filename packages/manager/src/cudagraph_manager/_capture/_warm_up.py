@@ -104,6 +104,6 @@ class WarmUpRule(Generic[OutputT]):
         self._seconds[descriptor] = 0.0
 
 
-def smallest_of_modes(keys: Sequence[PlannedGraph[OutputT]]) -> frozenset[BatchDescriptor]:
+def smallest_of_modes(graphs: Sequence[PlannedGraph[OutputT]]) -> frozenset[BatchDescriptor]:
     """Each mode's smallest key (a plan is largest first): warmed by every capture, for the thread."""
-    return frozenset(of_mode[-1].descriptor for of_mode in by_mode(keys).values())
+    return frozenset(of_mode[-1].descriptor for of_mode in by_mode(graphs).values())
