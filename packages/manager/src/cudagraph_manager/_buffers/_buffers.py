@@ -34,8 +34,8 @@ class StaticBuffer:
 
     ``tensor`` is ``[max rows, *shape]`` (``shape`` for an unbatched input).
     Views are cut once per row count and kept: slicing a tensor is host
-    time on the step path, and a step needs two views per input (the
-    figure: ``docs/benchmarks-notes.md``).
+    time on the step path, and a step needs two views per input
+    (docs/benchmarks-notes.md says where to measure it).
     """
 
     __slots__ = (

@@ -15,7 +15,7 @@ def reserved_bytes(device: torch.device) -> int:
 
     ``torch.cuda.memory_reserved`` is the same figure, but it flattens every
     statistic of the allocator first, a cost paid twice per captured key
-    (the figure: ``docs/benchmarks-notes.md``).
+    (docs/benchmarks-notes.md says where to measure it).
     """
     if device.type != "cuda":
         return 0
