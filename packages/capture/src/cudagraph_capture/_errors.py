@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 
 from cudagraph_dispatch import BatchDescriptor
 
@@ -26,23 +24,21 @@ class CaptureDisabledError(CaptureError):
     """A capture was attempted after ``set_capture_enabled(False)``."""
 
 
-@contextlib.contextmanager
-def failures_named(engine: str, descriptor: BatchDescriptor | None, what: str) -> Iterator[None]:
-    """Errors of a capture of ``what`` (``"the graph"``) for ``descriptor``, named after ``engine``.
+def named_failure(
+    error: BaseException, engine: str, descriptor: BatchDescriptor | None, what: str
+) -> BaseException:
+    """What a capture of ``what`` for ``descriptor`` raises for ``error``, named after ``engine``.
 
-    A ``CaptureError`` passes as it is; another ``Exception`` is raised as a
-    ``CaptureError`` naming its type, chained to it. ``KeyboardInterrupt`` and
-    ``SystemExit`` are never wrapped, but get a note of what they interrupted.
+    A ``CaptureError`` as it is; another ``Exception`` as a ``CaptureError``
+    naming its type (the caller chains it: ``raise named from error``);
+    ``KeyboardInterrupt`` and ``SystemExit`` as they are, with a note of what
+    they interrupted. A function, not a context manager, so that the caller's
+    own ``except`` raises: no frame of ours holds the failed capture's tensors.
     """
-    try:
-        yield
-    except CaptureError:
-        raise
-    except Exception as error:
-        raise CaptureError(
-            f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor
-        ) from error
-    except BaseException as error:
-        if sys.version_info >= (3, 11):
-            error.add_note(f"{engine}: interrupted while capturing {what} of {descriptor}")
-        raise
+    if isinstance(error, CaptureError):
+        return error
+    if isinstance(error, Exception):
+        return CaptureError(f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor)
+    if sys.version_info >= (3, 11):
+        error.add_note(f"{engine}: interrupted while capturing {what} of {descriptor}")
+    return error

@@ -36,7 +36,7 @@ from ._conditional import (
     load_conditional,
 )
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, failures_named
+from ._errors import CaptureError, named_failure
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import capture_lock, capture_stream, shared_pool
@@ -343,8 +343,14 @@ def build_loop(
     # Allocated outside the pool and the capture: the loop's own, as long as it lives.
     steps = torch.zeros((), dtype=torch.int64, device=stop.device)
     cells = LoopCells(steps, torch.full((), spec.max_steps, dtype=torch.int64, device=stop.device), stop)
-    with failures_named("DeviceLoop", spec.descriptor, "the loop"), graphs.session():
-        kind, run, why = _record_loop(spec, graphs, cells, conditional)
+    try:
+        with graphs.session():
+            kind, run, why = _record_loop(spec, graphs, cells, conditional)
+    except BaseException as error:
+        named = named_failure(error, "DeviceLoop", spec.descriptor, "the loop")
+        if named is error:
+            raise
+        raise named from error
     if why is not None:
         _note_fallback(why, kind)
     return DeviceLoop(spec, cells, kind, run, why)

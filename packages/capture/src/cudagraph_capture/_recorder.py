@@ -27,7 +27,7 @@ from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, failures_named
+from ._errors import CaptureError, named_failure
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
@@ -161,15 +161,20 @@ class GraphRecorder(Generic[R]):
         names ``descriptor``; the failed graph is freed before it is raised.
         """
         device, pool = self._ready(descriptor)
-        # Another thread's capture on this device waits for this one (the lock).
-        with failures_named(self.name, descriptor, "the graph"), capture_lock(device):
-            stream = self._stream(device)
-            if execute and self.options.warmup_runs:
-                self._warm_up(descriptor, stream, args, kwargs, extra)
-            run = functools.partial(self.runnable, *args, **kwargs)
-            start = time.perf_counter()
-            owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
-            recorded_s = time.perf_counter() - start
+        try:
+            with capture_lock(device):  # another thread's capture on this device waits for this one
+                stream = self._stream(device)
+                if execute and self.options.warmup_runs:
+                    self._warm_up(descriptor, stream, args, kwargs, extra)
+                run = functools.partial(self.runnable, *args, **kwargs)
+                start = time.perf_counter()
+                owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
+                recorded_s = time.perf_counter() - start
+        except BaseException as error:
+            named = named_failure(error, self.name, descriptor, "the graph")
+            if named is error:
+                raise
+            raise named from error
         if execute and not self.EXECUTES:
             owner.replay()
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None
