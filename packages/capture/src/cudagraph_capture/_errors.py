@@ -24,21 +24,17 @@ class CaptureDisabledError(CaptureError):
     """A capture was attempted after ``set_capture_enabled(False)``."""
 
 
-def named_failure(
-    error: BaseException, engine: str, descriptor: BatchDescriptor | None, what: str
-) -> BaseException:
-    """What a capture of ``what`` for ``descriptor`` raises for ``error``, named after ``engine``.
+def capture_failure(engine: str, error: Exception, descriptor: BatchDescriptor | None) -> CaptureError:
+    """The ``CaptureError`` an engine raises ``from error``, naming the error's type and ``descriptor``.
 
-    A ``CaptureError`` as it is; another ``Exception`` as a ``CaptureError``
-    naming its type (the caller chains it: ``raise named from error``);
-    ``KeyboardInterrupt`` and ``SystemExit`` as they are, with a note of what
-    they interrupted. A function, not a context manager, so that the caller's
-    own ``except`` raises: no frame of ours holds the failed capture's tensors.
+    Raised by the caller's own ``except`` clause, never from a frame or a
+    generator of ours that would keep the failed capture's tensors alive
+    through the traceback until a garbage collection.
     """
-    if isinstance(error, CaptureError):
-        return error
-    if isinstance(error, Exception):
-        return CaptureError(f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor)
+    return CaptureError(f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor)
+
+
+def note_interrupt(error: BaseException, engine: str, what: str, descriptor: BatchDescriptor | None) -> None:
+    """Note on a ``KeyboardInterrupt`` or ``SystemExit`` what it interrupted (they are never wrapped)."""
     if sys.version_info >= (3, 11):
         error.add_note(f"{engine}: interrupted while capturing {what} of {descriptor}")
-    return error

@@ -36,7 +36,7 @@ from ._conditional import (
     load_conditional,
 )
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, named_failure
+from ._errors import CaptureError, capture_failure, note_interrupt
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import capture_lock, capture_stream, shared_pool
@@ -346,11 +346,13 @@ def build_loop(
     try:
         with graphs.session():
             kind, run, why = _record_loop(spec, graphs, cells, conditional)
-    except BaseException as error:
-        named = named_failure(error, "DeviceLoop", spec.descriptor, "the loop")
-        if named is error:
-            raise
-        raise named from error
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise capture_failure("DeviceLoop", error, spec.descriptor) from error
+    except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
+        note_interrupt(error, "DeviceLoop", "the loop", spec.descriptor)
+        raise
     if why is not None:
         _note_fallback(why, kind)
     return DeviceLoop(spec, cells, kind, run, why)

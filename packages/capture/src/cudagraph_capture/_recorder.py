@@ -27,7 +27,7 @@ from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, named_failure
+from ._errors import CaptureError, capture_failure, note_interrupt
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
@@ -170,11 +170,13 @@ class GraphRecorder(Generic[R]):
                 start = time.perf_counter()
                 owner, output, instantiation = self._record(run, descriptor, pool, stream, execute)
                 recorded_s = time.perf_counter() - start
-        except BaseException as error:
-            named = named_failure(error, self.name, descriptor, "the graph")
-            if named is error:
-                raise
-            raise named from error
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise capture_failure(self.name, error, descriptor) from error
+        except BaseException as error:  # KeyboardInterrupt, SystemExit: never wrapped, but say where
+            note_interrupt(error, self.name, "the graph", descriptor)
+            raise
         if execute and not self.EXECUTES:
             owner.replay()
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None
