@@ -30,7 +30,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture import LoopKind
+from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -99,7 +99,7 @@ def _manager(
         paged_static_inputs(model.layout),
         dispatch,
         options=ManagerOptions(
-            decode_loop=DecodeLoop(advance, max_steps=steps, unroll=8, kind=kind),
+            decode_loop=DecodeLoop(advance, max_steps=steps, policy=LoopPolicy(kind, unroll=8)),
             attention=AttentionOptions(metadata_builder=model.backend),
         ),
     )

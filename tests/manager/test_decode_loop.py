@@ -23,7 +23,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture import LoopKind
+from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -378,7 +378,7 @@ def loop_manager(
         dispatch,
         device=model.body.device,
         options=ManagerOptions(
-            decode_loop=DecodeLoop(advance, max_steps=max_steps, kind=kind),
+            decode_loop=DecodeLoop(advance, max_steps=max_steps, policy=LoopPolicy(kind)),
             attention=AttentionOptions(metadata_builder=model.backend),
         ),
     )

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_capture import LoopKind
+from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, ManagerOptions, StaticInput
 from tests.manager.helpers import BACKENDS, Backend, config_for
@@ -62,7 +62,7 @@ def python_loop(ids: list[int], scale: list[int], steps: int) -> list[list[int]]
 
 
 def _manager(backend: Backend, kind: LoopKind | None = None) -> CUDAGraphManager[torch.Tensor]:
-    loop = DecodeLoop(advance, max_steps=MAX_STEPS, unroll=4, kind=kind)
+    loop = DecodeLoop(advance, max_steps=MAX_STEPS, policy=LoopPolicy(kind, unroll=4))
     return CUDAGraphManager(
         ToyDecoder(),
         INPUTS,
@@ -155,8 +155,8 @@ def test_run_loop_needs_a_decode_loop_and_checks_its_arguments() -> None:
         ({"advance": "advance", "max_steps": 4}, "advance"),
         ({"advance": advance, "max_steps": 0}, "max_steps"),
         ({"advance": advance, "max_steps": True}, "max_steps"),
-        ({"advance": advance, "max_steps": 4, "unroll": 0}, "unroll"),
-        ({"advance": advance, "max_steps": 4, "kind": "while"}, "kind"),
+        ({"advance": advance, "max_steps": 4, "policy": "while"}, "policy"),
+        ({"advance": advance, "max_steps": 4, "policy": None}, "policy"),
     ],
 )
 def test_a_bad_decode_loop_is_named(kwargs: dict[str, object], named: str) -> None:

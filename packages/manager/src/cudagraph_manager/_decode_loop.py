@@ -14,10 +14,13 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import LoopKind
+from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch.lowlevel import check_int
 
 from ._protocols import OutputT
+
+#: The default policy: WHILE where it can be built, else unrolled launches of 8 iterations.
+_WHILE_WHERE_IT_CAN: Final = LoopPolicy()
 
 #: The most steps one loop may be captured for (its token history is ``[max_steps, max_num_seqs]``).
 MAX_LOOP_STEPS: Final = 1 << 16
@@ -52,24 +55,22 @@ class DecodeLoop(Generic[OutputT]):
     ``attention_metadata(builder)``: it runs under the step's forward
     context), ``state.tokens[state.step]``, ``state.active`` and
     ``state.stop``. Capturable: device ops only, no host synchronization, no
-    branch on a tensor's value, no random numbers. ``unroll``: iterations
-    per launch of the unrolled fallback; ``kind`` forces a ``LoopKind``
-    (``None``: WHILE where it can be built).
+    branch on a tensor's value, no random numbers. ``policy``: the kind of
+    ``DeviceLoop`` (``cudagraph_capture.LoopPolicy``: WHILE where it can be
+    built, else unrolled launches).
     """
 
     advance: Callable[[OutputT, Mapping[str, torch.Tensor], LoopState], object]
     max_steps: int
-    unroll: int = 8
-    kind: LoopKind | None = None
+    policy: LoopPolicy = _WHILE_WHERE_IT_CAN
 
     def __post_init__(self) -> None:
         if not callable(self.advance):
             raise ValueError(f"advance: expected a callable, got {self.advance!r:.80}")
         check_int("max_steps", self.max_steps, minimum=1, maximum=MAX_LOOP_STEPS)
-        check_int("unroll", self.unroll, minimum=1, maximum=MAX_LOOP_STEPS)
-        given: object = self.kind
-        if given is not None and not isinstance(given, LoopKind):
-            raise ValueError(f"kind: expected None or a LoopKind, got {given!r}")
+        given: object = self.policy
+        if not isinstance(given, LoopPolicy):
+            raise ValueError(f"policy: expected a LoopPolicy, got {given!r:.80}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

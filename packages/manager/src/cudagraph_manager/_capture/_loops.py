@@ -14,7 +14,7 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, LoopPolicy
+from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop
 from cudagraph_dispatch import CUDAGraphMode, ForwardContext
 
 from .._batch import StepBatch
@@ -89,7 +89,7 @@ class LoopCapture(Generic[OutputT]):
                 body,
                 stop=buffers.stop,
                 max_steps=config.max_steps,
-                policy=LoopPolicy(config.kind, config.unroll),
+                policy=config.policy,
                 options=options,
                 descriptor=graph.descriptor,
             )
