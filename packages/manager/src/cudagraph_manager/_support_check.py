@@ -1,21 +1,11 @@
 """Checking an attention's declared level: FULL graphs of every batch kind, replayed against eager.
 
-An attention declares which batches a FULL graph containing it replays
-correctly (``GraphSupport``), and the manager trusts the declaration: a
-backend that declares more than it serves replays wrong values silently (a
-host value of the capture's batch baked into the graph, a kernel launched
-for one query length). ``check_attention_support`` tests the declaration the
-way the manager would use it: per kind of batch, one strict manager whose
-FULL graphs serve that kind alone (the builder's declaration overridden by
-``ALWAYS``, so nothing is downgraded), captured, then replayed on fresh
-random batches of the kind, each compared with the model run eagerly on the
-same batch. The verified level is the highest whose promised kinds all held
-(levels are cumulative).
-
-    kind                    manager mode        promised by
-    uniform, 1 token        FULL_DECODE_ONLY    UNIFORM_SINGLE_TOKEN_DECODE
-    uniform, q > 1 tokens   FULL_DECODE_ONLY    UNIFORM_BATCH
-    mixed                   FULL                ALWAYS
+The manager trusts an attention's declaration (``GraphSupport``); a backend
+that declares more than it serves replays wrong values silently.
+``check_attention_support`` tests it as the manager would use it: per kind of
+batch, one strict manager whose FULL graphs serve that kind alone, captured,
+then replayed on fresh random batches compared with eager. The verified level
+is the highest whose kinds all held (docs/design.md, "Attention support").
 """
 
 from __future__ import annotations
