@@ -1,8 +1,9 @@
 """A step's batch as one value (``StepBatch``), and the shape a forward runs it as (``BatchShape``).
 
-``StepBatch`` is built once per step, by the static buffers' check, and passed
-along the whole step path: the route, the attention's ``build``, the copy
-into the static buffers, an eager step. ``BatchShape`` is what the attention
+``StepBatch`` is built at most once per step, where the step leaves the
+replay's fast path (an eager step, the attention's ``build``, a decode loop),
+and passed along from there; the replay itself keeps the counts in locals
+(host time per step). ``BatchShape`` is what the attention
 sees of the batch a forward runs as: a graph's padded key, or the real batch
 run eagerly.
 """
@@ -16,7 +17,7 @@ from typing import Final, NamedTuple
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, StepRequest
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_dispatch.lowlevel import NO_MODES
 
 
@@ -80,10 +81,6 @@ class StepBatch(NamedTuple):
     def uniform(self) -> bool:
         """Whether the batch runs eagerly as uniform: a uniform decode batch with requests."""
         return self.uniform_decode and self.num_reqs > 0
-
-    def request(self) -> StepRequest:
-        """What the dispatcher and the ranks decide this step from."""
-        return StepRequest(self.num_tokens, self.uniform_decode, self.num_active_loras, self.invalid_modes)
 
     def eager_descriptor(self) -> BatchDescriptor:
         """The key an eager forward of this batch runs under (its forward context's descriptor)."""
