@@ -8,7 +8,8 @@ their all-to-alls meet; rank 0's figures are the result. Per decode batch
 (1, 16, 64, 256 a rank): eager, the FULL graph without an agreement, and the
 FULL graph agreeing every step over shm, NCCL and gloo; then one
 ``agree_step`` alone per backend; then the graphs' memory, exact capacity
-against a capacity factor of 1, and the exchange buffers of one layer.
+against a capacity factor of 1: the peak one step allocates (what a graph's
+pool holds for it) and the exchange buffers of one layer.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def _stepper(
     return lambda: manager.run_batch(inputs)
 
 
+def _step_peak(model: ExpertParallelDecoder, inputs: dict[str, torch.Tensor]) -> int:
+    """The bytes one eager step allocates at its peak, over what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model(**inputs)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def _setup() -> torch.device:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank)
@@ -96,7 +108,7 @@ def expert_parallel(args: Sequence[str]) -> Result:
         )
 
     alone = manager(None)
-    memory: dict[str, float] = {"exact_graph_bytes": alone.capture(progress=False).device_bytes}
+    memory: dict[str, float] = {"first_capture_bytes": alone.capture(progress=False).device_bytes}
     agreeing = {name: manager(ranks) for name, ranks in agreements.items()}
     for built in agreeing.values():
         built.capture(progress=False)
@@ -123,13 +135,15 @@ def expert_parallel(args: Sequence[str]) -> Result:
     for built in (alone, *agreeing.values()):
         built.clear()
     factor = MoeConfig(num_experts=8, top_k=2, expert_size=1024, capacity_factor=1.0)
-    dropping = manager(None, ExpertParallelDecoder(full, weights, factor))
-    memory["factor1_graph_bytes"] = dropping.capture(progress=False).device_bytes
-    dropping.clear()
-    for batch in BATCHES:
-        memory[f"exact_layer_buffers_mib_batch{batch}"] = (
-            moe.buffer_bytes(batch, 2, config.hidden_size, 2) / _MIB
-        )
+    dropping = ExpertParallelDecoder(full, weights, factor)
+    g = torch.Generator().manual_seed(2)
+    for batch in BATCHES:  # what one step allocates beyond the weights and caches: a graph's pool holds it
+        inputs = make_step_inputs(config, batch, uniform_decode=True, generator=g, device=device)
+        for label, of, layout in (("exact", model, moe), ("factor1", dropping, factor)):
+            memory[f"{label}_step_peak_mib_batch{batch}"] = _step_peak(of, inputs) / _MIB
+            memory[f"{label}_layer_buffers_mib_batch{batch}"] = (
+                layout.buffer_bytes(batch, 2, config.hidden_size, 2) / _MIB
+            )
     result["memory"] = memory
     if dist.get_rank() == 0:
         print(result, flush=True)
