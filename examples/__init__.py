@@ -12,6 +12,8 @@ tests import it on purpose.
 - ``config``: ``DecoderConfig``; ``body``: the weights every decoder shares.
 - ``reference``: ``ReferenceDecoder``, a KV cache row per request.
 - ``paged``: ``PagedDecoder`` and its attention backends, on the attention seam.
+- ``ep``: data-parallel attention with an expert-parallel MoE (all-to-alls inside the graphs);
+  ``ep_moe`` runs it on two ranks. Imported on purpose only.
 """
 
 from .config import DecoderConfig as DecoderConfig
