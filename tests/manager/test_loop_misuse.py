@@ -165,7 +165,7 @@ def test_a_bad_run_loop_is_named_before_a_buffer_is_touched(
 ) -> None:
     manager = loop_manager(engines=FakeEngines() if fake_engines else None)
     manager.capture()
-    assert manager.run_loop(**batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED  # real data everywhere
+    assert manager.run_loop(batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED  # real data everywhere
     before = snapshot(manager.static_buffers)
     loop = manager._parts.loop  # the loop's own buffers: tokens, active, stop
     assert loop is not None
@@ -178,7 +178,7 @@ def test_a_bad_run_loop_is_named_before_a_buffer_is_touched(
         kept, {"tokens": loop.tokens, "active": loop.active, "stop": loop.stop, "step": loop.step}
     )
     assert manager.stats == stats
-    assert manager.run_loop(**batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED  # still usable
+    assert manager.run_loop(batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED  # still usable
 
 
 def test_a_loop_above_the_largest_size_names_run_loop() -> None:
@@ -196,7 +196,7 @@ def test_a_loop_above_the_largest_size_names_run_loop() -> None:
             "tokens (the largest capture size)"
         ),
     ):
-        manager.run_loop(**batch_of(list(range(1, 11)), [1] * 10), max_steps=4)
+        manager.run_loop(batch_of(list(range(1, 11)), [1] * 10), max_steps=4)
     assert manager.stats.loop_steps == 0
 
 
@@ -206,15 +206,15 @@ def test_run_loop_while_another_thread_runs_names_run_loop() -> None:
     def blocking(ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         entered.set()
         release.wait(10)
-        return ToyDecoder()(ids, scale)
+        return ToyDecoder().forward(ids, scale)
 
     manager = loop_manager(model=blocking)
-    worker = threading.Thread(target=lambda: manager.run(**batch_of(IDS, SCALE), uniform_decode=True))
+    worker = threading.Thread(target=lambda: manager.run_batch(batch_of(IDS, SCALE), uniform_decode=True))
     worker.start()
     try:
         assert entered.wait(10)
         with pytest.raises(RuntimeError, match=r"^CUDAGraphManager\.run_loop: another thread is inside"):
-            manager.run_loop(**batch_of(IDS, SCALE))
+            manager.run_loop(batch_of(IDS, SCALE))
     finally:
         release.set()
         worker.join(10)
@@ -227,7 +227,7 @@ def test_run_loop_while_another_thread_runs_names_run_loop() -> None:
 
 def test_a_host_loop_without_graphs_counts_its_eager_steps() -> None:
     manager = loop_manager()  # the CPU: no graphs, every step eager on the padded buffers
-    result = manager.run_loop(**batch_of(IDS, SCALE))
+    result = manager.run_loop(batch_of(IDS, SCALE))
     steps = len(EXPECTED)
     assert result.steps == steps
     stats = manager.stats
@@ -244,7 +244,7 @@ def test_a_host_loop_without_graphs_counts_its_eager_steps() -> None:
 def test_a_host_loop_over_replays_counts_them() -> None:
     manager = loop_manager(engines=FakeEngines())  # one-step graphs, no loops (a loop is a CUDA graph)
     manager.capture()
-    steps = manager.run_loop(**batch_of(IDS, SCALE)).steps
+    steps = manager.run_loop(batch_of(IDS, SCALE)).steps
     stats = manager.stats
     assert (stats.loop_steps, stats.host_loop_steps) == (steps, steps)
     assert dict(stats.replays) == {(M.FULL, 4): steps}
@@ -254,7 +254,7 @@ def test_a_host_loop_over_replays_counts_them() -> None:
 
 def test_a_loop_of_no_request_is_an_idle_step() -> None:
     manager = loop_manager()
-    assert manager.run_loop(**batch_of([], [])).steps == 0
+    assert manager.run_loop(batch_of([], [])).steps == 0
     assert (manager.stats.idle_steps, manager.stats.loop_steps) == (1, 0)
 
 
@@ -262,8 +262,8 @@ def test_a_host_loop_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     manager = loop_manager(engines=FakeEngines())
     manager.capture()
     with caplog.at_level("INFO", logger="cudagraph_manager"):
-        manager.run_loop(**batch_of(IDS, SCALE))
-        manager.run_loop(**batch_of(IDS, SCALE))
+        manager.run_loop(batch_of(IDS, SCALE))
+        manager.run_loop(batch_of(IDS, SCALE))
     lines = [r.getMessage() for r in caplog.records if "run_loop" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "loops on the host" in lines[0]
@@ -276,11 +276,11 @@ def test_strict_refuses_a_loop_on_the_host_before_a_buffer_is_touched(captured: 
         manager.capture()  # one-step graphs only: no loop to run on the device
     before = snapshot(manager.static_buffers)
     with pytest.raises(NoGraphError, match=r"run_loop would loop on the host") as info:
-        manager.run_loop(**batch_of(IDS, SCALE))
+        manager.run_loop(batch_of(IDS, SCALE))
     assert info.value.num_tokens == 3
     assert_unchanged(before, manager.static_buffers)
     assert manager.stats.loop_steps == manager.stats.eager_steps == 0
-    assert manager.run_loop(**batch_of([], [])).steps == 0  # an idle loop is no fallback
+    assert manager.run_loop(batch_of([], [])).steps == 0  # an idle loop is no fallback
 
 
 # ---------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_a_loop_takes_advance_once_per_step_with_three_arguments() -> None:
             advance(logits, inputs, state)
 
     manager = loop_manager(loop=DecodeLoop(Advance(), max_steps=MAX_STEPS))
-    assert manager.run_loop(**batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED
+    assert manager.run_loop(batch_of(IDS, SCALE)).tokens.tolist() == EXPECTED
     assert seen == [(4, 4)] * len(EXPECTED)
 
 
@@ -329,7 +329,7 @@ def test_gpu_a_captured_loop_counts_its_steps_on_the_device() -> None:
     device = Backend.of("cuda").device
     manager = loop_manager(device=device, strict=True)
     manager.capture()
-    result = manager.run_loop(**batch_of(IDS, SCALE, device))
+    result = manager.run_loop(batch_of(IDS, SCALE, device))
     assert result.kind is not None
     assert result.tokens.tolist() == EXPECTED
     stats = manager.stats
