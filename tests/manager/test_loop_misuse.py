@@ -278,6 +278,8 @@ def test_strict_refuses_a_loop_on_the_host_before_a_buffer_is_touched(captured: 
     with pytest.raises(NoGraphError, match=r"run_loop would loop on the host") as info:
         manager.run_loop(batch_of(IDS, SCALE))
     assert info.value.num_tokens == 3
+    why = "on a CUDA device only" if captured else "was not captured yet; capture() captures it and its loop"
+    assert why in str(info.value)
     assert_unchanged(before, manager.static_buffers)
     assert manager.stats.loop_steps == manager.stats.eager_steps == 0
     assert manager.run_loop(batch_of([], [])).steps == 0  # an idle loop is no fallback

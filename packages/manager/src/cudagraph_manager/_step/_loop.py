@@ -133,7 +133,7 @@ class LoopSteps(Generic[OutputT]):
             route: LoopRoute[OutputT] = LoopRoute(None, None, None, reason, self._no_loop_graph(batch, graph))
         elif entry is None:
             reason = self._uncaptured()
-            route = LoopRoute(graph, None, None, reason, f"{graph.descriptor} is {reason.value}")
+            route = LoopRoute(graph, None, None, reason, self._why_uncaptured(reason, graph))
         else:
             self._path.check_weights()  # WeightsReplacedError names it, before a buffer is touched
             loop = self._table.loops.get(graph.descriptor)
@@ -147,6 +147,14 @@ class LoopSteps(Generic[OutputT]):
         if self._parts.no_graphs is not None:
             return EagerReason.NO_CUDA
         return EagerReason.RELEASED if self._captures.released else EagerReason.NOT_CAPTURED
+
+    def _why_uncaptured(self, reason: EagerReason, graph: PlannedGraph[OutputT]) -> str:
+        """Why ``graph`` has no entry (``reason``), in words."""
+        if reason is EagerReason.NO_CUDA:
+            return self._parts.no_graphs or "no CUDA graphs on this device"
+        if reason is EagerReason.RELEASED:
+            return "its graphs were released (release()); capture() brings them and the loops back"
+        return f"its FULL graph {graph.descriptor} was not captured yet; capture() captures it and its loop"
 
     def _no_loop_graph(self, batch: StepBatch, graph: PlannedGraph[OutputT] | None) -> str:
         """Why ``batch`` has no graph a loop is captured beside (``graph``: the one it has), in words."""
