@@ -35,6 +35,8 @@ from cudagraph_capture import (
     BreakableCUDAGraphWrapper,
     CaptureOptions,
     CUDAGraphWrapper,
+    LoopKind,
+    LoopPolicy,
     capture_enabled,
     eager_break_during_capture,
     set_capture_enabled,
@@ -164,6 +166,28 @@ def _loop_with_ranks() -> object:
     """``ManagerOptions`` with a decode loop and ranks (an agreement's stand-in: no process group)."""
     ranks = object.__new__(RankAgreement)  # isinstance holds; nothing of it is used
     return ManagerOptions(ranks=ranks, decode_loop=DecodeLoop(lambda *_: None, max_steps=4))
+
+
+def _advance(outputs: object, inputs: object, state: object) -> None:
+    """A decode loop's advance that does nothing (the loop is never run)."""
+
+
+def _advance_of_two(outputs: object, inputs: object) -> None:
+    """An advance that forgot the loop's state."""
+
+
+def _advance_of_four(outputs: object, inputs: object, state: object, extra: object) -> None:
+    """An advance that wants one argument more than a loop gives."""
+
+
+def _advance_of_keywords(*, outputs: object, inputs: object, state: object) -> None:
+    """An advance whose arguments are keywords only (a loop passes them by position)."""
+
+
+def _exchange(row: object) -> object:
+    """``RankAgreement.exchange(row)`` of an agreement's stand-in: the row is checked before any exchange."""
+    ranks = object.__new__(RankAgreement)
+    return ranks.exchange(cast(list[int], row))
 
 
 def _capture_with_progress(progress: object) -> object:
@@ -693,6 +717,102 @@ BAD_INPUTS: Final = [
         "ranks-timeout-zero",
         call(RankAgreement, timeout=datetime.timedelta(0)),
         r"timeout: expected a positive.*timedelta\(0\)",
+    ),
+    # -- issue 39: the decode loop's settings; RankAgreement's rows, backends and devices --
+    row(
+        "decode_loop-advance-of-two-arguments",
+        call(DecodeLoop, _advance_of_two, 4),
+        r"^advance: expected a callable taking \(outputs, inputs, state\), got <function _advance_of_two"
+        r".* whose signature \(outputs, inputs\) does not: too many positional arguments",
+    ),
+    row(
+        "decode_loop-advance-of-four-arguments",
+        call(DecodeLoop, _advance_of_four, 4),
+        r"^advance: .* whose signature \(outputs, inputs, state, extra\) does not: "
+        r"missing a required argument: 'extra'",
+    ),
+    row(
+        "decode_loop-advance-of-keywords",
+        call(DecodeLoop, _advance_of_keywords, 4),
+        r"^advance: .*signature \(\*, outputs, inputs, state\) does not: too many positional arguments",
+    ),
+    row(
+        "manager-decode_loop-without-request-rows",
+        construct(
+            inputs={"ids": INPUTS["ids"], "x": INPUTS["x"]},
+            fields={"decode_loop": DecodeLoop(_advance, max_steps=4)},
+        ),
+        r"^options\.decode_loop: a decode loop keeps a row per request \(its tokens, its active flag\), "
+        r"but no input has rows='reqs' to count the requests",
+    ),
+    row(
+        "manager-decode_loop-forced-while-with-fake-engines",
+        construct(fields={"decode_loop": DecodeLoop(_advance, 4, LoopPolicy(LoopKind.WHILE))}),
+        r"^options\.decode_loop\.policy: LoopKind\.WHILE was asked for, but decode loops are captured on "
+        r"a CUDA device only, and the manager's device is cpu",
+    ),
+    row(
+        "manager-decode_loop-forced-host-loop-without-graphs",
+        construct(
+            fields={
+                "engine_factory": None,
+                "decode_loop": DecodeLoop(_advance, 4, LoopPolicy(LoopKind.HOST_LOOP)),
+            }
+        ),
+        r"^options\.decode_loop\.policy: LoopKind\.HOST_LOOP was asked for, but .* device is cpu",
+    ),
+    row(
+        "loop_policy-unrolled-by-one",
+        call(LoopPolicy, LoopKind.UNROLLED, 1),
+        r"^unroll: LoopKind\.UNROLLED launches graphs of 2 or more iterations .*, got 1",
+    ),
+    row(
+        "ranks-exchange-above-int64",
+        call(_exchange, [2**70]),
+        r"^row\[0\]: expected an int in the int64 range .*, got 1180591620717411303424$",
+    ),
+    row(
+        "ranks-exchange-below-int64",
+        call(_exchange, (0, -(2**63) - 1)),
+        r"^row\[1\]: .*, got -9223372036854775809$",
+    ),
+    row("ranks-exchange-bool", call(_exchange, [True]), r"^row\[0\]: expected an int .*, got True$"),
+    row("ranks-exchange-float", call(_exchange, [1, 1.5]), r"^row\[1\]: expected an int .*, got 1\.5$"),
+    row("ranks-exchange-string", call(_exchange, "12"), r"^row: expected a list or tuple of ints, got '12'$"),
+    row(
+        "ranks-nccl-unavailable",
+        call(RankAgreement, backend="nccl"),
+        r"^backend: 'nccl' is not available in this build of torch .*; use 'gloo'",
+        pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="this torch has NCCL"),
+    ),
+    row(
+        "ranks-nccl-device-cpu",
+        call(RankAgreement, backend="nccl", device="cpu"),
+        r"^device: the nccl backend exchanges on a CUDA device, got 'cpu'",
+        pytest.mark.skipif(not torch.distributed.is_nccl_available(), reason="this torch has no NCCL"),
+    ),
+    row(
+        "ranks-device-meta",
+        call(RankAgreement, device="meta"),
+        r"^device: expected a CUDA device or the CPU, got 'meta'",
+    ),
+    row(
+        "ranks-device-bogus",
+        call(RankAgreement, device="bogus"),
+        r"^device: expected a torch\.device, .*, got 'bogus'",
+    ),
+    row("ranks-device-float", call(RankAgreement, backend=None, device=1.5), r"^device: .*, got 1\.5"),
+    row(
+        "ranks-gloo-device-cuda-without-cuda",
+        call(RankAgreement, device="cuda:0"),
+        r"^device: 'cuda:0' is a CUDA device, but CUDA is not available here",
+        NO_CUDA,
+    ),
+    row(
+        "ranks-gloo-device-cuda",
+        call(RankAgreement, device="cuda:0"),
+        r"^device: backend 'gloo' exchanges on the CPU; a device is for backend='nccl', got 'cuda:0'",
+        pytest.mark.gpu,
     ),
     row("manager-capture-progress-string", call(_capture_with_progress, "yes"), r"progress.*'yes'"),
     row("background-wait-negative", call(_wait_for, -1), r"timeout: expected None or a number .* got -1"),

@@ -234,7 +234,8 @@ def test_the_private_import_check_finds_them(source: str, expected: int) -> None
 
 
 #: A planned graph's state that only the graph table's module writes (``PlannedGraph.keep``, ``replayed``,
-#: ``drop``, ``GraphTable.reset_replays``); the table's ``loops`` likewise (``GraphTable.keep_loop``).
+#: ``replayed_steps``, ``drop``, ``GraphTable.reset_replays``); the table's ``loops`` likewise
+#: (``GraphTable.keep_loop``).
 PLANNED_GRAPH_STATE: Final = frozenset({"entry", "replays", "last_cut"})
 
 

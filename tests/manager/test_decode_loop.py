@@ -455,7 +455,7 @@ def test_run_loop_checks_the_batch_before_touching_a_buffer() -> None:
     wrong = dict(batch, slot_mapping=batch["slot_mapping"] + 1)
     with pytest.raises(ValueError, match=r"^slot_mapping:"):
         manager.run_loop(max_steps=4, **wrong)
-    with pytest.raises(ValueError, match=r"^max_steps:"):
+    with pytest.raises(ValueError, match=r"^run_loop: max_steps:"):
         manager.run_loop(max_steps=5, **batch)
     result = manager.run_loop(max_steps=1, **batch)  # still serves
     assert result.steps == 1

@@ -143,9 +143,9 @@ def test_run_loop_needs_a_decode_loop_and_checks_its_arguments() -> None:
     with pytest.raises(RuntimeError, match=r"built without ManagerOptions\(decode_loop=\.\.\.\)"):
         _run(plain, [1], [1], None)
     manager = _manager(Backend.of("cpu"))
-    with pytest.raises(ValueError, match="max_steps: expected an integer <= 12"):
+    with pytest.raises(ValueError, match=r"^run_loop: max_steps: expected an integer <= 12"):
         _run(manager, [1], [1], 13)
-    with pytest.raises(ValueError, match="uniform_decode: a uniform decode batch"):
+    with pytest.raises(ValueError, match=r"^run_loop: a decode loop's batch has one token per request"):
         manager.run_loop(ids=torch.tensor([1, 2]), scale=torch.tensor([1]))
 
 
@@ -201,7 +201,7 @@ def test_a_loop_above_the_largest_size_is_refused_before_a_buffer_is_touched() -
     )
     before = {name: t.clone() for name, t in manager.static_buffers.items()}
     with pytest.raises(
-        ValueError, match=r"num_tokens: a decode loop runs on the static buffers, of at most 8"
+        ValueError, match=r"^run_loop: 10 requests \(input 'ids'\): a decode loop runs on the static"
     ):
         _run(manager, list(range(1, 11)), [1] * 10, 4)  # 10 requests: above the largest size, 8
     for name, kept in before.items():

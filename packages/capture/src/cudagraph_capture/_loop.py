@@ -64,8 +64,8 @@ class LoopPolicy:
     ``kind``: ``None`` picks ``WHILE``, falling back where it cannot be
     built; a kind forces it (a forced ``WHILE`` that cannot be built makes the
     capture raise ``CaptureError``). ``unroll``: iterations per launch of the
-    ``UNROLLED`` fallback; 1 makes the fallback ``HOST_LOOP``. A bad field
-    raises ``ValueError`` naming it.
+    ``UNROLLED`` fallback; 1 makes the fallback ``HOST_LOOP`` (a forced
+    ``UNROLLED`` takes 2 or more). A bad field raises ``ValueError`` naming it.
     """
 
     kind: LoopKind | None = None
@@ -76,6 +76,11 @@ class LoopPolicy:
         if given is not None and not isinstance(given, LoopKind):
             raise ValueError(f"kind: expected a LoopKind or None, got {given!r}")
         check_int("unroll", self.unroll, minimum=1)
+        if given is LoopKind.UNROLLED and self.unroll == 1:  # it would run, and say, UNROLLED as HOST_LOOP
+            raise ValueError(
+                "unroll: LoopKind.UNROLLED launches graphs of 2 or more iterations "
+                "(one per launch is LoopKind.HOST_LOOP), got 1"
+            )
 
 
 _DEFAULT_POLICY: Final = LoopPolicy()

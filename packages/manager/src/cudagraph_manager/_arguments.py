@@ -73,7 +73,6 @@ def check_arguments(
     check_bool("strict", strict)
     rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
-    _check_decode_loop(checked_options.decode_loop, config)
     resolved = resolve_device(device)
     factory = checked_options.engine_factory
     no_graphs = (
@@ -81,6 +80,7 @@ def check_arguments(
         if factory is None and resolved.type != "cuda"
         else None
     )
+    _check_decode_loop(checked_options.decode_loop, config, checked, resolved)
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
     capture = CaptureOptions.given(checked_options.capture)
@@ -125,12 +125,37 @@ def _check_request_counts(
         )
 
 
-def _check_decode_loop(decode_loop: DecodeLoop[OutputT] | None, config: DispatchConfig) -> None:
-    """A decode loop takes one token per request: the config's uniform decodes must too."""
-    if decode_loop is not None and config.uniform_decode_query_len != 1:
+def _check_decode_loop(
+    decode_loop: DecodeLoop[OutputT] | None,
+    config: DispatchConfig,
+    inputs: Mapping[str, StaticInput],
+    device: torch.device,
+) -> None:
+    """A decode loop takes one token per request, counts the requests, and gets the kind it forces.
+
+    The config's uniform decodes must take one token per request, an input
+    must count the requests (the loop keeps a token row and an active flag
+    per request), and a forced ``LoopKind`` needs a device where loops are
+    captured (CUDA): elsewhere ``run_loop`` would loop on the host instead.
+    """
+    if decode_loop is None:
+        return
+    if config.uniform_decode_query_len != 1:
         raise ValueError(
             "options.decode_loop: a decode loop takes one token per request, but the config's "
             f"uniform_decode_query_len is {config.uniform_decode_query_len}"
+        )
+    if not any(spec.rows == "reqs" for spec in inputs.values()):
+        raise ValueError(
+            "options.decode_loop: a decode loop keeps a row per request (its tokens, its active flag), "
+            "but no input has rows='reqs' to count the requests"
+        )
+    kind = decode_loop.policy.kind
+    if kind is not None and device.type != "cuda":
+        raise ValueError(
+            f"options.decode_loop.policy: LoopKind.{kind.name} was asked for, but decode loops are "
+            f"captured on a CUDA device only, and the manager's device is {device}: run_loop would "
+            "loop on the host; pass LoopPolicy() (no kind) to let it"
         )
 
 

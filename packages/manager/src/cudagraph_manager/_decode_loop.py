@@ -9,6 +9,7 @@ capture (``_capture/_loops``) and its run (``_step/_loop``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Final, Generic
 
@@ -65,12 +66,40 @@ class DecodeLoop(Generic[OutputT]):
     policy: LoopPolicy = _WHILE_WHERE_IT_CAN
 
     def __post_init__(self) -> None:
-        if not callable(self.advance):
-            raise ValueError(f"advance: expected a callable, got {self.advance!r:.80}")
+        _check_advance(self.advance)
         check_int("max_steps", self.max_steps, minimum=1, maximum=MAX_LOOP_STEPS)
         given: object = self.policy
         if not isinstance(given, LoopPolicy):
             raise ValueError(f"policy: expected a LoopPolicy, got {given!r:.80}")
+
+
+def _check_advance(advance: object) -> None:
+    """``advance`` is a callable taking ``(outputs, inputs, state)`` by position, as each iteration calls it.
+
+    Checked when the loop is built: a wrong arity would fail mid-step, after
+    the batch was copied in. A callable without a signature (some builtins)
+    is taken as it is.
+    """
+    if not callable(advance):
+        raise ValueError(f"advance: expected a callable taking (outputs, inputs, state), got {advance!r:.80}")
+    try:
+        signature = inspect.signature(advance)
+    except (TypeError, ValueError):  # no signature to read: its first call will say
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError as error:
+        raise ValueError(
+            f"advance: expected a callable taking (outputs, inputs, state), got {advance!r:.80} "
+            f"whose signature {_unannotated(signature)} does not: {error}"
+        ) from None
+
+
+def _unannotated(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` without its annotations: the names are what an arity error is about."""
+    empty = inspect.Parameter.empty
+    parameters = [p.replace(annotation=empty) for p in signature.parameters.values()]
+    return signature.replace(parameters=parameters, return_annotation=empty)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

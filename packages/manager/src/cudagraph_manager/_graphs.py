@@ -122,6 +122,10 @@ class PlannedGraph(Generic[OutputT]):
             self.last_cut = (entry, num_tokens, num_reqs, cut)
         return cast(OutputT, cut.copy() if isinstance(cut, (list, dict)) else cut)
 
+    def replayed_steps(self, steps: int) -> None:
+        """Count ``steps`` replays that return no outputs to cut (the steps of a loop on the host)."""
+        self.replays += steps
+
     def drop(self) -> None:
         """Forget the entry (which frees the graph); the caller holds the device's capture lock."""
         self.entry = self.last_cut = None

@@ -69,7 +69,8 @@ class CUDAGraphManager(Generic[OutputT]):
         eager = EagerSteps(parts, self._capturer)
         self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard)
         loop = parts.loop
-        self._loops: Final = None if loop is None else LoopSteps(parts, loop, self._table, self._path)
+        steps = None if loop is None else LoopSteps(parts, loop, self._table, self._path, self._capturer)
+        self._loops: Final = steps
         self._step_lock: Final = threading.Lock()
 
     # -- accessors --
@@ -226,7 +227,7 @@ class CUDAGraphManager(Generic[OutputT]):
         if self._loops is None:
             raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")
         if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(_BUSY)
+            raise RuntimeError(f"CUDAGraphManager.run_loop{_BUSY.removeprefix('CUDAGraphManager.run')}")
         try:
             return self._loops.run(batch, inputs, max_steps)
         finally:

@@ -3,7 +3,8 @@
 ``capture()`` captures, after the keys, a loop (the model's forward, then the
 ``advance``) for every captured FULL graph with a request row per token, into
 the same pool (docs/design.md, "Decode loops"). A loop that fails to capture
-is logged: its ``run_loop`` loops on the host meanwhile.
+is logged: its ``run_loop`` loops on the host meanwhile; where a loop must
+run on the device (its kind forced, or a strict manager), the failure raises.
 """
 
 from __future__ import annotations
@@ -53,12 +54,19 @@ class LoopCapture(Generic[OutputT]):
         ]
 
     def capture_missing(self, options: CaptureOptions) -> list[CapturedGraph]:
-        """Capture the loop of every captured loopable graph that has none; a failure is logged."""
+        """Capture the loop of every captured loopable graph that has none; a failure is logged.
+
+        Unless the loop must run on the device (a forced ``LoopKind``, or a
+        strict manager): then the failure raises, as a key's capture does.
+        """
         captured = []
+        must = self._parts.strict or self._buffers.config.policy.kind is not None
         for graph in self.missing(captured_only=True):
             try:
                 loop, record = self.record(graph, options)
             except CaptureError as error:
+                if must:
+                    raise
                 _LOG.warning(
                     "decode loop of %s not captured, its run_loop loops on the host: %s",
                     graph.descriptor,

@@ -238,7 +238,10 @@ class ManagerStats:
     as a replay too), or the model run eagerly on one padding row.
     ``padded_tokens`` is the padding rows computed on top of the real tokens:
     by replays, and by the padded eager steps of a manager without CUDA
-    graphs (which run what the graph would have). ``resolution``: the mode
+    graphs (which run what the graph would have). ``loop_steps`` counts the
+    steps ``run_loop`` took, on the device or the host; ``host_loop_steps``
+    the part looped on the host (no captured loop), each also counted as a
+    replay of its one-step graph or as an eager step. ``resolution``: the mode
     the graphs follow, resolved against the attention's support, and why
     (not compared: two stats are equal when their counts are).
     """
@@ -250,6 +253,8 @@ class ManagerStats:
     eager_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
     idle_steps: int = 0
     dummy_steps: int = 0
+    loop_steps: int = 0
+    host_loop_steps: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
 
     @property
@@ -275,6 +280,11 @@ class ManagerStats:
             + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
             f" {self.padded_tokens} padded tokens"
             + (
+                f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host)"
+                if self.loop_steps
+                else ""
+            )
+            + (
                 f"; mode {self.resolution}"
                 if self.resolution is not None and self.resolution.downgraded
                 else ""
@@ -285,13 +295,15 @@ class ManagerStats:
 class StepCounts:
     """The running counts behind ``ManagerStats`` that are not per key (the serving thread's alone)."""
 
-    __slots__ = ("dummy_steps", "eager", "idle_steps", "padded_tokens")
+    __slots__ = ("dummy_steps", "eager", "host_loop_steps", "idle_steps", "loop_steps", "padded_tokens")
 
     def __init__(self) -> None:
         self.eager: dict[EagerReason, int] = {}
         self.padded_tokens = 0
         self.idle_steps = 0
         self.dummy_steps = 0
+        self.loop_steps = 0
+        self.host_loop_steps = 0
 
     def snapshot(
         self, replays: Mapping[tuple[CUDAGraphMode, int], int], resolution: ModeResolution | None = None
@@ -305,6 +317,8 @@ class StepCounts:
             eager_reasons=MappingProxyType({r.value: n for r, n in eager.items()}),
             idle_steps=self.idle_steps,
             dummy_steps=self.dummy_steps,
+            loop_steps=self.loop_steps,
+            host_loop_steps=self.host_loop_steps,
             resolution=resolution,
         )
 
@@ -329,9 +343,18 @@ class StepCounts:
     def eager_step(self, reason: EagerReason) -> None:
         self.eager[reason] = self.eager.get(reason, 0) + 1
 
+    def looped(self, steps: int, padded_tokens: int, *, host: bool, eager: EagerReason | None) -> None:
+        """``run_loop`` took ``steps`` steps (``host``: on the host; ``eager``: each eagerly, for it)."""
+        self.loop_steps += steps
+        self.padded_tokens += padded_tokens
+        if host:
+            self.host_loop_steps += steps
+        if eager is not None:
+            self.eager[eager] = self.eager.get(eager, 0) + steps
+
     def reset(self) -> None:
         self.eager.clear()
-        self.padded_tokens = self.idle_steps = self.dummy_steps = 0
+        self.padded_tokens = self.idle_steps = self.dummy_steps = self.loop_steps = self.host_loop_steps = 0
 
 
 def format_bytes(n: int) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cudagraph_capture import CaptureError
+from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import (
     BatchDescriptor,
     CUDAGraphDispatcher,
@@ -39,6 +40,8 @@ _NONE: Final = CUDAGraphMode.NONE
 _MODES: Final = tuple(CUDAGraphMode)
 _BACKENDS: Final[tuple[str, ...]] = ("gloo", "nccl", "shm")
 _DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)  # torch's default for gloo groups
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
 
 
 class RanksDisagreeError(RuntimeError):
@@ -85,14 +88,14 @@ class RankAgreement:
         device: torch.device | str | int | None = None,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        _check_arguments(group, backend, timeout)
+        target = _check_arguments(group, backend, device, timeout)
         group, chosen = _agreement_group(group, backend, timeout)
         self._group: Final = group
         self._backend: Final = chosen
         self._rank: Final = dist.get_rank(group)
         self._world_size: Final = dist.get_world_size(group)
         self._timeout: Final = timeout  # None: the group's own
-        self._device: Final = _exchange_device(chosen, device)
+        self._device: Final = _exchange_device(chosen, device, target)
         # nccl: per table size, a pinned host table and its device twin, reused by every exchange.
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._table: Final = (
@@ -125,12 +128,11 @@ class RankAgreement:
         A collective: every rank of the group calls it, in the same order as
         its other exchanges. Synchronizes with the exchange (a CPU wait for
         gloo, a device-to-host copy for nccl). A row that is not a list or
-        tuple of ints raises ``ValueError`` naming it, on the calling rank,
-        before the exchange (its peers then wait until the timeout).
+        tuple of ints of the int64 range (``bool`` is no int here) raises
+        ``ValueError`` naming it, on the calling rank, before the exchange
+        (its peers then wait until the timeout).
         """
-        given: object = row
-        if not isinstance(given, (list, tuple)) or not all(isinstance(x, int) for x in given):
-            raise ValueError(f"row: expected a list or tuple of ints, got {row!r:.80}")
+        _check_row(row)
         if self._table is not None:
             return self._table.exchange(row)
         width = len(row)
@@ -327,27 +329,53 @@ def _agreement_group(
     return made, backend
 
 
-def _exchange_device(backend: str, device: torch.device | str | int | None) -> torch.device:
-    """Where the exchanges' tables live: ``device`` (a CUDA one) for nccl, else the CPU."""
+def _exchange_device(backend: str, device: object, target: torch.device | None) -> torch.device:
+    """Where the exchanges' tables live: ``target`` (``device`` resolved) for nccl, else the CPU.
+
+    ``target`` is ``None`` where ``device`` was: nccl then takes the current CUDA device.
+    """
     if backend != "nccl":
+        if target is not None and target.type != "cpu":
+            raise ValueError(
+                f"device: backend {backend!r} exchanges on the CPU; a device is for backend='nccl', "
+                f"got {device!r}"
+            )
         return torch.device("cpu")
-    from cudagraph_capture.lowlevel import resolve_device
+    resolved = resolve_device(None) if target is None else target
+    if resolved.type != "cuda":
+        shown = "None, and CUDA is not available here" if target is None else repr(device)
+        raise ValueError(f"device: the nccl backend exchanges on a CUDA device, got {shown}")
+    return resolved
 
-    target = resolve_device(device)
-    if target.type != "cuda":
-        raise ValueError(f"device: the nccl backend exchanges on a CUDA device, got {device!r}")
-    return target
+
+def _check_row(row: object) -> None:
+    """``exchange``'s ``row``: a list or tuple of ints that int64 holds (``ValueError`` naming it)."""
+    if not isinstance(row, (list, tuple)):
+        raise ValueError(f"row: expected a list or tuple of ints, got {row!r:.80}")
+    for i, value in enumerate(row):
+        if not isinstance(value, int) or isinstance(value, bool) or not _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError(
+                f"row[{i}]: expected an int in the int64 range [-2**63, 2**63 - 1] (not a bool), "
+                f"got {value!r:.80}"
+            )
 
 
-def _check_arguments(group: object, backend: object, timeout: object) -> None:
-    """``RankAgreement``'s arguments, each checked (``ValueError`` naming it), and torch.distributed up."""
+def _check_arguments(
+    group: object, backend: object, device: torch.device | str | int | None, timeout: object
+) -> torch.device | None:
+    """``RankAgreement``'s arguments, each checked (``ValueError`` naming it), and torch.distributed up.
+
+    Returns ``device`` resolved (``None`` for ``None``): checked for every
+    backend, and against it where the backend is given.
+    """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r}")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend: expected 'gloo', 'nccl', 'shm' or None, got {backend!r}")
-    unsupported = shared_memory_supported() if backend == "shm" else None
-    if unsupported is not None:
-        raise ValueError(f"backend: 'shm' is not offered here: {unsupported}; use 'gloo' or 'nccl'")
+    _check_available(backend)
+    target = None if device is None else resolve_device(device)  # checks it, for every backend
+    if backend is not None:
+        _exchange_device(str(backend), device, target)  # raises where the backend cannot use it
     if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
         raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
     if backend is None and timeout is not None:
@@ -358,4 +386,23 @@ def _check_arguments(group: object, backend: object, timeout: object) -> None:
         raise RuntimeError(
             "RankAgreement: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group on every rank first"
+        )
+    return target
+
+
+def _check_available(backend: object) -> None:
+    """``ValueError`` naming ``backend`` where this build of torch or this machine lacks it."""
+    unsupported = shared_memory_supported() if backend == "shm" else None
+    if unsupported is not None:
+        raise ValueError(f"backend: 'shm' is not offered here: {unsupported}; use 'gloo' or 'nccl'")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError(
+            f"backend: 'nccl' is not available in this build of torch ({torch.__version__}: "
+            "torch.distributed.is_nccl_available() is False, as in CPU-only builds); use 'gloo' "
+            "(or 'shm' between the ranks of one x86-64 host)"
+        )
+    if backend in ("gloo", "shm") and not dist.is_gloo_available():
+        raise ValueError(
+            f"backend: {backend!r} needs gloo, which this build of torch ({torch.__version__}) lacks "
+            "(torch.distributed.is_gloo_available() is False); use 'nccl'"
         )
