@@ -26,6 +26,7 @@ from cudagraph_dispatch import (
     StepRequest,
 )
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
+from cudagraph_dispatch.budgets import TokenBudgets
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 #: The largest capture size any strategy here produces.
@@ -355,3 +356,29 @@ def paged_steps(draw: st.DrawFn) -> PagedStepCase:
         shape_tokens,
         shape_reqs,
     )
+
+
+# -- token budgets (encoders over packed items) --
+
+#: A ladder of budgets as a caller might pass it: unsorted, with duplicates.
+budget_lists: Final = st.lists(st.integers(min_value=1, max_value=4096), min_size=1, max_size=10)
+#: Budgets with or without a bound on items per pack.
+token_budgets: Final = st.one_of(
+    st.builds(TokenBudgets, budget_lists, max_items=st.none() | st.integers(min_value=1, max_value=16)),
+    st.builds(
+        TokenBudgets.default,
+        st.integers(min_value=1, max_value=16384),
+        max_items=st.none() | st.integers(min_value=1, max_value=16),
+    ),
+)
+
+
+@st.composite
+def budgets_and_lengths(draw: st.DrawFn) -> tuple[TokenBudgets, list[int]]:
+    """Budgets and a batch of item lengths, each at most the largest budget (short ones likelier)."""
+    budgets = draw(token_budgets)
+    length = st.one_of(
+        st.integers(min_value=1, max_value=min(64, budgets.max)),
+        st.integers(min_value=1, max_value=budgets.max),
+    )
+    return budgets, draw(st.lists(length, max_size=24))

@@ -19,7 +19,12 @@ ROOT: Final = Path(__file__).resolve().parents[1]
 MAX_TOP_LEVEL_NAMES: Final = 50
 #: Each package's public modules: its top level, then its tiers.
 PUBLIC: Final = {
-    "cudagraph_dispatch": ("cudagraph_dispatch", "cudagraph_dispatch.support", "cudagraph_dispatch.lowlevel"),
+    "cudagraph_dispatch": (
+        "cudagraph_dispatch",
+        "cudagraph_dispatch.support",
+        "cudagraph_dispatch.lowlevel",
+        "cudagraph_dispatch.budgets",
+    ),
     "cudagraph_capture": ("cudagraph_capture", "cudagraph_capture.lowlevel"),
     "cudagraph_manager": (
         "cudagraph_manager",

@@ -19,7 +19,13 @@ print(json.dumps({{
 
 
 @pytest.mark.parametrize(
-    "module", ["cudagraph_dispatch", "cudagraph_dispatch.support", "cudagraph_dispatch.lowlevel"]
+    "module",
+    [
+        "cudagraph_dispatch",
+        "cudagraph_dispatch.support",
+        "cudagraph_dispatch.lowlevel",
+        "cudagraph_dispatch.budgets",
+    ],
 )
 def test_import_does_not_load_torch(module: str) -> None:
     """In a fresh interpreter, importing the package or a tier of it loads no torch module."""

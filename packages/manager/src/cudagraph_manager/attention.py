@@ -4,11 +4,15 @@
 backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
 (``StepBatch``) as the forward runs it (``BatchShape``); the model reads it
 with ``attention_metadata(builder)``; ``pad_offsets`` and ``pad_rows`` pad
-per-request tensors as graphs read them. ``check_attention_support`` checks
+per-request tensors as graphs read them; ``PackedMetadataBuilder`` builds
+the metadata of packed items (encoders) keyed by token budget.
+``check_attention_support`` checks
 the level a backend declares against replays. When the manager calls what:
 docs/design.md, "The attention seam".
 """
 
+from ._attention._packed import PackedMetadata as PackedMetadata
+from ._attention._packed import PackedMetadataBuilder as PackedMetadataBuilder
 from ._attention._seam import attention_metadata as attention_metadata
 from ._attention._seam import metadata_extra as metadata_extra
 from ._attention._seam import pad_offsets as pad_offsets
@@ -30,6 +34,8 @@ __all__ = [
     "BatchKind",
     "BatchShape",
     "KindCheck",
+    "PackedMetadata",
+    "PackedMetadataBuilder",
     "StepBatch",
     "SupportCheck",
     "SupportCheckOptions",

@@ -1,0 +1,116 @@
+"""Packed items (an encoder's images or clips) through the seam: offsets padded as one extra sequence.
+
+A forward of packed items concatenates their tokens; a non-causal attention
+over them reads where each item starts (``cu_seqlens``) and a host bound on
+one item's tokens (``max_seqlen``). ``PackedMetadataBuilder`` is the seam's
+builder for it (docs/design.md, "Encoder graphs"): one buffer allocated at
+the largest budget, the items' offsets and then the padded total, so the
+padding is one more sequence (attending only to itself), and ``max_seqlen``
+the shape's token count, a bound that depends on the shape alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import torch
+
+from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch.budgets import TokenBudgets
+from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
+
+from .._batch import BatchShape, StepBatch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackedMetadata:
+    """The metadata of a forward of packed items (``PackedMetadataBuilder``'s).
+
+    ``cu_seqlens [num_reqs + 2]`` int32: 0, each item's end, then the padded
+    total in every row after (the first of them ends the padding sequence,
+    the rest are empty). ``max_seqlen``: the shape's token count, a bound on
+    every sequence (the padding's included) that a FULL graph may bake.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+class PackedMetadataBuilder:
+    """An ``AttentionMetadataBuilder[PackedMetadata]`` for packed items, keyed by token budget.
+
+    Arguments:
+        budgets: the graphs' ``TokenBudgets``; the offsets buffer is sized
+            once for its ``max_items`` (``max_items + 2`` rows).
+        lengths: the name of the step's input holding each item's tokens
+            (``[num_items]`` integers, ``rows="reqs"``).
+        device: where the buffer lives (the manager's device).
+        validate: check each real batch's lengths on the host (one
+            synchronization): each at least 1, their sum the step's tokens.
+
+    Its ``support`` is ``ALWAYS``: every host value depends on the shape alone.
+    """
+
+    support: Final = AttentionSupport(GraphSupport.ALWAYS, name="packed")
+
+    def __init__(
+        self,
+        budgets: TokenBudgets,
+        *,
+        lengths: str = "item_lens",
+        device: torch.device | str | None = None,
+        validate: bool = False,
+    ) -> None:
+        given: object = budgets
+        if not isinstance(given, TokenBudgets):
+            raise ValueError(f"budgets: expected TokenBudgets, got {given!r}")
+        given_name: object = lengths
+        if not isinstance(given_name, str) or not given_name:
+            raise ValueError(f"lengths: expected an input name, got {lengths!r}")
+        self.budgets: Final = budgets
+        self.lengths: Final = lengths
+        self.validate: Final = check_bool("validate", validate)
+        self._offsets: Final = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
+        self._views: Final[dict[tuple[int, int], PackedMetadata]] = {}
+        # Per item count n, the rows build writes (views made once: a slice costs a few us per step):
+        # the items' ends [1, n], and every row after them (the padding's end, then empty sequences).
+        rows = range(budgets.max_items + 1)
+        self._ends: Final = tuple(self._offsets[1 : n + 1] for n in rows)
+        self._after: Final = tuple(self._offsets[n + 1 :] for n in rows)
+
+    def build_for_capture(self, shape: BatchShape, /) -> PackedMetadata:
+        """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape."""
+        key = (shape.num_tokens, shape.num_reqs)
+        meta = self._views.get(key)
+        if meta is None:
+            if shape.num_reqs + 2 > self._offsets.shape[0]:
+                raise ValueError(
+                    f"shape: {shape.num_reqs} items exceed max_items={self.budgets.max_items} of the builder"
+                )
+            meta = PackedMetadata(self._offsets[: shape.num_reqs + 2], shape.num_tokens)
+            if shape.mode is not CUDAGraphMode.NONE:  # a graph's shape: one per key; eager ones are not kept
+                self._views[key] = meta
+        return meta
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> PackedMetadata:
+        """``batch``'s offsets padded to ``shape`` (device ops on the current stream, no host sync)."""
+        meta = self.build_for_capture(shape)  # checks the shape's item count
+        n = batch.num_reqs
+        if n:
+            lengths = batch.inputs.get(self.lengths)
+            if lengths is None:
+                raise ValueError(f"{self.lengths}: the step has no input of the items' lengths")
+            if self.validate:
+                _check_lengths(self.lengths, lengths, batch.num_tokens)
+            torch.cumsum(lengths, 0, dtype=torch.int32, out=self._ends[n])
+        self._after[n].fill_(shape.num_tokens)  # the padding: one more sequence, then empty ones
+        return meta
+
+
+def _check_lengths(name: str, lengths: torch.Tensor, num_tokens: int) -> None:
+    """``ValueError`` naming ``name`` unless every length is >= 1 and they sum to ``num_tokens``."""
+    values = lengths.tolist()
+    if min(values) < 1 or sum(values) != num_tokens:
+        raise ValueError(f"{name}: expected lengths >= 1 summing to the {num_tokens} tokens, got {values}")
