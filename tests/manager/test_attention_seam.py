@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import pytest
 import torch
@@ -304,3 +304,60 @@ def test_a_builder_needs_a_request_input() -> None:
             device="cpu",
             options=ManagerOptions(attention=AttentionOptions(metadata_builder=ToyBuilder())),
         )
+
+
+class _WrongProduct(ToyBuilder):
+    """Fills its buffer as ``ToyBuilder`` does, but returns ``product`` (a missing or a tuple return).
+
+    ``build`` does for real batches (a warm-up's padding builds right), else ``build_for_capture``.
+    """
+
+    def __init__(self, product: object, *, at_capture: bool = False) -> None:
+        super().__init__()
+        self.product = product
+        self.at_capture = at_capture
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> ToyMetadata:
+        meta = super().build(batch, shape)
+        return meta if self.at_capture or not batch.num_reqs else self.product  # type: ignore[return-value]  # the misuse
+
+    def build_for_capture(self, shape: BatchShape, /) -> ToyMetadata:
+        meta = super().build_for_capture(shape)
+        return self.product if self.at_capture else meta  # type: ignore[return-value]  # the misuse
+
+
+_NOT_METADATA: Final = (None, ("meta", 1), [1], 3)
+
+
+@pytest.mark.parametrize("product", _NOT_METADATA, ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    ("mode", "captured"), [(M.NONE, False), (M.FULL, False), (M.FULL, True), (M.PIECEWISE, True)]
+)
+def test_a_build_that_returns_no_metadata_is_named_on_every_path(
+    product: object, mode: CUDAGraphMode, captured: bool
+) -> None:
+    """Issue 39: ``None`` or a tuple from ``build`` reached the model (``AttributeError``) on eager paths."""
+    manager, _ = _manager(mode, _WrongProduct(product))
+    if captured:
+        manager.capture()
+    with pytest.raises(
+        ValueError, match=rf"^_WrongProduct\.build: returned .*\(a {type(product).__name__}\)"
+    ):
+        manager.run_batch(_batch(3, 3, 1))
+
+
+@pytest.mark.parametrize("product", _NOT_METADATA, ids=lambda p: type(p).__name__)
+def test_a_build_for_capture_that_returns_no_metadata_is_named(product: object) -> None:
+    manager, _ = _manager(M.FULL, _WrongProduct(product, at_capture=True))
+    with pytest.raises(ValueError, match=r"_WrongProduct\.build_for_capture: returned "):
+        manager.capture()
+
+
+def test_a_named_tuple_or_a_tensor_is_metadata() -> None:
+    class Pair(NamedTuple):
+        scale: torch.Tensor
+
+    builder = ToyBuilder()
+    for metadata in (Pair(torch.ones(1)), torch.ones(1)):
+        with set_forward_context(M.NONE, BatchDescriptor(1), **metadata_extra(builder, metadata)):
+            assert attention_metadata(builder) is metadata
