@@ -11,6 +11,7 @@ buffers), a PIECEWISE replay's eager break reads the step's context.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Final, NamedTuple
 
@@ -361,3 +362,60 @@ def test_a_named_tuple_or_a_tensor_is_metadata() -> None:
     for metadata in (Pair(torch.ones(1)), torch.ones(1)):
         with set_forward_context(M.NONE, BatchDescriptor(1), **metadata_extra(builder, metadata)):
             assert attention_metadata(builder) is metadata
+
+
+def test_an_override_of_the_builders_declaration_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 39: a builder's NEVER overridden by ``AttentionOptions(support=ALWAYS)`` said nothing."""
+    never = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="toy_never")
+    with caplog.at_level(logging.INFO, logger="cudagraph_manager"):
+        manager, _ = _manager(M.FULL, ToyBuilder(never), support=AttentionSupport(name="forced"))
+    assert manager.dispatcher.resolution.mode is M.FULL
+    said = [r.getMessage() for r in caplog.records if r.name == "cudagraph_manager"]
+    assert said == [
+        "attention: AttentionOptions.support ALWAYS (piecewise=True) overrides the declared NEVER "
+        "(piecewise=False) of 'toy_never'"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cudagraph_manager"):  # the same level: nothing to say
+        _manager(M.FULL, ToyBuilder(never), support=dataclasses.replace(never, name="same"))
+    assert not [r for r in caplog.records if r.name == "cudagraph_manager"]
+
+
+class _Declaring(SeamModel):
+    def __init__(self, builder: ToyBuilder, support: AttentionSupport) -> None:
+        super().__init__(builder)
+        self.support = support
+
+    def graph_support(self) -> AttentionSupport:
+        return self.support
+
+
+@pytest.mark.parametrize(
+    ("models", "builders"),
+    [
+        (GraphSupport.NEVER, GraphSupport.ALWAYS),  # issue 39: the builder's ALWAYS won without a word
+        (GraphSupport.ALWAYS, GraphSupport.UNIFORM_BATCH),
+    ],
+)
+def test_a_model_and_a_builder_that_disagree_are_refused(
+    models: GraphSupport, builders: GraphSupport
+) -> None:
+    builder = ToyBuilder(AttentionSupport(builders, name="builder"))
+    model = _Declaring(builder, AttentionSupport(models, name="model"))
+
+    def make(support: AttentionSupport | None) -> CUDAGraphManager[torch.Tensor]:
+        attention = AttentionOptions(support=support, metadata_builder=builder)
+        return CUDAGraphManager(
+            model, INPUTS, config_for(M.FULL), device="cpu", options=ManagerOptions(attention=attention)
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=rf"^options\.attention\.metadata_builder: its support {builders.name} .* disagrees with the "
+        rf"model's graph_support\(\) {models.name} .* AttentionOptions\(support=\.\.\.\)$",
+    ):
+        make(None)
+    said = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="said")
+    assert make(said).dispatcher.resolution.support is said  # the caller said which holds
+    model.support = builder.support  # agreeing: no question
+    assert make(None).dispatcher.resolution.support is builder.support
