@@ -844,7 +844,11 @@ BAD_INPUTS: Final = [
     *(
         row(f"pad_offsets-{name}", call(pad_offsets, *args), pattern)
         for name, args, pattern in (
-            ("offsets-2d", (_int32(5), torch.zeros(2, 2, dtype=torch.int32), 8), r"^offsets: .*shape \(2, 2\)"),
+            (
+                "offsets-2d",
+                (_int32(5), torch.zeros(2, 2, dtype=torch.int32), 8),
+                r"^offsets: .*shape \(2, 2\)",
+            ),
             ("offsets-float", (_int32(5), torch.tensor([0.0, 2.0]), 8), r"^offsets: .*torch\.float32"),
             ("offsets-list", (_int32(5), [0, 2], 8), r"^offsets: .*got \[0, 2\]"),
             (

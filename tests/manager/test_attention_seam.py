@@ -361,7 +361,8 @@ def test_a_named_tuple_or_a_tensor_is_metadata() -> None:
     builder = ToyBuilder()
     for metadata in (Pair(torch.ones(1)), torch.ones(1)):
         with set_forward_context(M.NONE, BatchDescriptor(1), **metadata_extra(builder, metadata)):
-            assert attention_metadata(builder) is metadata
+            read: object = attention_metadata(builder)
+            assert read is metadata
 
 
 def test_an_override_of_the_builders_declaration_is_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,13 +18,13 @@ from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, Dis
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, pad_offsets, pad_rows
 from examples import DecoderConfig
-from examples.paged import PagedDecoder, paged_static_inputs
+from examples.paged import GatherPagedAttention, PagedDecoder, paged_static_inputs
 from examples.paged.batch import PAD_REQUEST, PagedBuffers, check_paged_batch
 from examples.paged.layout import PagedLayout
 from tests.manager.helpers import FakeEngines
 from tests.manager.oracles import dense_reference
-from tests.torch_support import rel_err
 from tests.strategies import PagedStepCase, padded_query_lens, paged_steps
+from tests.torch_support import rel_err
 
 
 @given(padded_query_lens())
@@ -165,7 +165,9 @@ def test_a_key_without_a_padding_request_ends_its_offsets_at_the_real_total() ->
     with torch.no_grad():
         served = manager.run_batch(inputs).clone()
     assert dict(manager.stats.replays) == {(CUDAGraphMode.FULL, 24): 1}
-    meta = model.backend.build_for_capture(BatchShape(24, 16, None, CUDAGraphMode.FULL)).paged
+    backend = model.backend
+    assert isinstance(backend, GatherPagedAttention)
+    meta = backend.build_for_capture(BatchShape(24, 16, None, CUDAGraphMode.FULL)).paged
     assert meta.query_start_loc.tolist() == real.tolist()  # the last offset: 20, the real total
     assert meta.req_ids[20:].tolist() == [PAD_REQUEST] * 4  # the padding tokens: no request's
     assert rel_err(served, dense_reference(model, inputs)) < 1e-5

@@ -645,7 +645,7 @@ def test_a_batch_the_manager_would_refuse_names_make_batch(
             toy.model,
             INPUTS,
             toy.builder,
-            _altered(name, alter),
+            cast(Callable[..., dict[str, torch.Tensor]], _altered(name, alter)),  # the wrong product
             device="cpu",
             options=SupportCheckOptions(engine_factory=toy.engines),
         )

@@ -184,6 +184,8 @@ def _check_rows(out: object, rows: object, pad_value: object) -> None:
     if rows_t.shape[0] > out_t.shape[0]:
         raise ValueError(f"rows: {rows_t.shape[0]} rows do not fit the {out_t.shape[0]} of the padded batch")
     if not torch.can_cast(rows_t.dtype, out_t.dtype):
-        raise ValueError(f"rows: {rows_t.dtype} rows do not fit out's {out_t.dtype} (a copy would round them)")
+        raise ValueError(
+            f"rows: {rows_t.dtype} rows do not fit out's {out_t.dtype} (a copy would round them)"
+        )
     _same_device("rows", rows_t, out_t)
     check_pad_value(pad_value, out_t.dtype)
