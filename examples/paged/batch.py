@@ -197,7 +197,7 @@ class PagedBuffers:
             pad_rows(meta.block_table, inputs["block_table"], self.layout.scratch_page)
             pad_rows(meta.positions, inputs["positions"], 0)
             # Each token's request, in range whatever the lengths (a device check may report them later).
-            ends = torch.cumsum(inputs["query_lens"], 0)
+            ends = torch.cumsum(inputs["query_lens"], 0, dtype=torch.int32)  # the dtype of _arange
             requests = torch.searchsorted(ends, self._arange[:num_tokens], right=True)
             meta.req_ids[:num_tokens].copy_(requests.clamp_(max=num_reqs - 1))
             meta.req_ids[num_tokens:].fill_(PAD_REQUEST)

@@ -39,6 +39,10 @@ class PagedDecoder(nn.Module):
     says the shapes and padding). The attention reads the step's metadata
     from the forward context: run it through a ``CUDAGraphManager`` built
     with ``AttentionOptions(metadata_builder=model.backend)``, or with ``step``.
+    A bad step raises ``ValueError`` naming the input: on the CPU and on
+    eager steps at once (``input_ids`` outside the vocabulary on the CPU
+    only: on a device, torch's bounds check in the embedding asserts); on a
+    graph path of a device at ``check_steps()`` (the backend's checks).
 
     Arguments:
         config: the shapes (``DecoderConfig``).
@@ -115,10 +119,8 @@ class PagedDecoder(nn.Module):
         not through this call: they are inputs so that the manager checks them.
         """
         del query_lens, seq_lens, block_table  # the backend's metadata holds them, padded
-        if input_ids.device.type == "cpu" or not (
-            torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()
-        ):  # an eager forward: its ids checked (on a device, one synchronization); a graph never runs this
-            check_token_ids(input_ids, self.config.vocab_size)
+        if input_ids.device.type == "cpu":  # free there; on a device a check would synchronize (the
+            check_token_ids(input_ids, self.config.vocab_size)  # embedding's own bounds check asserts)
         backend, caches = self.backend, self.caches
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
