@@ -57,7 +57,7 @@ from cudagraph_dispatch import (
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import CUDAGraphManager, DecodeLoop, ManagerOptions, StaticInput, compile_for_capture
-from cudagraph_manager.attention import AttentionOptions
+from cudagraph_manager.attention import AttentionOptions, pad_offsets, pad_rows
 from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
 from examples.demo import main as demo_main
@@ -194,6 +194,14 @@ def _capture_with_progress(progress: object) -> object:
     manager = construct()()
     assert isinstance(manager, CUDAGraphManager)
     return manager.capture(progress=cast(bool, progress))
+
+
+def _int32(rows: int, device: str = "cpu") -> torch.Tensor:
+    return torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+def _int32s(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
 
 
 BAD_INPUTS: Final = [
@@ -951,6 +959,86 @@ BAD_INPUTS: Final = [
         "allocate_kv_cache-bool",
         lambda: ReferenceDecoder(DecoderConfig.small()).allocate_kv_cache(True),
         r"num_rows: expected an integer >= max_num_seqs \+ 1 = 17, got True",
+    ),
+    # -- pad_offsets, pad_rows (issue 39: only the row count was checked; the rest failed in torch or ran) --
+    *(
+        row(f"pad_offsets-{name}", call(pad_offsets, *args), pattern)
+        for name, args, pattern in (
+            (
+                "offsets-2d",
+                (_int32(5), torch.zeros(2, 2, dtype=torch.int32), 8),
+                r"^offsets: .*shape \(2, 2\)",
+            ),
+            ("offsets-float", (_int32(5), torch.tensor([0.0, 2.0]), 8), r"^offsets: .*torch\.float32"),
+            ("offsets-list", (_int32(5), [0, 2], 8), r"^offsets: .*got \[0, 2\]"),
+            (
+                "offsets-not-from-0",
+                (_int32(5), _int32s(3, 5), 8),
+                r"^offsets: expected to start at 0, got \[3, 5\]",
+            ),
+            (
+                "offsets-decreasing",
+                (_int32(5), _int32s(0, 5, 3), 8),
+                r"^offsets: expected non-decreasing.*\[0, 5, 3\]",
+            ),
+            (
+                "offsets-other-device",
+                (_int32(5, "meta"), _int32s(0, 2), 8),
+                r"^offsets: on cpu, but out is on meta",
+            ),
+            ("out-0d", (torch.tensor(0, dtype=torch.int32), _int32s(0, 2), 8), r"^out: .*got a 0-d tensor"),
+            ("out-list", ([0, 0, 0], _int32s(0, 2), 8), r"^out: .*got \[0, 0, 0\]"),
+            ("out-float", (torch.zeros(5), _int32s(0, 2), 8), r"^out: .*torch\.float32"),
+            ("padded_total-none", (_int32(5), _int32s(0, 2), None), r"^padded_total: .*got None"),
+            ("padded_total-string", (_int32(5), _int32s(0, 2), "8"), r"^padded_total: .*got '8'"),
+            ("padded_total-negative", (_int32(5), _int32s(0, 2), -1), r"^padded_total: .*got -1"),
+            ("padded_total-float", (_int32(5), _int32s(0, 2), 7.5), r"^padded_total: .*got 7\.5"),
+            ("padded_total-bool", (_int32(5), _int32s(0, 2), True), r"^padded_total: .*got True"),
+            ("padded_total-overflows", (_int32(5), _int32s(0, 2), 2**31), r"^padded_total: .*<= 2147483647"),
+            (
+                "padded_total-below-real",
+                (_int32(5), _int32s(0, 2, 6), 4),
+                r"^padded_total: 4 is below the real total 6",
+            ),
+        )
+    ),
+    *(
+        row(f"pad_rows-{name}", call(pad_rows, *args), pattern)
+        for name, args, pattern in (
+            ("out-0d", (torch.tensor(0, dtype=torch.int32), _int32s(1), 0), r"^out: .*got a 0-d tensor"),
+            ("out-list", ([0, 0], _int32s(1), 0), r"^out: .*got \[0, 0\]"),
+            ("rows-0d", (_int32(4), torch.tensor(1, dtype=torch.int32), 0), r"^rows: .*got a 0-d tensor"),
+            ("rows-list", (_int32(4), [1, 2], 0), r"^rows: .*got \[1, 2\]"),
+            (
+                "rows-broadcast",
+                (torch.zeros(4, 3), torch.ones(3), 0),
+                r"^rows: shape \(3,\) does not match.*\(4, 3\)",
+            ),
+            (
+                "rows-trailing",
+                (torch.zeros(4, 3), torch.ones(2, 2), 0),
+                r"^rows: shape \(2, 2\) does not match",
+            ),
+            (
+                "rows-float-into-int",
+                (_int32(4), torch.tensor([1.5]), 0),
+                r"^rows: torch\.float32 rows do not fit .*int32",
+            ),
+            ("rows-other-device", (_int32(4, "meta"), _int32s(1), 0), r"^rows: on cpu, but out is on meta"),
+            ("pad_value-string", (_int32(4), _int32s(1), "x"), r"^pad_value: .*got 'x'"),
+            ("pad_value-none", (_int32(4), _int32s(1), None), r"^pad_value: .*got None"),
+            (
+                "pad_value-int8-300",
+                (torch.zeros(4, dtype=torch.int8), torch.ones(1, dtype=torch.int8), 300),
+                r"^pad_value: 300 is out of range for torch\.int8",
+            ),
+            ("pad_value-half-into-int", (_int32(4), _int32s(1), 0.5), r"^pad_value: 0\.5 is not an integer"),
+            (
+                "pad_value-inf",
+                (torch.zeros(4), torch.ones(1), float("inf")),
+                r"^pad_value: expected a finite",
+            ),
+        )
     ),
 ]
 

@@ -8,8 +8,11 @@ One module per concern:
   ``PagedBuffers``).
 - ``backend``: the ``PagedBackend`` protocol, and ``EagerBreakAttention``,
   the backends' base: ``attend`` as an eager break, written once.
-- ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends.
-- ``model``: ``PagedDecoder`` and ``make_backend`` (``BACKENDS`` by name).
+- ``checks``: what makes a step valid, checked on the host or recorded on
+  the device on a graph path (``PagedBuffers``' ``validate``).
+- ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends;
+  ``backends``: ``make_backend`` (``BACKENDS`` by name).
+- ``model``: ``PagedDecoder``.
 
 Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``tests.manager.oracles``).
 

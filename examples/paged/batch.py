@@ -15,16 +15,19 @@ What a backend is: ``backend``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Final
+from typing import Final, Literal, TypeAlias
 
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_manager import StaticInput
 from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_rows
 
+from .checks import DeviceChecks
+from .checks import check_paged_batch as check_paged_batch
 from .layout import PagedLayout
+
+_NONE: Final = CUDAGraphMode.NONE
 
 #: The step inputs of the paged model, in the order of ``PagedDecoder.forward``.
 PAGED_INPUT_NAMES: Final[tuple[str, ...]] = (
@@ -37,6 +40,9 @@ PAGED_INPUT_NAMES: Final[tuple[str, ...]] = (
 )
 #: The request of a padding token: no request owns the scratch page.
 PAD_REQUEST: Final = -1
+
+#: How ``PagedBuffers`` checks a real batch: ``"device"`` (``True``), ``"host"`` or not at all (``False``).
+Validate: TypeAlias = Literal["device", "host"] | bool
 
 
 def paged_static_inputs(layout: PagedLayout) -> dict[str, StaticInput]:
@@ -83,10 +89,18 @@ class PagedMetadata:
 class PagedBuffers:
     """The persistent buffers of ``PagedMetadata``, sized once for the largest batch, refilled per step.
 
-    ``fill`` checks the real batch (``validate``: two host synchronizations,
-    errors naming the input; ``check_paged_batch``), then writes it padded
+    ``fill`` checks the real batch (``validate``; the rules of
+    ``checks.PROBLEMS``, each error naming the input), then writes it padded
     to ``shape`` with device ops on the current stream. ``views`` is the
     same metadata without writing anything (host only: a recording's).
+
+    ``validate``: ``"device"`` (or ``True``, the default) checks eager steps
+    and CPU tensors on the host (one synchronization, an error at once) and
+    records a graph path's (FULL or PIECEWISE shapes on a device) on the
+    device, no synchronization: ``check_steps()`` raises for them where the
+    caller synchronizes. ``"host"``: one synchronization on every path, an
+    error at once (the seam's rule broken on graph paths: for debugging and
+    the benchmark's baseline). ``False``: no check.
     """
 
     __slots__ = (
@@ -97,6 +111,7 @@ class PagedBuffers:
         "_req_ids",
         "_seq_lens",
         "_views",
+        "device_checks",
         "layout",
         "validate",
     )
@@ -108,11 +123,14 @@ class PagedBuffers:
         max_reqs: int,
         device: torch.device | str | None,
         *,
-        validate: bool = True,
+        validate: Validate = True,
     ) -> None:
-        check_bool("validate", validate)
+        if validate not in ("device", "host") and validate is not True and validate is not False:
+            raise ValueError(f"validate: expected 'device', 'host', True or False, got {validate!r:.80}")
         self.layout: Final = layout
-        self.validate: Final = validate
+        self.validate: Final[Validate] = "device" if validate is True else validate
+        #: A graph path's checks, recorded on the device (``validate="device"``).
+        self.device_checks: Final = DeviceChecks(layout, device)
         self._query_start_loc: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens: Final = torch.ones(max_reqs, dtype=torch.int32, device=device)
         self._block_table: Final = torch.full(
@@ -122,6 +140,10 @@ class PagedBuffers:
         self._positions: Final = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._arange: Final = torch.arange(max(max_tokens, max_reqs) + 1, dtype=torch.int32, device=device)
         self._views: Final[dict[BatchShape, PagedMetadata]] = {}
+
+    def check_steps(self) -> None:
+        """``ValueError`` naming the first rule a graph path's step broke since the last call (one sync)."""
+        self.device_checks.check()
 
     def views(self, shape: BatchShape) -> PagedMetadata:
         """The metadata of ``shape`` as the buffers hold it now (cut once per graph shape, kept).
@@ -155,8 +177,12 @@ class PagedBuffers:
     def fill(self, batch: StepBatch, shape: BatchShape) -> PagedMetadata:
         """The metadata of ``batch`` padded to ``shape``, in place; ``ValueError`` names a bad input."""
         num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
-        if self.validate and num_tokens:
-            check_paged_batch(self.layout, batch)
+        validate = self.validate
+        if validate and num_tokens:
+            if validate == "device" and shape.mode is not _NONE and self._req_ids.device.type != "cpu":
+                self.device_checks.record(batch, shape)  # a graph path: no synchronization
+            else:
+                check_paged_batch(self.layout, batch, shape)
         meta = self.views(shape)
         offsets = meta.query_start_loc
         if shape.query_len is not None:  # uniform: every request, padding included, has query_len tokens
@@ -170,11 +196,10 @@ class PagedBuffers:
             pad_rows(meta.seq_lens, inputs["seq_lens"], 1)
             pad_rows(meta.block_table, inputs["block_table"], self.layout.scratch_page)
             pad_rows(meta.positions, inputs["positions"], 0)
-            requests = self._arange[:num_reqs].long()
-            # output_size: the count is known on the host, so no synchronization.
-            meta.req_ids[:num_tokens].copy_(
-                torch.repeat_interleave(requests, inputs["query_lens"], output_size=num_tokens)
-            )
+            # Each token's request, in range whatever the lengths (a device check may report them later).
+            ends = torch.cumsum(inputs["query_lens"], 0, dtype=torch.int32)  # the dtype of _arange
+            requests = torch.searchsorted(ends, self._arange[:num_tokens], right=True)
+            meta.req_ids[:num_tokens].copy_(requests.clamp_(max=num_reqs - 1))
             meta.req_ids[num_tokens:].fill_(PAD_REQUEST)
         else:  # all padding
             meta.seq_lens.fill_(1)
@@ -182,76 +207,3 @@ class PagedBuffers:
             meta.positions.fill_(0)
             meta.req_ids.fill_(PAD_REQUEST)
         return meta
-
-
-def check_paged_batch(layout: PagedLayout, batch: StepBatch) -> None:
-    """``ValueError`` naming the first input of ``batch`` that no paged cache can serve (two host syncs).
-
-    Checked: every request has tokens, and they add up to ``num_tokens``;
-    its context holds them and fits the block table (``seq_lens``); the
-    pages it uses are real pages (not the scratch page, not past the
-    cache); each token's position and slot are where its request's block
-    table puts it.
-    """
-    inputs = batch.inputs
-    query_lens, seq_lens = inputs["query_lens"].long(), inputs["seq_lens"].long()  # [R]
-    table, positions = inputs["block_table"].long(), inputs["positions"]  # [R, M], [T]
-    page_size, num_tokens = layout.page_size, batch.num_tokens
-    used = (
-        torch.arange(table.shape[1], device=table.device)[None, :] * page_size < seq_lens[:, None]
-    )  # [R, M]
-    problems = torch.stack(
-        (
-            (query_lens < 1).any(),
-            query_lens.sum() != num_tokens,
-            (seq_lens < query_lens).any(),
-            (seq_lens > layout.max_seq_len).any(),
-            (used & (table == layout.scratch_page)).any(),
-            (used & ((table < 0) | (table >= layout.num_pages))).any(),
-        )
-    ).tolist()  # the first synchronization; the second checks what indexes the block table
-    if any(problems):
-        raise ValueError(_describe(layout, problems, num_tokens))
-    device = table.device
-    requests = torch.repeat_interleave(torch.arange(query_lens.shape[0], device=device), query_lens)  # [T]
-    starts = torch.cumsum(query_lens, 0) - query_lens  # [R]: each request's first token
-    offset = (
-        torch.arange(num_tokens, device=device) - starts[requests]
-    )  # [T]: the token's place in its request
-    expected = seq_lens[requests] - query_lens[requests] + offset  # [T]
-    slots = table[requests, expected // page_size] * page_size + expected % page_size  # [T]
-    wrong = torch.stack(((positions != expected).any(), (inputs["slot_mapping"] != slots).any())).tolist()
-    if wrong[0]:
-        raise ValueError(
-            "positions: each request's tokens sit at the last query_lens positions of its context "
-            "(seq_lens - query_lens up to seq_lens - 1); got other positions"
-        )
-    if wrong[1]:
-        raise ValueError(
-            "slot_mapping: a token's slot is block_table[request, position // page_size] * page_size "
-            "+ position % page_size; got other slots"
-        )
-
-
-_PROBLEMS: Final = (
-    ("query_lens", "every request has at least one token in the step"),
-    ("query_lens", "the requests' tokens add up to the step's {num_tokens} tokens"),
-    ("seq_lens", "a request's context holds its tokens of this step: got a length below its query_lens"),
-    ("seq_lens", "a request's context fits its block table: at most {max_seq_len} keys"),
-    (
-        "block_table",
-        "a request's used pages are real: page {scratch} is the scratch page that padding writes",
-    ),
-    ("block_table", "used pages are in [1, {num_pages}): got a page out of range"),
-)
-
-
-def _describe(layout: PagedLayout, problems: list[bool], num_tokens: int) -> str:
-    name, rule = _PROBLEMS[problems.index(True)]
-    text = rule.format(
-        num_tokens=num_tokens,
-        max_seq_len=layout.max_seq_len,
-        scratch=layout.scratch_page,
-        num_pages=layout.num_pages,
-    )
-    return f"{name}: {text}"

@@ -30,7 +30,7 @@ from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention, per_forward
-from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata
+from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, Validate
 from .flex_kernel import KEY_BLOCK, Q_TILE, paged_flex
 from .gather import token_pages
 from .layout import PagedLayout, page_of_slot
@@ -126,7 +126,9 @@ class FlexPagedAttention(EagerBreakAttention):
             FlexAttention is a slow reference for CPU tests.
         breakable: ``attend`` is an eager break (a PIECEWISE capture runs it
             between segments); False records it inline in every capture.
-        validate: check each real batch (one host synchronization per step).
+        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
+            graph path's on the device, no synchronization (``check_steps``); ``"host"``
+            synchronizes once on every path; ``False`` does not check.
     """
 
     def __init__(
@@ -138,7 +140,7 @@ class FlexPagedAttention(EagerBreakAttention):
         device: torch.device | str | None = None,
         compile: bool | None = None,
         breakable: bool = True,
-        validate: bool = True,
+        validate: Validate = True,
     ) -> None:
         super().__init__(breakable=breakable)
         if compile is not None:
@@ -165,11 +167,18 @@ class FlexPagedAttention(EagerBreakAttention):
             )
 
     def resize(self, num_pages: int) -> None:
-        """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
-        self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
-        self.page_of_slot = torch.empty(0, dtype=torch.int32, device=self.page_of_slot.device)  # freed first
-        self.page_of_slot = page_of_slot(self.layout, self.page_of_slot.device)
-        self.buffers = self._new_buffers(self.layout)
+        """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old).
+
+        All or nothing: where an allocation fails, the layout is the old one.
+        """
+        layout, device = dataclasses.replace(self.layout, num_pages=num_pages), self.page_of_slot.device
+        self.page_of_slot = torch.empty(0, dtype=torch.int32, device=device)  # freed first
+        try:
+            table, buffers = page_of_slot(layout, device), self._new_buffers(layout)
+        except BaseException:  # all or nothing: the old layout's table again
+            self.page_of_slot = page_of_slot(self.layout, device)
+            raise
+        self.layout, self.page_of_slot, self.buffers = layout, table, buffers
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> FlexMetadata:
         return FlexMetadata(self.buffers.fill(batch, shape), self.page_of_slot)

@@ -22,7 +22,7 @@ from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention, per_forward
-from .batch import PagedBuffers, PagedMetadata
+from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 
 
@@ -63,7 +63,9 @@ class GatherPagedAttention(EagerBreakAttention):
         device: where they live.
         breakable: ``attend`` is an eager break (a PIECEWISE capture runs it
             between segments); False records it inline in every capture.
-        validate: check each real batch (one host synchronization per step).
+        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
+            graph path's on the device, no synchronization (``check_steps``); ``"host"``
+            synchronizes once on every path; ``False`` does not check.
     """
 
     def __init__(
@@ -75,7 +77,7 @@ class GatherPagedAttention(EagerBreakAttention):
         max_reqs: int,
         device: torch.device | str | None = None,
         breakable: bool = True,
-        validate: bool = True,
+        validate: Validate = True,
     ) -> None:
         super().__init__(breakable=breakable)
         #: The cache's paging (``resize`` changes its page count).
@@ -90,8 +92,9 @@ class GatherPagedAttention(EagerBreakAttention):
 
     def resize(self, num_pages: int) -> None:
         """Serve a cache of ``num_pages`` pages: new buffers (before any capture: graphs read the old)."""
-        self.layout = dataclasses.replace(self.layout, num_pages=num_pages)
-        self.buffers = self._new_buffers(self.layout)
+        layout = dataclasses.replace(self.layout, num_pages=num_pages)
+        buffers = self._new_buffers(layout)  # first: all or nothing
+        self.layout, self.buffers = layout, buffers
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> GatherMetadata:
         return GatherMetadata(self.buffers.fill(batch, shape))

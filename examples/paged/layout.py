@@ -66,6 +66,12 @@ class PagedLayout:
         cls, config: SequenceLimits, *, page_size: int = 128, num_pages: int | None = None
     ) -> PagedLayout:
         """Pages of ``page_size`` tokens; by default every request at ``max_seq_len``, and scratch."""
+        limits: object = config
+        if not all(isinstance(getattr(limits, name, None), int) for name in ("max_num_seqs", "max_seq_len")):
+            raise ValueError(
+                f"config: expected a config with integer max_num_seqs and max_seq_len (a DecoderConfig), "
+                f"got {config!r:.80}"
+            )
         check_int("page_size", page_size, minimum=1)
         pages_per_seq = -(-config.max_seq_len // page_size)
         if num_pages is None:

@@ -10,7 +10,7 @@ calls. ``make_backend`` builds a backend by name (``BACKENDS``).
 from __future__ import annotations
 
 import copy
-from typing import Final, Protocol, TypeVar, cast, runtime_checkable
+from typing import Final
 
 import torch
 from torch import nn
@@ -23,78 +23,12 @@ from cudagraph_manager.attention import BatchShape, StepBatch, metadata_extra
 from ..body import DecoderBody, LayerCaches
 from ..config import DecoderConfig
 from .backend import PagedBackend
-from .batch import PAGED_INPUT_NAMES, paged_static_inputs
-from .flex import FlexPagedAttention
-from .gather import GatherPagedAttention
+from .backends import BACKENDS as BACKENDS
+from .backends import ResizablePagedBackend, check_backend
+from .backends import make_backend as make_backend
+from .batch import PAGED_INPUT_NAMES, PagedBuffers, paged_static_inputs
+from .checks import check_token_ids
 from .layout import PagedLayout
-
-M_co = TypeVar("M_co", covariant=True)
-
-#: The backends by name (``--attention`` of the demo and the benchmarks); ``make_backend`` builds them.
-BACKENDS: Final = ("flex", "gather", "varlen", "split_decode")
-
-
-def make_backend(
-    name: str,
-    layout: PagedLayout,
-    dtype: torch.dtype,
-    *,
-    max_tokens: int,
-    max_reqs: int,
-    device: torch.device | str | None = None,
-    breakable: bool = True,
-) -> PagedBackend[object]:
-    """The backend called ``name`` (``BACKENDS``), its metadata buffers sized for the largest batch.
-
-    ``dtype`` is the model's (the gather's mask is in it); ``breakable``:
-    ``attend`` is an eager break. ``varlen`` and ``split_decode`` are
-    imported on first use (they need a recent torch on CUDA).
-    """
-    if name == "flex":
-        return FlexPagedAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
-        )
-    if name == "gather":
-        return GatherPagedAttention(
-            layout, dtype, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
-        )
-    if name == "varlen":
-        from .varlen import VarlenPagedAttention
-
-        return VarlenPagedAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
-        )
-    if name == "split_decode":
-        from .split_decode import SplitDecodeAttention
-
-        return SplitDecodeAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
-        )
-    raise ValueError(f"backend: expected one of {list(BACKENDS)} or a PagedBackend, got {name!r:.80}")
-
-
-def _check_backend(backend: object, layout: PagedLayout) -> PagedBackend[object]:
-    """``backend`` if it is a ``PagedBackend`` of ``layout``; else a ``ValueError`` naming ``backend``."""
-    methods = ("build", "build_for_capture", "attend")
-    if not all(callable(getattr(backend, name, None)) for name in methods) or not isinstance(
-        getattr(backend, "support", None), AttentionSupport
-    ):
-        raise ValueError(
-            f"backend: expected one of {list(BACKENDS)} or a PagedBackend (support, layout, build, "
-            f"build_for_capture, attend), got {backend!r:.80}"
-        )
-    if getattr(backend, "layout", None) != layout:
-        raise ValueError(
-            f"backend: its layout {getattr(backend, 'layout', None)!r} is not the model's {layout!r}"
-        )
-    return cast(PagedBackend[object], backend)
-
-
-@runtime_checkable
-class ResizablePagedBackend(PagedBackend[M_co], Protocol[M_co]):
-    """A backend that can serve another page count (``PagedDecoder.allocate_kv_cache``): new buffers."""
-
-    def resize(self, num_pages: int) -> None: ...
 
 
 class PagedDecoder(nn.Module):
@@ -105,6 +39,10 @@ class PagedDecoder(nn.Module):
     says the shapes and padding). The attention reads the step's metadata
     from the forward context: run it through a ``CUDAGraphManager`` built
     with ``AttentionOptions(metadata_builder=model.backend)``, or with ``step``.
+    A bad step raises ``ValueError`` naming the input: on the CPU and on
+    eager steps at once (``input_ids`` outside the vocabulary on the CPU
+    only: on a device, torch's bounds check in the embedding asserts); on a
+    graph path of a device at ``check_steps()`` (the backend's checks).
 
     Arguments:
         config: the shapes (``DecoderConfig``).
@@ -150,7 +88,7 @@ class PagedDecoder(nn.Module):
                 breakable=breakable,
             )
         #: The attention backend: the metadata builder the manager calls, the op each layer calls.
-        self.backend: PagedBackend[object] = _check_backend(backend, layout)
+        self.backend: PagedBackend[object] = check_backend(backend, layout)
         shape = (2, layout.num_pages, layout.page_size, config.num_heads, config.head_dim)
         self.caches: Final = LayerCaches(
             [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
@@ -181,6 +119,8 @@ class PagedDecoder(nn.Module):
         not through this call: they are inputs so that the manager checks them.
         """
         del query_lens, seq_lens, block_table  # the backend's metadata holds them, padded
+        if input_ids.device.type == "cpu":  # free there; on a device a check would synchronize (the
+            check_token_ids(input_ids, self.config.vocab_size)  # embedding's own bounds check asserts)
         backend, caches = self.backend, self.caches
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -212,10 +152,22 @@ class PagedDecoder(nn.Module):
         with set_forward_context(CUDAGraphMode.NONE, key, **metadata_extra(self.backend, metadata)):
             return self.forward(*(inputs[name] for name in PAGED_INPUT_NAMES))
 
+    def check_steps(self) -> None:
+        """``ValueError`` naming the first input a step run on a graph got wrong since the last call.
+
+        The backend's ``PagedBuffers`` (``validate="device"``) record a graph
+        path's checks on the device, without synchronizing; this reads them
+        (one synchronization): call it where you synchronize anyway (reading
+        a step's tokens). Eager steps raise at once.
+        """
+        buffers = getattr(self.backend, "buffers", None)
+        if isinstance(buffers, PagedBuffers):
+            buffers.check_steps()
+
     def with_backend(self, backend: PagedBackend[object]) -> PagedDecoder:
         """This model attending through ``backend`` (of its layout): the same weights and caches, shared."""
         twin = copy.copy(self)
-        twin.backend = _check_backend(backend, self.layout)
+        twin.backend = check_backend(backend, self.layout)
         return twin
 
     def kv_caches(self) -> list[torch.Tensor]:
@@ -271,7 +223,9 @@ class PagedDecoder(nn.Module):
         with it keeps it) takes new metadata buffers for the new page count.
         The static inputs' padding does not change (the scratch page is page
         0). Call it before capturing: graphs read the caches and the
-        buffers at their addresses.
+        buffers at their addresses. All or nothing: where an allocation
+        fails (torch's error), the caches are allocated again at the old page
+        count (uninitialized, as after any call) and the layout is unchanged.
         """
         check_int("num_pages", num_pages, minimum=2)
         backend = self.backend
@@ -280,8 +234,16 @@ class PagedDecoder(nn.Module):
                 f"num_pages: this model's backend {backend!r:.80} cannot serve another page count "
                 "(it has no resize(num_pages))"
             )
+        old = self.layout.num_pages
+        try:
+            self.caches.replace(lambda: self._new_caches(num_pages))
+            backend.resize(num_pages)  # all or nothing itself
+        except BaseException:
+            self.caches.replace(lambda: self._new_caches(old))
+            raise
+
+    def _new_caches(self, num_pages: int) -> tuple[torch.Tensor, ...]:
+        """Every layer's cache of ``num_pages`` pages, one uninitialized allocation."""
         config, page_size = self.config, self.layout.page_size
         shape = (config.num_layers, 2, num_pages, page_size, config.num_heads, config.head_dim)
-        device = self.body.device
-        backend.resize(num_pages)
-        self.caches.replace(lambda: torch.empty(shape, device=device, dtype=config.dtype).unbind(0))
+        return torch.empty(shape, device=self.body.device, dtype=config.dtype).unbind(0)

@@ -33,7 +33,7 @@ from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention
-from .batch import PagedBuffers, PagedMetadata
+from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 from .varlen_kernels import causal_rows
 
@@ -157,7 +157,9 @@ class SplitDecodeAttention(EagerBreakAttention):
         breakable: ``attend`` is an eager break, so PIECEWISE graphs serve mixed batches.
         declare: the level it declares (default: the one it serves, ``UNIFORM_SINGLE_TOKEN_DECODE``);
             higher only to test the manager's level check.
-        validate: ``PagedBuffers``' check of each real batch (one host sync).
+        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
+            graph path's on the device, no synchronization (``check_steps``); ``"host"``
+            synchronizes once on every path; ``False`` does not check.
     """
 
     def __init__(
@@ -169,7 +171,7 @@ class SplitDecodeAttention(EagerBreakAttention):
         device: torch.device | str | None = None,
         breakable: bool = True,
         declare: GraphSupport = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        validate: bool = True,
+        validate: Validate = True,
     ) -> None:
         super().__init__(breakable=breakable)
         self.layout: Final = layout

@@ -20,7 +20,7 @@ from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
 from .backend import EagerBreakAttention
-from .batch import PagedBuffers, PagedMetadata
+from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 from .varlen_kernels import PAGED_VARLEN, gathered_key_slots, gathered_varlen, paged_varlen
 
@@ -49,7 +49,9 @@ class VarlenPagedAttention(EagerBreakAttention):
         breakable: ``attend`` is an eager break, so PIECEWISE graphs split at it.
         paged: read the pages through the block table (default: where the installed
             ``varlen_attn`` takes one and, on CUDA, accepts this page size); ``False``: gathered.
-        validate: ``PagedBuffers``' check of each real batch (one host sync).
+        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
+            graph path's on the device, no synchronization (``check_steps``); ``"host"``
+            synchronizes once on every path; ``False`` does not check.
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class VarlenPagedAttention(EagerBreakAttention):
         device: torch.device | str | None = None,
         breakable: bool = True,
         paged: bool | None = None,
-        validate: bool = True,
+        validate: Validate = True,
     ) -> None:
         super().__init__(breakable=breakable)
         self.layout: Final = layout

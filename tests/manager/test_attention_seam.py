@@ -11,8 +11,9 @@ buffers), a PIECEWISE replay's eager break reads the step's context.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NamedTuple
 
 import pytest
 import torch
@@ -304,3 +305,118 @@ def test_a_builder_needs_a_request_input() -> None:
             device="cpu",
             options=ManagerOptions(attention=AttentionOptions(metadata_builder=ToyBuilder())),
         )
+
+
+class _WrongProduct(ToyBuilder):
+    """Fills its buffer as ``ToyBuilder`` does, but returns ``product`` (a missing or a tuple return).
+
+    ``build`` does for real batches (a warm-up's padding builds right), else ``build_for_capture``.
+    """
+
+    def __init__(self, product: object, *, at_capture: bool = False) -> None:
+        super().__init__()
+        self.product = product
+        self.at_capture = at_capture
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> ToyMetadata:
+        meta = super().build(batch, shape)
+        return meta if self.at_capture or not batch.num_reqs else self.product  # type: ignore[return-value]  # the misuse
+
+    def build_for_capture(self, shape: BatchShape, /) -> ToyMetadata:
+        meta = super().build_for_capture(shape)
+        return self.product if self.at_capture else meta  # type: ignore[return-value]  # the misuse
+
+
+_NOT_METADATA: Final = (None, ("meta", 1), [1], 3)
+
+
+@pytest.mark.parametrize("product", _NOT_METADATA, ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize(
+    ("mode", "captured"), [(M.NONE, False), (M.FULL, False), (M.FULL, True), (M.PIECEWISE, True)]
+)
+def test_a_build_that_returns_no_metadata_is_named_on_every_path(
+    product: object, mode: CUDAGraphMode, captured: bool
+) -> None:
+    """Issue 39: ``None`` or a tuple from ``build`` reached the model (``AttributeError``) on eager paths."""
+    manager, _ = _manager(mode, _WrongProduct(product))
+    if captured:
+        manager.capture()
+    with pytest.raises(
+        ValueError, match=rf"^_WrongProduct\.build: returned .*\(a {type(product).__name__}\)"
+    ):
+        manager.run_batch(_batch(3, 3, 1))
+
+
+@pytest.mark.parametrize("product", _NOT_METADATA, ids=lambda p: type(p).__name__)
+def test_a_build_for_capture_that_returns_no_metadata_is_named(product: object) -> None:
+    manager, _ = _manager(M.FULL, _WrongProduct(product, at_capture=True))
+    with pytest.raises(ValueError, match=r"_WrongProduct\.build_for_capture: returned "):
+        manager.capture()
+
+
+def test_a_named_tuple_or_a_tensor_is_metadata() -> None:
+    class Pair(NamedTuple):
+        scale: torch.Tensor
+
+    builder = ToyBuilder()
+    for metadata in (Pair(torch.ones(1)), torch.ones(1)):
+        with set_forward_context(M.NONE, BatchDescriptor(1), **metadata_extra(builder, metadata)):
+            read: object = attention_metadata(builder)
+            assert read is metadata
+
+
+def test_an_override_of_the_builders_declaration_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 39: a builder's NEVER overridden by ``AttentionOptions(support=ALWAYS)`` said nothing."""
+    never = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="toy_never")
+    with caplog.at_level(logging.INFO, logger="cudagraph_manager"):
+        manager, _ = _manager(M.FULL, ToyBuilder(never), support=AttentionSupport(name="forced"))
+    assert manager.dispatcher.resolution.mode is M.FULL
+    said = [r.getMessage() for r in caplog.records if r.name == "cudagraph_manager"]
+    assert said == [
+        "attention: AttentionOptions.support ALWAYS (piecewise=True) overrides the declared NEVER "
+        "(piecewise=False) of 'toy_never'"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cudagraph_manager"):  # the same level: nothing to say
+        _manager(M.FULL, ToyBuilder(never), support=dataclasses.replace(never, name="same"))
+    assert not [r for r in caplog.records if r.name == "cudagraph_manager"]
+
+
+class _Declaring(SeamModel):
+    def __init__(self, builder: ToyBuilder, support: AttentionSupport) -> None:
+        super().__init__(builder)
+        self.support = support
+
+    def graph_support(self) -> AttentionSupport:
+        return self.support
+
+
+@pytest.mark.parametrize(
+    ("models", "builders"),
+    [
+        (GraphSupport.NEVER, GraphSupport.ALWAYS),  # issue 39: the builder's ALWAYS won without a word
+        (GraphSupport.ALWAYS, GraphSupport.UNIFORM_BATCH),
+    ],
+)
+def test_a_model_and_a_builder_that_disagree_are_refused(
+    models: GraphSupport, builders: GraphSupport
+) -> None:
+    builder = ToyBuilder(AttentionSupport(builders, name="builder"))
+    model = _Declaring(builder, AttentionSupport(models, name="model"))
+
+    def make(support: AttentionSupport | None) -> CUDAGraphManager[torch.Tensor]:
+        attention = AttentionOptions(support=support, metadata_builder=builder)
+        return CUDAGraphManager(
+            model, INPUTS, config_for(M.FULL), device="cpu", options=ManagerOptions(attention=attention)
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=rf"^options\.attention\.metadata_builder: its support {builders.name} .* disagrees with the "
+        rf"model's graph_support\(\) {models.name} .* AttentionOptions\(support=\.\.\.\)$",
+    ):
+        make(None)
+    said = AttentionSupport(GraphSupport.NEVER, piecewise=False, name="said")
+    assert make(said).dispatcher.resolution.support is said  # the caller said which holds
+    model.support = builder.support  # agreeing: no question
+    assert make(None).dispatcher.resolution.support is builder.support

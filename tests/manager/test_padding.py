@@ -14,11 +14,17 @@ import pytest
 import torch
 from hypothesis import given
 
-from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_rows
+from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_manager import CUDAGraphManager, ManagerOptions
+from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, pad_offsets, pad_rows
+from examples import DecoderConfig
+from examples.paged import GatherPagedAttention, PagedDecoder, paged_static_inputs
 from examples.paged.batch import PAD_REQUEST, PagedBuffers, check_paged_batch
 from examples.paged.layout import PagedLayout
+from tests.manager.helpers import FakeEngines
+from tests.manager.oracles import dense_reference
 from tests.strategies import PagedStepCase, padded_query_lens, paged_steps
+from tests.torch_support import rel_err
 
 
 @given(padded_query_lens())
@@ -108,3 +114,60 @@ def test_paged_metadata_is_the_real_batch_then_padding(step: PagedStepCase) -> N
     assert padding.req_ids.tolist() == [PAD_REQUEST] * shape_tokens
     assert padding.seq_lens.tolist() == [1] * shape_reqs
     assert (padding.block_table == layout.scratch_page).all()
+
+
+def _sixteen_requests_of_twenty_tokens(layout: PagedLayout) -> dict[str, torch.Tensor]:
+    """A valid mixed step: 16 requests (one of 5 tokens, 15 decodes), each on pages of its own."""
+    query_lens = [5, *[1] * 15]
+    seq_lens = [7 + 3 * r for r in range(16)]  # at most 52 keys: 7 pages of 8
+    pages = iter(range(1, layout.num_pages))
+    table = [[next(pages) for _ in range(layout.pages_per_seq)] for _ in query_lens]
+    positions = [s - q + i for q, s in zip(query_lens, seq_lens, strict=True) for i in range(q)]
+    requests = [r for r, q in enumerate(query_lens) for _ in range(q)]
+    slots = [
+        table[r][p // layout.page_size] * layout.page_size + p % layout.page_size
+        for r, p in zip(requests, positions, strict=True)
+    ]
+    return {
+        "input_ids": torch.arange(20, dtype=torch.int64),
+        "positions": torch.tensor(positions, dtype=torch.int64),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "query_lens": torch.tensor(query_lens, dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_table": torch.tensor(table, dtype=torch.int32),
+    }
+
+
+def test_a_key_without_a_padding_request_ends_its_offsets_at_the_real_total() -> None:
+    """Issue 39's edge (docs/design.md, "The attention seam", rule 2): FULL, ``max_num_seqs=16``,
+    16 requests of 20 tokens pad to the key of 24 tokens and 16 requests; no request row is left
+    for the 4 padding tokens, so the offsets end at the real total and those tokens belong to no
+    request (``PAD_REQUEST``); the replay still equals the oracle."""
+    out = torch.full((17,), -7, dtype=torch.int32)
+    real = torch.tensor([0, 5, *range(6, 21)], dtype=torch.int32)  # 16 requests, 20 tokens
+    assert pad_offsets(out, real, 24).tolist() == real.tolist()
+    config = DecoderConfig.small()
+    layout = PagedLayout.for_config(config, page_size=8)
+    model = PagedDecoder(config, layout=layout, backend="gather", breakable=False)
+    dispatch = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([8, 16, 24, 32]), max_num_seqs=16)
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        dispatch,
+        device="cpu",
+        options=ManagerOptions(
+            engine_factory=FakeEngines(), attention=AttentionOptions(metadata_builder=model.backend)
+        ),
+    )
+    manager.capture()
+    inputs = _sixteen_requests_of_twenty_tokens(layout)
+    assert manager.dispatcher.dispatch(20).descriptor == BatchDescriptor(24, 16)
+    with torch.no_grad():
+        served = manager.run_batch(inputs).clone()
+    assert dict(manager.stats.replays) == {(CUDAGraphMode.FULL, 24): 1}
+    backend = model.backend
+    assert isinstance(backend, GatherPagedAttention)
+    meta = backend.build_for_capture(BatchShape(24, 16, None, CUDAGraphMode.FULL)).paged
+    assert meta.query_start_loc.tolist() == real.tolist()  # the last offset: 20, the real total
+    assert meta.req_ids[20:].tolist() == [PAD_REQUEST] * 4  # the padding tokens: no request's
+    assert rel_err(served, dense_reference(model, inputs)) < 1e-5

@@ -610,3 +610,43 @@ def test_split_decode_over_declared_is_caught(backend: str) -> None:
     ) as raised:
         _split_decode_check(backend, ALWAYS)
     assert raised.value.check.kind(BatchKind.MIXED).worst_error > 0.1
+
+
+def _altered(name: str, alter: Callable[[torch.Tensor], object]) -> Callable[..., dict[str, object]]:
+    """``toy_batches``' batches with input ``name`` altered: a ``make_batch`` of the wrong product."""
+    good = toy_batches(torch.device("cpu"))
+
+    def make(kind: BatchKind, num_tokens: int, num_reqs: int, g: torch.Generator) -> dict[str, object]:
+        batch: dict[str, object] = dict(good(kind, num_tokens, num_reqs, g))
+        batch[name] = alter(good(kind, num_tokens, num_reqs, g)[name])
+        return batch
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("name", "alter", "got"),
+    [
+        ("query_lens", lambda t: t.float(), "torch.float32"),  # issue 39: reported as "verified NEVER"
+        ("query_lens", lambda t: t.to(torch.int32), "torch.int32"),
+        ("x", lambda t: torch.cat([t, t[:, :1]], 1), f"shape (1, {DIM + 1})"),
+        ("x", lambda t: t.to("meta"), "on meta"),
+        ("x", lambda t: t.tolist(), "got [["),
+    ],
+)
+def test_a_batch_the_manager_would_refuse_names_make_batch(
+    name: str, alter: Callable[[torch.Tensor], object], got: str
+) -> None:
+    toy = Toy.of("cpu", serves=ALWAYS, declares=ALWAYS)
+    with pytest.raises(
+        ValueError, match=rf"^make_batch: input '{name}' of a uniform_single_token batch"
+    ) as info:
+        check_attention_support(
+            toy.model,
+            INPUTS,
+            toy.builder,
+            cast(Callable[..., dict[str, torch.Tensor]], _altered(name, alter)),  # the wrong product
+            device="cpu",
+            options=SupportCheckOptions(engine_factory=toy.engines),
+        )
+    assert got in str(info.value)

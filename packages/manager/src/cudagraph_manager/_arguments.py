@@ -10,6 +10,7 @@ fields when they were built (``_options``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Final, Generic, cast
 
@@ -27,6 +28,8 @@ from ._buffers._static import StaticInput
 from ._decode_loop import DecodeLoop
 from ._options import AttentionOptions, ManagerOptions
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+
+_LOG: Final = logging.getLogger("cudagraph_manager")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,7 +69,7 @@ def check_arguments(
     checked_options = _given_options(options)
     attention = checked_options.attention
     builder = attention.metadata_builder
-    support = attention.support if attention.support is not None else declared_support(model, builder)
+    support = attention_support(model, attention)
     # Checks the config, and resolves the mode against the attention (ModeNotSupportedError if strict).
     dispatcher = CUDAGraphDispatcher(config, attention=support, strict_attention=attention.strict)
     checked = check_inputs_spec(inputs)
@@ -159,6 +162,30 @@ def _check_decode_loop(
         )
 
 
+def attention_support(model: object, attention: AttentionOptions) -> AttentionSupport | None:
+    """What the mode is resolved against: ``attention.support``, else what the attention declares.
+
+    ``AttentionOptions.support`` overrides the declaration, said in the log
+    (INFO, logger ``cudagraph_manager``) where it differs; ``None``: nothing
+    declared (the dispatcher takes ``ALWAYS``).
+    """
+    builder, given = attention.metadata_builder, attention.support
+    if given is None:
+        return declared_support(model, builder)
+    declared = builder.support if builder is not None else _models_support(model)
+    if declared is not None and (given.level, given.piecewise) != (declared.level, declared.piecewise):
+        _LOG.info(
+            "attention: AttentionOptions.support %s (piecewise=%s) overrides the declared %s "
+            "(piecewise=%s) of %r",
+            given.level.name,
+            given.piecewise,
+            declared.level.name,
+            declared.piecewise,
+            declared.name,
+        )
+    return given
+
+
 def declared_support(
     model: object, builder: AttentionMetadataBuilder[object] | None = None
 ) -> AttentionSupport | None:
@@ -166,10 +193,26 @@ def declared_support(
 
     The model's ``graph_support()`` is looked up on the model, then on the
     object of a bound method (a model passed as ``decoder.step``). A model
-    with several backends returns ``AttentionSupport.weakest`` of them.
+    with several backends returns ``AttentionSupport.weakest`` of them. A
+    model and a builder that both declare must agree (level and split):
+    which one holds is the caller's to say, with ``AttentionOptions.support``.
     """
-    if builder is not None:
-        return builder.support
+    models = _models_support(model)
+    if builder is None:
+        return models
+    support = builder.support
+    if models is not None and (models.level, models.piecewise) != (support.level, support.piecewise):
+        raise ValueError(
+            f"options.attention.metadata_builder: its support {support.level.name} "
+            f"(piecewise={support.piecewise}) disagrees with the model's graph_support() "
+            f"{models.level.name} (piecewise={models.piecewise}); say which holds with "
+            "AttentionOptions(support=...)"
+        )
+    return support
+
+
+def _models_support(model: object) -> AttentionSupport | None:
+    """The model's ``graph_support()`` (on the model, or on a bound method's object); ``None``: none."""
     for owner in (model, getattr(model, "__self__", None)):
         declare = getattr(owner, "graph_support", None)
         if declare is None:

@@ -20,7 +20,7 @@ from cudagraph_capture import DeviceLoop, GraphEntry
 from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
-from ._attention._seam import metadata_extra
+from ._attention._seam import NOT_METADATA, metadata_extra, not_metadata
 from ._batch import BatchShape, StepBatch
 from ._buffers._buffers import StaticBuffers
 from ._buffers._outputs import OutputLayout
@@ -92,6 +92,8 @@ class PlannedGraph(Generic[OutputT]):
         builder = self.builder
         assert builder is not None
         metadata = builder.build(batch, self.shape)
+        if type(metadata) in NOT_METADATA:  # the seam's one check of the product: no call on the way
+            raise ValueError(not_metadata(builder, metadata, "build"))
         context = self.context
         if context is None:
             return None

@@ -54,7 +54,9 @@ class AttentionOptions:
     Arguments:
         support: what a FULL graph of the attention replays correctly; the
             configured mode is resolved against it (default: the builder's
-            ``support``, else the model's ``graph_support()``, else ``ALWAYS``).
+            ``support``, else the model's ``graph_support()``, else ``ALWAYS``); an
+            override of a declaration is logged, and a builder and a model that
+            disagree are refused unless it says which holds.
         strict: raise ``ModeNotSupportedError`` instead of downgrading the mode.
         metadata_builder: the attention's ``AttentionMetadataBuilder``, called on
             every path (``attention_metadata(builder)`` reads its metadata back).

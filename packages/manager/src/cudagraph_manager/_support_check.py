@@ -353,7 +353,7 @@ def _check_kind(run: _Run, kind: BatchKind, manager: CUDAGraphManager[ModelOutpu
             return KindCheck(kind, query_len, graphs, 0, 0.0, f"the capture raised {_describe(error)}")
         worst, worst_at, batches = 0.0, "", 0
         for num_tokens, num_reqs, key in _counts(run, kind, keys):
-            batch = _batch(run, kind, num_tokens, num_reqs)
+            batch = _batch(run, kind, num_tokens, num_reqs, manager.device)
             where = f"a batch of {num_tokens} tokens, {num_reqs} requests (graph of {key.num_tokens} tokens)"
             try:
                 replayed = [
@@ -404,22 +404,39 @@ def _draw(generator: torch.Generator, low: int, high: int) -> int:
     return int(torch.randint(low, high + 1, (), generator=generator).item())
 
 
-def _batch(run: _Run, kind: BatchKind, num_tokens: int, num_reqs: int) -> Mapping[str, torch.Tensor]:
-    """``make_batch``'s batch, its names and row counts checked (``ValueError`` naming ``make_batch``)."""
+def _batch(
+    run: _Run, kind: BatchKind, num_tokens: int, num_reqs: int, device: torch.device
+) -> Mapping[str, torch.Tensor]:
+    """``make_batch``'s batch, checked as a step's inputs are (``ValueError`` naming ``make_batch``).
+
+    Its names, and each tensor's rows, trailing shape, dtype and device: a
+    batch the manager would refuse is ``make_batch``'s fault, never the
+    attention's (the kind's check would report it as failing).
+    """
     batch: object = run.make_batch(kind, num_tokens, num_reqs, run.generator)
     if not isinstance(batch, Mapping) or set(batch) != set(run.inputs):
         raise ValueError(
             f"make_batch: expected a mapping with the inputs {sorted(run.inputs)}, got {batch!r:.120}"
         )
     for name, spec in run.inputs.items():
-        tensor = batch[name]
+        tensor: object = batch[name]
         rows = num_tokens if spec.rows == "tokens" else num_reqs if spec.rows == "reqs" else None
-        if not isinstance(tensor, torch.Tensor) or (
-            rows is not None and (tensor.dim() == 0 or tensor.shape[0] != rows)
+        shape = spec.shape if rows is None else (rows, *spec.shape)
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != shape
+            or tensor.dtype != spec.dtype
+            or tensor.device != device
         ):
+            got = (
+                f"shape {tuple(tensor.shape)} of {tensor.dtype} on {tensor.device}"
+                if isinstance(tensor, torch.Tensor)
+                else f"{tensor!r:.80}"
+            )
             raise ValueError(
                 f"make_batch: input {name!r} of a {kind.value} batch of {num_tokens} tokens and "
-                f"{num_reqs} requests: expected a tensor of {rows} rows, got {tensor!r:.80}"
+                f"{num_reqs} requests: expected a tensor of shape {shape} of {spec.dtype} on {device}, "
+                f"got {got}"
             )
     return batch
 

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar, cast
 import torch
 
 from cudagraph_dispatch import get_forward_context
+from cudagraph_dispatch.lowlevel import check_int
+
+from .._buffers._static import check_pad_value
 
 if TYPE_CHECKING:
     from .._protocols import AttentionMetadataBuilder
@@ -31,9 +34,30 @@ class _Built(NamedTuple):
     metadata: object
 
 
-def metadata_extra(builder: object, metadata: object) -> dict[str, object]:
-    """The forward-context extras that carry ``metadata`` built by ``builder``."""
+#: What a builder's ``build`` never returns as its metadata ``M``: nothing, a plain container or a
+#: scalar (``return meta, extra`` or a missing ``return``). A dataclass, a NamedTuple or a tensor is fine.
+NOT_METADATA: Final = frozenset({type(None), tuple, list, dict, set, frozenset, str, bytes, bool, int, float})
+
+
+def metadata_extra(builder: object, metadata: object, *, call: str = "build") -> dict[str, object]:
+    """The forward-context extras that carry ``metadata`` built by ``builder``.
+
+    ``metadata`` is what ``builder``'s ``call`` (``build`` or
+    ``build_for_capture``) returned: one of ``NOT_METADATA``'s types raises
+    ``ValueError`` naming the call, before the model could read it.
+    """
+    if type(metadata) in NOT_METADATA:
+        raise ValueError(not_metadata(builder, metadata, call))
     return {METADATA_EXTRA: _Built(builder, metadata)}
+
+
+def not_metadata(builder: object, metadata: object, call: str) -> str:
+    """Why ``metadata`` (``builder.<call>()``'s product) is no attention metadata."""
+    return (
+        f"{type(builder).__name__}.{call}: returned {metadata!r:.80} (a {type(metadata).__name__}); "
+        "an AttentionMetadataBuilder returns its own metadata object (a dataclass, a NamedTuple, a "
+        "tensor), which the model reads with attention_metadata(builder)"
+    )
 
 
 def attention_metadata(builder: AttentionMetadataBuilder[M]) -> M:
@@ -63,29 +87,105 @@ def attention_metadata(builder: AttentionMetadataBuilder[M]) -> M:
 def pad_offsets(out: torch.Tensor, offsets: torch.Tensor, padded_total: int) -> torch.Tensor:
     """Cumulative offsets of a padded batch into ``out``; returns ``out``.
 
-    ``offsets [n + 1]`` are the real batch's (``offsets[0] == 0``, the last
-    the real total); ``out [padded_reqs + 1]`` (``padded_reqs >= n``) gets
-    them, then ``padded_total`` in every row after: the first padding
-    request holds every padding token, the others none, and the last offset
-    is the padded total, as a kernel over the padded batch reads it.
-    Device ops on the current stream, no host synchronization.
+    ``offsets [n + 1]`` (integers) are the real batch's (``offsets[0] == 0``,
+    non-decreasing, the last the real total); ``out [padded_reqs + 1]``
+    (integers, ``padded_reqs >= n``) gets them, then ``padded_total`` in
+    every row after: the first padding request holds every padding token,
+    the others none, and the last offset is the padded total, as a kernel
+    over the padded batch reads it. Where the padded batch has no padding
+    request (``padded_reqs == n``), no row can hold the padding tokens: the
+    last offset stays the real total, and the tokens past it belong to no
+    request (docs/design.md, "The attention seam").
+
+    Device ops on the current stream, no host synchronization. Every
+    argument's type, shape, dtype and device is checked (``ValueError``
+    naming it); the values of ``offsets`` (from 0, non-decreasing, at most
+    ``padded_total``) only where they are on the CPU: on a device, reading
+    them would synchronize.
     """
+    _check_offsets(out, offsets, padded_total)
     real = offsets.shape[0]
-    if real < 1 or real > out.shape[0]:
-        raise ValueError(
-            f"offsets: expected between 1 and {out.shape[0]} rows (the padded batch's requests + 1), "
-            f"got {real}"
-        )
     out[:real].copy_(offsets)
     out[real:].fill_(padded_total)
     return out
 
 
 def pad_rows(out: torch.Tensor, rows: torch.Tensor, pad_value: int | float) -> torch.Tensor:
-    """``rows`` into the first rows of ``out``, ``pad_value`` in the rest; returns ``out``."""
+    """``rows`` into the first rows of ``out``, ``pad_value`` in the rest; returns ``out``.
+
+    ``rows [n, *trailing]`` and ``out [padded, *trailing]`` (``padded >= n``)
+    on one device; ``rows``' dtype casts to ``out``'s without changing kind
+    (no floats into integers), and ``out``'s dtype holds ``pad_value``
+    exactly. A wrong one raises ``ValueError`` naming the argument; nothing
+    is written then. Device ops on the current stream, no host synchronization.
+    """
+    _check_rows(out, rows, pad_value)
     real = rows.shape[0]
-    if real > out.shape[0]:
-        raise ValueError(f"rows: {real} rows do not fit the {out.shape[0]} of the padded batch")
     out[:real].copy_(rows)
     out[real:].fill_(pad_value)
     return out
+
+
+def _tensor(name: str, value: object, *, least_dims: int) -> torch.Tensor:
+    """``value`` if it is a tensor of ``least_dims`` dims or more; else ``ValueError`` naming ``name``."""
+    if not isinstance(value, torch.Tensor) or value.dim() < least_dims:
+        what = f"a {value.dim()}-d tensor" if isinstance(value, torch.Tensor) else f"{value!r:.80}"
+        raise ValueError(f"{name}: expected a tensor of at least {least_dims} dimension(s), got {what}")
+    return value
+
+
+def _integers(name: str, tensor: torch.Tensor) -> None:
+    """``ValueError`` naming ``name`` unless ``tensor`` is a 1-D tensor of integers (not bool)."""
+    dtype = tensor.dtype
+    if tensor.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+        raise ValueError(
+            f"{name}: expected a 1-D tensor of integers (cumulative offsets), "
+            f"got shape {tuple(tensor.shape)} of {dtype}"
+        )
+
+
+def _same_device(name: str, tensor: torch.Tensor, out: torch.Tensor) -> None:
+    if tensor.device != out.device:
+        raise ValueError(f"{name}: on {tensor.device}, but out is on {out.device} (a copy would synchronize)")
+
+
+def _check_offsets(out: object, offsets: object, padded_total: object) -> None:
+    """``pad_offsets``' arguments, each named in a ``ValueError``; their values on the CPU only."""
+    out_t, offsets_t = _tensor("out", out, least_dims=1), _tensor("offsets", offsets, least_dims=1)
+    _integers("out", out_t)
+    _integers("offsets", offsets_t)
+    _same_device("offsets", offsets_t, out_t)
+    real, rows = offsets_t.shape[0], out_t.shape[0]
+    if real > rows:
+        raise ValueError(
+            f"offsets: expected between 1 and {rows} rows (the padded batch's requests + 1), got {real}"
+        )
+    total = check_int("padded_total", padded_total, minimum=0, maximum=torch.iinfo(out_t.dtype).max)
+    if offsets_t.device.type != "cpu":  # the values: free on the CPU; on a device a read synchronizes
+        return
+    if int(offsets_t[0]) != 0:
+        raise ValueError(f"offsets: expected to start at 0, got {offsets_t.tolist()!r:.80}")
+    if real > 1 and bool((offsets_t[1:] < offsets_t[:-1]).any()):
+        raise ValueError(f"offsets: expected non-decreasing offsets, got {offsets_t.tolist()!r:.80}")
+    if int(offsets_t[-1]) > total:
+        raise ValueError(
+            f"padded_total: {total} is below the real total {int(offsets_t[-1])} (the last offset)"
+        )
+
+
+def _check_rows(out: object, rows: object, pad_value: object) -> None:
+    """``pad_rows``' arguments, each named in a ``ValueError``."""
+    out_t, rows_t = _tensor("out", out, least_dims=1), _tensor("rows", rows, least_dims=1)
+    if rows_t.shape[1:] != out_t.shape[1:]:
+        raise ValueError(
+            f"rows: shape {tuple(rows_t.shape)} does not match out's {tuple(out_t.shape)} past the rows "
+            "(a row is copied whole, never broadcast)"
+        )
+    if rows_t.shape[0] > out_t.shape[0]:
+        raise ValueError(f"rows: {rows_t.shape[0]} rows do not fit the {out_t.shape[0]} of the padded batch")
+    if not torch.can_cast(rows_t.dtype, out_t.dtype):
+        raise ValueError(
+            f"rows: {rows_t.dtype} rows do not fit out's {out_t.dtype} (a copy would round them)"
+        )
+    _same_device("rows", rows_t, out_t)
+    check_pad_value(pad_value, out_t.dtype)

@@ -56,7 +56,7 @@ class StaticInput:
         _check_dtype(self.dtype)
         if self.rows not in ("tokens", "reqs", None):
             raise ValueError(f"rows: expected 'tokens', 'reqs' or None, got {self.rows!r}")
-        _check_pad_value(self.pad_value, self.dtype)
+        check_pad_value(self.pad_value, self.dtype)
 
 
 def _check_dtype(dtype: object) -> None:
@@ -71,7 +71,7 @@ def _check_dtype(dtype: object) -> None:
     )
 
 
-def _check_pad_value(value: object, dtype: torch.dtype) -> None:
+def check_pad_value(value: object, dtype: torch.dtype) -> None:
     """``value`` must be a finite number that ``dtype`` holds exactly (no overflow, no rounding)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"pad_value: expected an int or a float, got {value!r}")

@@ -122,4 +122,5 @@ def _capture_metadata(graph: PlannedGraph[OutputT]) -> contextlib.AbstractContex
             f"the attention's build_for_capture({graph.shape}) failed with {type(error).__name__}: {error}",
             graph.descriptor,
         ) from error
-    return set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **metadata_extra(builder, metadata))
+    extra = metadata_extra(builder, metadata, call="build_for_capture")
+    return set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **extra)
