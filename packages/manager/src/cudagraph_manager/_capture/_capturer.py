@@ -127,12 +127,14 @@ class Capturer(Generic[OutputT]):
             return
         start = time.perf_counter()
         graph = self._table.graphs[descriptor]
-        warm_up(graph, self._engines[graph.mode], self._parts.buffers)
+        with self._parts.lock.background():  # the model's calls on the manager are refused here
+            warm_up(graph, self._engines[graph.mode], self._parts.buffers)
         self._rule.ran(descriptor, time.perf_counter() - start)
 
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph:
         """Record ``descriptor``'s graph, warmed up before (or never: the rule's)."""
-        return self._capture(descriptor, warm=False)
+        with self._parts.lock.background():
+            return self._capture(descriptor, warm=False)
 
     # -- the manager's side --
 
