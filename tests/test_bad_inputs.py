@@ -970,6 +970,22 @@ BAD_RUNS: Final = [
         "run-invalid_modes-none-mode",
         lambda b, _: (run_with({**b, "invalid_modes": frozenset({M.NONE})}), ("invalid_modes", "NONE")),
     ),
+    # Issue 39: more active adapters than requests was accepted silently.
+    bad_run(
+        "run-more-loras-than-requests",
+        lambda b, _: (
+            run_with({**b, "num_active_loras": 4}),
+            ("num_active_loras: 4 active adapters for 3 requests",),
+        ),
+    ),
+    bad_run(
+        "run-loras-on-two-requests",
+        lambda _, be: (_fresh(2, 2, be, num_active_loras=3), ("num_active_loras: 3", "for 2 requests")),
+    ),
+    bad_run(
+        "run-loras-on-an-idle-step",
+        lambda _, be: (_fresh(0, 0, be, num_active_loras=1), ("num_active_loras: 1", "for 0 requests")),
+    ),
     bad_run(
         "run_batch-list",
         lambda b, _: (
