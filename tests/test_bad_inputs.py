@@ -634,6 +634,35 @@ BAD_INPUTS: Final = [
         construct(fields={"engine_factory": 3}),
         re.escape("options.engine_factory: expected None or a GraphEngineFactory, got 3"),
     ),
+    # Issue 39: a callable that is no engine factory, or one whose product is no engine, failed at capture().
+    row(
+        "manager-engine_factory-object",
+        construct(fields={"engine_factory": object}),
+        r"^options\.engine_factory: expected a GraphEngineFactory, called as factory\(model, mode, options\), "
+        r"got <class 'object'>",
+    ),
+    row(
+        "manager-engine_factory-one-argument",
+        construct(fields={"engine_factory": _identity}),
+        r"^options\.engine_factory: expected a GraphEngineFactory, .*got <function _identity",
+    ),
+    row(
+        "manager-engine_factory-builtin-type",
+        construct(fields={"engine_factory": dict}),
+        r"^options\.engine_factory: <class 'dict'> cannot be called as factory\(model, mode, options\)",
+    ),
+    row(
+        "manager-engine_factory-returns-none",
+        construct(fields={"engine_factory": lambda model, mode, options: None}),
+        r"^options\.engine_factory: returned None for mode (FULL|PIECEWISE), expected a GraphEngine; "
+        r"it lacks warm_up\(\), record\(\)$",
+    ),
+    row(
+        "manager-engine_factory-returns-the-model",
+        construct(fields={"engine_factory": lambda model, mode, options: model}),
+        r"^options\.engine_factory: returned ToyModel\(.*for mode FULL, expected a GraphEngine; "
+        r"it lacks warm_up\(\), record\(\)$",
+    ),
     row(
         "manager-ranks-int",
         construct(fields={"ranks": 2}),
