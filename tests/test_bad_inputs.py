@@ -638,8 +638,8 @@ BAD_INPUTS: Final = [
     row(
         "manager-engine_factory-object",
         construct(fields={"engine_factory": object}),
-        r"^options\.engine_factory: expected a GraphEngineFactory, called as factory\(model, mode, options\), "
-        r"got <class 'object'>",
+        r"^options\.engine_factory: expected a GraphEngineFactory, "
+        r"called as factory\(model, mode, options\), got <class 'object'>",
     ),
     row(
         "manager-engine_factory-one-argument",
