@@ -271,7 +271,7 @@ class Capturer(Generic[OutputT]):
 def make_engine(
     factory: GraphEngineFactory, model: Callable[..., OutputT], mode: CUDAGraphMode, options: CaptureOptions
 ) -> GraphEngine[OutputT]:
-    """``factory(model, mode, options)``, checked to be a ``GraphEngine`` (``ValueError`` names the option)."""
+    """``factory(model, mode, options)``, checked to be a ``GraphEngine`` (else ``ValueError``)."""
     try:
         engine: object = factory(model, mode, options)
     except TypeError as error:
