@@ -488,6 +488,33 @@ BAD_INPUTS: Final = [
         r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
         *NO_CUDA_7,
     ),
+    # Issue 39: the CPU with an index other than 0 was accepted (its tensors are on 'cpu').
+    row(
+        "resolve_device-cpu-1",
+        call(resolve_device, "cpu:1"),
+        r"^device: the CPU is one device, 'cpu' \(or 'cpu:0'\), got 'cpu:1'$",
+    ),
+    row(
+        "resolve_device-cpu-device-3",
+        call(resolve_device, torch.device("cpu", 3)),
+        r"^device: the CPU is one device, .*got device\(type='cpu', index=3\)$",
+    ),
+    row("resolve_device-float", call(resolve_device, 0.0), r"^device: expected a torch.device, .*got 0\.0$"),
+    row(
+        "resolve_device-bytes",
+        call(resolve_device, b"cpu"),
+        r"^device: expected a torch.device, .*got b'cpu'$",
+    ),
+    row(
+        "resolve_device-upper-case",
+        call(resolve_device, "CPU"),
+        r"^device: expected a torch.device, .*'CPU'$",
+    ),
+    row(
+        "resolve_device-mps",
+        call(resolve_device, "mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
     row("shared_pool-cpu", call(shared_pool, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
     row(
         "release_graph_memory-cpu",
@@ -586,6 +613,33 @@ BAD_INPUTS: Final = [
         construct(device="cuda:7"),
         r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
         *NO_CUDA_7,
+    ),
+    # Issue 39: 'cpu:0' was kept as given, then every valid step was refused; 'cpu:1' accepted.
+    row(
+        "manager-device-cpu-1",
+        construct(device="cpu:1"),
+        r"^device: the CPU is one device, 'cpu' \(or 'cpu:0'\), got 'cpu:1'$",
+    ),
+    row(
+        "manager-device-list",
+        construct(device=["cpu"]),
+        r"^device: expected a torch.device, .*got \['cpu'\]$",
+    ),
+    row(
+        "manager-device-bogus", construct(device="bogus"), r"^device: expected a torch.device, .*got 'bogus'$"
+    ),
+    # Issue 39: a model on meta (no data) under a CPU manager failed with torch's cross-device error.
+    row(
+        "manager-model-on-meta",
+        construct(model=ToyModel(torch.device("meta"))),
+        r"^model: its parameter 'embed' is on meta \(it holds no data\), but the manager's device is cpu; ",
+    ),
+    row(
+        "manager-model-on-cpu-manager-on-cuda",
+        construct(model=ToyModel(CPU), device="cuda"),
+        r"^model: its parameters and buffers are on cpu \('embed', \.\.\.\), but the manager's device is "
+        r"cuda:\d+; move the model there \(model\.to\(device\)\) or pass device=",
+        pytest.mark.gpu,
     ),
     row(
         "manager-output_rows-unknown",

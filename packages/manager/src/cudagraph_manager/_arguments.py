@@ -25,6 +25,7 @@ from ._buffers._buffers import check_inputs_spec
 from ._buffers._outputs import RowsSpec, check_output_rows, uses_reqs
 from ._buffers._static import StaticInput
 from ._decode_loop import DecodeLoop
+from ._memory._weights import watched_module
 from ._options import AttentionOptions, ManagerOptions
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 
@@ -75,6 +76,7 @@ def check_arguments(
     _check_request_counts(checked, rows, builder)
     _check_decode_loop(checked_options.decode_loop, config)
     resolved = resolve_device(device)
+    _check_model_device(model, resolved)
     factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -88,6 +90,34 @@ def check_arguments(
     return Arguments(
         dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines, checked_options
     )
+
+
+def _check_model_device(model: object, device: torch.device) -> None:
+    """``ValueError`` naming ``model`` if its weights are on ``meta``, or none is on ``device``.
+
+    The model's module (``watched_module``: the model, a bound method's
+    object, what was compiled); a function is not checked. Some weights
+    kept elsewhere (offloaded to the host) are the model's choice.
+    """
+    module = watched_module(model)
+    if module is None:
+        return
+    tensors = [
+        *(("parameter", name, t) for name, t in module.named_parameters()),
+        *(("buffer", name, t) for name, t in module.named_buffers()),
+    ]
+    for kind, name, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"model: its {kind} {name!r} is on meta (it holds no data), but the manager's device is "
+                f"{device}; load the weights first (module.to_empty(device=...), then its state dict)"
+            )
+    if tensors and not any(tensor.device == device for _, _, tensor in tensors):
+        first = tensors[0][2].device
+        raise ValueError(
+            f"model: its parameters and buffers are on {first} ({tensors[0][1]!r}, ...), but the manager's "
+            f"device is {device}; move the model there (model.to(device)) or pass device={str(first)!r}"
+        )
 
 
 def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:
