@@ -75,8 +75,7 @@ def check_arguments(
     rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
     _check_decode_loop(checked_options.decode_loop, config)
-    resolved = resolve_device(device)
-    _check_model_device(model, resolved)
+    resolved = _model_device(model, resolve_device(device))
     factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -92,8 +91,8 @@ def check_arguments(
     )
 
 
-def _check_model_device(model: object, device: torch.device) -> None:
-    """``ValueError`` naming ``model`` if its weights are on ``meta``, or none is on ``device``.
+def _model_device(model: object, device: torch.device) -> torch.device:
+    """``device``, checked against ``model``'s weights: ``ValueError`` if one is on meta, or none is there.
 
     The model's module (``watched_module``: the model, a bound method's
     object, what was compiled); a function is not checked. Some weights
@@ -101,7 +100,7 @@ def _check_model_device(model: object, device: torch.device) -> None:
     """
     module = watched_module(model)
     if module is None:
-        return
+        return device
     tensors = [
         *(("parameter", name, t) for name, t in module.named_parameters()),
         *(("buffer", name, t) for name, t in module.named_buffers()),
@@ -118,6 +117,7 @@ def _check_model_device(model: object, device: torch.device) -> None:
             f"model: its parameters and buffers are on {first} ({tensors[0][1]!r}, ...), but the manager's "
             f"device is {device}; move the model there (model.to(device)) or pass device={str(first)!r}"
         )
+    return device
 
 
 def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:

@@ -23,7 +23,7 @@ from ._static import Rows, StaticInput
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 _KINDS: Final = ("tokens", "reqs")
-_NO_LORAS: Final = 0  # run()'s default num_active_loras: the step's check skips its comparison
+_NO_LORAS: Final = 0  # run()'s default num_active_loras; more adapters than requests: refused
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
@@ -150,11 +150,7 @@ class StaticBuffers:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
     def check(self, inputs: _Inputs, uniform_decode: bool, loras: object = 0) -> tuple[int, int, bool]:
-        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs; ``ValueError`` names a bad input.
-
-        ``loras`` (``num_active_loras``): at most one active adapter per
-        request (its type and range against the config: the dispatcher's).
-        """
+        """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs; ``ValueError`` names a bad input."""
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
         num_tokens = num_reqs = 0
