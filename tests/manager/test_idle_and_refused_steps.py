@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import pytest
 import torch
@@ -36,6 +36,7 @@ from tests.manager.test_attention_seam import INPUTS as SEAM_INPUTS
 from tests.manager.test_attention_seam import SeamModel, ToyBuilder
 from tests.manager.test_attention_seam import _batch as seam_batch
 
+R = TypeVar("R")
 CPU: Final = torch.device("cpu")
 M: Final = CUDAGraphMode
 SMALL: Final = DecoderConfig.small()
@@ -48,15 +49,15 @@ def _eager_flex_is_expected() -> Iterator[None]:
         yield
 
 
-class Calls:
+class Calls(Generic[R]):
     """Wraps a model: the token count of every call (an empty one is the bug)."""
 
-    def __init__(self, model: Callable[..., object], tokens: str) -> None:
+    def __init__(self, model: Callable[..., R], tokens: str) -> None:
         self.model = model
         self.tokens = tokens
         self.counts: list[int] = []
 
-    def __call__(self, **inputs: torch.Tensor) -> object:
+    def __call__(self, **inputs: torch.Tensor) -> R:
         self.counts.append(int(inputs[self.tokens].shape[0]))
         return self.model(**inputs)
 
@@ -71,13 +72,13 @@ def _empty(inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _paged_manager(
     *, fakes: bool, strict: bool = False
-) -> tuple[CUDAGraphManager[torch.Tensor], Calls, PagedLayout]:
+) -> tuple[CUDAGraphManager[torch.Tensor], Calls[torch.Tensor], PagedLayout]:
     layout = PagedLayout.for_config(SMALL, page_size=8)
     model = PagedDecoder(SMALL, layout=layout, backend="gather")
     calls = Calls(model, "input_ids")
     config = DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes.default(32), max_num_seqs=16)
     manager = CUDAGraphManager(
-        calls,  # type: ignore[arg-type]  # returns the model's tensor
+        calls,
         paged_static_inputs(layout),
         config,
         device="cpu",
@@ -131,7 +132,7 @@ def test_an_idle_step_of_a_dict_model_has_its_structure_without_an_empty_call(
 ) -> None:
     calls = Calls(DictModel(CPU), "ids")
     manager = CUDAGraphManager(
-        calls,  # type: ignore[arg-type]  # returns the dict model's dict
+        calls,
         INPUTS,
         config_for(M.FULL),
         device="cpu",
@@ -155,7 +156,7 @@ def test_an_idle_step_of_a_dict_model_has_its_structure_without_an_empty_call(
 
 def test_a_fresh_toy_manager_learns_its_outputs_from_one_padding_row() -> None:
     calls = Calls(ToyModel(CPU), "ids")
-    manager = CUDAGraphManager(calls, INPUTS, config_for(M.FULL), device="cpu")  # type: ignore[arg-type]
+    manager = CUDAGraphManager(calls, INPUTS, config_for(M.FULL), device="cpu")
     assert manager.run_batch(_empty(make_batch(1, 1, CPU, seed=0))).shape == (0, 32)
     assert calls.counts == [1]  # once, on one padding row, never on 0 rows
     assert manager.run_batch(_empty(make_batch(1, 1, CPU, seed=1))).shape == (0, 32)

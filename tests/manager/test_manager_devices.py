@@ -73,7 +73,7 @@ def test_a_function_model_and_a_model_without_weights_are_not_checked() -> None:
         return inputs["x"] * 2
 
     for model in (double, nn.Identity()):
-        CUDAGraphManager(model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu")  # type: ignore[arg-type]
+        CUDAGraphManager(model, INPUTS, config_for(CUDAGraphMode.FULL), device="cpu")
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ def _loop_batch() -> dict[str, torch.Tensor]:
 
 #: Every call that needs the static buffers, as made from inside a step of the manager.
 CALLS: Final[dict[str, Callable[[Manager], object]]] = {
-    "run": lambda m: m.run(**_batch_for(m)),
+    "run": lambda m: m.run(**_batch_for(m)),  # type: ignore[arg-type]  # mypy reads ** as run()'s keywords
     "run_batch": lambda m: m.run_batch(_batch_for(m)),
     "run_loop": lambda m: m.run_loop(_loop_batch(), max_steps=2),
     "capture": lambda m: m.capture(progress=False),
