@@ -29,6 +29,7 @@ from typing import Final, cast
 
 import pytest
 import torch
+from torch import nn
 
 from cudagraph_capture import (
     BreakableCUDAGraphCapture,
@@ -525,6 +526,29 @@ BAD_INPUTS: Final = [
     # == cudagraph_manager ==
     # -- CUDAGraphManager (on the CPU, with fake engines) --
     row("manager-model-int", construct(model=3), re.escape("model: expected a callable, got 3")),
+    # Issue 39, the class of engine_factory=object: a callable that cannot be the model.
+    row(
+        "manager-model-class",
+        construct(model=ToyModel),
+        r"^model: expected the model to call \(an instance or a function\), got the class ToyModel; "
+        r"pass an instance \(ToyModel\(\.\.\.\)\)$",
+    ),
+    row(
+        "manager-model-without-an-input",
+        construct(model=lambda ids, x, scale: x),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): got an unexpected keyword "
+        r"argument 'bias'$",
+    ),
+    row(
+        "manager-model-positional-only",
+        construct(model=_identity),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): ",
+    ),
+    row(
+        "manager-module-forward-without-an-input",
+        construct(model=nn.Linear(2, 2)),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): ",
+    ),
     row(
         "manager-config-string",
         construct(config="FULL"),

@@ -10,10 +10,12 @@ fields when they were built (``_options``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Final, Generic, cast
 
 import torch
+from torch import nn
 
 from cudagraph_capture import CaptureOptions, graph_engine
 from cudagraph_capture.lowlevel import resolve_device
@@ -75,7 +77,7 @@ def check_arguments(
     rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
     _check_decode_loop(checked_options.decode_loop, config)
-    resolved = _model_device(model, resolve_device(device))
+    resolved = _check_model(model, checked, resolve_device(device))
     factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -89,6 +91,33 @@ def check_arguments(
     return Arguments(
         dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines, checked_options
     )
+
+
+def _check_model(model: object, inputs: Mapping[str, StaticInput], device: torch.device) -> torch.device:
+    """``device``, once ``model`` is no class, takes ``inputs`` as keywords and has its weights there.
+
+    Else ``ValueError`` naming ``model``: a model that cannot be called so
+    would fail inside its first step or capture. A signature that cannot be
+    read (a builtin) is not checked; a module's is its ``forward``'s.
+    """
+    if isinstance(model, type):
+        raise ValueError(
+            f"model: expected the model to call (an instance or a function), got the class "
+            f"{model.__name__}; pass an instance ({model.__name__}(...))"
+        )
+    call = model.forward if isinstance(model, nn.Module) else model
+    try:
+        signature = inspect.signature(cast("Callable[..., object]", call))
+    except (TypeError, ValueError):
+        signature = None
+    try:
+        if signature is not None:
+            signature.bind(**dict.fromkeys(inputs))
+    except TypeError as error:
+        raise ValueError(
+            f"model: cannot take the inputs as keywords ({', '.join(inputs)}): {error}"
+        ) from None
+    return _model_device(model, device)
 
 
 def _model_device(model: object, device: torch.device) -> torch.device:
