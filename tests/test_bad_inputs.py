@@ -115,6 +115,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _two_inputs(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _collector_paused(gc_disable: object) -> None:
     with collector_paused(cast(bool, gc_disable)):  # entered and left: the collector is restored
         pass
@@ -581,7 +585,9 @@ BAD_INPUTS: Final = [
     ),
     row(
         "manager-static-buffer-beyond-memory",
-        construct(inputs={"ids": StaticInput((), torch.int64), "x": StaticInput((10**12,))}),
+        construct(
+            inputs={"ids": StaticInput((), torch.int64), "x": StaticInput((10**12,))}, model=_two_inputs
+        ),
         r"inputs\['x'\]: its static buffer \[\d+, 1000000000000\] of torch.float32 needs \d+ bytes, "
         r"more than",
     ),

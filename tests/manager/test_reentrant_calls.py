@@ -29,6 +29,7 @@ from tests.manager.helpers import (
     INPUTS,
     TOL,
     FakeEngines,
+    RequestScale,
     ToyModel,
     config_for,
     make_batch,
@@ -315,3 +316,41 @@ def test_another_thread_still_gets_the_busy_error_not_the_reentrant_one() -> Non
         worker.join(DEADLINE_S)
     assert not worker.is_alive()
     _assert_usable(manager, model, seed=7)
+
+
+class _HookedScale(RequestScale):
+    """``ToyModel``'s eager break calling the hook first: a PIECEWISE replay runs it on a GPU."""
+
+    def __init__(self, hook: Hook) -> None:
+        self.hook = hook
+        super().__init__()
+
+    def _apply(self, out: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) -> None:
+        self.hook()
+        super()._apply(out, h, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("propagate", [False, True], ids=["caught", "raised"])
+@pytest.mark.parametrize("name", ["run_batch", "capture", "release"])
+def test_a_call_from_an_eager_break_of_a_cuda_piecewise_replay_is_refused(name: str, propagate: bool) -> None:
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    hook = Hook()
+    model = ToyModel(cuda)
+    model.request_scale = _HookedScale(hook)
+    manager = CUDAGraphManager(model, INPUTS, config_for(M.PIECEWISE), device=cuda)
+    manager.capture(progress=False)
+    captured = manager.num_captured
+    batch = make_batch(5, 3, cuda, seed=1)
+    hook.arm(manager, name, propagate=propagate)
+    if propagate:
+        with pytest.raises(RuntimeError, match=_inside(name)):
+            _within(DEADLINE_S, lambda: manager.run_batch(batch))
+    else:
+        out = _within(DEADLINE_S, lambda: manager.run_batch(batch).clone())
+        assert rel_err(out, model.eager(batch)) < TOL  # type: ignore[arg-type]
+    assert len(hook.errors) == 1
+    assert manager.num_captured == captured  # nothing was released or captured
+    after = make_batch(6, 2, cuda, seed=2)
+    assert rel_err(_within(DEADLINE_S, lambda: manager.run_batch(after)), model.eager(after)) < TOL  # type: ignore[arg-type]
+    assert manager.stats.num_replays >= 1
