@@ -29,6 +29,7 @@ from typing import Final, cast
 
 import pytest
 import torch
+from torch import nn
 
 from cudagraph_capture import (
     BreakableCUDAGraphCapture,
@@ -113,6 +114,10 @@ def row(name: str, thunk: Callable[[], object], pattern: str, *marks: pytest.Mar
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _two_inputs(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
@@ -520,6 +525,33 @@ BAD_INPUTS: Final = [
         r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
         *NO_CUDA_7,
     ),
+    # Issue 39: the CPU with an index other than 0 was accepted (its tensors are on 'cpu').
+    row(
+        "resolve_device-cpu-1",
+        call(resolve_device, "cpu:1"),
+        r"^device: the CPU is one device, 'cpu' \(or 'cpu:0'\), got 'cpu:1'$",
+    ),
+    row(
+        "resolve_device-cpu-device-3",
+        call(resolve_device, torch.device("cpu", 3)),
+        r"^device: the CPU is one device, .*got device\(type='cpu', index=3\)$",
+    ),
+    row("resolve_device-float", call(resolve_device, 0.0), r"^device: expected a torch.device, .*got 0\.0$"),
+    row(
+        "resolve_device-bytes",
+        call(resolve_device, b"cpu"),
+        r"^device: expected a torch.device, .*got b'cpu'$",
+    ),
+    row(
+        "resolve_device-upper-case",
+        call(resolve_device, "CPU"),
+        r"^device: expected a torch.device, .*'CPU'$",
+    ),
+    row(
+        "resolve_device-mps",
+        call(resolve_device, "mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
     row("shared_pool-cpu", call(shared_pool, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
     row(
         "release_graph_memory-cpu",
@@ -530,6 +562,29 @@ BAD_INPUTS: Final = [
     # == cudagraph_manager ==
     # -- CUDAGraphManager (on the CPU, with fake engines) --
     row("manager-model-int", construct(model=3), re.escape("model: expected a callable, got 3")),
+    # Issue 39, the class of engine_factory=object: a callable that cannot be the model.
+    row(
+        "manager-model-class",
+        construct(model=ToyModel),
+        r"^model: expected the model to call \(an instance or a function\), got the class ToyModel; "
+        r"pass an instance \(ToyModel\(\.\.\.\)\)$",
+    ),
+    row(
+        "manager-model-without-an-input",
+        construct(model=lambda ids, x, scale: x),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): got an unexpected keyword "
+        r"argument 'bias'$",
+    ),
+    row(
+        "manager-model-positional-only",
+        construct(model=_identity),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): ",
+    ),
+    row(
+        "manager-module-forward-without-an-input",
+        construct(model=nn.Linear(2, 2)),
+        r"^model: cannot take the inputs as keywords \(ids, x, scale, bias\): ",
+    ),
     row(
         "manager-config-string",
         construct(config="FULL"),
@@ -562,7 +617,9 @@ BAD_INPUTS: Final = [
     ),
     row(
         "manager-static-buffer-beyond-memory",
-        construct(inputs={"ids": StaticInput((), torch.int64), "x": StaticInput((10**12,))}),
+        construct(
+            inputs={"ids": StaticInput((), torch.int64), "x": StaticInput((10**12,))}, model=_two_inputs
+        ),
         r"inputs\['x'\]: its static buffer \[\d+, 1000000000000\] of torch.float32 needs \d+ bytes, "
         r"more than",
     ),
@@ -619,6 +676,33 @@ BAD_INPUTS: Final = [
         r"device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
         *NO_CUDA_7,
     ),
+    # Issue 39: 'cpu:0' was kept as given, then every valid step was refused; 'cpu:1' accepted.
+    row(
+        "manager-device-cpu-1",
+        construct(device="cpu:1"),
+        r"^device: the CPU is one device, 'cpu' \(or 'cpu:0'\), got 'cpu:1'$",
+    ),
+    row(
+        "manager-device-list",
+        construct(device=["cpu"]),
+        r"^device: expected a torch.device, .*got \['cpu'\]$",
+    ),
+    row(
+        "manager-device-bogus", construct(device="bogus"), r"^device: expected a torch.device, .*got 'bogus'$"
+    ),
+    # Issue 39: a model on meta (no data) under a CPU manager failed with torch's cross-device error.
+    row(
+        "manager-model-on-meta",
+        construct(model=ToyModel(torch.device("meta"))),
+        r"^model: its parameter 'embed' is on meta \(it holds no data\), but the manager's device is cpu; ",
+    ),
+    row(
+        "manager-model-on-cpu-manager-on-cuda",
+        construct(model=ToyModel(CPU), device="cuda"),
+        r"^model: its parameters and buffers are on cpu \('embed', \.\.\.\), but the manager's device is "
+        r"cuda:\d+; move the model there \(model\.to\(device\)\) or pass device=",
+        pytest.mark.gpu,
+    ),
     row(
         "manager-output_rows-unknown",
         construct(fields={"output_rows": "rows"}),
@@ -665,6 +749,35 @@ BAD_INPUTS: Final = [
         "manager-engine_factory-int",
         construct(fields={"engine_factory": 3}),
         re.escape("options.engine_factory: expected None or a GraphEngineFactory, got 3"),
+    ),
+    # Issue 39: a callable that is no engine factory, or one whose product is no engine, failed at capture().
+    row(
+        "manager-engine_factory-object",
+        construct(fields={"engine_factory": object}),
+        r"^options\.engine_factory: expected a GraphEngineFactory, "
+        r"called as factory\(model, mode, options\), got <class 'object'>",
+    ),
+    row(
+        "manager-engine_factory-one-argument",
+        construct(fields={"engine_factory": _identity}),
+        r"^options\.engine_factory: expected a GraphEngineFactory, .*got <function _identity",
+    ),
+    row(
+        "manager-engine_factory-builtin-type",
+        construct(fields={"engine_factory": dict}),
+        r"^options\.engine_factory: <class 'dict'> cannot be called as factory\(model, mode, options\)",
+    ),
+    row(
+        "manager-engine_factory-returns-none",
+        construct(fields={"engine_factory": lambda model, mode, options: None}),
+        r"^options\.engine_factory: returned None for mode (FULL|PIECEWISE), expected a GraphEngine; "
+        r"it lacks warm_up\(\), record\(\)$",
+    ),
+    row(
+        "manager-engine_factory-returns-the-model",
+        construct(fields={"engine_factory": lambda model, mode, options: model}),
+        r"^options\.engine_factory: returned ToyModel\(.*for mode FULL, expected a GraphEngine; "
+        r"it lacks warm_up\(\), record\(\)$",
     ),
     row(
         "manager-ranks-int",
@@ -748,6 +861,7 @@ BAD_INPUTS: Final = [
         "manager-decode_loop-without-request-rows",
         construct(
             inputs={"ids": INPUTS["ids"], "x": INPUTS["x"]},
+            model=_two_inputs,
             fields={"decode_loop": DecodeLoop(_advance, max_steps=4)},
         ),
         r"^options\.decode_loop: a decode loop keeps a row per request \(its tokens, its active flag\), "
@@ -1177,6 +1291,22 @@ BAD_RUNS: Final = [
     bad_run(
         "run-invalid_modes-none-mode",
         lambda b, _: (run_with({**b, "invalid_modes": frozenset({M.NONE})}), ("invalid_modes", "NONE")),
+    ),
+    # Issue 39: more active adapters than requests was accepted silently.
+    bad_run(
+        "run-more-loras-than-requests",
+        lambda b, _: (
+            run_with({**b, "num_active_loras": 4}),
+            ("num_active_loras: 4 active adapters for 3 requests",),
+        ),
+    ),
+    bad_run(
+        "run-loras-on-two-requests",
+        lambda _, be: (_fresh(2, 2, be, num_active_loras=3), ("num_active_loras: 3", "for 2 requests")),
+    ),
+    bad_run(
+        "run-loras-on-an-idle-step",
+        lambda _, be: (_fresh(0, 0, be, num_active_loras=1), ("num_active_loras: 1", "for 0 requests")),
     ),
     bad_run(
         "run_batch-list",

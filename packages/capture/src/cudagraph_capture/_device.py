@@ -9,7 +9,8 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
     """``device`` as a ``torch.device``; a CUDA device always carries its index.
 
     ``None`` is the current CUDA device, or the CPU where CUDA is unavailable.
-    An int is a CUDA index. A CUDA device that does not exist here (no CUDA
+    An int is a CUDA index. The CPU is ``cpu`` (``cpu:0`` too; another index
+    raises). A CUDA device that does not exist here (no CUDA
     at all, or an index past the last device) raises ``ValueError`` naming
     the value, as does anything that is not a device, and a device that is
     neither CUDA nor the CPU (``meta`` holds no data to copy or compute on;
@@ -29,7 +30,9 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
             f"device: expected a torch.device, a device string or a CUDA index, got {device!r}"
         ) from error
     if resolved.type == "cpu":
-        return resolved
+        if resolved.index not in (None, 0):  # torch keeps any index, but a CPU tensor's device is 'cpu'
+            raise ValueError(f"device: the CPU is one device, 'cpu' (or 'cpu:0'), got {device!r}")
+        return torch.device("cpu")  # 'cpu:0' too: what its tensors' device compares equal to
     if resolved.type != "cuda":
         raise ValueError(f"device: expected a CUDA device or the CPU, got {device!r}")
     if not torch.cuda.is_available():

@@ -10,11 +10,13 @@ fields when they were built (``_options``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Generic, cast
 
 import torch
+from torch import nn
 
 from cudagraph_capture import CaptureOptions, graph_engine
 from cudagraph_capture.lowlevel import resolve_device
@@ -26,6 +28,7 @@ from ._buffers._buffers import check_inputs_spec
 from ._buffers._outputs import RowsSpec, check_output_rows, uses_reqs
 from ._buffers._static import StaticInput
 from ._decode_loop import DecodeLoop
+from ._memory._weights import watched_module
 from ._options import AttentionOptions, ManagerOptions
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 
@@ -76,7 +79,7 @@ def check_arguments(
     check_bool("strict", strict)
     rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
-    resolved = resolve_device(device)
+    resolved = _check_model(model, checked, resolve_device(device))
     factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -91,6 +94,62 @@ def check_arguments(
     return Arguments(
         dispatcher, checked, capture, rows, resolved, no_graphs, builder, engines, checked_options
     )
+
+
+def _check_model(model: object, inputs: Mapping[str, StaticInput], device: torch.device) -> torch.device:
+    """``device``, once ``model`` is no class, takes ``inputs`` as keywords and has its weights there.
+
+    Else ``ValueError`` naming ``model``: a model that cannot be called so
+    would fail inside its first step or capture. A signature that cannot be
+    read (a builtin) is not checked; a module's is its ``forward``'s.
+    """
+    if isinstance(model, type):
+        raise ValueError(
+            f"model: expected the model to call (an instance or a function), got the class "
+            f"{model.__name__}; pass an instance ({model.__name__}(...))"
+        )
+    call = model.forward if isinstance(model, nn.Module) else model
+    try:
+        signature = inspect.signature(cast("Callable[..., object]", call))
+    except (TypeError, ValueError):
+        signature = None
+    try:
+        if signature is not None:
+            signature.bind(**dict.fromkeys(inputs))
+    except TypeError as error:
+        raise ValueError(
+            f"model: cannot take the inputs as keywords ({', '.join(inputs)}): {error}"
+        ) from None
+    return _model_device(model, device)
+
+
+def _model_device(model: object, device: torch.device) -> torch.device:
+    """``device``, checked against ``model``'s weights: ``ValueError`` if one is on meta, or none is there.
+
+    The model's module (``watched_module``: the model, a bound method's
+    object, what was compiled); a function is not checked. Some weights
+    kept elsewhere (offloaded to the host) are the model's choice.
+    """
+    module = watched_module(model)
+    if module is None:
+        return device
+    tensors = [
+        *(("parameter", name, t) for name, t in module.named_parameters()),
+        *(("buffer", name, t) for name, t in module.named_buffers()),
+    ]
+    for kind, name, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"model: its {kind} {name!r} is on meta (it holds no data), but the manager's device is "
+                f"{device}; load the weights first (module.to_empty(device=...), then its state dict)"
+            )
+    if tensors and not any(tensor.device == device for _, _, tensor in tensors):
+        first = tensors[0][2].device
+        raise ValueError(
+            f"model: its parameters and buffers are on {first} ({tensors[0][1]!r}, ...), but the manager's "
+            f"device is {device}; move the model there (model.to(device)) or pass device={str(first)!r}"
+        )
+    return device
 
 
 def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:

@@ -12,8 +12,8 @@ or, when the route names no captured graph, an eager step counted per reason.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Mapping
+from threading import get_ident
 from types import MappingProxyType
 from typing import Final, Generic
 
@@ -47,7 +47,7 @@ class CUDAGraphManager(Generic[OutputT]):
     ``device`` (default: the current CUDA device, else the CPU: steps run
     eagerly). ``config`` decides which graphs exist; ``strict`` raises
     ``NoGraphError`` where a step would run eagerly; ``options``: the rest
-    (``ManagerOptions``). One call at a time (``RuntimeError`` otherwise).
+    (``ManagerOptions``). One call at a time (``RuntimeError`` otherwise; from inside one, at once).
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class CUDAGraphManager(Generic[OutputT]):
         loop = parts.loop
         steps = None if loop is None else LoopSteps(parts, loop, self._table, self._path, self._capturer)
         self._loops: Final = steps
-        self._step_lock: Final = threading.Lock()
+        self._lock: Final = parts.lock  # one call at a time; a call from inside one is refused
 
     # -- accessors --
 
@@ -92,7 +92,7 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def busy(self) -> bool:
         """Whether a call of this manager holds its static buffers now (a ``run`` would raise)."""
-        return self._step_lock.locked()
+        return self._lock.locked()
 
     @property
     def num_captured(self) -> int:
@@ -149,7 +149,7 @@ class CUDAGraphManager(Generic[OutputT]):
 
     def release(self) -> None:
         """Free every graph, give its memory back (a sleep): the last outputs die, steps run eagerly."""
-        with self._step_lock:
+        with self._lock.held("release"):
             if self._guard is not None:
                 self._guard.retire_all()
             self._capturer.release()  # stops a background capture first, gives the memory back last
@@ -160,8 +160,8 @@ class CUDAGraphManager(Generic[OutputT]):
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
-        """Hold the step lock (waiting for a ``run`` in progress); refuse while a background capture runs."""
-        with self._step_lock:
+        """Hold the step lock (waiting for another thread's call); refuse while a background capture runs."""
+        with self._lock.held(what):
             if self._capturer.running() is not None:
                 raise RuntimeError(f"{what}: a background capture of this manager is running; wait() for it")
             yield
@@ -183,12 +183,15 @@ class CUDAGraphManager(Generic[OutputT]):
         until the next ``run`` or ``run_loop``. Raises ``ValueError`` naming a
         bad input before a buffer is touched; ``NoGraphError`` if ``strict``.
         """
-        if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(_BUSY)
+        lock = self._lock
+        if (me := get_ident()) == lock.capturing or not lock.acquire(False):
+            raise lock.refused("run")  # the background capture's thread, another thread, or from inside
         try:
+            lock.owner = me
             return self._path.run(inputs, uniform_decode, num_active_loras, invalid_modes)
         finally:
-            self._step_lock.release()
+            lock.owner = 0
+            lock.release()
 
     def run_batch(
         self,
@@ -202,15 +205,16 @@ class CUDAGraphManager(Generic[OutputT]):
         """``run`` with the inputs in one mapping (mypy rejects ``run(**batch)`` of a dict)."""
         given: object = inputs
         if given.__class__ is not dict and not isinstance(given, Mapping):
-            raise ValueError(
-                f"inputs: expected a mapping of input names to tensors, got {type(given).__name__}"
-            )
-        if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(_BUSY)
+            raise ValueError(f"{_NOT_A_MAPPING}, got {type(given).__name__}")
+        lock = self._lock
+        if (me := get_ident()) == lock.capturing or not lock.acquire(False):
+            raise lock.refused("run_batch")
         try:
+            lock.owner = me
             return self._path.run(inputs, uniform_decode, num_active_loras, invalid_modes)
         finally:
-            self._step_lock.release()
+            lock.owner = 0
+            lock.release()
 
     def run_loop(
         self,
@@ -226,19 +230,18 @@ class CUDAGraphManager(Generic[OutputT]):
         """
         if self._loops is None:
             raise RuntimeError("run_loop: this manager was built without ManagerOptions(decode_loop=...)")
-        if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(f"CUDAGraphManager.run_loop{_BUSY.removeprefix('CUDAGraphManager.run')}")
+        lock = self._lock
+        if (me := get_ident()) == lock.capturing or not lock.acquire(False):
+            raise lock.refused("run_loop")
         try:
+            lock.owner = me
             return self._loops.run(batch, inputs, max_steps)
         finally:
-            self._step_lock.release()
+            lock.owner = 0
+            lock.release()
 
 
-_BUSY: Final = (
-    "CUDAGraphManager.run: another thread is inside run(), capture(), clear(), start_capture(), "
-    "release() or estimate_memory() of this manager; its static buffers serve one step at a time "
-    "(serialize the calls, or use a manager per thread)"
-)
+_NOT_A_MAPPING: Final = "inputs: expected a mapping of input names to tensors"
 _NO_BACKGROUND_WITH_RANKS: Final = (
     "start_capture: a manager with ranks (ManagerOptions.ranks) captures with capture(), "
     "on every rank at once; a background capture would interleave its collectives with the "

@@ -10,6 +10,7 @@ loop needs one token per request) are the constructor's (``_arguments``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Generic
 
 from cudagraph_capture import CaptureOptions
@@ -39,6 +40,28 @@ def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object
             f"which lacks {', '.join(lacks)}"
         )
     return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
+
+
+def _check_engine_factory(factory: object) -> None:
+    """``ValueError`` naming ``options.engine_factory`` unless it is ``None`` or callable as a factory.
+
+    Its products are checked when made (``_capture._capturer.make_engine``).
+    """
+    if factory is None:
+        return
+    if not callable(factory):
+        raise ValueError(
+            f"options.engine_factory: expected None or a GraphEngineFactory, got {factory!r:.80}"
+        )
+    try:
+        inspect.signature(factory).bind(None, None, None)
+    except TypeError:
+        raise ValueError(
+            "options.engine_factory: expected a GraphEngineFactory, called as factory(model, mode, options), "
+            f"got {factory!r:.80}, which does not take those 3 arguments"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): its call is checked when made
+        pass
 
 
 def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:
@@ -104,11 +127,7 @@ class ManagerOptions(Generic[OutputT]):
 
     def __post_init__(self) -> None:
         _check_optional("options.capture", self.capture, CaptureOptions, "CaptureOptions or None")
-        factory: object = self.engine_factory
-        if factory is not None and not callable(factory):
-            raise ValueError(
-                f"options.engine_factory: expected None or a GraphEngineFactory, got {factory!r:.80}"
-            )
+        _check_engine_factory(self.engine_factory)
         try:
             check_output_rows(self.output_rows)
         except ValueError as error:  # its message starts with the field's name

@@ -23,6 +23,7 @@ from ._static import Rows, StaticInput
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 _KINDS: Final = ("tokens", "reqs")
+_NO_LORAS: Final = 0  # run()'s default num_active_loras; more adapters than requests: refused
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
 
 #: Keyword arguments of ``run`` itself: no model input may be named so.
@@ -148,7 +149,7 @@ class StaticBuffers:
             if b.rows is not None:
                 b.view(num_reqs if b.rows == "reqs" else num_tokens).fill_(b.pad_value)
 
-    def check(self, inputs: _Inputs, uniform_decode: bool) -> tuple[int, int, bool]:
+    def check(self, inputs: _Inputs, uniform_decode: bool, loras: object = 0) -> tuple[int, int, bool]:
         """``(num_tokens, num_reqs, requires_grad)`` of a step's inputs; ``ValueError`` names a bad input."""
         if len(inputs) != len(self.buffers):
             raise self._names_error(inputs)
@@ -182,8 +183,9 @@ class StaticBuffers:
             or num_reqs > num_tokens
             or (num_reqs == 0 and num_tokens > 0)
             or (uniform_decode is True and num_tokens != num_reqs * self.uniform_decode_query_len)
+            or (loras is not _NO_LORAS and isinstance(loras, int) and loras > num_reqs)
         ):
-            self._check_requests(num_tokens, num_reqs, uniform_decode)  # raises, naming the input
+            self._check_requests(num_tokens, num_reqs, uniform_decode, loras)  # names the input
         if requires_grad and not self.warned_grad:  # the step's one branch for it
             self._warn_requires_grad(inputs)
         return num_tokens, num_reqs, requires_grad
@@ -246,7 +248,8 @@ class StaticBuffers:
             if rows != graph_rows:
                 padding.fill_(b.pad_value)
 
-    def _check_requests(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> None:
+    def _check_requests(self, num_tokens: int, num_reqs: int, uniform_decode: bool, loras: object) -> None:
+        """``ValueError`` naming what is wrong with the step's counts (a ``bool`` count: dispatch's)."""
         reqs_from = self._firsts[1]
         if num_reqs > self.max_num_seqs:
             raise ValueError(
@@ -270,6 +273,11 @@ class StaticBuffers:
                 "uniform_decode: a uniform decode batch has num_reqs * "
                 f"{self.uniform_decode_query_len} tokens, "
                 f"got {num_tokens} tokens for {num_reqs} requests"
+            )
+        if isinstance(loras, int) and not isinstance(loras, bool) and loras > num_reqs:
+            raise ValueError(
+                f"num_active_loras: {loras} active adapters for {num_reqs} requests; "
+                "each active adapter serves at least one request of the step"
             )
 
     def _names_error(self, inputs: Mapping[str, object]) -> ValueError:

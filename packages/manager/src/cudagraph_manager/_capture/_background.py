@@ -135,6 +135,7 @@ class BackgroundCapture:
         "_report",
         "_retries",
         "_stop",
+        "_thread",
         "_timings",
         "_total",
         "_warm_ups",
@@ -167,6 +168,7 @@ class BackgroundCapture:
         self._finished = 0
         self._retries = 0
         self._report: CaptureReport | None = None
+        self._thread = 0  # the capture thread's ident while it runs
 
     # -- the handle --
 
@@ -196,6 +198,11 @@ class BackgroundCapture:
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
         ):
             raise ValueError(f"timeout: expected None or a number of seconds >= 0, got {timeout!r}")
+        if threading.get_ident() == self._thread and not self._done.is_set():
+            raise RuntimeError(
+                "wait(): called from inside the background capture it waits for (the model, attention "
+                "builder or decode loop's advance, on the capture thread); it would wait for itself"
+            )
         self._first.unblock()  # the caller waits: the first recording need not wait for its step
         if not self._done.wait(timeout):
             raise TimeoutError(f"the background capture is not done after {timeout} s ({self.progress})")
@@ -258,6 +265,7 @@ class BackgroundCapture:
         warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         """The thread's body: warm up, then record every pending key. Never raises."""
+        self._thread = threading.get_ident()
         jobs = self._jobs
         totals = jobs.start_totals()
         cuda = serving is not None and own is not None

@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 import weakref
-from collections.abc import Sequence
-from typing import Final, Generic
+from collections.abc import Callable, Sequence
+from typing import Final, Generic, cast
 
 import torch
 
@@ -82,7 +83,7 @@ class Capturer(Generic[OutputT]):
         graphs = table.graphs.values()
         modes = dict.fromkeys(graph.mode for graph in graphs) if parts.no_graphs is None else {}
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
-            mode: factory(parts.model, mode, options) for mode in modes
+            mode: make_engine(factory, parts.model, mode, options) for mode in modes
         }
         self._rule: Final = WarmUpRule[OutputT]()
         # The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
@@ -127,12 +128,14 @@ class Capturer(Generic[OutputT]):
             return
         start = time.perf_counter()
         graph = self._table.graphs[descriptor]
-        warm_up(graph, self._engines[graph.mode], self._parts.buffers)
+        with self._parts.lock.background():  # the model's calls on the manager are refused here
+            warm_up(graph, self._engines[graph.mode], self._parts.buffers)
         self._rule.ran(descriptor, time.perf_counter() - start)
 
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph:
         """Record ``descriptor``'s graph, warmed up before (or never: the rule's)."""
-        return self._capture(descriptor, warm=False)
+        with self._parts.lock.background():
+            return self._capture(descriptor, warm=False)
 
     # -- the manager's side --
 
@@ -250,7 +253,9 @@ class Capturer(Generic[OutputT]):
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
-        return self._factory(self._parts.model, mode, dataclasses.replace(self._options, pool=pool))
+        return make_engine(
+            self._factory, self._parts.model, mode, dataclasses.replace(self._options, pool=pool)
+        )
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         graph = self._table.graphs[descriptor]
@@ -261,6 +266,37 @@ class Capturer(Generic[OutputT]):
         )
         self._rule.captured(descriptor)
         return captured
+
+
+def make_engine(
+    factory: GraphEngineFactory, model: Callable[..., OutputT], mode: CUDAGraphMode, options: CaptureOptions
+) -> GraphEngine[OutputT]:
+    """``factory(model, mode, options)``, checked to be a ``GraphEngine`` (else ``ValueError``)."""
+    try:
+        engine: object = factory(model, mode, options)
+    except TypeError as error:
+        if _has_signature(factory):  # it takes the arguments: the error is the factory's own
+            raise
+        raise ValueError(
+            f"options.engine_factory: {factory!r:.80} cannot be called as "
+            f"factory(model, mode, options): {error}"
+        ) from error
+    lacks = [f"{member}()" for member in ("warm_up", "record") if not callable(getattr(engine, member, None))]
+    if lacks:
+        raise ValueError(
+            f"options.engine_factory: returned {engine!r:.80} for mode {mode.name}, expected a GraphEngine; "
+            f"it lacks {', '.join(lacks)}"
+        )
+    return cast("GraphEngine[OutputT]", engine)
+
+
+def _has_signature(factory: object) -> bool:
+    """Whether ``factory``'s signature can be read (``ManagerOptions`` checked it takes 3 arguments)."""
+    try:
+        inspect.signature(cast("Callable[..., object]", factory))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def agree_plan(

@@ -4,7 +4,8 @@ The step path decides that a step replays nothing; this module says why
 (``EagerReason``) and runs it: the model on the batch as it is, or, on a
 device without CUDA graphs, the step the graph would replay, run eagerly on
 the padded static buffers and cut like a replay's outputs. Idle steps (0
-tokens) and an idle rank's part in the others' eager step are here too.
+tokens) and an idle rank's part in the others' eager step are here too. A
+step is counted once it ran: a refused or failed one never is.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class EagerSteps(Generic[OutputT]):
         parts = self._parts
         if parts.strict and not allowed:
             raise NoGraphError(batch.num_tokens, self._why(reason, graph, batch))
+        if reason is EagerReason.NO_CUDA and graph is not None:
+            out = self._padded(batch, graph)
+        else:  # the batch as it is: an attention may lay out a uniform batch per request
+            with torch.no_grad(), self._context(batch.eager_descriptor(), batch, batch.eager_shape()):
+                out = parts.model(**batch.inputs)
+            # The outputs of an eager step are checked as a capture's are (rows, structure):
+            # a wrong output never reaches the caller silently. Eager steps only.
+            parts.layout.of(out).check(out, batch.num_tokens, batch.num_reqs)
+        self._counted(reason, graph, batch)
+        return out
+
+    def _counted(self, reason: EagerReason, graph: PlannedGraph[OutputT] | None, batch: StepBatch) -> None:
+        """An eager step that ran, counted and logged (once per reason); a refused or failed one never is."""
         if reason not in self._logged:  # once per reason: visible, never a flood
             self._logged.add(reason)
             level = logging.INFO if reason is EagerReason.NO_CUDA else logging.WARNING
@@ -92,31 +106,21 @@ class EagerSteps(Generic[OutputT]):
             _logger.log(
                 level, "running a step of %d tokens eagerly (%s): %s", batch.num_tokens, reason.value, why
             )
-        parts.counts.eager_step(reason)
-        if reason is EagerReason.NO_CUDA and graph is not None:
-            return self._padded(batch, graph)
-        # The batch as it is: an attention may lay out a uniform batch per request.
-        with torch.no_grad(), self._context(batch.eager_descriptor(), batch, batch.eager_shape()):
-            out = parts.model(**batch.inputs)
-        # The outputs of an eager step are checked as a capture's are (rows, structure):
-        # a wrong output never reaches the caller silently. Eager steps only.
-        parts.layout.of(out).check(out, batch.num_tokens, batch.num_reqs)
-        return out
+        self._parts.counts.eager_step(reason)
 
     def idle(self, batch: StepBatch) -> OutputT:
-        """A step of 0 tokens: the outputs' structure with no rows, without calling the model.
+        """A step of 0 tokens: the outputs' structure with no rows; the model never sees empty inputs.
 
-        Only a manager that has seen no outputs yet (no capture, no step) calls
-        the model once, on the empty inputs, to learn their structure.
+        A manager that has seen no outputs yet (no capture, no step) learns
+        their structure once, from the model on one padding row of the static
+        buffers (the pad values, as a warm-up runs it; not counted as a step).
         """
-        parts = self._parts
-        parts.counts.idle()
-        layout = parts.layout.layout
-        if layout is None:
-            with torch.no_grad(), self._context(BatchDescriptor(0), batch, BatchShape.eager(0, 0, False)):
-                out = parts.model(**batch.inputs)
-            parts.layout.of(out).check(out, 0, 0)
-            return out
+        cell = self._parts.layout
+        if cell.layout is None:
+            self._padding_row()  # sets the layout
+        layout = cell.layout
+        assert layout is not None
+        self._parts.counts.idle()
         return cast(OutputT, layout.empty())
 
     def dummy_step(self) -> OutputT:
@@ -127,7 +131,13 @@ class EagerSteps(Generic[OutputT]):
         parts = self._parts
         if parts.strict:
             raise NoGraphError(0, f"the other ranks of the {_world_size(parts)} run this step eagerly")
+        out = self._padding_row()
         parts.counts.dummy()
+        return out
+
+    def _padding_row(self) -> OutputT:
+        """The model on one padding row (the static buffers' pad values), its outputs cut to 0 rows."""
+        parts = self._parts
         parts.buffers.fill_padding(1, 1)
         padding = StepBatch.padding()
         with torch.no_grad(), self._context(BatchDescriptor(1), padding, BatchShape.eager(1, 1, False)):

@@ -69,7 +69,7 @@ class StepPath(Generic[OutputT]):
         invalid: frozenset[CUDAGraphMode],
     ) -> OutputT:
         """One step: check -> route -> build -> copy in -> replay -> count and cut; or an eager step."""
-        num_tokens, num_reqs, grad = self._buffers.check(inputs, uniform_decode)
+        num_tokens, num_reqs, grad = self._buffers.check(inputs, uniform_decode, loras)
         if self._ranks is not None:  # one exchange: every rank takes the same route
             route, dummy = self._agreed_route(StepRequest(num_tokens, uniform_decode, loras, invalid))
         else:  # 0 tokens route to EMPTY_BATCH: an idle step
