@@ -34,4 +34,3 @@ def test_import_does_not_load_torch(module: str) -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["imported"] is True
     assert result["torch"] == []
-
