@@ -39,6 +39,32 @@ def test_the_capture_readme_runs_top_to_bottom() -> None:
     _run("\n".join(blocks), "packages/capture/README.md")
 
 
+def test_the_capture_readme_says_its_cuda_examples_need_a_cuda_device() -> None:
+    """Issue 39: its blocks put tensors on ``device="cuda"``; on a CPU torch dies with a bare AssertionError.
+
+    Every section with such a block says, before its first block, that it
+    needs a CUDA device; and the engines themselves, on CPU tensors, say so too.
+    """
+    readme = (ROOT / "packages/capture/README.md").read_text()
+    for section in re.split(r"^## ", readme, flags=re.MULTILINE)[1:]:
+        before_block, _, rest = section.partition("```python")
+        if 'device="cuda"' in rest.partition("```")[0]:
+            assert re.search(r"needs? a\s+CUDA\s+device", before_block), section.splitlines()[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device")
+def test_the_capture_readmes_first_example_on_cpu_tensors_names_the_missing_device() -> None:
+    """The first block with its tensors on the CPU: a ``CaptureError`` that says a CUDA device is needed."""
+    from cudagraph_capture import CaptureError
+
+    first = python_blocks(ROOT / "packages/capture/README.md")[0]
+    assert first.count('device="cuda"') == 2
+    with pytest.raises(
+        CaptureError, match=r"^CUDAGraphWrapper needs a CUDA device, and none is available here"
+    ):
+        _run(first.replace('device="cuda"', 'device="cpu"'), "packages/capture/README.md")
+
+
 def test_the_manager_readmes_first_example_runs() -> None:
     """On a GPU it captures and replays; on a CPU (the newcomer's 5: it crashed there) it runs eagerly."""
     first = python_blocks(ROOT / "packages/manager/README.md")[0]
