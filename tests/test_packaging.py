@@ -261,10 +261,15 @@ def _install_and_run_the_rank_example(venv: Path, tmp_path: Path, env: Mapping[s
 def test_a_folder_removed_afterwards_is_gone_after_an_error(tmp_path: Path) -> None:
     """The big venv's folder goes even when the test fails inside it (the failure still propagates)."""
     folder = tmp_path / "venv"
-    with pytest.raises(RuntimeError, match="boom"), removed_afterwards(folder) as inside:
-        (inside / "lib").mkdir(parents=True)
-        (inside / "lib" / "torch.so").write_bytes(b"x" * 1024)
-        raise RuntimeError("boom")
+
+    def fail_inside() -> None:
+        with removed_afterwards(folder) as inside:
+            (inside / "lib").mkdir(parents=True)
+            (inside / "lib" / "torch.so").write_bytes(b"x" * 1024)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside()
     assert not folder.exists()
     with removed_afterwards(folder):  # never made: nothing to remove, no error
         pass

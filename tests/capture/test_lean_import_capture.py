@@ -102,4 +102,3 @@ print(json.dumps({"new": sorted(bindings() - before)}))
 def test_cuda_bindings_are_imported_only_by_a_device_loop() -> None:
     """Neither ``import cudagraph_capture`` nor the other engines import cuda-bindings (the loop engine's)."""
     assert probe(_BINDINGS_PROBE) == {"new": []}
-

@@ -67,11 +67,16 @@ def test_replay_while_capturing_and_after_a_failed_capture_raises() -> None:
     """Inside its own capture, and after the body raised, replay refuses; after a good capture it runs."""
     x = torch.zeros(16, device=cuda())
     capture = BreakableCUDAGraphCapture()
-    with pytest.raises(ValueError, match="boom"), capture:
-        x.add_(1.0)
-        with pytest.raises(RuntimeError, match="nothing to replay, no capture has completed"):
-            capture.replay()
-        raise ValueError("boom")
+
+    def body() -> None:
+        with capture:
+            x.add_(1.0)
+            with pytest.raises(RuntimeError, match="nothing to replay, no capture has completed"):
+                capture.replay()
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        body()
     with pytest.raises(RuntimeError, match="nothing to replay, the capture failed"):
         capture.replay()
     good = BreakableCUDAGraphCapture()

@@ -238,7 +238,8 @@ class CUDAGraphDispatcher:
         if num_tokens > self._max_uniform_tokens:
             raise ValueError(
                 f"num_tokens: a uniform decode batch of {num_tokens} tokens is {num_tokens // q} requests "
-                f"(num_reqs = num_tokens / uniform_decode_query_len={q}), above max_num_seqs={self._max_num_seqs}"
+                f"(num_reqs = num_tokens / uniform_decode_query_len={q}), "
+                f"above max_num_seqs={self._max_num_seqs}"
             )
         if num_active_loras * q > num_tokens:
             raise ValueError(
