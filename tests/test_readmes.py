@@ -153,7 +153,7 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
 
 
 def test_the_readmes_cpu_demo_paragraph_says_what_it_times_and_what_it_honours() -> None:
-    """Issue 39: "about 30 s" was mostly the environment (the demo took 4 s); ``--dtype`` was ignored silently.
+    """Issue 39: "about 30 s" was mostly the environment (the demo: 4 s); ``--dtype`` was ignored silently.
 
     The paragraph now says the demo prints its own time and what ``make
     demo`` adds, that ``--dtype`` applies on a CPU too, and that two host loops

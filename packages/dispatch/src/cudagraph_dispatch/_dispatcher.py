@@ -128,20 +128,10 @@ class CUDAGraphDispatcher:
         num_active_loras: int = 0,
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> Route:
-        """``dispatch`` for a runner's step path: the graph's decision, or why the batch has none.
-
-        Returns the ``Dispatch`` of a graph (its mode FULL or PIECEWISE, never
-        NONE), else the ``EagerReason`` stored beside the decisions
-        (``EMPTY_BATCH`` for 0 tokens): nothing is built per call. The same
-        checks as ``dispatch``; the arguments may also be passed by position
-        (a step path saves the keywords).
-        """
-        # Runs every step: one test accepts the usual arguments (plain ints,
-        # a real bool, one of the four frozensets, no more adapters than the
-        # batch can have requests, a uniform count that is a multiple of q
-        # within max_num_seqs requests: a mixed step pays nothing for that
-        # one, a step without adapters nothing for theirs); anything else goes
-        # the slow way, which names what is wrong or normalizes it.
+        """``dispatch`` for a step path: a graph's ``Dispatch`` (FULL or PIECEWISE), else its stored
+        ``EagerReason`` (0 tokens: ``EMPTY_BATCH``); builds nothing; positional; ``dispatch``'s checks."""
+        # One test accepts the usual arguments (the uniform and adapter bounds cost a mixed step without
+        # adapters nothing); anything else goes the slow way, which names what is wrong or normalizes it.
         tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
         flag: object = uniform_decode
         if (
@@ -151,19 +141,16 @@ class CUDAGraphDispatcher:
             or num_active_loras.__class__ is not int
             or (
                 num_active_loras != 0
-                and (
-                    num_active_loras < 0
-                    or num_active_loras > num_tokens
-                    or num_active_loras > self._max_num_seqs
-                )
+                and (not 0 < num_active_loras <= num_tokens or num_active_loras > self._max_num_seqs)
             )
             or (
                 flag is not False
                 and (
                     flag is not True
                     or num_tokens % self._uniform_decode_query_len
-                    or num_tokens > self._max_uniform_tokens
-                    or num_active_loras * self._uniform_decode_query_len > num_tokens
+                    or not num_active_loras * self._uniform_decode_query_len
+                    <= num_tokens
+                    <= self._max_uniform_tokens
                 )
             )
         ):
