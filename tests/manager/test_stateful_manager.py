@@ -283,7 +283,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def _step(self, data: st.DataObject) -> None:
         """One step through run() or run_batch(): idle, a replay, an eager run or NoGraphError."""
         num_tokens, num_reqs, uniform = data.draw(manager_step_shapes(self.config), label="step shape")
-        loras = data.draw(st.integers(min_value=0, max_value=max(LORA_COUNTS) + 1), label="active loras")
+        # At most one adapter per request (the dispatcher refuses more adapters than the step's tokens).
+        most = min(num_reqs, max(LORA_COUNTS) + 1)
+        loras = data.draw(st.integers(min_value=0, max_value=most), label="active loras")
         invalid_modes = data.draw(st.just(frozenset()) | invalid_mode_sets, label="invalid modes")
         via_batch = data.draw(st.booleans(), label="through run_batch")
         seed = data.draw(st.integers(min_value=0, max_value=2**16), label="batch seed")
