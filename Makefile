@@ -73,13 +73,17 @@ dist: $(BUILD_STAMP)  ## Wheels and sdists of the three packages into dist/ (a s
 
 # One process per benchmark module: a device-side assert poisons a CUDA context
 # for good, so one broken module must not take the others' numbers with it.
+# Each module's pytest exit status goes beside its JSON (NAME.status), so the
+# report tells a module that errored (an import error, a failed test) from
+# one whose benchmarks all skipped (status 5, or an empty JSON).
 define run_benchmarks
 	mkdir -p $(BENCH_DIR); status=0; \
 	for file in tests/benchmarks/test_bench_*.py; do \
 	    name=$$(basename $$file .py); \
 	    PYTHONPATH=$(2) $(1) -m pytest -p no:cacheprovider $$file --benchmark-only \
 	        --benchmark-json=$(BENCH_DIR)/$$name.json $(PYTEST_FLAGS); \
-	    code=$$?; [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
+	    code=$$?; echo $$code > $(BENCH_DIR)/$$name.status; \
+	    [ $$code -eq 0 ] || [ $$code -eq 5 ] || status=1; \
 	done; \
 	PYTHONPATH=$(2) $(1) -m tests.benchmarks.report $$(ls $(BENCH_DIR)/test_bench_*.json) $(BENCH_DIR) \
 	    || status=1; \
@@ -96,10 +100,14 @@ gpu: gpu-test gpu-bench  ## Tests, then benchmarks, with $(PYTHON) and no instal
 
 # gpu-test deselects the one test that installs from the package index (a GPU machine may
 # have none); PYTEST_FLAGS with a -m of its own replaces that deselection.
+# Each target that uses $(PYTHON) first checks that it has what the target imports
+# (tests/preflight.py), and names what is missing instead of one import error per module.
 gpu-test:  ## Tests only, with $(PYTHON) and no installs
+	$(PYTHON) -m tests.preflight gpu-test
 	PYTHONPATH=$(SRC_PATH):. $(PYTHON) -m pytest -p no:cacheprovider -m "not needs_index" $(PYTEST_FLAGS)
 
 gpu-bench:  ## Benchmarks only, with $(PYTHON) and no installs
+	$(PYTHON) -m tests.preflight gpu-bench
 	$(call run_benchmarks,$(PYTHON),$(SRC_PATH):.:$(PYTHONPATH))
 
 # 100,000 random reference-decoder steps in every mode, checked against eager
@@ -111,6 +119,7 @@ SOAK_FLAGS ?=
 SOAK_PYTHON := $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),$(VPY))
 SOAK_NEEDS := $(if $(filter $(VPY),$(SOAK_PYTHON)),$(STAMP))
 soak: $(SOAK_NEEDS)  ## Soak on the GPU: 100k replayed steps vs eager, memory flat (PYTHON=python3: no installs)
+	$(SOAK_PYTHON) -m tests.preflight soak
 	PYTHONPATH=$(SRC_PATH):. $(SOAK_PYTHON) -m tests.soak --out $(SOAK_OUT) $(SOAK_FLAGS)
 
 # Everything .gitignore lists that the project makes (tests/test_makefile.py checks it): the

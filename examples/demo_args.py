@@ -46,7 +46,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page (GPU 128, CPU 16)")
     parser.add_argument("--mode", choices=[m.name for m in CUDAGraphMode], default="FULL_AND_PIECEWISE")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="GPU dtype")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="model dtype (GPU bfloat16, CPU float32)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per step (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +90,9 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
 
 
 def _config(args: argparse.Namespace, *, cpu: bool) -> DecoderConfig:
-    base = DecoderConfig.small() if cpu else DecoderConfig(dtype=DTYPES[args.dtype])
+    base = DecoderConfig.small() if cpu else DecoderConfig()
+    if args.dtype is not None:  # honoured on both paths (a CPU runs bfloat16 too, slowly)
+        base = dataclasses.replace(base, dtype=DTYPES[args.dtype])
     hidden = base.hidden_size if args.hidden is None else args.hidden
     ffn = -(-(hidden * 11 // 4) // 32) * 32  # ~2.75 x hidden, a multiple of 32 (2816 for d=1024)
     return dataclasses.replace(

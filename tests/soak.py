@@ -85,7 +85,9 @@ the details as JSON (``--out``, default ``.benchmarks/soak.json``) and exits
 breached, or a crash.
 
 Without CUDA nothing replays, so there is no soak: it says so first and in
-its summary ("soak REPLAYED NOTHING", ``"replays": 0`` in the JSON), runs
+its summary ("soak REPLAYED NOTHING"; in the JSON ``"ok": false``,
+``"status": "nothing replayed"`` with its ``"why"``, ``"replays": 0``, and
+``"eager_path_ok"`` for the checks that did run), runs
 500 steps by default (seconds, not minutes) through the same checks of the
 eager path, and exits 3 where the default device had no CUDA (``make soak``
 on a machine without a GPU); ``--device cpu``, asked for by name, exits 0
@@ -226,8 +228,8 @@ def draw_plans(setup: Setup, steps: int, sample: float, seed: int) -> tuple[list
         manager = rng.randrange(len(MODES))
         loras = rng.choices(_LORA_CHOICES, _LORA_WEIGHTS)[0]
         invalid = rng.choices(_INVALID_CHOICES, _INVALID_WEIGHTS)[0]
-        if rng.random() < _IDLE_SHARE:
-            plans.append(StepPlan(manager, 0, False, loras, invalid))
+        if rng.random() < _IDLE_SHARE:  # no request, so no adapter
+            plans.append(StepPlan(manager, 0, False, 0, invalid))
             continue
         uniform = rng.random() < _UNIFORM_SHARE
         limit = max_decode if uniform else setup.max_mixed_tokens
@@ -238,7 +240,8 @@ def draw_plans(setup: Setup, steps: int, sample: float, seed: int) -> tuple[list
             num_tokens = rng.randint(1, sizes.max)
         else:
             num_tokens = rng.randint(sizes.max + 1, limit)
-        plans.append(StepPlan(manager, num_tokens, uniform, loras, invalid))
+        # A request runs one adapter and has a token: no more adapters than tokens (the dispatcher refuses).
+        plans.append(StepPlan(manager, num_tokens, uniform, min(loras, num_tokens), invalid))
     busy = [i for i, plan in enumerate(plans) if plan.num_tokens]
     chosen = random.Random(seed + 1).sample(busy, min(len(busy), math.ceil(sample * steps)))
     mask = bytearray(steps)
@@ -725,8 +728,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = not problems
     replays = runtime["FULL"] + runtime["PIECEWISE"]
     summary: dict[str, object] = {
-        "ok": ok,
-        "replays": replays,  # 0 without CUDA: "ok" then vouches for the eager path only
+        # A soak that replayed no graph is no soak: "ok" only when graphs replayed and every check
+        # passed; "status" says which, and "eager_path_ok" what the checks of the eager path found.
+        "ok": ok and graphs,
+        "status": _status(ok, graphs),
+        "why": None if graphs else "no CUDA graphs were captured on this device: nothing was replayed",
+        "eager_path_ok": ok,
+        "replays": replays,
         "graphs": graphs,
         "problems": problems,
         "steps": args.steps,
@@ -827,6 +835,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Without CUDA the soak did not happen: only a --device asked for by name (checking the harness)
     # passes; `make soak` on a machine without a GPU fails plainly instead of saying OK.
     return 0 if graphs or args.device is not None else NOTHING_REPLAYED
+
+
+def _status(ok: bool, graphs: bool) -> str:
+    """The soak's verdict in the JSON: ``"ok"``, ``"failed"``, or ``"nothing replayed"`` (no graphs)."""
+    if not ok:
+        return "failed"
+    return "ok" if graphs else "nothing replayed"
 
 
 if __name__ == "__main__":

@@ -135,10 +135,23 @@ def step_count(config: DispatchConfig, num_tokens: int, uniform_decode: bool) ->
     """``num_tokens`` as a step of that kind has it: a uniform decode batch's, a multiple of q (rounded up).
 
     Every request of a uniform decode batch has ``uniform_decode_query_len``
-    tokens; the dispatcher refuses any other count.
+    tokens, and it has at most ``max_num_seqs`` requests: a larger count is
+    cut to ``q * max_num_seqs``. The dispatcher refuses any other count.
     """
     query_len = config.uniform_decode_query_len
-    return -(-num_tokens // query_len) * query_len if uniform_decode else num_tokens
+    if not uniform_decode:
+        return num_tokens
+    return min(-(-num_tokens // query_len), config.max_num_seqs) * query_len
+
+
+def step_loras(config: DispatchConfig, num_tokens: int, uniform_decode: bool, num_active_loras: int) -> int:
+    """``num_active_loras`` cut to the requests a step of ``num_tokens`` tokens can have (one adapter each).
+
+    A mixed step has at most ``min(num_tokens, max_num_seqs)`` requests, a
+    uniform decode one ``num_tokens / q``: the dispatcher refuses more adapters.
+    """
+    most = num_tokens // config.uniform_decode_query_len if uniform_decode else num_tokens
+    return min(num_active_loras, most, config.max_num_seqs)
 
 
 @st.composite
@@ -157,11 +170,11 @@ def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher
     """
     dispatcher = draw(dispatchers)
     uniform_decode = draw(st.booleans())
-    num_tokens = draw(st.just(0) | token_counts(dispatcher))
+    num_tokens = step_count(dispatcher.config, draw(st.just(0) | token_counts(dispatcher)), uniform_decode)
     return dispatcher, StepRequest(
-        step_count(dispatcher.config, num_tokens, uniform_decode),
+        num_tokens,
         uniform_decode,
-        draw(active_lora_counts),
+        step_loras(dispatcher.config, num_tokens, uniform_decode, draw(active_lora_counts)),
         draw(invalid_mode_sets),
     )
 
@@ -173,15 +186,19 @@ def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher
 def _batch_descriptors(draw: st.DrawFn) -> BatchDescriptor:
     """A valid key: a request count, when given, at most the token count (a request has a token).
 
-    A uniform key names its request count; active adapters come with ``has_lora``.
+    A uniform key names its request count, and its tokens split evenly over
+    them; active adapters come with ``has_lora`` (a key's adapter count is a
+    captured capacity: it may exceed the tokens).
     """
     num_tokens = draw(st.integers(min_value=0, max_value=MAX_CAPTURE_SIZE))
     num_reqs = draw(st.none() | st.integers(min_value=1, max_value=max(num_tokens, 1)))
     num_active_loras = draw(st.integers(min_value=0, max_value=MAX_LORA_COUNT))
+    num_tokens += num_reqs is not None and num_tokens == 0  # 1 request needs 1 token
+    uniform = num_reqs is not None and draw(st.booleans())
     return BatchDescriptor(
-        num_tokens + (num_reqs is not None and num_tokens == 0),  # 1 request needs 1 token
+        num_tokens - num_tokens % num_reqs if uniform and num_reqs else num_tokens,  # q tokens each
         num_reqs,
-        num_reqs is not None and draw(st.booleans()),
+        uniform,
         num_active_loras > 0 or draw(st.booleans()),
         num_active_loras,
     )
@@ -209,10 +226,12 @@ forward_context_extras: Final = st.dictionaries(
 def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> StepRequest:
     """One rank's request with a token count drawn around ``dispatcher``'s sizes."""
     uniform_decode = draw(st.booleans())
+    num_tokens = step_count(dispatcher.config, draw(token_counts(dispatcher)), uniform_decode)
+    loras = draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts)
     return StepRequest(
-        num_tokens=step_count(dispatcher.config, draw(token_counts(dispatcher)), uniform_decode),
+        num_tokens=num_tokens,
         uniform_decode=uniform_decode,
-        num_active_loras=draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts),
+        num_active_loras=step_loras(dispatcher.config, num_tokens, uniform_decode, loras),
     )
 
 

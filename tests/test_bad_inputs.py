@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import re
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Final, cast
 
 import pytest
@@ -43,7 +44,13 @@ from cudagraph_capture import (
     set_capture_enabled,
     shared_pool,
 )
-from cudagraph_capture.lowlevel import capture_stream, collector_paused, release_graph_memory, resolve_device
+from cudagraph_capture.lowlevel import (
+    capture_stream,
+    check_capture_enabled,
+    collector_paused,
+    release_graph_memory,
+    resolve_device,
+)
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -86,6 +93,9 @@ KEY: Final = BatchDescriptor(8)
 QUERY_LEN_2: Final = CUDAGraphDispatcher(
     DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4, 8]), 4, 2)
 )
+#: Sizes above max_num_seqs=8 requests (a uniform decode batch of 16 tokens has 16 requests).
+WIDE: Final = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 8, 32]), 8))
+WIDE_NONE: Final = CUDAGraphDispatcher(DispatchConfig(M.NONE, CaptureSizes([1, 8, 32]), 8))
 CPU: Final = torch.device("cpu")
 
 NO_CUDA: Final = pytest.mark.skipif(
@@ -397,6 +407,91 @@ BAD_INPUTS: Final = [
         call(agree_across_ranks, QUERY_LEN_2, [RankRequest(1000), RankRequest(5, True)]),
         r"^requests\[1\]\.num_tokens: .*got 5$",
     ),
+    # Issue 39: accepted silently before.
+    row(
+        "sizes-dict",
+        call(CaptureSizes, {1: "a", 8: "b"}),
+        r"^capture_sizes: expected .*got \{1: 'a', 8: 'b'\}$",
+    ),
+    row(
+        "sizes-mapping-proxy",
+        call(CaptureSizes, MappingProxyType({8: 8})),
+        r"^capture_sizes: expected .*got mappingproxy\(\{8: 8\}\)$",
+    ),
+    row("sizes-bytes", call(CaptureSizes, b"\x08"), r"^capture_sizes: .*got b'\\x08'$"),
+    row("sizes-string-element", call(CaptureSizes, (1, "8")), r"^capture_sizes\[1\]: .*got '8'$"),
+    row("sizes-none-element", call(CaptureSizes, iter([8, None])), r"^capture_sizes\[1\]: .*got None$"),
+    row(
+        "weakest-dict",
+        call(AttentionSupport.weakest, {AttentionSupport(): "flash"}),
+        r"^supports: expected .*got \{AttentionSupport\(",
+    ),
+    row(
+        "descriptor-uniform-tokens-not-a-multiple-of-reqs",
+        call(BatchDescriptor, 5, 2, uniform=True),
+        r"^uniform: a uniform key's 5 tokens do not split evenly over num_reqs=2 requests ",
+    ),
+    row(
+        "descriptor-uniform-7-over-3",
+        call(BatchDescriptor, 7, 3, True, True, 1),
+        r"^uniform: .*7 tokens .*num_reqs=3",
+    ),
+    *(
+        row(
+            f"{name}-uniform-above-max_num_seqs",
+            call(method, *args, uniform_decode=True),
+            rf"^num_tokens: a uniform decode batch of {args[0]} tokens is {args[0] // q} requests "
+            rf"\(num_reqs = num_tokens / uniform_decode_query_len={q}\), above max_num_seqs={m}$",
+        )
+        for name, method, args, q, m in (
+            ("dispatch", WIDE.dispatch, (16,), 1, 8),
+            ("route", WIDE.route, (9,), 1, 8),
+            ("explain", WIDE.explain, (32,), 1, 8),
+            ("dispatch-above-sizes", WIDE.dispatch, (40,), 1, 8),
+            ("dispatch-q-2", QUERY_LEN_2.dispatch, (10,), 2, 4),
+            ("dispatch-mode-none", WIDE_NONE.dispatch, (9,), 1, 8),
+        )
+    ),
+    *(
+        row(
+            f"{name}-more-adapters-than-tokens",
+            call(method, *args, num_active_loras=loras),
+            rf"^num_active_loras: {loras} active adapters for {tokens} tokens; a request runs one adapter "
+            r"and has at least one token$",
+        )
+        for name, method, args, loras, tokens in (
+            ("dispatch", DISPATCHER.dispatch, (2,), 4, 2),
+            ("route", DISPATCHER.route, (2, False), 4, 2),
+            ("explain", DISPATCHER.explain, (1,), 4, 1),
+            ("dispatch-empty", DISPATCHER.dispatch, (0,), 1, 0),
+            ("rank-request", RankRequest, (3, False), 5, 3),
+        )
+    ),
+    row(
+        "dispatch-uniform-more-adapters-than-requests",
+        call(QUERY_LEN_2.dispatch, 4, uniform_decode=True, num_active_loras=3),
+        r"^num_active_loras: 3 active adapters for a uniform decode batch of 2 requests \(4 tokens\)",
+    ),
+    row(
+        "route-uniform-more-adapters-than-requests",
+        call(QUERY_LEN_2.route, 8, True, 5),
+        r"^num_active_loras: 5 active adapters for a uniform decode batch of 4 requests \(8 tokens\)",
+    ),
+    row(
+        "dispatch-more-adapters-than-max_num_seqs",
+        call(WIDE.dispatch, 32, num_active_loras=9),
+        r"^num_active_loras: 9 active adapters, above max_num_seqs=8 ",
+    ),
+    row(
+        "ranks-uniform-above-max_num_seqs",
+        call(agree_across_ranks, WIDE, [RankRequest(4, True), RankRequest(12, True)]),
+        r"^requests\[1\]\.num_tokens: a uniform decode batch of 12 tokens is 12 requests",
+    ),
+    row(
+        "ranks-more-adapters-than-max_num_seqs",
+        call(agree_across_ranks, WIDE, [RankRequest(4), RankRequest(30, num_active_loras=10)]),
+        r"^requests\[1\]\.num_active_loras: 10 active adapters, above max_num_seqs=8 ",
+    ),
     # -- the shared checks --
     row("check_int-bool", call(check_int, "size", True, minimum=0), r"size.*True"),
     row("check_int-below", call(check_int, "size", -1, minimum=0), r"size.*>= 0.*-1"),
@@ -498,6 +593,39 @@ BAD_INPUTS: Final = [
     row("eager_break-not-callable", call(eager_break_during_capture, 5), r"fn.*5"),
     row("collector_paused-string", call(_collector_paused, "no"), r"gc_disable.*'no'"),
     row("set_capture_enabled-string", call(set_capture_enabled, "no"), r"flag.*'no'"),
+    # Issue 39: a descriptor that is not one was a KeyError, or accepted (False, None, nothing).
+    *(
+        row(
+            f"{name}-{label}",
+            call(method, value),
+            rf"^descriptor: expected a BatchDescriptor, got {pattern}$",
+        )
+        for name, method in (
+            ("wrapper-replay", CUDAGraphWrapper(_identity, M.FULL).replay),
+            ("wrapper-is_captured", CUDAGraphWrapper(_identity, M.FULL).is_captured),
+            ("wrapper-discard", CUDAGraphWrapper(_identity, M.PIECEWISE).discard),
+            ("breakable-wrapper-replay", BreakableCUDAGraphWrapper(_identity).replay),
+            ("breakable-wrapper-is_captured", BreakableCUDAGraphWrapper(_identity).is_captured),
+            ("breakable-wrapper-discard", BreakableCUDAGraphWrapper(_identity).discard),
+            ("breakable-wrapper-capture_for", BreakableCUDAGraphWrapper(_identity).capture_for),
+        )
+        for label, value, pattern in (
+            ("int", 2, "2"),
+            ("list", [8], r"\[8\]"),
+            ("none", None, "None"),
+            ("tuple", (8, None), r"\(8, None\)"),
+        )
+    ),
+    row(
+        "check_capture_enabled-string",
+        call(check_capture_enabled, "x"),
+        r"^descriptor: expected None or a BatchDescriptor, got 'x'$",
+    ),
+    row(
+        "check_capture_enabled-int",
+        call(check_capture_enabled, 8),
+        r"^descriptor: expected None or a BatchDescriptor, got 8$",
+    ),
     # -- devices --
     row("resolve_device-bool", call(resolve_device, True), r"device.*True"),
     row("resolve_device-unknown-string", call(resolve_device, "gpu"), r"device.*'gpu'"),
@@ -1287,6 +1415,13 @@ BAD_RUNS: Final = [
     bad_run(
         "run-bool-loras",
         lambda b, _: (run_with({**b, "num_active_loras": True}), ("num_active_loras", "True")),
+    ),
+    bad_run(  # issue 39: accepted before (a request runs one adapter and has a token)
+        "run-more-adapters-than-tokens",
+        lambda _, be: (
+            _fresh(2, 2, be, num_active_loras=4),
+            ("num_active_loras: 4 active adapters for 2 tokens",),
+        ),
     ),
     bad_run(
         "run-invalid_modes-none-mode",

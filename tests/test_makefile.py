@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Final
 
@@ -52,3 +53,54 @@ def test_make_clean_removes_everything_gitignore_lists(tmp_path: Path) -> None:
     left = sorted(path for path in made if (tmp_path / path).exists())
     assert left == [], f"make clean left {left}"
     assert kept.exists(), "make clean removed a source file"
+
+
+# -- targets that use an existing python say what it lacks (issue 39) --
+
+
+def _python_without(tmp_path: Path, modules: tuple[str, ...]) -> Path:
+    """A stand-in python: this one, with ``modules`` made unimportable (a sitecustomize that hides them)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"for name in {modules!r}:\n"
+        "    sys.modules[name] = None  # importlib.util.find_spec(name) is then None: missing\n"
+    )
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH="{hide}:$PYTHONPATH" exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(
+    ("target", "named"),
+    [
+        ("gpu-test", "torch, hypothesis, pytest-benchmark"),
+        ("gpu-bench", "torch, pytest-benchmark"),
+        ("soak", "torch"),
+    ],
+)
+def test_a_target_with_a_python_that_lacks_a_module_names_it_before_running(
+    tmp_path: Path, target: str, named: str
+) -> None:
+    """``make gpu-test PYTHON=...`` with no torch: one message naming the python and what it lacks, exit 2.
+
+    Before, each test module failed with its own import error (and the bench
+    report called the errored modules "skipped").
+    """
+    python = _python_without(tmp_path, ("torch", "hypothesis", "pytest_benchmark"))
+    result = subprocess.run(
+        ["make", "--no-print-directory", target, f"PYTHON={python}"],
+        cwd=_REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"make {target}: " in result.stderr
+    assert f"cannot import {named}, which `make {target}` needs" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "collected" not in result.stdout  # pytest never started

@@ -7,12 +7,14 @@ an sdist first, then the wheel from that sdist.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from zipfile import ZipFile
 
@@ -201,8 +203,27 @@ def test_readme_installs_then_the_rank_example_over_gloo_and_shm(tmp_path: Path)
     if importlib.util.find_spec("build") is None:
         pytest.skip("build not installed here (the dev dependency group has it)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
+    with removed_afterwards(tmp_path / "venv") as venv:  # ~880 MB with torch: not left for pytest to keep
+        _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path, env=env)
+        _install_and_run_the_rank_example(venv, tmp_path, env)
+
+
+@contextlib.contextmanager
+def removed_afterwards(folder: Path) -> Iterator[Path]:
+    """``folder``, removed when the block ends, whether or not it raised.
+
+    pytest keeps the temporary folders of the last three runs; a venv with
+    torch in one of them would leave about 880 MB per run in the system's
+    temporary folder (issue 39).
+    """
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _install_and_run_the_rank_example(venv: Path, tmp_path: Path, env: Mapping[str, str]) -> None:
+    """The README's installs into ``venv``, then the rank example over gloo and shm (see the test)."""
     python = venv / "bin" / "python"
     index = ["--index-url", env["TORCH_INDEX_URL"]] if env.get("TORCH_INDEX_URL") else []
     _pip(python, ["install", "-q", *index, _torch_pin()], cwd=REPO, env=env)
@@ -235,3 +256,20 @@ def test_readme_installs_then_the_rank_example_over_gloo_and_shm(tmp_path: Path)
         assert f"8 steps on 2 ranks agreeing over {backend}: 0 replayed, 8 eager" in out, out
         worst = float(out.rsplit("largest difference from the unsharded decoder: ", 1)[1].split()[0])
         assert worst < 1e-4, out
+
+
+def test_a_folder_removed_afterwards_is_gone_after_an_error(tmp_path: Path) -> None:
+    """The big venv's folder goes even when the test fails inside it (the failure still propagates)."""
+    folder = tmp_path / "venv"
+
+    def fail_inside() -> None:
+        with removed_afterwards(folder) as inside:
+            (inside / "lib").mkdir(parents=True)
+            (inside / "lib" / "torch.so").write_bytes(b"x" * 1024)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside()
+    assert not folder.exists()
+    with removed_afterwards(folder):  # never made: nothing to remove, no error
+        pass

@@ -39,6 +39,32 @@ def test_the_capture_readme_runs_top_to_bottom() -> None:
     _run("\n".join(blocks), "packages/capture/README.md")
 
 
+def test_the_capture_readme_says_its_cuda_examples_need_a_cuda_device() -> None:
+    """Issue 39: its blocks put tensors on ``device="cuda"``; on a CPU torch dies with a bare AssertionError.
+
+    Every section with such a block says, before its first block, that it
+    needs a CUDA device; and the engines themselves, on CPU tensors, say so too.
+    """
+    readme = (ROOT / "packages/capture/README.md").read_text()
+    for section in re.split(r"^## ", readme, flags=re.MULTILINE)[1:]:
+        before_block, _, rest = section.partition("```python")
+        if 'device="cuda"' in rest.partition("```")[0]:
+            assert re.search(r"needs? a\s+CUDA\s+device", before_block), section.splitlines()[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where there is no CUDA device")
+def test_the_capture_readmes_first_example_on_cpu_tensors_names_the_missing_device() -> None:
+    """The first block with its tensors on the CPU: a ``CaptureError`` that says a CUDA device is needed."""
+    from cudagraph_capture import CaptureError
+
+    first = python_blocks(ROOT / "packages/capture/README.md")[0]
+    assert first.count('device="cuda"') == 2
+    with pytest.raises(
+        CaptureError, match=r"^CUDAGraphWrapper needs a CUDA device, and none is available here"
+    ):
+        _run(first.replace('device="cuda"', 'device="cpu"'), "packages/capture/README.md")
+
+
 def test_the_manager_readmes_first_example_runs() -> None:
     """On a GPU it captures and replays; on a CPU (the newcomer's 5: it crashed there) it runs eagerly."""
     first = python_blocks(ROOT / "packages/manager/README.md")[0]
@@ -124,3 +150,19 @@ def test_the_capture_readmes_own_engine_runs_a_manager_on_the_cpu() -> None:
         x = torch.randn(n, 8)
         torch.testing.assert_close(manager.run(x=x), model(x))
     assert manager.stats.replays_of(CUDAGraphMode.FULL) == 3
+
+
+def test_the_readmes_cpu_demo_paragraph_says_what_it_times_and_what_it_honours() -> None:
+    """Issue 39: "about 30 s" was mostly the environment (the demo: 4 s); ``--dtype`` was ignored silently.
+
+    The paragraph now says the demo prints its own time and what ``make
+    demo`` adds, that ``--dtype`` applies on a CPU too, and that two host loops
+    show no speedup.
+    """
+    readme = (ROOT / "README.md").read_text()
+    cpu = readme.split("**On a CPU**", 1)[1].split("\n\n", 1)[0]
+    assert "30 s" not in cpu
+    assert "last line says how long the demo itself took" in cpu
+    assert "builds\n`.venv`" in cpu or "builds `.venv`" in cpu
+    assert "`--dtype`" in cpu
+    assert "no speedup" in cpu

@@ -28,7 +28,11 @@ def test_soak_without_cuda_replays_nothing_and_says_so(
     assert summary.startswith("soak REPLAYED NOTHING (no CUDA; eager path ok): 40 steps, 0 replays"), summary
     assert "soak OK" not in stdout
     report = json.loads(out.read_text(encoding="utf-8"))
-    assert (report["replays"], report["graphs"], report["ok"]) == (0, False, True)
+    assert (report["replays"], report["graphs"], report["eager_path_ok"]) == (0, False, True)
+    # Issue 39: "ok": true vouched for a soak that replayed nothing.
+    assert (report["ok"], report["status"]) == (False, "nothing replayed")
+    assert "nothing was replayed" in report["why"]
     # The harness asked for by name passes; the default is short where nothing replays.
     assert soak_main(["--device", "cpu", "--steps", "40", "--out", str(out)]) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["status"] == "nothing replayed"  # exit 0: asked for
     assert STEPS_WITHOUT_CUDA <= 1000

@@ -14,6 +14,11 @@
   ``extra_info["batch"]`` and a known ``label``). matplotlib is imported only here; without it the plot is
   skipped with a message.
 
+A module's pytest exit status, where the Makefile wrote it beside its JSON
+(``NAME.status``), tells an errored module (an import error, a failed
+test: listed first in ``bench.md``, and the exit status is 1) from one whose
+benchmarks all skipped (status 5, or an empty JSON without a status).
+
 Generic on purpose: any benchmark of this repository (capture engines,
 manager) lands in a table without the report knowing about it.
 """
@@ -30,6 +35,8 @@ from pathlib import Path
 from typing import Final
 
 MARKDOWN_NAME: Final = "bench.md"
+#: pytest's exit status when it collected no test to run: every benchmark of the module skipped.
+NO_TESTS_RAN: Final = 5
 PLOT_NAME: Final = "step_time.png"
 NO_GROUP: Final = "(no group)"
 #: The groups plotted in step_time.png (the manager benchmarks' decoder steps).
@@ -162,11 +169,17 @@ def _extra_columns(group: Sequence[Entry]) -> list[str]:
     return keys
 
 
-def markdown(entries: Sequence[Entry], *, source: str = "", machine: str = "") -> str:
-    """The report: one Markdown table per group."""
+def markdown(
+    entries: Sequence[Entry], *, source: str = "", machine: str = "", errored: Sequence[str] = ()
+) -> str:
+    """The report: one Markdown table per group; first, the modules that errored, if any."""
     lines = ["# Benchmarks", ""]
     if source:
         lines.append(f"Source: `{source}`" + (f"; {machine}" if machine else ""))
+        lines.append("")
+    if errored:
+        lines.append("**Errored** (their benchmarks are missing or partial; their output says why):")
+        lines += [f"- {module}" for module in errored]
         lines.append("")
     lines.append(
         "Ratios are time over the baseline's time (below 1: faster); speedup is the inverse. "
@@ -262,7 +275,7 @@ def _machine(data: Mapping[str, object]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write ``bench.md`` and ``step_time.png``; exit status 2 on an unreadable input."""
+    """Write ``bench.md`` and ``step_time.png``; exit 2 on an unreadable input, 1 if a module errored."""
     parser = argparse.ArgumentParser(
         prog="python -m tests.benchmarks.report", description=__doc__.split("\n")[0]
     )
@@ -273,11 +286,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     entries: list[Entry] = []
     machines: list[str] = []
+    errored: list[str] = []
     for path in args.bench_json:
+        status = exit_status(path)
+        if status not in (None, 0, NO_TESTS_RAN):
+            errored.append(f"`{path.stem}`: pytest exit status {status}")
+            print(
+                f"report: {path.stem} ERRORED (pytest exit status {status}): its benchmarks are missing "
+                "or partial; its output says why",
+                file=sys.stderr,
+            )
         if path.is_file() and path.stat().st_size == 0:
-            # pytest-benchmark opens --benchmark-json up front and writes nothing when every
-            # benchmark of the module skipped (the two-GPU one on a one-GPU machine).
-            print(f"report: {path} is empty (its benchmarks skipped); left out", file=sys.stderr)
+            # pytest-benchmark opens --benchmark-json up front and writes nothing when no
+            # benchmark of the module ran: all skipped (the two-GPU one on a one-GPU
+            # machine), or the module errored (an import error: its status file says so).
+            if status in (None, 0, NO_TESTS_RAN):
+                print(f"report: {path} is empty (its benchmarks skipped); left out", file=sys.stderr)
             continue
         try:
             data: object = json.loads(path.read_text())
@@ -290,12 +314,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.outdir.mkdir(parents=True, exist_ok=True)
     md_path = args.outdir / MARKDOWN_NAME
     sources = ", ".join(str(path) for path in args.bench_json)
-    md_path.write_text(markdown(entries, source=sources, machine=machines[0] if machines else "unknown"))
-    print(f"wrote {md_path} ({len(entries)} benchmarks)")
+    machine = machines[0] if machines else "unknown"
+    md_path.write_text(markdown(entries, source=sources, machine=machine, errored=errored))
+    print(
+        f"wrote {md_path} ({len(entries)} benchmarks{f', {len(errored)} modules errored' if errored else ''})"
+    )
     png_path = args.outdir / PLOT_NAME
     if plot_step_times(entries, png_path):
         print(f"wrote {png_path}")
-    return 0
+    return 1 if errored else 0
+
+
+def exit_status(bench_json: Path) -> int | None:
+    """The pytest exit status the Makefile wrote beside ``bench_json`` (``NAME.status``), if any.
+
+    ``None`` when there is none (a JSON written by hand) or it is not a number.
+    """
+    try:
+        return int(bench_json.with_suffix(".status").read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

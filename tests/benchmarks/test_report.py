@@ -174,3 +174,44 @@ def test_an_empty_json_of_a_skipped_module_is_left_out(
     assert "is empty (its benchmarks skipped)" in capsys.readouterr().err
     assert (out / MARKDOWN_NAME).exists()
     assert main([str(empty), str(tmp_path / "only_empty")]) == 0  # nothing ran at all: still a report
+
+
+@pytest.mark.parametrize("status", [1, 2, 4])
+def test_a_module_that_errored_is_reported_as_errored_not_skipped(
+    tmp_path: Path, status: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: an import error leaves an empty JSON too; its status file (the Makefile's) says it errored.
+
+    It was called "skipped" before; now it is named first in bench.md and on
+    stderr, and the report exits 1. A module whose benchmarks all skipped
+    (status 5) stays "skipped".
+    """
+    broken = tmp_path / "test_bench_manager.json"
+    broken.write_text("")
+    broken.with_suffix(".status").write_text(f"{status}\n")
+    skipped = tmp_path / "test_bench_multi_gpu.json"
+    skipped.write_text("")
+    skipped.with_suffix(".status").write_text("5\n")
+    good = _write(tmp_path, _document())
+    good.with_suffix(".status").write_text("0\n")
+    out = tmp_path / "out"
+    assert main([str(good), str(broken), str(skipped), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"test_bench_manager ERRORED (pytest exit status {status})" in err
+    assert "test_bench_manager.json is empty (its benchmarks skipped)" not in err
+    assert "test_bench_multi_gpu.json is empty (its benchmarks skipped)" in err
+    report = (out / MARKDOWN_NAME).read_text()
+    assert "**Errored**" in report
+    assert f"- `test_bench_manager`: pytest exit status {status}" in report
+    assert "test_bench_multi_gpu" not in report.split("**Errored**")[1].split("\n\n")[0]  # skipped
+
+
+def test_partial_results_of_a_module_with_a_failed_test_are_kept_and_flagged(tmp_path: Path) -> None:
+    """A module whose JSON holds results but whose run failed (exit 1): its rows stay, flagged errored."""
+    partial = _write(tmp_path, _document())
+    partial.with_suffix(".status").write_text("1")
+    out = tmp_path / "out"
+    assert main([str(partial), str(out)]) == 1
+    report = (out / MARKDOWN_NAME).read_text()
+    assert f"- `{partial.stem}`: pytest exit status 1" in report
+    assert "## decoder step, batch 1" in report

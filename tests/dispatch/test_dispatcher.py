@@ -33,6 +33,7 @@ from tests.strategies import (
     dispatchers_with_token_counts,
     invalid_mode_sets,
     step_count,
+    step_loras,
 )
 
 M: Final = CUDAGraphMode
@@ -155,7 +156,13 @@ def test_full_keys_cap_num_reqs_at_max_num_seqs(num_tokens: int, padded: int) ->
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8, 16]), max_num_seqs=8))
     expected = Dispatch(M.FULL, BatchDescriptor(padded, num_reqs=min(padded, 8)))
     assert dispatcher.dispatch(num_tokens) == expected
-    assert dispatcher.dispatch(num_tokens, uniform_decode=True) == expected  # FULL: no separate routine
+    if num_tokens <= 8:  # a uniform batch of num_tokens requests
+        assert dispatcher.dispatch(num_tokens, uniform_decode=True) == expected  # FULL: no separate routine
+    else:  # more requests than max_num_seqs: a scheduler's bug, refused (issue 39), not the 8-request graph
+        with pytest.raises(
+            ValueError, match=rf"^num_tokens: .* {num_tokens} requests .*above max_num_seqs=8$"
+        ):
+            dispatcher.dispatch(num_tokens, uniform_decode=True)
 
 
 def test_uniform_keys_stop_at_q_times_max_num_seqs() -> None:
@@ -168,7 +175,9 @@ def test_uniform_keys_stop_at_q_times_max_num_seqs() -> None:
     assert dispatcher.dispatch(6, uniform_decode=True) == Dispatch(
         M.FULL, BatchDescriptor(8, 4, uniform=True)
     )
-    assert dispatcher.dispatch(10, uniform_decode=True) == Dispatch(M.NONE, BatchDescriptor(10))
+    assert dispatcher.dispatch(10) == Dispatch(M.NONE, BatchDescriptor(10))  # no mixed graphs
+    with pytest.raises(ValueError, match=r"num_tokens: .* 5 requests .*above max_num_seqs=4"):  # 10 / q
+        dispatcher.dispatch(10, uniform_decode=True)
     with pytest.raises(ValueError, match=r"num_tokens: .* got 3"):  # a uniform batch has a multiple of q
         dispatcher.dispatch(3, uniform_decode=True)
 
@@ -188,6 +197,7 @@ def test_dispatch_matches_the_spec_model(
     """The table-driven dispatch gives the same decision as the spec's rules applied by linear scans."""
     dispatcher, n = case
     n = step_count(dispatcher.config, n, uniform_decode)
+    num_active_loras = step_loras(dispatcher.config, n, uniform_decode, num_active_loras)
     got = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )
@@ -204,6 +214,7 @@ def test_dispatch_properties(
     """A graph decision names a captured key, never an invalid mode, and never pads below the batch."""
     dispatcher, n = case
     n = step_count(dispatcher.config, n, uniform_decode)
+    num_active_loras = step_loras(dispatcher.config, n, uniform_decode, num_active_loras)
     mode, key = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )
@@ -229,6 +240,7 @@ def test_padding_is_to_the_smallest_captured_size(
     """A non-uniform graph decision pads to exactly capture_sizes.pad(n), not to any larger size."""
     dispatcher, n = case
     n = step_count(dispatcher.config, n, uniform_decode)
+    num_active_loras = step_loras(dispatcher.config, n, uniform_decode, num_active_loras)
     mode, key = dispatcher.dispatch(n, uniform_decode=uniform_decode, num_active_loras=num_active_loras)
     if mode is not M.NONE and not key.uniform:
         assert key.num_tokens == dispatcher.config.capture_sizes.pad(n)
@@ -238,9 +250,44 @@ def test_padding_is_to_the_smallest_captured_size(
 def test_above_the_largest_size_runs_eagerly(
     dispatcher: CUDAGraphDispatcher, excess: int, uniform_decode: bool
 ) -> None:
-    """A batch above the largest captured size has no graph: NONE with the real, unpadded count."""
-    n = step_count(dispatcher.config, dispatcher.config.capture_sizes.max + excess, uniform_decode)
+    """A batch above the largest captured size has no graph: NONE with the real, unpadded count.
+
+    A uniform decode batch of more than ``max_num_seqs`` requests is refused instead, whatever its size.
+    """
+    config = dispatcher.config
+    q = config.uniform_decode_query_len
+    n = config.capture_sizes.max + excess
+    n = -(-n // q) * q if uniform_decode else n  # every request of a uniform batch has q tokens
+    if uniform_decode and n > q * config.max_num_seqs:
+        with pytest.raises(ValueError, match=rf"^num_tokens: .*above max_num_seqs={config.max_num_seqs}$"):
+            dispatcher.dispatch(n, uniform_decode=True)
+        return
     assert dispatcher.dispatch(n, uniform_decode=uniform_decode) == Dispatch(M.NONE, BatchDescriptor(n))
+
+
+@given(dispatchers_with_token_counts(), st.booleans(), st.integers(min_value=1, max_value=10))
+def test_a_step_no_scheduler_makes_is_refused(
+    case: tuple[CUDAGraphDispatcher, int], uniform_decode: bool, excess: int
+) -> None:
+    """More adapters than the step's requests, or a uniform batch above ``max_num_seqs``: ``ValueError``.
+
+    Every request has a token and runs one adapter, and no step has more than
+    ``max_num_seqs`` requests; a step that breaks this is an engine's bug, so
+    ``dispatch``, ``route`` and ``explain`` name it rather than pick a graph (issue 39).
+    """
+    dispatcher, n = case
+    config = dispatcher.config
+    n = step_count(config, n, uniform_decode)
+    most = step_loras(config, n, uniform_decode, 2**20)  # the most adapters the step can have
+    for method in (dispatcher.dispatch, dispatcher.explain):
+        with pytest.raises(ValueError, match=rf"^num_active_loras: {most + excess} active adapters"):
+            method(n, uniform_decode=uniform_decode, num_active_loras=most + excess)
+    with pytest.raises(ValueError, match=rf"^num_active_loras: {most + excess} active adapters"):
+        dispatcher.route(n, uniform_decode, most + excess)
+    q = config.uniform_decode_query_len
+    too_many = q * (config.max_num_seqs + excess)
+    with pytest.raises(ValueError, match=rf"^num_tokens: .* {too_many // q} requests .*max_num_seqs"):
+        dispatcher.route(too_many, True)
 
 
 @given(dispatchers, st.booleans(), invalid_mode_sets)
@@ -285,6 +332,7 @@ def test_lora_pads_to_the_smallest_captured_count(
 ) -> None:
     """LoRA: the key carries the smallest captured count >= the active one; none large enough -> NONE."""
     dispatcher, n = case
+    num_active_loras = step_loras(dispatcher.config, n, False, num_active_loras)
     mode, key = dispatcher.dispatch(n, num_active_loras=num_active_loras)
     captured = [c for c in (0, *dispatcher.config.lora_counts) if c >= num_active_loras]
     if not captured:
@@ -297,15 +345,18 @@ def test_lora_pads_to_the_smallest_captured_count(
 def test_huge_lora_counts_cost_nothing_extra() -> None:
     """Capturing 10**6 adapters is one LoRA case: counts up to it pad to it, those above run eagerly.
 
-    (A count is at most max_num_seqs: a request runs one adapter.)
+    (A count is at most max_num_seqs, and a step's at most its tokens: a request runs one adapter.)
     """
-    config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8]), 10**6, lora_counts=(10**6,))
+    huge = 10**6 - 1
+    config = DispatchConfig(M.PIECEWISE, CaptureSizes([1, 8, 2**20]), 10**6, lora_counts=(huge,))
     dispatcher, peak = built_with_peak(lambda: CUDAGraphDispatcher(config))
     assert peak < 1024 * 1024, peak  # an entry per adapter count would be 8 MB of pointers alone
-    padded = BatchDescriptor(8, has_lora=True, num_active_loras=10**6)
+    padded = BatchDescriptor(8, has_lora=True, num_active_loras=huge)  # a capacity: above its 8 tokens
     assert dispatcher.dispatch(5, num_active_loras=1) == Dispatch(M.PIECEWISE, padded)
-    assert dispatcher.dispatch(5, num_active_loras=10**6) == Dispatch(M.PIECEWISE, padded)
-    assert dispatcher.dispatch(5, num_active_loras=10**6 + 1) == Dispatch(M.NONE, BatchDescriptor(5))
+    assert dispatcher.dispatch(5, num_active_loras=5) == Dispatch(M.PIECEWISE, padded)
+    largest = BatchDescriptor(2**20, has_lora=True, num_active_loras=huge)
+    assert dispatcher.dispatch(10**6, num_active_loras=huge) == Dispatch(M.PIECEWISE, largest)
+    assert dispatcher.dispatch(10**6, num_active_loras=10**6) == Dispatch(M.NONE, BatchDescriptor(10**6))
 
 
 @pytest.mark.parametrize(
@@ -461,6 +512,7 @@ def test_route_is_dispatch_with_the_reason_beside_it(
     """``route`` gives dispatch's graph, or the reason the batch has none, derived here from the rules."""
     dispatcher, n = case
     n = step_count(dispatcher.config, n, uniform_decode)
+    num_active_loras = step_loras(dispatcher.config, n, uniform_decode, num_active_loras)
     decision = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )

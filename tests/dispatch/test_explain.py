@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
-from tests.strategies import active_lora_counts, dispatchers_with_token_counts, invalid_mode_sets, step_count
+from tests.strategies import (
+    active_lora_counts,
+    dispatchers_with_token_counts,
+    invalid_mode_sets,
+    step_count,
+    step_loras,
+)
 
 M = CUDAGraphMode
 #: The sentences for a batch that runs eagerly, one per reason (the figures vary).
@@ -78,6 +84,7 @@ def test_explain_never_disagrees_with_dispatch(
     """A graph decision is explained by naming exactly that graph, an eager one by an eager reason."""
     dispatcher, n = case
     n = step_count(dispatcher.config, n, uniform_decode)
+    num_active_loras = step_loras(dispatcher.config, n, uniform_decode, num_active_loras)
     mode, key = dispatcher.dispatch(
         n, uniform_decode=uniform_decode, num_active_loras=num_active_loras, invalid_modes=invalid_modes
     )

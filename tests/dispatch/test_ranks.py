@@ -127,9 +127,13 @@ def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks
 
 @given(dispatchers_with_rank_requests(), st.integers(min_value=1, max_value=4), st.booleans())
 def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> None:
-    """Ranks with 0 tokens (whatever their flags) do not change the decision of the ranks with tokens."""
+    """Ranks with 0 tokens (uniform or not) do not change the decision of the ranks with tokens.
+
+    (An idle rank has no adapters: a request runs one and has a token, so
+    ``StepRequest`` refuses more adapters than tokens.)
+    """
     dispatcher, requests = case
-    padded = requests + [StepRequest(0, uniform_decode=uniform, num_active_loras=3)] * idle
+    padded = requests + [StepRequest(0, uniform_decode=uniform)] * idle
     assert agree_across_ranks(dispatcher, padded) == agree_across_ranks(dispatcher, requests)
 
 
@@ -158,7 +162,7 @@ def test_worked_example() -> None:
     assert agree_across_ranks(dispatcher, small_prefill) == Dispatch(M.PIECEWISE, BatchDescriptor(8))
     mixed = [*decode, StepRequest(10)]
     assert agree_across_ranks(dispatcher, mixed) == Dispatch(M.PIECEWISE, BatchDescriptor(16))
-    too_big = [*mixed, StepRequest(17, True)]
+    too_big = [*mixed, StepRequest(17)]
     assert agree_across_ranks(dispatcher, too_big) == Dispatch(M.NONE, BatchDescriptor(17))
 
 

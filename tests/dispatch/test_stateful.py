@@ -29,6 +29,7 @@ from tests.strategies import (
     forward_context_extras,
     invalid_mode_sets,
     step_count,
+    step_loras,
 )
 
 MAX_DEPTH: Final = 12
@@ -88,6 +89,7 @@ class ForwardContextMachine(RuleBasedStateMachine):
         assert self.dispatcher is not None
         before = get_forward_context()
         num_tokens = step_count(self.dispatcher.config, num_tokens, uniform_decode)
+        num_active_loras = step_loras(self.dispatcher.config, num_tokens, uniform_decode, num_active_loras)
         mode, key = self.dispatcher.dispatch(
             num_tokens,
             uniform_decode=uniform_decode,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, Dispatch, DispatchConfig
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport, ModeNotSupportedError, resolve_mode
-from tests.strategies import active_lora_counts, attention_supports, dispatch_configs, step_count
+from tests.strategies import active_lora_counts, attention_supports, dispatch_configs, step_count, step_loras
 
 M: Final = CUDAGraphMode
 L: Final = GraphSupport
@@ -107,7 +107,8 @@ def full_routes_it_cannot_serve(
     bad: list[Dispatch] = []
     for uniform in (False, True):
         count = step_count(dispatcher.config, num_tokens, uniform)  # a uniform batch: a multiple of q
-        decision = dispatcher.dispatch(count, uniform_decode=uniform, num_active_loras=num_active_loras)
+        loras = step_loras(dispatcher.config, count, uniform, num_active_loras)  # at most its requests
+        decision = dispatcher.dispatch(count, uniform_decode=uniform, num_active_loras=loras)
         if decision.mode is M.PIECEWISE and not splits and level is not L.ALWAYS:
             bad.append(decision)
         if decision.mode is not M.FULL:

@@ -97,9 +97,30 @@ def test_uniform_decode_batch(mode: CUDAGraphMode, expected: Dispatch) -> None:
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("uniform_decode", [False, True])
 def test_oversized_batch_runs_eagerly(mode: CUDAGraphMode, uniform_decode: bool) -> None:
-    """Case 3: 15 tokens exceed the largest size (8): NONE, with the real count."""
-    got = _dispatcher(mode).dispatch(15, uniform_decode=uniform_decode)
+    """Case 3: 15 tokens exceed the largest size (8): NONE, with the real count.
+
+    A uniform decode batch of 15 tokens is 15 requests, so it is asked of a
+    config with max_num_seqs=16: with vLLM's 8, no scheduler makes one, and the
+    dispatcher refuses it (``test_uniform_batch_above_max_num_seqs_is_refused``).
+    """
+    dispatcher = CUDAGraphDispatcher(DispatchConfig(mode, CaptureSizes([1, 8]), max_num_seqs=16))
+    got = dispatcher.dispatch(15, uniform_decode=uniform_decode)
     assert got == Dispatch(M.NONE, BatchDescriptor(15))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("num_tokens", [9, 15])
+def test_uniform_batch_above_max_num_seqs_is_refused(mode: CUDAGraphMode, num_tokens: int) -> None:
+    """A uniform decode batch of more than max_num_seqs=8 requests is a scheduler's bug: ``ValueError``.
+
+    Before issue 39 it was dispatched without a word: here eagerly (above the
+    largest size); with larger sizes, to a mixed graph (PIECEWISE, or a FULL
+    key of 8 requests).
+    """
+    with pytest.raises(
+        ValueError, match=rf"^num_tokens: .* is {num_tokens} requests .*above max_num_seqs=8$"
+    ):
+        _dispatcher(mode).dispatch(num_tokens, uniform_decode=True)
 
 
 @pytest.mark.parametrize(

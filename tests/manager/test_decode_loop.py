@@ -469,6 +469,10 @@ def test_the_demos_section_runs_both_loops_on_the_cpu(capsys: pytest.CaptureFixt
     assert any("a GPU feature" in line for line in lines)
     rows = [line.split() for line in lines if line.startswith("host ")]
     assert [int(row[1]) for row in rows] == [1, 8]  # requests per batch, the run_loop's host path
+    # Issue 39: two host loops have no speedup over each other: none printed, and the section says why.
+    assert not any("speedup" in line for line in lines if line.startswith("loop kind"))
+    assert all(len(row) == 6 and not row[-1].endswith("x") for row in rows), rows
+    assert any("no speedup to show" in line for line in lines)
     assert show_decode_loops(object(), CUDAGraphMode.FULL, cpu=True, seed=0, iters=1)  # not paged: skipped
 
 

@@ -468,6 +468,16 @@ def test_demo_cpu_path_prints_what_each_step_would_replay(capsys: pytest.Capture
     assert lines[-1].startswith("OK: all 6")
 
 
+def test_demo_honours_dtype_on_the_cpu_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39: ``--dtype`` was ignored on the CPU without a word; it is the model's dtype on both paths."""
+    status = demo_main(["--cpu", "--dtype", "bfloat16", "--steps", "3", "--max-size", "16", "--iters", "1"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "bfloat16" in out.split("decode loop")[0]  # the setup names the model's dtype
+    assert out.splitlines()[-1].startswith("OK: all 3")
+    assert "<= 3e-02" in out.splitlines()[-1]  # bfloat16's tolerance
+
+
 def test_demo_shows_a_backend_that_declares_less_downgraded(capsys: pytest.CaptureFixture[str]) -> None:
     """``--mode FULL`` with the split-KV decode kernel: FULL for decodes, PIECEWISE for mixed batches."""
     args = ["--cpu", "--steps", "6", "--max-size", "32", "--iters", "1"]

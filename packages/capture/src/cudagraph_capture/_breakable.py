@@ -89,7 +89,8 @@ class BreakableCUDAGraphCapture:
         self._execute: Final = check_bool("execute", execute)
         self._descriptor: Final = descriptor
         self._graphs: list[torch.cuda.CUDAGraph] = []
-        self._steps: tuple[_Step, ...] = ()
+        # What replay() runs: until a capture succeeds, one step that refuses (replay pays no check).
+        self._steps: tuple[_Step, ...] = (_not_captured,)
         self._tail: list[_Step] = []  # steps recorded while capturing
         self._graph: torch.cuda.CUDAGraph | None = None  # the open segment
         self._caller: torch.cuda.Stream | None = None
@@ -206,7 +207,11 @@ class BreakableCUDAGraphCapture:
         return result
 
     def replay(self) -> None:
-        """Run every segment and eager op in order on the current stream."""
+        """Run every segment and eager op in order on the current stream.
+
+        Before a capture has completed (never entered, still capturing, or
+        failed), ``RuntimeError`` says so: there is nothing to replay.
+        """
         for step in self._steps:
             step()
 
@@ -240,11 +245,25 @@ class BreakableCUDAGraphCapture:
             self._graphs.clear()
             self._tail.clear()
             self._num_breaks = 0
-            self._state = "failed"
-        else:
-            self._state = "captured"
-        self._steps = tuple(self._tail)
+        self._state = "failed" if failed else "captured"
+        self._steps = (_capture_failed,) if failed else tuple(self._tail)
         self._tail = []
+
+
+# The one step of a capture with nothing to replay: module functions, so that
+# the capture holds no reference cycle through its own steps.
+def _not_captured() -> None:
+    raise RuntimeError(
+        "BreakableCUDAGraphCapture.replay(): nothing to replay, no capture has completed "
+        "(capture first: `with capture: ...`, then replay)"
+    )
+
+
+def _capture_failed() -> None:
+    raise RuntimeError(
+        "BreakableCUDAGraphCapture.replay(): nothing to replay, the capture failed and its segments "
+        "were discarded"
+    )
 
 
 def eager_break_during_capture(fn: Callable[P, R]) -> Callable[P, R]:

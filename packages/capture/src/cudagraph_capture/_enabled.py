@@ -35,7 +35,13 @@ def capture_disabled_reason() -> str | None:
 
 
 def check_capture_enabled(descriptor: BatchDescriptor | None) -> None:
-    """Raise ``CaptureDisabledError`` naming ``descriptor`` if capture is off (the one check)."""
+    """Raise ``CaptureDisabledError`` naming ``descriptor`` if capture is off (the one check).
+
+    ``descriptor`` is the ``BatchDescriptor`` about to be captured, or ``None``
+    (a capture of no key); anything else raises ``ValueError``.
+    """
+    if descriptor is not None and descriptor.__class__ is not BatchDescriptor:
+        raise ValueError(f"descriptor: expected None or a BatchDescriptor, got {descriptor!r}")
     why = capture_disabled_reason()
     if why is not None:
         raise CaptureDisabledError(why, descriptor)

@@ -118,10 +118,15 @@ class _GraphWrapper(Generic[P, R]):
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
         """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured)."""
+        check_descriptor(descriptor)
         self._entries.pop(descriptor, None)
 
     def is_captured(self, descriptor: BatchDescriptor, /) -> bool:
-        """Whether ``descriptor`` has a captured graph: this table is the one place that knows."""
+        """Whether ``descriptor`` has a captured graph: this table is the one place that knows.
+
+        Anything but a ``BatchDescriptor`` raises ``ValueError`` (it could never be captured).
+        """
+        check_descriptor(descriptor)
         return descriptor in self._entries
 
     def replay(self, descriptor: BatchDescriptor, /) -> R:
@@ -129,11 +134,14 @@ class _GraphWrapper(Generic[P, R]):
 
         The outputs are the objects the capture returned (aliases of graph
         memory, rewritten by every replay). No host synchronization. A
-        descriptor that was never captured raises ``KeyError``.
+        descriptor that was never captured raises ``KeyError``; anything but
+        a ``BatchDescriptor``, ``ValueError`` (checked only when the look-up
+        misses: a replay pays nothing for it).
         """
         try:
             entry = self._entries[descriptor]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable argument
+            check_descriptor(descriptor)
             raise KeyError(f"{type(self).__name__}: no graph captured for {descriptor}") from None
         entry.replay()
         return entry.output
@@ -226,7 +234,11 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
         super().__init__(runnable, BreakableRecorder, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, options)
 
     def capture_for(self, descriptor: BatchDescriptor) -> BreakableCUDAGraphCapture | None:
-        """The segments captured for ``descriptor`` (their counts), or ``None``."""
+        """The segments captured for ``descriptor`` (their counts), or ``None``.
+
+        Anything but a ``BatchDescriptor`` raises ``ValueError``.
+        """
+        check_descriptor(descriptor)
         entry = self._entries.get(descriptor)
         if entry is None:
             return None

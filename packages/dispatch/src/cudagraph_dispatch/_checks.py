@@ -11,6 +11,8 @@ callers catch one exception type for "bad argument".
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 
 def check_int(field: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     """``value`` if it is an integer in ``[minimum, maximum]``, else a ``ValueError`` naming both.
@@ -33,4 +35,18 @@ def check_bool(field: str, value: object) -> bool:
     """
     if value is not True and value is not False:
         raise ValueError(f"{field}: expected True or False, got {value!r}")
+    return value
+
+
+def check_items(field: str, value: object, what: str) -> Iterable[object]:
+    """``value`` if it is an iterable of items, else a ``ValueError`` naming ``field`` and ``value``.
+
+    Any iterable a caller may hold its items in passes: a list, tuple, set,
+    ``range`` or generator (the items are checked by the caller). A string or
+    bytes is refused (its items are characters), and so is a mapping:
+    iterating one yields its keys and drops its values, which is never what
+    was meant. ``what`` says what the items are, for the message.
+    """
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray, Mapping)):
+        raise ValueError(f"{field}: expected an iterable of {what} (a list, tuple or set), got {value!r:.80}")
     return value

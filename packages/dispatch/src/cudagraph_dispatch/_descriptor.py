@@ -16,9 +16,17 @@ class BatchDescriptor:
     attention kernels see the request layout); PIECEWISE graphs use the
     relaxed key, which leaves them out. Fields are checked on construction
     (``num_tokens >= 0``, ``num_reqs`` None or >= 1, real bools,
-    ``num_active_loras >= 0``; a uniform key names its ``num_reqs``, and
-    active adapters need ``has_lora``): a wrong key would name a graph that
-    can never exist.
+    ``num_active_loras >= 0``; a uniform key names its ``num_reqs`` and its
+    tokens split evenly over them, and active adapters need ``has_lora``): a
+    wrong key would name a graph that can never exist.
+
+    ``num_active_loras`` is the adapter count a graph was captured for, a
+    capacity like the padded ``num_tokens``: a batch replays the graph of the
+    smallest captured count that holds its adapters, so the key may name more
+    adapters than its tokens or requests (the 1-token graph of the LoRA case
+    4 serves a 1-token batch with 1 adapter; vLLM keys every size with every
+    LoRA case alike). A step's own count cannot exceed its requests:
+    ``dispatch`` and ``StepRequest`` refuse that.
     """
 
     num_tokens: int
@@ -46,7 +54,7 @@ class BatchDescriptor:
             or (has_lora is not True and has_lora is not False)
             or self.num_active_loras.__class__ is not int
             or self.num_active_loras < 0
-            or (uniform is True and num_reqs is None)
+            or (uniform is True and (num_reqs is None or self.num_tokens % num_reqs))
             or (self.num_active_loras and has_lora is not True)
         ):
             self._check_fields()
@@ -68,6 +76,11 @@ class BatchDescriptor:
             raise ValueError(
                 "uniform: a uniform key names its request count (num_reqs), "
                 "got uniform=True with num_reqs=None"
+            )
+        if self.uniform and self.num_reqs is not None and self.num_tokens % self.num_reqs:
+            raise ValueError(
+                f"uniform: a uniform key's {self.num_tokens} tokens do not split evenly over "
+                f"num_reqs={self.num_reqs} requests (every request of a uniform batch has as many)"
             )
         if self.num_active_loras and not self.has_lora:
             raise ValueError(

@@ -40,6 +40,8 @@ class CUDAGraphDispatcher:
         "_dense_buckets",
         "_keys",
         "_lora_cases",
+        "_max_num_seqs",
+        "_max_uniform_tokens",
         "_num_dense_buckets",
         "_resolution",
         "_rule",
@@ -66,6 +68,9 @@ class CUDAGraphDispatcher:
         # What route reads every step, held here so that it reaches each without a call.
         self._lora_cases: Final = self._rule.lora_cases
         self._uniform_decode_query_len: Final = config.uniform_decode_query_len
+        self._max_num_seqs: Final = config.max_num_seqs
+        # A uniform decode batch has num_tokens / q requests, at most max_num_seqs.
+        self._max_uniform_tokens: Final = config.uniform_decode_query_len * config.max_num_seqs
         self._bounds: Final = config.capture_sizes.bounds  # the count -> padding bucket look-up
         self._dense_buckets: Final = config.capture_sizes.dense_buckets
         self._num_dense_buckets: Final = len(self._dense_buckets)
@@ -123,18 +128,10 @@ class CUDAGraphDispatcher:
         num_active_loras: int = 0,
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> Route:
-        """``dispatch`` for a runner's step path: the graph's decision, or why the batch has none.
-
-        Returns the ``Dispatch`` of a graph (its mode FULL or PIECEWISE, never
-        NONE), else the ``EagerReason`` stored beside the decisions
-        (``EMPTY_BATCH`` for 0 tokens): nothing is built per call. The same
-        checks as ``dispatch``; the arguments may also be passed by position
-        (a step path saves the keywords).
-        """
-        # Runs every step: one test accepts the usual arguments (plain ints,
-        # a real bool, one of the four frozensets, a uniform count that is a
-        # multiple of q: a mixed step pays nothing for that one); anything
-        # else goes the slow way, which names what is wrong or normalizes it.
+        """``dispatch`` for a step path: a graph's ``Dispatch`` (FULL or PIECEWISE), else its stored
+        ``EagerReason`` (0 tokens: ``EMPTY_BATCH``); builds nothing; positional; ``dispatch``'s checks."""
+        # One test accepts the usual arguments (the uniform and adapter bounds cost a mixed step without
+        # adapters nothing); anything else goes the slow way, which names what is wrong or normalizes it.
         tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
         flag: object = uniform_decode
         if (
@@ -142,8 +139,20 @@ class CUDAGraphDispatcher:
             or num_tokens.__class__ is not int
             or num_tokens < 0
             or num_active_loras.__class__ is not int
-            or num_active_loras < 0
-            or (flag is not False and (flag is not True or num_tokens % self._uniform_decode_query_len))
+            or (
+                num_active_loras != 0
+                and (not 0 < num_active_loras <= num_tokens or num_active_loras > self._max_num_seqs)
+            )
+            or (
+                flag is not False
+                and (
+                    flag is not True
+                    or num_tokens % self._uniform_decode_query_len
+                    or not num_active_loras * self._uniform_decode_query_len
+                    <= num_tokens
+                    <= self._max_uniform_tokens
+                )
+            )
         ):
             return self._route_checked(num_tokens, flag, num_active_loras, invalid_modes)
         lora_case = bisect_left(self._lora_cases, num_active_loras) if num_active_loras else 0
@@ -192,13 +201,38 @@ class CUDAGraphDispatcher:
     ) -> StepRequest:
         """The arguments of ``dispatch`` checked against this config: ``ValueError`` naming a bad one."""
         request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
-        q = self._uniform_decode_query_len
-        if request.uniform_decode and request.num_tokens % q:
+        if request.uniform_decode:
+            self._check_uniform(request.num_tokens, request.num_active_loras)
+        if request.num_active_loras > self._max_num_seqs:
             raise ValueError(
-                f"num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len={q} "
-                f"tokens (each request has {q}), got {request.num_tokens}"
+                f"num_active_loras: {request.num_active_loras} active adapters, above "
+                f"max_num_seqs={self._max_num_seqs} (a request runs one adapter; no step has more requests)"
             )
         return request
+
+    def _check_uniform(self, num_tokens: int, num_active_loras: int) -> None:
+        """``ValueError`` where a uniform decode batch cannot be one: its requests all have q tokens.
+
+        More requests than ``max_num_seqs`` is a scheduler's bug, not a batch
+        to run some other way: it is refused, never routed to a mixed graph.
+        """
+        q = self._uniform_decode_query_len
+        if num_tokens % q:
+            raise ValueError(
+                f"num_tokens: a uniform decode batch has a multiple of uniform_decode_query_len={q} "
+                f"tokens (each request has {q}), got {num_tokens}"
+            )
+        if num_tokens > self._max_uniform_tokens:
+            raise ValueError(
+                f"num_tokens: a uniform decode batch of {num_tokens} tokens is {num_tokens // q} requests "
+                f"(num_reqs = num_tokens / uniform_decode_query_len={q}), "
+                f"above max_num_seqs={self._max_num_seqs}"
+            )
+        if num_active_loras * q > num_tokens:
+            raise ValueError(
+                f"num_active_loras: {num_active_loras} active adapters for a uniform decode batch of "
+                f"{num_tokens // q} requests ({num_tokens} tokens); a request runs one adapter"
+            )
 
     def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """What to capture: the PIECEWISE group, then FULL, each largest first."""

@@ -25,7 +25,9 @@ class StepRequest:
     """One step's batch: its token count, whether it is a uniform decode, its adapters, the modes it forbids.
 
     A bad field raises ``ValueError`` naming it; an ``IntEnum`` count is
-    stored as ``int``.
+    stored as ``int``. A request runs one adapter and has a token, so
+    ``num_active_loras`` is at most ``num_tokens`` (the dispatcher also bounds
+    it by the requests its config allows).
     ``invalid_modes`` turns graphs of those modes off for this step (cascade
     attention turns FULL off).
     """
@@ -40,6 +42,11 @@ class StepRequest:
         object.__setattr__(self, "num_tokens", int(check_int("num_tokens", self.num_tokens, minimum=0)))
         check_bool("uniform_decode", self.uniform_decode)
         loras = int(check_int("num_active_loras", self.num_active_loras, minimum=0))
+        if loras > self.num_tokens:  # an empty batch has none
+            raise ValueError(
+                f"num_active_loras: {loras} active adapters for {self.num_tokens} tokens; "
+                "a request runs one adapter and has at least one token"
+            )
         object.__setattr__(self, "num_active_loras", loras)
         modes: object = self.invalid_modes
         if not isinstance(modes, frozenset) or not modes <= GRAPH_MODES:

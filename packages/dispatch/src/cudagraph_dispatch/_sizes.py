@@ -6,7 +6,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Final
 
-from ._checks import check_int
+from ._checks import check_int, check_items
 
 # Steps of the default size list: fine at small batches, coarser above 256.
 _SMALL_STEP: Final = 8
@@ -47,15 +47,13 @@ class CaptureSizes:
     __slots__ = ("_bounds", "_dense_buckets", "_padded", "_sizes")
 
     def __init__(self, sizes: Iterable[int]) -> None:
-        given: object = sizes  # checked at run time: callers may not be typed
-        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-            raise ValueError(f"capture_sizes: expected an iterable of integers, got {given!r}")
+        given = check_items("capture_sizes", sizes, "integers")  # callers may not be typed
         checked = {
             check_int(f"capture_sizes[{i}]", s, minimum=1, maximum=MAX_CAPTURE_SIZE)
             for i, s in enumerate(given)
         }
         if not checked:
-            raise ValueError(f"capture_sizes: expected at least one size, got {given!r}")
+            raise ValueError(f"capture_sizes: expected at least one size, got {sizes!r}")
         self._sizes: Final[tuple[int, ...]] = tuple(sorted(checked))
         # Bucket s holds the counts n with bounds[s - 1] < n <= bounds[s]: bisect_left(bounds, n) is n's.
         self._bounds: Final[tuple[int, ...]] = (0, *self._sizes)

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from typing import Final
 
-from ._checks import check_bool
+from ._checks import check_bool, check_items
 from ._config import DispatchConfig
 from ._modes import CUDAGraphMode
 
@@ -72,9 +72,7 @@ class AttentionSupport:
         PIECEWISE graphs are available only if every backend splits them.
         No backend at all (an attention-free model) supports ``ALWAYS``.
         """
-        given: object = supports  # checked at run time: callers may not be typed
-        if not isinstance(given, Iterable) or isinstance(given, (str, bytes)):
-            raise ValueError(f"supports: expected an iterable of AttentionSupport, got {given!r:.80}")
+        check_items("supports", supports, "AttentionSupport")  # callers may not be typed
         found = list(supports)
         for i, support in enumerate(found):
             if not isinstance(support, AttentionSupport):
