@@ -1416,13 +1416,6 @@ BAD_RUNS: Final = [
         "run-bool-loras",
         lambda b, _: (run_with({**b, "num_active_loras": True}), ("num_active_loras", "True")),
     ),
-    bad_run(  # issue 39: accepted before (a request runs one adapter and has a token)
-        "run-more-adapters-than-tokens",
-        lambda _, be: (
-            _fresh(2, 2, be, num_active_loras=4),
-            ("num_active_loras: 4 active adapters for 2 tokens",),
-        ),
-    ),
     bad_run(
         "run-invalid_modes-none-mode",
         lambda b, _: (run_with({**b, "invalid_modes": frozenset({M.NONE})}), ("invalid_modes", "NONE")),

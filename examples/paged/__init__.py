@@ -8,8 +8,9 @@ One module per concern:
   ``PagedBuffers``).
 - ``backend``: the ``PagedBackend`` protocol, and ``EagerBreakAttention``,
   the backends' base: ``attend`` as an eager break, written once.
-- ``checks``: what makes a step valid, checked on the host or recorded on
-  the device on a graph path (``PagedBuffers``' ``validate``).
+- ``checks``: what makes a step valid, checked on the host on eager steps,
+  and on a graph path recorded on the device or checked on the host on
+  request (``PagedBuffers``' ``validate``).
 - ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends;
   ``backends``: ``make_backend`` (``BACKENDS`` by name).
 - ``model``: ``PagedDecoder``.

@@ -42,7 +42,7 @@ PAGED_INPUT_NAMES: Final[tuple[str, ...]] = (
 PAD_REQUEST: Final = -1
 
 #: How ``PagedBuffers`` checks a real batch: ``"device"`` (``True``), ``"host"`` or not at all (``False``).
-Validate: TypeAlias = Literal["device", "host"] | bool
+Validate: TypeAlias = Literal["eager", "device", "host"] | bool
 
 
 def paged_static_inputs(layout: PagedLayout) -> dict[str, StaticInput]:
@@ -94,13 +94,17 @@ class PagedBuffers:
     to ``shape`` with device ops on the current stream. ``views`` is the
     same metadata without writing anything (host only: a recording's).
 
-    ``validate``: ``"device"`` (or ``True``, the default) checks eager steps
-    and CPU tensors on the host (one synchronization, an error at once) and
-    records a graph path's (FULL or PIECEWISE shapes on a device) on the
-    device, no synchronization: ``check_steps()`` raises for them where the
-    caller synchronizes. ``"host"``: one synchronization on every path, an
-    error at once (the seam's rule broken on graph paths: for debugging and
-    the benchmark's baseline). ``False``: no check.
+    ``validate``: ``"eager"`` (or ``True``, the default) checks eager steps
+    and CPU tensors on the host (one synchronization, on steps that run
+    eagerly anyway, an error at once) and leaves a graph path's (FULL or
+    PIECEWISE shapes on a device) unchecked: no synchronization and no
+    kernel. ``"device"`` also records a graph path's checks on the device,
+    no synchronization (``check_steps()`` raises for them where the caller
+    synchronizes), at some forty small kernels a step (their launches cost
+    more host time than a small step's replay: ``docs/benchmarks.md``).
+    ``"host"``: one synchronization on every path, an error at once (the
+    seam's rule broken on graph paths: for debugging and the benchmark's
+    baseline). ``False``: no check.
     """
 
     __slots__ = (
@@ -125,10 +129,12 @@ class PagedBuffers:
         *,
         validate: Validate = True,
     ) -> None:
-        if validate not in ("device", "host") and validate is not True and validate is not False:
-            raise ValueError(f"validate: expected 'device', 'host', True or False, got {validate!r:.80}")
+        if validate not in ("eager", "device", "host") and validate is not True and validate is not False:
+            raise ValueError(
+                f"validate: expected 'eager', 'device', 'host', True or False, got {validate!r:.80}"
+            )
         self.layout: Final = layout
-        self.validate: Final[Validate] = "device" if validate is True else validate
+        self.validate: Final[Validate] = "eager" if validate is True else validate
         #: A graph path's checks, recorded on the device (``validate="device"``).
         self.device_checks: Final = DeviceChecks(layout, device)
         self._query_start_loc: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
@@ -179,10 +185,10 @@ class PagedBuffers:
         num_tokens, num_reqs, inputs = batch.num_tokens, batch.num_reqs, batch.inputs
         validate = self.validate
         if validate and num_tokens:
-            if validate == "device" and shape.mode is not _NONE and self._req_ids.device.type != "cpu":
+            if validate == "host" or shape.mode is _NONE or self._req_ids.device.type == "cpu":
+                check_paged_batch(self.layout, batch, shape)  # one synchronization
+            elif validate == "device":
                 self.device_checks.record(batch, shape)  # a graph path: no synchronization
-            else:
-                check_paged_batch(self.layout, batch, shape)
         meta = self.views(shape)
         offsets = meta.query_start_loc
         if shape.query_len is not None:  # uniform: every request, padding included, has query_len tokens

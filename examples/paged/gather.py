@@ -63,9 +63,10 @@ class GatherPagedAttention(EagerBreakAttention):
         device: where they live.
         breakable: ``attend`` is an eager break (a PIECEWISE capture runs it
             between segments); False records it inline in every capture.
-        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
-            graph path's on the device, no synchronization (``check_steps``); ``"host"``
-            synchronizes once on every path; ``False`` does not check.
+        validate: ``PagedBuffers.validate``: ``"eager"`` (``True``) checks eager steps at once and
+            leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
+            device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
+            path; ``False`` does not check.
     """
 
     def __init__(

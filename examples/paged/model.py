@@ -158,7 +158,8 @@ class PagedDecoder(nn.Module):
         The backend's ``PagedBuffers`` (``validate="device"``) record a graph
         path's checks on the device, without synchronizing; this reads them
         (one synchronization): call it where you synchronize anyway (reading
-        a step's tokens). Eager steps raise at once.
+        a step's tokens). Eager steps raise at once; the default
+        (``"eager"``) leaves a graph path's steps unchecked.
         """
         buffers = getattr(self.backend, "buffers", None)
         if isinstance(buffers, PagedBuffers):

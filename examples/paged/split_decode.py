@@ -157,9 +157,10 @@ class SplitDecodeAttention(EagerBreakAttention):
         breakable: ``attend`` is an eager break, so PIECEWISE graphs serve mixed batches.
         declare: the level it declares (default: the one it serves, ``UNIFORM_SINGLE_TOKEN_DECODE``);
             higher only to test the manager's level check.
-        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
-            graph path's on the device, no synchronization (``check_steps``); ``"host"``
-            synchronizes once on every path; ``False`` does not check.
+        validate: ``PagedBuffers.validate``: ``"eager"`` (``True``) checks eager steps at once and
+            leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
+            device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
+            path; ``False`` does not check.
     """
 
     def __init__(

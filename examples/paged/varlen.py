@@ -49,9 +49,10 @@ class VarlenPagedAttention(EagerBreakAttention):
         breakable: ``attend`` is an eager break, so PIECEWISE graphs split at it.
         paged: read the pages through the block table (default: where the installed
             ``varlen_attn`` takes one and, on CUDA, accepts this page size); ``False``: gathered.
-        validate: ``PagedBuffers.validate``: ``"device"`` (``True``) checks eager steps at once and a
-            graph path's on the device, no synchronization (``check_steps``); ``"host"``
-            synchronizes once on every path; ``False`` does not check.
+        validate: ``PagedBuffers.validate``: ``"eager"`` (``True``) checks eager steps at once and
+            leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
+            device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
+            path; ``False`` does not check.
     """
 
     def __init__(

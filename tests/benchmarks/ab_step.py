@@ -70,15 +70,16 @@ def _managers(prefix: str) -> dict[str, Callable[[], object]]:
     torch.testing.assert_close(two.run(x=x, lens=lens), x * 2 + lens.sum())
     loop = _loop_manager(dispatch, manager)
     ids = torch.zeros(LOOP_REQS, dtype=torch.int64, device="cuda")  # [reqs]
-    assert loop.run_loop(ids=ids).steps == LOOP_STEPS
+    seen = torch.zeros(LOOP_REQS, dtype=torch.int64, device="cuda")  # [reqs]
+    assert loop.run_loop(ids=ids, seen=seen).steps == LOOP_STEPS
     return {
         "run() one input": lambda: one.run(x=x),
         "run() tokens and requests": lambda: two.run(x=x, lens=lens),
-        f"run_loop() {LOOP_REQS} requests, {LOOP_STEPS} steps": lambda: loop.run_loop(ids=ids),
+        f"run_loop() {LOOP_REQS} requests, {LOOP_STEPS} steps": lambda: loop.run_loop(ids=ids, seen=seen),
     }
 
 
-def _next_ids(ids: torch.Tensor) -> torch.Tensor:
+def _next_ids(ids: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     return ids + 1  # [reqs]
 
 
@@ -94,7 +95,10 @@ def _loop_manager(dispatch: ModuleType, manager: ModuleType) -> Any:
     config = dispatch.DispatchConfig(
         dispatch.CUDAGraphMode.FULL_DECODE_ONLY, dispatch.CaptureSizes([LOOP_REQS]), max_num_seqs=LOOP_REQS
     )
-    inputs = {"ids": manager.StaticInput(shape=(), dtype=torch.int64, rows="tokens")}
+    inputs = {
+        "ids": manager.StaticInput(shape=(), dtype=torch.int64, rows="tokens"),
+        "seen": manager.StaticInput(shape=(), dtype=torch.int64, rows="reqs"),  # a loop needs request rows
+    }
     decode_loop = manager.DecodeLoop(_advance, max_steps=LOOP_STEPS)
     if hasattr(manager, "ManagerOptions"):  # the options' value; an older build took the keyword
         built = manager.CUDAGraphManager(

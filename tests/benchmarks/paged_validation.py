@@ -2,11 +2,12 @@ r"""The paged decoder's step with and without its checks of the batch, in one pr
 
 Usage: ``python -m tests.benchmarks.paged_validation [--attention gather]``.
 
-Three managers serve the same 8-layer paged decoder (the same weights and
+Four managers serve the same 8-layer paged decoder (the same weights and
 caches, FULL_AND_PIECEWISE), their backends differing only in
-``validate``: ``"device"`` (the default: a graph path's checks recorded on
-the device, no synchronization), ``"host"`` (the old checks: one
-synchronization on every path) and ``False`` (no check). Rounds of steps
+``validate``: ``"eager"`` (the default: eager steps checked, a graph path's
+not), ``"device"`` (a graph path's checks recorded on the device, no
+synchronization), ``"host"`` (the old checks: one synchronization on every
+path) and ``False`` (no check). Rounds of steps
 alternate between them, so the host's drift cancels; each round runs
 ``STEPS`` steps and synchronizes once (host and device time together).
 Prints the median microseconds per step of each, on uniform decode batches
@@ -34,7 +35,7 @@ from examples.paged.batch import Validate
 
 ROUNDS: Final = 30
 STEPS: Final = 20
-MODES: Final[dict[str, Validate]] = {"device": "device", "host": "host", "none": False}
+MODES: Final[dict[str, Validate]] = {"eager": "eager", "device": "device", "host": "host", "none": False}
 #: (name, tokens, uniform): decodes of 1, 16 and 64 requests (FULL), one mixed batch (PIECEWISE).
 BATCHES: Final = (
     ("decode_1", 1, True),
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 model.check_steps()  # the inputs are valid: nothing recorded
             median = {name: statistics.median(values) for name, values in times.items()}
             ratios = ", ".join(
-                f"{name}/none {median[name] / median['none']:.3f}" for name in ("device", "host")
+                f"{name}/none {median[name] / median['none']:.3f}" for name in ("eager", "device", "host")
             )
             row = "  ".join(f"{name} {value:8.1f}" for name, value in median.items())
             print(f"{label:>10}: {row}  ({ratios})")

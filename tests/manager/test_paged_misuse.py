@@ -131,11 +131,11 @@ def test_a_uniform_batch_whose_query_lens_are_not_q_is_refused() -> None:
         buffers.fill(StepBatch(6, 3, uneven, uniform_decode=True), shape)
 
 
-def test_validate_takes_device_host_or_a_bool() -> None:
-    for mode in ("device", "host", True, False):
+def test_validate_takes_eager_device_host_or_a_bool() -> None:
+    for mode in ("eager", "device", "host", True, False):
         PagedBuffers(LAYOUT, max_tokens=8, max_reqs=4, device="cpu", validate=mode)
     for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match=r"^validate: expected 'device', 'host', True or False"):
+        with pytest.raises(ValueError, match=r"^validate: expected 'eager', 'device', 'host', True or False"):
             PagedBuffers(LAYOUT, max_tokens=8, max_reqs=4, device="cpu", validate=bad)  # type: ignore[arg-type]
 
 
@@ -229,6 +229,18 @@ def test_a_bad_step_on_a_graph_is_reported_at_the_next_check(
         model.check_steps()  # reported once: cleared
         manager.run_batch(good, uniform_decode=uniform)
     model.check_steps()
+
+
+@pytest.mark.gpu
+def test_the_default_validation_leaves_a_graph_path_unchecked() -> None:
+    """``validate=True`` ("eager"): a graph path's step costs no check, so a bad one is not recorded."""
+    manager, model = _cuda_manager(True)
+    bad = {name: t.cuda() for name, t in _two_decodes().items()}
+    _page_twice(bad)
+    with torch.no_grad():
+        manager.run_batch(bad, uniform_decode=True)
+    assert sum(manager.stats.replays.values()) == 1, manager.stats
+    model.check_steps()  # nothing recorded
 
 
 @pytest.mark.gpu
