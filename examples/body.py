@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import Tensor, nn
 
+from cudagraph_capture.lowlevel import resolve_device
+
 from .config import DecoderConfig
 
 ROPE_THETA: Final = 10000.0
@@ -134,7 +136,7 @@ class DecoderBody(nn.Module):
 
     def __init__(self, config: DecoderConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        dev = None if device is None else torch.device(device)
+        dev = None if device is None else _device(device)
         self.config: Final = config
         self.embed = nn.Parameter(
             torch.randn((config.vocab_size, config.hidden_size), device=dev, dtype=config.dtype) * _EMBED_STD
@@ -205,3 +207,12 @@ class LayerCaches(nn.Module):
             torch.cuda.empty_cache()
         for name, cache in zip(self.names, make(), strict=True):
             setattr(self, name, cache)
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``; a CUDA one that does not exist here is named (``ValueError``)."""
+    try:
+        given = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from error
+    return resolve_device(device) if given.type == "cuda" else given  # meta stays meta (a shape's probe)

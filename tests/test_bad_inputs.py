@@ -1028,7 +1028,12 @@ BAD_INPUTS: Final = [
     ),
     row("ranks-exchange-bool", call(_exchange, [True]), r"^row\[0\]: expected an int .*, got True$"),
     row("ranks-exchange-float", call(_exchange, [1, 1.5]), r"^row\[1\]: expected an int .*, got 1\.5$"),
-    row("ranks-exchange-string", call(_exchange, "12"), r"^row: expected a list or tuple of ints, got '12'$"),
+    row(
+        "ranks-exchange-string",
+        call(_exchange, "12"),
+        r"^row: expected a list or tuple of ints \(one at least\), got '12'$",
+    ),
+    row("ranks-exchange-empty", call(_exchange, []), r"^row: expected a list or tuple of ints .*, got \[\]$"),
     row(
         "ranks-nccl-unavailable",
         call(RankAgreement, backend="nccl"),
@@ -1242,6 +1247,7 @@ BAD_INPUTS: Final = [
                 (_int32(5), _int32s(0, 2, 6), 4),
                 r"^padded_total: 4 is below the real total 6",
             ),
+            ("offsets-empty", (_int32(4), torch.zeros(0, dtype=torch.int32), 8), r"^offsets: .*got 0"),
         )
     ),
     *(
@@ -1275,6 +1281,16 @@ BAD_INPUTS: Final = [
                 r"^pad_value: 300 is out of range for torch\.int8",
             ),
             ("pad_value-half-into-int", (_int32(4), _int32s(1), 0.5), r"^pad_value: 0\.5 is not an integer"),
+            (
+                "rows-int64-beyond-int32",
+                (_int32(4), torch.tensor([2**40, 1]), 0),
+                r"^rows: values in \[1, 1099511627776\] do not fit out's torch\.int32",
+            ),
+            (
+                "rows-bool-into-float",
+                (torch.zeros(4), torch.ones(2, dtype=torch.bool), 0.0),
+                r"^rows: torch\.bool",
+            ),
             (
                 "pad_value-inf",
                 (torch.zeros(4), torch.ones(1), float("inf")),

@@ -235,16 +235,46 @@ class PagedDecoder(nn.Module):
                 f"num_pages: this model's backend {backend!r:.80} cannot serve another page count "
                 "(it has no resize(num_pages))"
             )
+        self._check_cache_fits(num_pages)
         old = self.layout.num_pages
         try:
             self.caches.replace(lambda: self._new_caches(num_pages))
             backend.resize(num_pages)  # all or nothing itself
-        except BaseException:
+        except Exception as error:
             self.caches.replace(lambda: self._new_caches(old))
-            raise
+            raise RuntimeError(
+                f"num_pages: {num_pages} pages could not be allocated ({error}); the caches are "
+                f"{old} pages again (new tensors: recapture graphs that read them)"
+            ) from error
+
+    def _check_cache_fits(self, num_pages: int) -> None:
+        """``ValueError`` naming ``num_pages`` if its caches exceed the free memory and the old caches'."""
+        device = self.body.device
+        free = _free_bytes(device)
+        need = num_pages * self.kv_page_bytes()
+        held = sum(cache.numel() * cache.element_size() for cache in self.caches)
+        if free is not None and need > free + held:
+            raise ValueError(
+                f"num_pages: {num_pages} pages need {need} bytes of cache, more than {device} has for "
+                f"them ({free} bytes free and {held} held by the current caches); nothing was changed"
+            )
 
     def _new_caches(self, num_pages: int) -> tuple[torch.Tensor, ...]:
         """Every layer's cache of ``num_pages`` pages, one uninitialized allocation."""
         config, page_size = self.config, self.layout.page_size
         shape = (config.num_layers, 2, num_pages, page_size, config.num_heads, config.head_dim)
         return torch.empty(shape, device=self.body.device, dtype=config.dtype).unbind(0)
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """The bytes ``device`` can still allocate (CUDA: free memory; CPU: Linux's MemAvailable), or None."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

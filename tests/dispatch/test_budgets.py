@@ -131,7 +131,8 @@ def test_bad_lengths_are_named(lengths: object, match: str) -> None:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: TokenBudgets([]), r"capture_sizes: expected at least one size"),
+        (lambda: TokenBudgets([]), r"^budgets: expected at least one budget, got \[\]"),
+        (lambda: TokenBudgets({64: 1}), r"^budgets: expected an iterable of integers .*got \{64: 1\}"),
         (lambda: TokenBudgets([64, 0]), r"budgets\[1\]: expected an integer >= 1, got 0"),
         (lambda: TokenBudgets("64"), r"budgets: expected an iterable of integers"),  # type: ignore[arg-type]  # a bad value on purpose
         (lambda: TokenBudgets([64], max_items=0), r"max_items: expected an integer >= 1, got 0"),

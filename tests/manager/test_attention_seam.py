@@ -347,6 +347,19 @@ def test_a_build_that_returns_no_metadata_is_named_on_every_path(
         manager.run_batch(_batch(3, 3, 1))
 
 
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_a_replays_build_of_another_type_than_the_recordings_is_named(mode: CUDAGraphMode) -> None:
+    """A trial's case: ``build`` gave a tensor where the graph recorded ``build_for_capture``'s dataclass."""
+    manager, _ = _manager(mode, _WrongProduct(torch.ones(1)))
+    manager.capture()
+    with pytest.raises(
+        ValueError,
+        match=r"^_WrongProduct\.build: returned .*\(a Tensor\), but this graph was recorded with a ToyMeta",
+    ):
+        manager.run_batch(_batch(3, 3, 1))
+    assert manager.stats.replays == {}, manager.stats  # refused: not counted
+
+
 @pytest.mark.parametrize("product", _NOT_METADATA, ids=lambda p: type(p).__name__)
 def test_a_build_for_capture_that_returns_no_metadata_is_named(product: object) -> None:
     manager, _ = _manager(M.FULL, _WrongProduct(product, at_capture=True))

@@ -148,17 +148,23 @@ def test_for_config_names_a_config_without_its_limits() -> None:
 def test_a_failed_allocation_leaves_the_model_serving(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 39: ``allocate_kv_cache(2**40)`` resized the layout, then torch failed: every step IndexError."""
     model = PagedDecoder(SMALL, layout=LAYOUT, backend=backend)
-    with pytest.raises(RuntimeError):
-        model.allocate_kv_cache(2**40)
+    before = [cache.data_ptr() for cache in model.kv_caches()]
+    for num_pages in (2**40, 3 * 10**12):  # beyond any memory: refused before a cache is dropped
+        with pytest.raises(
+            ValueError, match=rf"^num_pages: {num_pages} pages need \d+ bytes .*nothing was changed"
+        ):
+            model.allocate_kv_cache(num_pages)
     assert model.layout == LAYOUT
-    assert all(cache.shape[1] == LAYOUT.num_pages for cache in model.kv_caches())
+    assert [cache.data_ptr() for cache in model.kv_caches()] == before  # graphs reading them stay valid
     resize = type(model.backend).resize  # type: ignore[attr-defined]  # both backends resize
 
     def failing(self: object, num_pages: int) -> None:
         raise RuntimeError("out of memory (the backend's buffers)")
 
     monkeypatch.setattr(type(model.backend), "resize", failing)
-    with pytest.raises(RuntimeError, match="the backend's buffers"):
+    with pytest.raises(
+        RuntimeError, match=r"^num_pages: \d+ pages could not be allocated .*the backend's buffers"
+    ):
         model.allocate_kv_cache(LAYOUT.num_pages + 8)
     monkeypatch.setattr(type(model.backend), "resize", resize)
     assert model.layout == LAYOUT

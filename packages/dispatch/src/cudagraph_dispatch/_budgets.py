@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
 
-from ._checks import check_int
+from ._checks import check_int, check_items
 from ._config import DispatchConfig
 from ._modes import CUDAGraphMode
 from ._sizes import MAX_CAPTURE_SIZE, CaptureSizes
@@ -60,9 +60,9 @@ class TokenBudgets:
     __slots__ = ("_max_items", "_sizes")
 
     def __init__(self, budgets: Iterable[int], *, max_items: int | None = None) -> None:
-        given: object = budgets
-        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-            raise ValueError(f"budgets: expected an iterable of integers, got {given!r}")
+        given = list(check_items("budgets", budgets, "integers"))
+        if not given:
+            raise ValueError(f"budgets: expected at least one budget, got {budgets!r:.80}")
         sizes = CaptureSizes([check_int(f"budgets[{i}]", b, minimum=1) for i, b in enumerate(given)])
         bound = sizes.max if max_items is None else check_int("max_items", max_items, minimum=1)
         self._sizes: Final = sizes

@@ -20,7 +20,7 @@ from cudagraph_capture import DeviceLoop, GraphEntry
 from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
-from ._attention._seam import NOT_METADATA, metadata_extra, not_metadata
+from ._attention._seam import metadata_extra, other_metadata
 from ._batch import BatchShape, StepBatch
 from ._buffers._buffers import StaticBuffers
 from ._buffers._outputs import OutputLayout
@@ -38,6 +38,7 @@ class PlannedGraph(Generic[OutputT]):
         "entry",
         "inputs",
         "last_cut",
+        "metadata_type",
         "mode",
         "num_reqs",
         "num_tokens",
@@ -66,6 +67,9 @@ class PlannedGraph(Generic[OutputT]):
         self.shape: Final = BatchShape.of_key(mode, descriptor, self.num_reqs)
         self.eager_shape: Final = dataclasses.replace(self.shape, mode=CUDAGraphMode.NONE)
         self.builder: Final = builder
+        #: The type of the metadata the graph was recorded with (``build_for_capture``'s); a replay's
+        #: ``build`` must return the same (the model reads it as the recording did).
+        self.metadata_type: type | None = None
         # A PIECEWISE replay runs its eager breaks for real, and they may read the forward context.
         self.context: Final = ForwardContext(mode, descriptor) if mode is CUDAGraphMode.PIECEWISE else None
         #: The captured graph (``keep``), which replays itself; ``None``: not captured.
@@ -92,14 +96,18 @@ class PlannedGraph(Generic[OutputT]):
         builder = self.builder
         assert builder is not None
         metadata = builder.build(batch, self.shape)
-        if type(metadata) in NOT_METADATA:  # the seam's one check of the product: no call on the way
-            raise ValueError(not_metadata(builder, metadata, "build"))
+        if type(metadata) is not self.metadata_type:  # the seam's one check of the product: no call
+            raise ValueError(other_metadata(builder, metadata, self.metadata_type))
         context = self.context
         if context is None:
             return None
         return ForwardContext(
             context.runtime_mode, self.descriptor, MappingProxyType(metadata_extra(builder, metadata))
         )
+
+    def recorded_with(self, metadata: object) -> None:
+        """Note the type of the metadata the recording reads (``build_for_capture``'s), for replays."""
+        self.metadata_type = type(metadata)
 
     def keep(self, entry: GraphEntry[OutputT]) -> None:
         """Store a checked entry: the key is captured, and replays from the serving thread's next step."""

@@ -67,8 +67,9 @@ class AttentionMetadataBuilder(Protocol[M_co]):
     in the result (a query-length bound, a split count) may depend on
     ``shape`` alone where ``shape.mode`` is FULL: the graph bakes them.
     ``build_for_capture(shape)``: the metadata a graph of ``shape`` records
-    with: the same buffers and host values as ``build`` returns for it, and
-    host work only (the recording runs nothing on the device).
+    with: the same buffers and host values as ``build`` returns for it (of
+    the same type: a replay's ``build`` of another is refused), and host work
+    only (the recording runs nothing on the device).
     """
 
     @property

@@ -60,6 +60,18 @@ def not_metadata(builder: object, metadata: object, call: str) -> str:
     )
 
 
+def other_metadata(builder: object, metadata: object, recorded: type | None) -> str:
+    """Why a replay's ``build`` product is refused: not the type its graph was recorded with."""
+    if type(metadata) in NOT_METADATA:
+        return not_metadata(builder, metadata, "build")
+    expected = "no metadata" if recorded is None else f"a {recorded.__name__}"
+    return (
+        f"{type(builder).__name__}.build: returned {metadata!r:.80} (a {type(metadata).__name__}), but "
+        f"this graph was recorded with {expected} from build_for_capture; build returns the type "
+        "build_for_capture returns (the graph's model reads it as the recording did)"
+    )
+
+
 def attention_metadata(builder: AttentionMetadataBuilder[M]) -> M:
     """The metadata ``builder`` built for the forward running now (inside the model's forward).
 
@@ -156,7 +168,7 @@ def _check_offsets(out: object, offsets: object, padded_total: object) -> None:
     _integers("offsets", offsets_t)
     _same_device("offsets", offsets_t, out_t)
     real, rows = offsets_t.shape[0], out_t.shape[0]
-    if real > rows:
+    if real < 1 or real > rows:
         raise ValueError(
             f"offsets: expected between 1 and {rows} rows (the padded batch's requests + 1), got {real}"
         )
@@ -183,9 +195,23 @@ def _check_rows(out: object, rows: object, pad_value: object) -> None:
         )
     if rows_t.shape[0] > out_t.shape[0]:
         raise ValueError(f"rows: {rows_t.shape[0]} rows do not fit the {out_t.shape[0]} of the padded batch")
-    if not torch.can_cast(rows_t.dtype, out_t.dtype):
+    bool_into_other = rows_t.dtype == torch.bool and out_t.dtype != torch.bool
+    if bool_into_other or not torch.can_cast(rows_t.dtype, out_t.dtype):
         raise ValueError(
-            f"rows: {rows_t.dtype} rows do not fit out's {out_t.dtype} (a copy would round them)"
+            f"rows: {rows_t.dtype} rows do not fit out's {out_t.dtype} (a copy would round or recast them)"
         )
     _same_device("rows", rows_t, out_t)
     check_pad_value(pad_value, out_t.dtype)
+    _check_row_range(rows_t, out_t.dtype)
+
+
+def _check_row_range(rows: torch.Tensor, dtype: torch.dtype) -> None:
+    """Integer ``rows`` into a narrower integer ``dtype``: each value must fit (checked on the CPU only)."""
+    if rows.device.type != "cpu" or rows.dtype == dtype or not rows.numel():
+        return  # on a device, reading the values would synchronize
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool or dtype.is_floating_point:
+        return
+    info = torch.iinfo(dtype)
+    low, high = int(rows.min()), int(rows.max())
+    if low < info.min or high > info.max:
+        raise ValueError(f"rows: values in [{low}, {high}] do not fit out's {dtype} [{info.min}, {info.max}]")

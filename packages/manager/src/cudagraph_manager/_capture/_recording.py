@@ -123,4 +123,5 @@ def _capture_metadata(graph: PlannedGraph[OutputT]) -> contextlib.AbstractContex
             graph.descriptor,
         ) from error
     extra = metadata_extra(builder, metadata, call="build_for_capture")
+    graph.recorded_with(metadata)
     return set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **extra)

@@ -350,8 +350,8 @@ def _exchange_device(backend: str, device: object, target: torch.device | None) 
 
 def _check_row(row: object) -> None:
     """``exchange``'s ``row``: a list or tuple of ints that int64 holds (``ValueError`` naming it)."""
-    if not isinstance(row, (list, tuple)):
-        raise ValueError(f"row: expected a list or tuple of ints, got {row!r:.80}")
+    if not isinstance(row, (list, tuple)) or not row:
+        raise ValueError(f"row: expected a list or tuple of ints (one at least), got {row!r:.80}")
     for i, value in enumerate(row):
         if not isinstance(value, int) or isinstance(value, bool) or not _INT64_MIN <= value <= _INT64_MAX:
             raise ValueError(
