@@ -229,6 +229,21 @@ def test_bad_support_arguments_are_named(make: object, match: str) -> None:
         make()
 
 
+def test_a_config_that_plans_no_uniform_decode_graph_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A new trial's case: q = 16 above every size gave uniform decode batches no FULL graph, silently."""
+    config = DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4, 8]), 8, uniform_decode_query_len=16)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        dispatcher = CUDAGraphDispatcher(config)
+    assert dispatcher.capture_plan()  # the mixed batches' graphs
+    assert "FULL_AND_PIECEWISE plans no FULL graph for uniform decode batches" in caplog.text
+    assert "uniform_decode_query_len=16" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cudagraph_dispatch"):
+        CUDAGraphDispatcher(dataclasses.replace(config, uniform_decode_query_len=2))  # 2, 4, 8: decode graphs
+        CUDAGraphDispatcher(dataclasses.replace(config, mode=M.PIECEWISE))  # asks for no decode graph
+    assert not caplog.records
+
+
 def test_a_config_that_plans_no_graph_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """The newcomer's 10: FULL_DECODE_ONLY, sizes up to 8, q = 3 plans nothing, silently before."""
     sizes = CaptureSizes.default(8)  # 1, 2, 4, 8: no multiple of 3

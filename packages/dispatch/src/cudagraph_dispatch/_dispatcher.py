@@ -65,6 +65,13 @@ class CUDAGraphDispatcher:
         self._keys: Final = self._rule.keys
         if config.mode is not _NONE and not self._keys:  # a config that asks for graphs and gets none
             _LOG.warning("CUDA graph mode %s plans no graph: %s", config.mode.name, why_no_keys(config))
+        elif _asks_for_decode_graphs(config) and not any(key.uniform for key in self._keys.get(_FULL, ())):
+            _LOG.warning(
+                "CUDA graph mode %s plans no FULL graph for uniform decode batches (they run on the "
+                "mixed batches' graphs): %s",
+                config.mode.name,
+                why_no_keys(config),
+            )
         # What route reads every step, held here so that it reaches each without a call.
         self._lora_cases: Final = self._rule.lora_cases
         self._uniform_decode_query_len: Final = config.uniform_decode_query_len
@@ -261,3 +268,8 @@ def _resolved(
 
 def _largest_first(key: BatchDescriptor) -> tuple[int, int, int, bool]:
     return (-key.num_tokens, -key.num_active_loras, -(key.num_reqs or 0), not key.uniform)
+
+
+def _asks_for_decode_graphs(config: DispatchConfig) -> bool:
+    """Whether ``config``'s mode gives uniform decode batches FULL graphs of their own."""
+    return config.mode.decode_mode() is _FULL and config.mode.separate_routine()

@@ -186,12 +186,12 @@ class DispatchRule:
 
 
 def why_no_keys(config: DispatchConfig) -> str:
-    """Why a config whose mode is not NONE plans no graph (only FULL_DECODE_ONLY's sizes can vanish)."""
+    """Why a config plans no uniform decode graph (FULL_DECODE_ONLY: no graph at all, every step eager)."""
     q = config.uniform_decode_query_len
     return (
         f"no capture size in {list(config.capture_sizes.sizes)} is a multiple of uniform_decode_query_len="
-        f"{q} within [{q}, {q * config.max_num_seqs}] "
-        f"(q to q * max_num_seqs); every step will run eagerly"
+        f"{q} within [{q}, {q * config.max_num_seqs}] (q to q * max_num_seqs)"
+        + ("; every step will run eagerly" if config.mode is CUDAGraphMode.FULL_DECODE_ONLY else "")
     )
 
 
