@@ -19,30 +19,40 @@ import torch
 from tests.benchmarks.support import BenchmarkFixture
 from tests.ranks_support import spawn_ranks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs two CUDA devices (one per rank)",
-    ),
-]
+#: Rank processes need a CUDA device each.
+TWO_GPUS: Final = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices (one per rank)",
+)
+pytestmark = [pytest.mark.gpu, TWO_GPUS]
 
 _TIMEOUT_S: Final = 420.0
 
 
-def test_bench_tensor_parallel_two_gpus(benchmark: BenchmarkFixture, tmp_path: Path) -> None:
+def bench_two_ranks(
+    benchmark: BenchmarkFixture, workdir: Path, module: str, args: list[str], group: str
+) -> None:
+    """One round of ``module``'s two rank processes (``args``); rank 0's figures into ``extra_info``."""
     results: list[dict[str, object]] = []
-    benchmark.group = "two GPUs: tensor-parallel reference decoder (TP=2), rank agreement"
+    benchmark.group = group
 
     def spawn() -> None:
-        run = spawn_ranks(
-            "tests.benchmarks.multi_gpu", ["tp"], world_size=2, timeout_s=_TIMEOUT_S, workdir=tmp_path
-        )
+        run = spawn_ranks(module, args, world_size=2, timeout_s=_TIMEOUT_S, workdir=workdir)
         results.append(run.results[0])
 
     benchmark.pedantic(spawn, rounds=1, iterations=1)
     (rank0,) = results
     benchmark.extra_info.update(_flat(rank0))
+
+
+def test_bench_tensor_parallel_two_gpus(benchmark: BenchmarkFixture, tmp_path: Path) -> None:
+    bench_two_ranks(
+        benchmark,
+        tmp_path,
+        "tests.benchmarks.multi_gpu",
+        ["tp"],
+        "two GPUs: tensor-parallel reference decoder (TP=2), rank agreement",
+    )
 
 
 def _flat(result: dict[str, object], prefix: str = "") -> dict[str, object]:
