@@ -288,6 +288,11 @@ def test_a_step_no_scheduler_makes_is_refused(
     too_many = q * (config.max_num_seqs + excess)
     with pytest.raises(ValueError, match=rf"^num_tokens: .* {too_many // q} requests .*max_num_seqs"):
         dispatcher.route(too_many, True)
+    if q > 1 and config.max_num_seqs > 1:  # one request of q tokens: 2 adapters fit its tokens, not it
+        with pytest.raises(
+            ValueError, match=r"^num_active_loras: 2 active adapters for a uniform decode batch"
+        ):
+            dispatcher.route(q, True, 2)
 
 
 @given(dispatchers, st.booleans(), invalid_mode_sets)
