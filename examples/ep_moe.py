@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +26,7 @@ from cudagraph_manager.ranks import Backend
 from examples.config import DecoderConfig
 from examples.ep.moe import MoeConfig
 from examples.ep.steps import build_rank, check_steps, dispatch_config
+from examples.several_gpus import free_port
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -59,13 +59,6 @@ def serve(rank: int, device_kind: str, steps: int, moe: MoeConfig, backend: Back
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m examples.ep_moe", description=__doc__.splitlines()[0])
     default_device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
@@ -87,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--backend nccl: needs --device cuda")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     spawn(serve, args=(args.device, args.steps, moe, args.backend), nprocs=2)  # type: ignore[no-untyped-call]
 
 

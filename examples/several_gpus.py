@@ -74,7 +74,8 @@ def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Bac
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the rendezvous' MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # One host: the ranks meet on the loopback interface.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     spawn_args = (args.world_size, args.device, args.steps, args.backend)
     spawn(serve, args=spawn_args, nprocs=args.world_size)  # type: ignore[no-untyped-call]  # untyped in torch
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -31,6 +30,7 @@ from examples.ep.decoder import ExpertParallelDecoder
 from examples.ep.moe import MoeConfig, MoeWeights
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
+from tests.benchmarks.multi_gpu import median_us
 from tests.ranks_support import Result, rank_main
 
 BATCHES: Final = (1, 16, 64, 256)
@@ -38,19 +38,6 @@ _CALLS: Final = 100
 _AGREE_CALLS: Final = 1000
 _TIMEOUT: Final = datetime.timedelta(seconds=120)
 _MIB: Final = 2**20
-
-
-def _median_us(call: Callable[[], object], calls: int) -> float:
-    """Median over 5 rounds of ``call`` (synchronized each time), after 20 warm-up calls."""
-    for _ in range(20):
-        call()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls // 5):
-            call()
-        samples.append((time.perf_counter() - start) / (calls // 5) * 1e6)
-    return sorted(samples)[len(samples) // 2]
 
 
 def _synced(step: Callable[[], object]) -> Callable[[], None]:
@@ -121,17 +108,17 @@ def expert_parallel(args: Sequence[str]) -> Result:
             with torch.no_grad():
                 model(**inputs)
 
-        figures = {"eager": _median_us(_synced(eager), _CALLS)}
-        figures["graph"] = _median_us(_synced(_stepper(alone, inputs)), _CALLS)
+        figures = {"eager": median_us(_synced(eager), _CALLS, warm_up=20)}
+        figures["graph"] = median_us(_synced(_stepper(alone, inputs)), _CALLS, warm_up=20)
         for name, built in agreeing.items():
-            figures[f"graph_{name}"] = _median_us(_synced(_stepper(built, inputs)), _CALLS)
+            figures[f"graph_{name}"] = median_us(_synced(_stepper(built, inputs)), _CALLS, warm_up=20)
         figures["speedup"] = figures["eager"] / figures["graph"]
         figures["speedup_shm"] = figures["eager"] / figures["graph_shm"]
         result[f"batch{batch}_us"] = figures
     request = StepRequest(1, True, 0, frozenset())
     for name, ranks in agreements.items():
         step = lambda r=ranks: r.agree_step(alone.dispatcher, request, can_replay=True)  # noqa: E731
-        result[f"agree_step_us_{name}"] = _median_us(step, _AGREE_CALLS)
+        result[f"agree_step_us_{name}"] = median_us(step, _AGREE_CALLS, warm_up=20)
     for built in (alone, *agreeing.values()):
         built.clear()
     factor = MoeConfig(num_experts=8, top_k=2, expert_size=1024, capacity_factor=1.0)

@@ -59,9 +59,9 @@ def _synced(manager: CUDAGraphManager[torch.Tensor], inputs: dict[str, torch.Ten
     torch.cuda.synchronize()
 
 
-def _median_us(call: Callable[[], object], calls: int) -> float:
-    """Median over 5 rounds of ``call``'s host time, after 100 warm-up calls."""
-    for _ in range(100):
+def median_us(call: Callable[[], object], calls: int, *, warm_up: int = 100) -> float:
+    """Median over 5 rounds of ``call``'s host time (microseconds a call), after ``warm_up`` calls."""
+    for _ in range(warm_up):
         call()
     samples = []
     for _ in range(5):
@@ -170,9 +170,9 @@ def tensor_parallel(args: Sequence[str]) -> Result:
             dist.all_reduce(table, group=ranks.group)  # the same table's all-reduce alone, waited for
             torch.cuda.synchronize()
 
-        result[f"agree_step_{name}_us"] = _median_us(agree, _AGREE_CALLS)
+        result[f"agree_step_{name}_us"] = median_us(agree, _AGREE_CALLS)
         if name != "shm":  # shm has no all-reduce
-            result[f"all_reduce_{name}_us"] = _median_us(floor, _AGREE_CALLS)
+            result[f"all_reduce_{name}_us"] = median_us(floor, _AGREE_CALLS)
     for built in (full, piecewise, full_gloo, full_nccl, full_shm):
         built.clear()  # graphs with NCCL operations freed before the process ends
     torch.cuda.synchronize()
