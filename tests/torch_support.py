@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 
@@ -42,3 +43,14 @@ def highest_fp32_matmul_precision() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture(autouse=True)
+def eager_flex_is_expected() -> Iterator[None]:
+    """Eager FlexAttention (the CPU tests' reference path) warns that it is unfused; that is the point.
+
+    An autouse fixture for the modules that import it (the paged decoder's tests).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+        yield

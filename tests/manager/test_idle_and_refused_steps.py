@@ -9,8 +9,7 @@ CUDA, above the largest size, not captured) a step was counted in
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Generic, TypeVar
 
 import pytest
@@ -35,18 +34,12 @@ from tests.manager.helpers import (
 from tests.manager.test_attention_seam import INPUTS as SEAM_INPUTS
 from tests.manager.test_attention_seam import SeamModel, ToyBuilder
 from tests.manager.test_attention_seam import _batch as seam_batch
+from tests.torch_support import eager_flex_is_expected as eager_flex_is_expected  # autouse
 
 R = TypeVar("R")
 CPU: Final = torch.device("cpu")
 M: Final = CUDAGraphMode
 SMALL: Final = DecoderConfig.small()
-
-
-@pytest.fixture(autouse=True)
-def _eager_flex_is_expected() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
-        yield
 
 
 class Calls(Generic[R]):

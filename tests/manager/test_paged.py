@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Final
 
@@ -32,18 +31,11 @@ from examples.paged import (
     tile_unions,
 )
 from tests.manager.oracles import dense_reference
+from tests.torch_support import eager_flex_is_expected as eager_flex_is_expected  # autouse
 from tests.torch_support import highest_fp32_matmul_precision, rel_err
 
 M: Final = CUDAGraphMode
 SMALL: Final = DecoderConfig.small()
-
-
-@pytest.fixture(autouse=True)
-def _eager_flex_is_expected() -> Iterator[None]:
-    """Eager FlexAttention (the CPU tests' reference path) warns that it is unfused; that is the point."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
-        yield
 
 
 def _eager(model: PagedDecoder, inputs: dict[str, torch.Tensor], uniform: bool) -> torch.Tensor:

@@ -8,8 +8,7 @@ is all or nothing; an empty batch builds its metadata as padding.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Final
 
 import pytest
@@ -32,18 +31,12 @@ from examples.paged import (
 from examples.paged.batch import Validate
 from examples.paged.checks import DeviceChecks
 from tests.manager.oracles import dense_reference
+from tests.torch_support import eager_flex_is_expected as eager_flex_is_expected  # autouse
 from tests.torch_support import rel_err
 
 SMALL: Final = DecoderConfig.small()
 LAYOUT: Final = PagedLayout.for_config(SMALL, page_size=8)
 Inputs = dict[str, torch.Tensor]
-
-
-@pytest.fixture(autouse=True)
-def _eager_flex_is_expected() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
-        yield
 
 
 def _inputs(num_tokens: int, *, uniform: bool = False, query_len: int = 1, seed: int = 3) -> Inputs:
