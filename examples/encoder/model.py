@@ -3,7 +3,9 @@
 Items (images as patches, ``[num_patches, patch_dim]`` each) are packed into
 one forward: their patches concatenated, ``item_lens`` each item's count.
 The attention reads where each item starts from the seam
-(``attention_metadata(builder)``, a ``PackedMetadata``): every token attends
+(``attention_metadata(builder)``, a ``PackedMetadata`` whose offsets the
+forward writes from ``item_lens`` first: a graph captures that cumsum, so a
+replay launches nothing for them on the host): every token attends
 to the tokens of its own item only, so a packed forward computes each item
 as it would alone. Positions restart at 0 in each item. Two kernels:
 
@@ -158,9 +160,10 @@ class ViTEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.hidden, device=where, dtype=dtype)
 
     def forward(self, patches: torch.Tensor, item_lens: torch.Tensor) -> torch.Tensor:
-        """``patches [T, patch_dim]`` of packed items -> ``[T, hidden]``; ``item_lens`` come as metadata."""
-        del item_lens  # the builder turned them into the offsets the attention reads
-        packing = _Packing(attention_metadata(self.builder), patches.shape[0], patches.device)
+        """``patches [T, patch_dim]`` of packed items -> ``[T, hidden]``; ``item_lens [items]``, padding rows 0."""
+        meta = attention_metadata(self.builder)
+        meta.write_offsets(item_lens)  # the offsets every block reads: in a graph, captured with it
+        packing = _Packing(meta, patches.shape[0], patches.device)
         x = self.embed(patches) + self.positions(packing.positions(self.config.max_positions))
         for block in self.blocks:
             x = block(x, packing)

@@ -43,36 +43,82 @@ def test_offsets_end_with_the_padded_total_as_one_extra_sequence() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     shape = BatchShape(64, 4, None, _FULL)
     meta = builder.build(StepBatch(37, 3, {"item_lens": _lens(5, 20, 12)}), shape)
-    assert meta.cu_seqlens.tolist() == [0, 5, 25, 37, 64, 64]  # 3 items, padding of 27, one empty
-    assert meta.cu_seqlens.dtype == torch.int32
+    offsets = meta.write_offsets(_lens(5, 20, 12, 0))  # the forward's static input: padding rows 0
+    assert offsets is meta.cu_seqlens
+    assert offsets.tolist() == [0, 5, 25, 37, 37, 64]  # 3 items, one empty, the padding of 27 last
+    assert offsets.dtype == torch.int32
     assert meta.max_seqlen == 64  # the shape's bound: the padding's 27 and every item within it
 
 
 def test_a_full_pack_still_has_its_padding_sequence() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     meta = builder.build(StepBatch(30, 4, {"item_lens": _lens(5, 5, 10, 10)}), BatchShape(32, 4, None, _FULL))
-    assert meta.cu_seqlens.tolist() == [0, 5, 10, 20, 30, 32]
+    assert meta.write_offsets(_lens(5, 5, 10, 10)).tolist() == [0, 5, 10, 20, 30, 32]
 
 
 def test_a_warm_ups_batch_is_all_padding() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     meta = builder.build(StepBatch.padding(), BatchShape(128, 4, None, _FULL))
-    assert meta.cu_seqlens.tolist() == [0, 128, 128, 128, 128, 128]
+    assert meta.write_offsets(_lens(0, 0, 0, 0)).tolist() == [0, 0, 0, 0, 0, 128]
 
 
-def test_one_buffer_the_same_view_per_graph_shape_and_capture_equals_build() -> None:
+def test_build_writes_nothing_the_forward_writes_the_offsets() -> None:
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    shape = BatchShape(64, 4, None, _FULL)
+    meta = builder.build_for_capture(shape)
+    meta.cu_seqlens.fill_(-1)  # what a replay's build would overwrite, were it to launch anything
+    assert builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), shape) is meta
+    assert meta.cu_seqlens.tolist() == [-1] * 6
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_offsets_are_right_for_random_item_mixes(seed: int) -> None:
+    rng = random.Random(seed)
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    for _ in range(50):
+        rows = rng.randint(1, _BUDGETS.max_items)
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(0, rows))]
+        real = sum(lengths)
+        padded = _BUDGETS.budget_for(max(real, 1)) or 0
+        meta = builder.build(
+            StepBatch(real, len(lengths), {"item_lens": _lens(*lengths)}),
+            BatchShape(padded, rows, None, _FULL),
+        )
+        stale = [rng.randint(0, 200) for _ in range(rows)]
+        meta.write_offsets(_lens(*stale))  # a previous step's values: overwritten below
+        offsets = meta.write_offsets(_lens(*lengths, *[0] * (rows - len(lengths)))).tolist()
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        assert offsets == [0, *ends, *[real] * (rows - len(lengths)), padded]
+
+
+def test_stale_or_nonzero_padding_rows_never_pass_the_padded_total() -> None:
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    meta = builder.build_for_capture(BatchShape(32, 4, None, _FULL))
+    assert meta.write_offsets(_lens(10, 12, 50, 50)).tolist() == [0, 10, 22, 32, 32, 32]
+
+
+def test_offsets_of_an_eager_shape_and_one_view_per_graph_shape() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     shape = BatchShape(32, 4, None, _FULL)
     captured = builder.build_for_capture(shape)
     built = builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), shape)
-    assert built is captured  # the graph reads the view its capture saw; build refills it
+    assert built is captured  # the graph reads the view its capture saw
     big = builder.build_for_capture(BatchShape(128, 4, None, _FULL))
     assert big.cu_seqlens.data_ptr() == captured.cu_seqlens.data_ptr()  # one buffer, at the largest
     eager = BatchShape.eager(7, 2, False)
     first = builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), eager)
-    assert first.cu_seqlens.tolist() == [0, 3, 7, 7]
+    assert first.write_offsets(_lens(3, 4)).tolist() == [0, 3, 7, 7]
     assert first.max_seqlen == 7
     assert builder.build_for_capture(eager) is not first  # eager shapes are not kept (any count)
+
+
+@pytest.mark.parametrize("lengths", [torch.zeros(3, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.int32)])
+def test_lengths_of_another_item_count_than_the_shape_are_named(lengths: torch.Tensor) -> None:
+    meta = PackedMetadataBuilder(_BUDGETS, device="cpu").build_for_capture(BatchShape(32, 4, None, _FULL))
+    before = meta.cu_seqlens.tolist()
+    with pytest.raises(ValueError, match=r"lengths: expected 4 item lengths"):
+        meta.write_offsets(lengths)
+    assert meta.cu_seqlens.tolist() == before  # refused before a row is written
 
 
 def test_the_builder_validates_on_request_and_names_what_is_wrong() -> None:

@@ -7,6 +7,11 @@ builder for it (docs/design.md, "Encoder graphs"): one buffer allocated at
 the largest budget, the items' offsets and then the padded total, so the
 padding is one more sequence (attending only to itself), and ``max_seqlen``
 the shape's token count, a bound that depends on the shape alone.
+
+The offsets are written by the forward, not by ``build``: the model calls
+``PackedMetadata.write_offsets(item_lens)`` on the lengths input it is
+given (in a graph, the static buffer, padding rows 0), so a graph captures
+the cumsum and a replay's ``build`` is a look-up, no kernel launched.
 """
 
 from __future__ import annotations
@@ -28,14 +33,38 @@ from .._batch import BatchShape, StepBatch
 class PackedMetadata:
     """The metadata of a forward of packed items (``PackedMetadataBuilder``'s).
 
-    ``cu_seqlens [num_reqs + 2]`` int32: 0, each item's end, then the padded
-    total in every row after (the first of them ends the padding sequence,
-    the rest are empty). ``max_seqlen``: the shape's token count, a bound on
-    every sequence (the padding's included) that a FULL graph may bake.
+    ``cu_seqlens [num_reqs + 2]`` int32, once the forward called
+    ``write_offsets(lengths)``: 0, each item's end, the real total in each
+    padding row of ``lengths`` (empty sequences), then ``num_tokens``, the
+    padded total (the end of the padding sequence). ``max_seqlen``: the
+    shape's token count, a bound on every sequence (the padding's included)
+    that a FULL graph may bake.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    num_tokens: int
+
+    def write_offsets(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``cu_seqlens`` written from ``lengths [num_reqs]`` (the forward's input, padding rows 0), on the device.
+
+        Three ops on the current stream, no host read (a graph captures
+        them): the cumsum of ``lengths`` into rows 1 to ``num_reqs``, clamped
+        to the padded total (so stale or nonzero padding rows never pass
+        it), and the padded total in the last row (row 0 stays 0). Returns
+        ``cu_seqlens``; ``ValueError`` if ``lengths`` has not ``num_reqs`` rows.
+        """
+        offsets = self.cu_seqlens
+        if lengths.dim() != 1 or lengths.shape[0] + 2 != offsets.shape[0]:
+            raise ValueError(
+                f"lengths: expected {offsets.shape[0] - 2} item lengths (the shape's items), "
+                f"got shape {tuple(lengths.shape)}"
+            )
+        ends = offsets[1:-1]
+        torch.cumsum(lengths, 0, dtype=torch.int32, out=ends)
+        ends.clamp_(max=self.num_tokens)
+        offsets[-1:].fill_(self.num_tokens)
+        return offsets
 
 
 class PackedMetadataBuilder:
@@ -50,7 +79,10 @@ class PackedMetadataBuilder:
         validate: check each real batch's lengths on the host (one
             synchronization): each at least 1, their sum the step's tokens.
 
-    Its ``support`` is ``ALWAYS``: every host value depends on the shape alone.
+    ``build`` writes nothing: it returns the shape's view of the buffer (the
+    same one per graph shape), which the forward fills with
+    ``PackedMetadata.write_offsets``. Its ``support`` is ``ALWAYS``: every
+    host value depends on the shape alone.
     """
 
     support: Final = AttentionSupport(GraphSupport.ALWAYS, name="packed")
@@ -74,11 +106,6 @@ class PackedMetadataBuilder:
         self.validate: Final = check_bool("validate", validate)
         self._offsets: Final = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
         self._views: Final[dict[tuple[int, int], PackedMetadata]] = {}
-        # Per item count n, the rows build writes (views made once: a slice costs a few us per step):
-        # the items' ends [1, n], and every row after them (the padding's end, then empty sequences).
-        rows = range(budgets.max_items + 1)
-        self._ends: Final = tuple(self._offsets[1 : n + 1] for n in rows)
-        self._after: Final = tuple(self._offsets[n + 1 :] for n in rows)
 
     def build_for_capture(self, shape: BatchShape, /) -> PackedMetadata:
         """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape."""
@@ -89,23 +116,20 @@ class PackedMetadataBuilder:
                 raise ValueError(
                     f"shape: {shape.num_reqs} items exceed max_items={self.budgets.max_items} of the builder"
                 )
-            meta = PackedMetadata(self._offsets[: shape.num_reqs + 2], shape.num_tokens)
+            meta = PackedMetadata(self._offsets[: shape.num_reqs + 2], shape.num_tokens, shape.num_tokens)
             if shape.mode is not CUDAGraphMode.NONE:  # a graph's shape: one per key; eager ones are not kept
                 self._views[key] = meta
         return meta
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> PackedMetadata:
-        """``batch``'s offsets padded to ``shape`` (device ops on the current stream, no host sync)."""
+        """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets)."""
         meta = self.build_for_capture(shape)  # checks the shape's item count
-        n = batch.num_reqs
-        if n:
+        if batch.num_reqs:
             lengths = batch.inputs.get(self.lengths)
             if lengths is None:
                 raise ValueError(f"{self.lengths}: the step has no input of the items' lengths")
             if self.validate:
                 _check_lengths(self.lengths, lengths, batch.num_tokens)
-            torch.cumsum(lengths, 0, dtype=torch.int32, out=self._ends[n])
-        self._after[n].fill_(shape.num_tokens)  # the padding: one more sequence, then empty ones
         return meta
 
 
