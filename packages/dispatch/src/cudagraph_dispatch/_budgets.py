@@ -11,6 +11,7 @@ Python: an engine plans its packs on the host before it touches a tensor.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
 
@@ -21,6 +22,8 @@ from ._sizes import MAX_CAPTURE_SIZE, CaptureSizes
 
 #: The smallest budget of ``TokenBudgets.default``, as vLLM's encoder graphs start.
 DEFAULT_MIN_BUDGET: Final = 64
+#: The classes of a usual batch of lengths: ints only (``bool`` is refused, as everywhere).
+_INTS: Final = frozenset({int})
 
 
 class Pack(NamedTuple):
@@ -57,7 +60,7 @@ class TokenBudgets:
     ``ValueError`` naming it.
     """
 
-    __slots__ = ("_max_items", "_sizes")
+    __slots__ = ("_ladder", "_max_items", "_orders", "_sizes")
 
     def __init__(self, budgets: Iterable[int], *, max_items: int | None = None) -> None:
         given = list(check_items("budgets", budgets, "integers"))
@@ -67,6 +70,10 @@ class TokenBudgets:
         bound = sizes.max if max_items is None else check_int("max_items", max_items, minimum=1)
         self._sizes: Final = sizes
         self._max_items: Final = min(bound, sizes.max)  # a pack never holds more items than tokens
+        # The hot path's tables (``pack`` runs on the host before every encoder forward):
+        # the ladder to bisect, and the items of a one-pack batch of n items, made once.
+        self._ladder: Final = sizes.sizes
+        self._orders: Final = tuple(tuple(range(n)) for n in range(min(self._max_items, 64) + 1))
 
     @classmethod
     def default(cls, max_budget: int, *, max_items: int | None = None) -> TokenBudgets:
@@ -111,8 +118,12 @@ class TokenBudgets:
         """
         lens = _checked_lengths(lengths, self._sizes.max)
         total = sum(lens)
-        if len(lens) <= self._max_items and total <= self._sizes.max:
-            return (Pack(self._sizes.pad(total) or 0, tuple(range(len(lens))), total),) if lens else ()
+        n = len(lens)
+        if n <= self._max_items and total <= self._sizes.max:  # one pack: the usual case, no check re-run
+            if not n:
+                return ()
+            items = self._orders[n] if n < len(self._orders) else tuple(range(n))
+            return (Pack(self._ladder[bisect_left(self._ladder, total)], items, total),)
         return tuple(
             Pack(self._sizes.pad(tokens) or 0, tuple(sorted(items)), tokens)
             for tokens, items in _first_fit_decreasing(lens, self._sizes.max, self._max_items)
@@ -138,7 +149,7 @@ def _checked_lengths(lengths: Sequence[int], largest: int) -> list[int]:
     if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
         raise ValueError(f"lengths: expected a sequence of integers, got {given!r}")
     lens = list(given)
-    if all(n.__class__ is int and 0 < n <= largest for n in lens):  # the usual case: one pass
+    if lens and set(map(type, lens)) == _INTS and min(lens) > 0 and max(lens) <= largest:  # the usual case
         return lens
     for i, n in enumerate(lens):
         check_int(f"lengths[{i}]", n, minimum=1)
