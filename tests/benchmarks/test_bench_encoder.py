@@ -3,11 +3,14 @@
 What ``EncoderRunner.encode`` does on the host before a replay, per batch of
 8 items of 64-1,024 tokens that fit one pack (issue 42's target: at most
 20 us): ``TokenBudgets.pack``, the dispatcher's ``route`` of the pack's
-tokens, and ``PackedMetadataBuilder.build`` (a cumsum and a fill on the
-device, no synchronization). A fixed list of batches is cycled; the lengths
-tensors are made beforehand (an engine has them on the device already).
-On CUDA where available, else the CPU (whose torch ops cost more on the
-host). ``extra_info['per_batch_us']``: the median round over its batches.
+tokens, and ``PackedMetadataBuilder.build`` (a look-up of the shape's view:
+no device op, the forward writes the offsets inside the graph). A fixed list
+of batches is cycled; the lengths tensors are made beforehand (an engine
+has them on the device already). On CUDA where available, else the CPU.
+``extra_info['per_batch_us']``: the median round over its batches;
+``extra_info['breakdown_us']``: each part's median per batch
+(``encoder_throughput.host_breakdown``: pack, route, build, their total,
+and the lengths tensor's making apart).
 
 Run with ``pytest tests/benchmarks/test_bench_encoder.py --benchmark-only``.
 No timed assertions: machines are noisy. Throughput against eager:
@@ -24,6 +27,7 @@ import torch
 from cudagraph_dispatch import CUDAGraphDispatcher, Dispatch
 from cudagraph_dispatch.budgets import TokenBudgets
 from cudagraph_manager.attention import BatchShape, PackedMetadataBuilder, StepBatch
+from tests.benchmarks.encoder_throughput import host_breakdown
 from tests.benchmarks.support import BenchmarkFixture
 
 _BATCHES: Final = 200
@@ -62,3 +66,7 @@ def test_host_cost_of_pack_dispatch_and_build(benchmark: BenchmarkFixture) -> No
     if stats is not None:
         benchmark.extra_info["per_batch_us"] = stats.stats.median / _BATCHES * 1e6
     benchmark.extra_info["device"] = device
+    mixes = [lengths for lengths, _ in batches]
+    benchmark.extra_info["breakdown_us"] = host_breakdown(
+        budgets, dispatcher, builder, mixes, torch.device(device)
+    )

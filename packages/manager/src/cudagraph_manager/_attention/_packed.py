@@ -123,7 +123,9 @@ class PackedMetadataBuilder:
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> PackedMetadata:
         """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets)."""
-        meta = self.build_for_capture(shape)  # checks the shape's item count
+        meta = self._views.get((shape.num_tokens, shape.num_reqs))  # a graph's shape: one look-up
+        if meta is None:
+            meta = self.build_for_capture(shape)  # checks the shape's item count
         if batch.num_reqs:
             lengths = batch.inputs.get(self.lengths)
             if lengths is None:
