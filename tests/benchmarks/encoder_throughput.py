@@ -13,7 +13,8 @@ the medians give items per second and the ratio. Also: the packing's
 padding waste (padding over budget, per pack: mean and worst; and over all
 tokens), each item against the item alone (mismatches: relative L2 error
 above 2e-2), and the host cost per batch of pack, route and build, each
-and together (``host_breakdown``; the lengths tensor's making apart).
+and together, for batches of 8 items (``host_breakdown``; the lengths
+tensor's making and the build's former kernel launches apart).
 ``--small``: a 2-block encoder, on the CPU too (no graphs there: a smoke run).
 """
 
@@ -83,6 +84,9 @@ def host_breakdown(
     20 us for 8 items). ``lengths_tensor``, outside the total: the lengths
     as a device tensor from a Python list (``EncoderRunner``'s, a
     host-to-device copy; an engine may have them on the device already).
+    ``cumsum_fill_launches``, outside the total too: the two device ops the
+    builder's ``build`` launched per batch before the offsets moved into the
+    forward (the baseline of the build in the same run).
     Each part runs over every mix per round, a device sync after each round
     (not timed).
     """
@@ -94,6 +98,11 @@ def host_breakdown(
     on_device = [torch.tensor(m, dtype=torch.int32, device=device) for m in mixes]
     packs = [budgets.pack(m) for m in mixes]
     routes = [[dispatcher.route(p.tokens) for p in ps] for ps in packs]
+    scratch = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
+
+    def launches(lengths: torch.Tensor) -> None:  # the build before: the ends by a cumsum, then a fill
+        torch.cumsum(lengths, 0, dtype=torch.int32, out=scratch[1 : lengths.shape[0] + 1])
+        scratch[lengths.shape[0] + 1 :].fill_(budgets.max)
 
     def build(i: int, pack: Pack, route: Route) -> None:
         if isinstance(route, Dispatch):
@@ -113,6 +122,7 @@ def host_breakdown(
         ],
         "total": total,
         "lengths_tensor": lambda: [torch.tensor(m, dtype=torch.int32, device=device) for m in mixes],
+        "cumsum_fill_launches": lambda: [launches(t) for t in on_device],
     }
     return {name: _median_us(fn, device, rounds) / len(mixes) for name, fn in parts.items()}
 
@@ -159,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     runner = EncoderRunner(config, budgets)
     rng = random.Random(0)
     mixes = [[rng.randint(64, 1024) for _ in range(rng.randint(1, 8))] for _ in range(args.mixes)]
+    eights = [[rng.randint(64, 1024) for _ in range(8)] for _ in range(200)]  # the host target's batches
     generator = torch.Generator().manual_seed(0)
     batches = [random_items(config, m, generator, runner.device) for m in mixes]
     report = runner.manager.capture()
@@ -193,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, object]:
         "graph_ms_per_mix": graph_s / len(mixes) * 1e3,
         "eager_ms_per_mix": eager_s / len(mixes) * 1e3,
         "padding_waste": _waste(budgets, mixes),
-        "host_us_per_batch": host_breakdown(
-            budgets, runner.manager.dispatcher, runner.builder, mixes, runner.device
+        "host_us_per_batch_of_8_items": host_breakdown(
+            budgets, runner.manager.dispatcher, runner.builder, eights, runner.device
         ),
         "mismatches": mismatches,
         "worst_relative_error": worst,

@@ -71,6 +71,16 @@ def test_build_writes_nothing_the_forward_writes_the_offsets() -> None:
     assert meta.cu_seqlens.tolist() == [-1] * 6
 
 
+def test_a_graph_shapes_build_runs_no_torch_op() -> None:
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    shape = BatchShape(64, 4, None, _FULL)
+    builder.build_for_capture(shape)  # the capture's: the view is made once
+    batch = StepBatch(37, 3, {"item_lens": _lens(5, 20, 12)})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        builder.build(batch, shape)
+    assert [e.name for e in profile.events() if e.name.startswith("aten::")] == []
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_offsets_are_right_for_random_item_mixes(seed: int) -> None:
     rng = random.Random(seed)

@@ -17,6 +17,7 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.budgets import TokenBudgets
+from cudagraph_manager.attention import BatchShape
 from examples.encoder import EncoderConfig, EncoderRunner, random_items
 from examples.encoder.model import Kernel
 
@@ -93,6 +94,26 @@ def test_a_replay_equals_the_same_pack_run_eagerly() -> None:
         items = random_items(runner.model.config, lengths, torch.Generator().manual_seed(seed), runner.device)
         for out, ref in zip(runner.encode(items), runner.encode_eager(items), strict=True):
             assert _relative_error(out, ref) <= _RTOL[torch.bfloat16]
+
+
+def test_each_replay_writes_its_offsets_in_the_graph() -> None:
+    """A replay's build launches nothing: the graph's own cumsum writes the offsets each replay reads."""
+    budgets = TokenBudgets([256, 1024], max_items=4)
+    runner = EncoderRunner(_config("varlen"), budgets, strict=True)
+    runner.manager.capture()
+    view = runner.builder.build_for_capture(BatchShape(1024, 4, None, _FULL)).cu_seqlens
+    rng = random.Random(5)
+    for seed in range(12):  # 1-4 items in the 1024 budget (over 256 tokens), after packs of every count
+        count = rng.randint(1, 4)
+        lengths = [rng.randint(260 // count + 1, 1024 // count) for _ in range(count)]
+        items = random_items(runner.model.config, lengths, torch.Generator().manual_seed(seed), runner.device)
+        outputs = runner.encode(items)
+        ends = [sum(lengths[: i + 1]) for i in range(count)]
+        expected = [0, *ends, *[sum(lengths)] * (4 - count), 1024]
+        assert view.tolist() == expected, lengths  # written by the replay: empty sequences, then padding
+        for item, out in zip(items, outputs, strict=True):  # (an item alone runs eagerly, after the check)
+            assert _relative_error(out, runner.encode_alone(item)) <= _RTOL[torch.bfloat16], lengths
+    assert runner.manager.stats.eager_steps == 0
 
 
 def test_background_capture_serves_every_item_as_alone() -> None:
