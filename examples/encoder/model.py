@@ -160,7 +160,7 @@ class ViTEncoder(nn.Module):
         self.norm = nn.LayerNorm(config.hidden, device=where, dtype=dtype)
 
     def forward(self, patches: torch.Tensor, item_lens: torch.Tensor) -> torch.Tensor:
-        """``patches [T, patch_dim]`` of packed items -> ``[T, hidden]``; ``item_lens [items]``, padding rows 0."""
+        """``patches [T, patch_dim]`` of packed items -> ``[T, hidden]``; ``item_lens [items]``, 0 to pad."""
         meta = attention_metadata(self.builder)
         meta.write_offsets(item_lens)  # the offsets every block reads: in a graph, captured with it
         packing = _Packing(meta, patches.shape[0], patches.device)

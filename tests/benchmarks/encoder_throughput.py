@@ -32,7 +32,7 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphDispatcher, Dispatch, Route
 from cudagraph_dispatch.budgets import Pack, TokenBudgets
-from cudagraph_manager.attention import BatchShape, PackedMetadataBuilder, StepBatch
+from cudagraph_manager.attention import BatchShape, PackedMetadata, PackedMetadataBuilder, StepBatch
 from examples.encoder import EncoderConfig, EncoderRunner, random_items
 
 _RTOL: Final = 2e-2
@@ -100,14 +100,17 @@ def host_breakdown(
     routes = [[dispatcher.route(p.tokens) for p in ps] for ps in packs]
     scratch = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
 
-    def launches(lengths: torch.Tensor) -> None:  # the build before: the ends by a cumsum, then a fill
+    def launches(
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:  # the build before: the ends by a cumsum, then a fill
         torch.cumsum(lengths, 0, dtype=torch.int32, out=scratch[1 : lengths.shape[0] + 1])
-        scratch[lengths.shape[0] + 1 :].fill_(budgets.max)
+        return scratch[lengths.shape[0] + 1 :].fill_(budgets.max)
 
-    def build(i: int, pack: Pack, route: Route) -> None:
-        if isinstance(route, Dispatch):
-            batch = StepBatch(pack.tokens, len(pack.items), {"item_lens": on_device[i]})
-            builder.build(batch, shapes[route.descriptor])
+    def build(i: int, pack: Pack, route: Route) -> PackedMetadata | None:
+        if not isinstance(route, Dispatch):
+            return None
+        batch = StepBatch(pack.tokens, len(pack.items), {"item_lens": on_device[i]})
+        return builder.build(batch, shapes[route.descriptor])
 
     def total() -> None:
         for i, lengths in enumerate(mixes):

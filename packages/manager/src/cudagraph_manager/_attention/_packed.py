@@ -46,7 +46,7 @@ class PackedMetadata:
     num_tokens: int
 
     def write_offsets(self, lengths: torch.Tensor) -> torch.Tensor:
-        """``cu_seqlens`` written from ``lengths [num_reqs]`` (the forward's input, padding rows 0), on the device.
+        """``cu_seqlens`` written on the device from ``lengths [num_reqs]`` (the forward's input, padding 0).
 
         Three ops on the current stream, no host read (a graph captures
         them): the cumsum of ``lengths`` into rows 1 to ``num_reqs``, clamped
