@@ -1,9 +1,14 @@
 """FlashAttention over the pages through torch's ``varlen_attn``: one kernel for every batch.
 
 ``varlen_attn`` takes its host values as bounds (``max_q``, ``max_k``) and
-its offsets as tensors, so with the offsets padded with the padded total and
-``max_q`` chosen per key, one FULL graph replays any batch of its key:
-``VarlenPagedAttention`` declares ``ALWAYS``. It reads the pages through the
+its offsets as tensors, so with ``max_q`` chosen per key, one FULL graph
+replays any batch of its key: ``VarlenPagedAttention`` declares ``ALWAYS``.
+Its work follows the real batch, not the key's bound: in a mixed key the
+padding requests hold no query (their offsets stop at the real total) and
+the padding tokens' rows are zeros, so ``max_q`` is at most a request's
+longest context (``max_seq_len``), not the key's token count, and the
+kernel's programs of padding requests return at once; the gathered path
+packs only the real keys (``row_gather``). It reads the pages through the
 block table where the installed torch can, else gathers them first; the
 kernel calls, and the stand-in that runs off CUDA, are ``varlen_kernels``.
 """
@@ -27,14 +32,22 @@ from .varlen_kernels import PAGED_VARLEN, gathered_key_slots, gathered_varlen, p
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VarlenMetadata:
-    """``VarlenPagedAttention``'s metadata: the paged batch, and the gathered path's key map.
+    """``VarlenPagedAttention``'s metadata: the paged batch, its query offsets, the gathered path's key map.
 
-    ``cu_seq_k``, ``key_slots``: ``gathered_key_slots`` of the batch, in
-    buffers of the backend (``None`` on the paged path). The host bounds
-    (``paged.max_query_len``, ``paged.max_seq_len``) depend on the shape alone.
+    ``cu_seq_q``: the query offsets the kernel reads, ``paged.query_start_loc``
+    but for a mixed shape's padding requests, which hold no query (their
+    offsets are the real total); ``real``: which tokens are not padding (the
+    others' rows come out as zeros). ``max_q``: the query bound, ``paged.max_query_len``
+    capped for a mixed shape at ``paged.max_seq_len`` (a real request's
+    queries are some of its keys). ``cu_seq_k``, ``key_slots``:
+    ``gathered_key_slots`` of the batch, in buffers of the backend (``None``
+    on the paged path). The host bounds depend on the shape alone.
     """
 
     paged: PagedMetadata
+    cu_seq_q: torch.Tensor  # [R + 1] int32
+    real: torch.Tensor  # [T, 1, 1] bool
+    max_q: int
     cu_seq_k: torch.Tensor | None  # [R + 1] int32
     key_slots: torch.Tensor | None  # [R * max_seq_len] int64
 
@@ -72,6 +85,9 @@ class VarlenPagedAttention(EagerBreakAttention):
         name = "varlen_paged" if self.paged else "varlen_gathered"
         self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name=name)
         self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+        self._cu_seq_q: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self._real: Final = torch.zeros(max_tokens, 1, 1, dtype=torch.bool, device=device)
+        self._zero: Final = torch.zeros((), device=device)  # the padding rows' value
         rows = 0 if self.paged else max_reqs
         self._cu_seq_k: Final = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self._key_slots: Final = torch.zeros(rows * layout.max_seq_len, dtype=torch.int64, device=device)
@@ -80,6 +96,11 @@ class VarlenPagedAttention(EagerBreakAttention):
     def build(self, batch: StepBatch, shape: BatchShape, /) -> VarlenMetadata:
         """``batch`` padded to ``shape``, and on the gathered path its key map (device ops)."""
         meta = self._view(self.buffers.fill(batch, shape))
+        if shape.query_len is None:  # mixed: padding requests hold no query, padding tokens are zeros
+            offsets, real = meta.cu_seq_q, min(batch.num_reqs, shape.num_reqs)
+            offsets.copy_(meta.paged.query_start_loc)
+            offsets[real + 1 :].copy_(offsets[real].expand(shape.num_reqs - real))
+            torch.ge(meta.paged.req_ids[:, None, None], 0, out=meta.real)
         if meta.cu_seq_k is not None and meta.key_slots is not None:
             paged = meta.paged
             cu_seq_k, slots = gathered_key_slots(
@@ -96,10 +117,16 @@ class VarlenPagedAttention(EagerBreakAttention):
     def _view(self, paged: PagedMetadata) -> VarlenMetadata:
         meta = self._views.get(paged.shape)
         if meta is None:
-            num_reqs = paged.shape.num_reqs
+            shape = paged.shape
+            num_reqs = shape.num_reqs
             cu_seq_k = None if self.paged else self._cu_seq_k[: num_reqs + 1]
             key_slots = None if self.paged else self._key_slots[: num_reqs * paged.max_seq_len]
-            meta = VarlenMetadata(paged, cu_seq_k, key_slots)
+            if shape.query_len is None:  # mixed: the backend's offsets, the bound of a request
+                cu_seq_q, max_q = self._cu_seq_q[: num_reqs + 1], min(paged.max_query_len, paged.max_seq_len)
+            else:  # uniform: every request, padding included, has query_len queries
+                cu_seq_q, max_q = paged.query_start_loc, paged.max_query_len
+            real = self._real[: shape.num_tokens]
+            meta = VarlenMetadata(paged, cu_seq_q, real, max_q, cu_seq_k, key_slots)
             if paged.shape.mode is not CUDAGraphMode.NONE:  # graph shapes only: eager ones are many
                 self._views[paged.shape] = meta
         return meta
@@ -107,16 +134,15 @@ class VarlenPagedAttention(EagerBreakAttention):
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         paged = meta.paged
-        bounds = (paged.max_query_len, paged.max_seq_len)
+        bounds = (meta.max_q, paged.max_seq_len)
         if meta.cu_seq_k is None or meta.key_slots is None:
-            result = paged_varlen(
-                q, kv_cache, paged.query_start_loc, paged.seq_lens, paged.block_table, *bounds
-            )
+            result = paged_varlen(q, kv_cache, meta.cu_seq_q, paged.seq_lens, paged.block_table, *bounds)
         else:
-            result = gathered_varlen(
-                q, kv_cache, paged.query_start_loc, meta.cu_seq_k, meta.key_slots, *bounds
-            )
-        out.copy_(result)
+            result = gathered_varlen(q, kv_cache, meta.cu_seq_q, meta.cu_seq_k, meta.key_slots, *bounds)
+        if paged.shape.query_len is None:  # mixed: the kernel left the padding tokens' rows unwritten
+            torch.where(meta.real, result, self._zero, out=out)
+        else:
+            out.copy_(result)
 
 
 def _choose_paged(paged: bool | None, layout: PagedLayout, device: torch.device | str | None) -> bool:

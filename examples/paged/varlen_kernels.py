@@ -16,7 +16,9 @@ How the kernel reads the keys depends on the installed torch:
   gathered into a packed buffer of ``num_reqs * max_k`` rows first. Packed
   row ``j`` belongs to request ``r = searchsorted(cu_seq_k, j)`` at offset
   ``j - cu_seq_k[r]``, a slot through its block-table row; rows past the
-  total read the scratch slot. Fixed shapes, no host sync: capturable.
+  total read the scratch slot. Fixed shapes, no host sync: capturable. Only
+  the rows below the real total are copied where Triton runs
+  (``row_gather``): the gather's traffic follows the batch, not the bound.
 
 ``varlen_attn`` runs on CUDA only, in float16 or bfloat16. Elsewhere a
 per-request stand-in with the same arguments runs (``varlen_stand_in``), so
@@ -35,6 +37,8 @@ from typing import Final
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch.nn.attention import varlen
+
+from .row_gather import gather_rows
 
 #: The installed ``varlen_attn``'s keyword parameters.
 _PARAMETERS: Final = frozenset(inspect.signature(varlen.varlen_attn).parameters)
@@ -134,10 +138,12 @@ def gathered_varlen(
     max_q: int,
     max_k: int,
 ) -> torch.Tensor:
-    """The gathered path: the keys at ``slots`` (``gathered_key_slots``) packed, then the kernel."""
-    heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    flat = kv_cache.view(2, -1, heads, head_dim)  # [2, num_pages * page_size, heads, head_dim]
-    packed = flat[:, slots]  # [2, R * max_k, heads, head_dim]
+    """The gathered path: the keys at ``slots`` (``gathered_key_slots``) packed, then the kernel.
+
+    Only the rows below ``cu_seq_k[-1]`` are packed where ``row_gather`` can
+    stop there; the kernel reads no row past it.
+    """
+    packed = gather_rows(kv_cache, slots, cu_seq_k[-1:])  # [2, R * max_k, heads, head_dim]
     return _varlen(q, packed[0], packed[1], cu_seq_q, cu_seq_k, max_q, max_k, {})
 
 

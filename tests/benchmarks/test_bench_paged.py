@@ -25,6 +25,7 @@ FULL manager resolves to FULL_AND_PIECEWISE.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import (
     BACKENDS,
+    FlexPagedAttention,
     PagedBackend,
     PagedDecoder,
     PagedLayout,
@@ -87,9 +89,19 @@ def model() -> Iterator[PagedDecoder]:
 
 @pytest.fixture(scope="module")
 def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.Tensor]]]:
+    built = _captured(model, _SIZES)
+    yield built
+    for manager in built.values():
+        manager.release()
+
+
+def _captured(
+    model: PagedDecoder, sizes: CaptureSizes, modes: dict[str, CUDAGraphMode] = _MODES
+) -> dict[str, CUDAGraphManager[torch.Tensor]]:
+    """A manager per mode of ``modes`` over ``model``, its graphs of ``sizes`` captured."""
     built: dict[str, CUDAGraphManager[torch.Tensor]] = {}
-    for name, mode in _MODES.items():
-        config = DispatchConfig(mode, _SIZES, max_num_seqs=model.config.max_num_seqs)
+    for name, mode in modes.items():
+        config = DispatchConfig(mode, sizes, max_num_seqs=model.config.max_num_seqs)
         manager = CUDAGraphManager(
             model,
             paged_static_inputs(model.layout),
@@ -100,9 +112,7 @@ def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.T
         with torch.no_grad():
             manager.capture(progress=False)
         built[name] = manager
-    yield built
-    for manager in built.values():
-        manager.release()
+    return built
 
 
 def _inputs(model: PagedDecoder, num_tokens: int, uniform: bool) -> dict[str, torch.Tensor]:
@@ -321,3 +331,86 @@ def manager_plan(
 ) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
     """The capture plan a manager of ``config`` over ``model`` has (its dispatcher's, resolved)."""
     return CUDAGraphManager(model, paged_static_inputs(model.layout), config).dispatcher.capture_plan()
+
+
+# --- every backend's graphs against its eager step (issue 40, item 4) ----------------------------
+
+#: The 8B-like layers, fewer of them: every backend fits one run (the ratios are per layer).
+_FLOOR_LAYERS: Final = 4
+_FLOOR_DECODES: Final = (1, 16, 64)
+_FLOOR_SIZES: Final = CaptureSizes([*_FLOOR_DECODES, _MIXED_TOKENS])
+_FLOOR_ROUNDS: Final = 7
+
+Floor = tuple[str, PagedDecoder, dict[str, CUDAGraphManager[torch.Tensor]]]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def floor(request: pytest.FixtureRequest) -> Iterator[Floor]:
+    """Per backend: the 8B-like model of ``_FLOOR_LAYERS`` layers, its managers' graphs of 4 sizes."""
+    name = request.param
+    assert isinstance(name, str)
+    torch.manual_seed(0)
+    config = dataclasses.replace(DecoderConfig.llama_8b_like(), num_layers=_FLOOR_LAYERS)
+    layout = PagedLayout.for_config(config, page_size=_PAGE)
+    decoder = PagedDecoder(config, layout=layout, backend=name, device="cuda")
+    decoder.warm_up(_FLOOR_SIZES.max)
+    built = _captured(decoder, _FLOOR_SIZES)
+    if name == "flex":  # and FULL with the packed layout split over batch rows, on the same weights
+        split = FlexPagedAttention(
+            layout, max_tokens=_FLOOR_SIZES.max, max_reqs=config.max_num_seqs, device="cuda", split=True
+        )
+        built |= {
+            "full_split": _captured(decoder.with_backend(split), _FLOOR_SIZES, {"full": M.FULL})["full"]
+        }
+    yield name, decoder, built
+    for manager in built.values():
+        manager.release()
+    del decoder, built
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "uniform"),
+    [*((b, True) for b in _FLOOR_DECODES), (_MIXED_TOKENS, False)],
+    ids=[*(f"decode{b}" for b in _FLOOR_DECODES), f"mixed{_MIXED_TOKENS}"],
+)
+def test_paged_graph_vs_eager(
+    benchmark: BenchmarkFixture, floor: Floor, num_tokens: int, uniform: bool
+) -> None:
+    """Each backend's FULL and FULL_AND_PIECEWISE steps against its eager step, interleaved.
+
+    ``eager_over_manager_<mode>``: the speed-up of the graphs (above 1: the
+    graph is faster); ``manager_full_over_uniform_key`` at decodes: FULL
+    mode's mixed key over FULL_AND_PIECEWISE's uniform key (flex's packed
+    layout against its per-request one, ``docs/benchmarks-notes.md``); flex
+    also FULL with ``split=True`` (``manager_full_split``).
+    """
+    name, model, built = floor
+    inputs = _inputs(model, num_tokens, uniform)
+    eager = _eager(model, inputs, uniform)
+    expected = eager().clone()
+    candidates: dict[str, Callable[[], object]] = {"eager": eager}
+    for mode, manager in built.items():
+        assert rel_err(manager.run_batch(inputs, uniform_decode=uniform), expected) < _TOLERANCE, mode
+        candidates[f"manager_{mode}"] = _run(manager, inputs, uniform)
+    kind = "decode" if uniform else "mixed"
+    benchmark.group = f"paged {name} graph vs eager, {_FLOOR_LAYERS} 8B-like layers, {kind} {num_tokens}"
+    benchmark.pedantic(_repeat(candidates["manager_full"]), rounds=3, warmup_rounds=1)
+    timed = interleave(candidates, rounds=_FLOOR_ROUNDS, calls_per_round=_STEPS_PER_CALL)
+    info = benchmark.extra_info
+    info.update(label="paged_floor", attention=name, num_tokens=num_tokens, uniform=uniform)
+    info.update(num_reqs=int(inputs["seq_lens"].shape[0]), layers=_FLOOR_LAYERS)
+    for label in candidates:
+        info[f"{label}_us"] = timed.median(label) * 1e6
+    for mode in built:
+        rounds = [
+            e / g for e, g in zip(timed.samples["eager"], timed.samples[f"manager_{mode}"], strict=True)
+        ]
+        info[f"eager_over_manager_{mode}"] = timed.ratio("eager", f"manager_{mode}")
+        info[f"eager_over_manager_{mode}_spread"] = [min(rounds), max(rounds)]
+    if uniform:
+        for full in ("manager_full", "manager_full_split"):
+            if full in candidates:
+                info[f"{full}_over_uniform_key"] = timed.ratio(full, "manager_full_and_piecewise")
+    for manager in built.values():
+        assert manager.stats.eager_steps == 0
