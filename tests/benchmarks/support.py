@@ -124,18 +124,25 @@ class Spread:
 
 
 def record_interleaved(
-    info: dict[str, object], timed: Interleaved, ratios: Mapping[str, tuple[str, str]], *, per_call: int = 1
+    info: dict[str, object],
+    timed: Interleaved,
+    ratios: Mapping[str, tuple[str, str]],
+    *,
+    per_call: int = 1,
+    medians: bool = True,
 ) -> None:
     """Write ``timed`` into a benchmark's ``extra_info``: the figures and their spread across rounds.
 
     Each candidate's median in microseconds per call (divided by
-    ``per_call``: the steps or replays a call ran) as ``{name}_us``; each
+    ``per_call``: the steps or replays a call ran) as ``{name}_us``, unless
+    ``medians`` is false (the caller writes its own); each
     ``key: (name, baseline)`` of ``ratios`` as ``key`` (the median of the
     per-round ratios) and ``{key}_spread`` (``Spread``, as text: the report
     shows it as a column); the rounds as ``interleaved_rounds``.
     """
-    for name in timed.samples:
-        info[f"{name}_us"] = timed.median(name) / per_call * 1e6
+    if medians:
+        for name in timed.samples:
+            info[f"{name}_us"] = timed.median(name) / per_call * 1e6
     for key, (name, baseline) in ratios.items():
         info[key] = timed.ratio(name, baseline)
         info[f"{key}_spread"] = str(timed.spread(name, baseline))

@@ -462,10 +462,13 @@ def test_decoder_step_interleaved(
     info["batch"] = batch
     for label in steps:
         info[f"{label}_step_us"] = timed.median(label) * 1e6
-    info["full_vs_cuda_graph"] = timed.ratio("ours_full", "cuda_graph")
-    info["breakable_vs_full"] = timed.ratio("ours_breakable", "ours_full")
+    ratios = {
+        "full_vs_cuda_graph": ("ours_full", "cuda_graph"),
+        "breakable_vs_full": ("ours_breakable", "ours_full"),
+    }
     if "peer_breakable" in steps:
-        info["breakable_vs_peer"] = timed.ratio("ours_breakable", "peer_breakable")
+        ratios["breakable_vs_peer"] = ("ours_breakable", "peer_breakable")
+    record_interleaved(info, timed, ratios, medians=False)
 
 
 # ---------------------------------------------------------------------------
