@@ -133,8 +133,12 @@ def _state(num_reqs: int, steps: int) -> LoopState:
     )
 
 
-def _floor(setup: Setup, batch: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+def _floor(
+    setup: Setup, batch: Mapping[str, torch.Tensor], steps: int | None = None
+) -> Callable[[], torch.Tensor]:
     """The forward and the advance as one plain torch graph of the batch, replayed ``steps`` times.
+
+    ``steps``: ``setup.steps`` unless given (the loop-floor profile takes 1 too).
 
     Its own static inputs (refilled from ``batch`` per call) and state; the
     metadata built once, advanced by the graph. Returns the call, which
@@ -154,6 +158,7 @@ def _floor(setup: Setup, batch: Mapping[str, torch.Tensor]) -> Callable[[], torc
             state.step.add_(1)  # in the graph: nothing runs between two replays
 
     graph = _graph(body)
+    replays = setup.steps if steps is None else steps
 
     def run() -> torch.Tensor:
         for name, tensor in batch.items():
@@ -161,7 +166,7 @@ def _floor(setup: Setup, batch: Mapping[str, torch.Tensor]) -> Callable[[], torc
         model.backend.build(StepBatch(num_reqs, num_reqs, static), shape)  # the same buffers, refilled
         state.active.fill_(True)
         state.step.zero_()
-        for _ in range(setup.steps):
+        for _ in range(replays):
             graph.replay()
         return state.tokens
 
