@@ -61,6 +61,7 @@ import torch
 
 from cudagraph_capture import DeviceLoop, LoopKind
 from cudagraph_capture._conditional import _PRELUDES, _compile
+from cudagraph_capture._loop import TorchGraphs
 from tests.benchmarks.support import Interleaved, Spread, interleave
 
 if TYPE_CHECKING:
@@ -374,11 +375,50 @@ def _launch_marks(marks: list[float]) -> Iterator[None]:
         DeviceLoop.launch = original  # type: ignore[method-assign]
 
 
+def node_census(raw_graph: int) -> dict[str, int]:
+    """How many nodes of each type a CUDA graph has (``CU_GRAPH_NODE_TYPE_KERNEL``: 40, ...)."""
+    cu = importlib.import_module("cuda.bindings.driver")
+    graph = cu.CUgraph(raw_graph)
+    status, _, count = cu.cuGraphGetNodes(graph, 0)  # (status, nodes, count): the count first
+    status, nodes, count = cu.cuGraphGetNodes(graph, count)
+    if int(status) != 0:
+        raise RuntimeError(f"cuGraphGetNodes failed: {status!r}")
+    census: dict[str, int] = {}
+    for node in nodes:
+        kind = _ok(cu.cuGraphNodeGetType(node))
+        name = str(getattr(kind, "name", kind)).removeprefix("CU_GRAPH_NODE_TYPE_")
+        census[name] = census.get(name, 0) + 1
+    return census
+
+
+@contextlib.contextmanager
+def _recorded_census(census: list[dict[str, int]]) -> Iterator[None]:
+    """Every loop body recorded meanwhile (``TorchGraphs.record``, wrapped here): its node types."""
+    original = TorchGraphs.record
+
+    def record(self: TorchGraphs, work: Callable[[], object], *, instantiate: bool) -> torch.cuda.CUDAGraph:
+        graph = original(self, work, instantiate=instantiate)
+        try:
+            census.append(node_census(graph.raw_cuda_graph()))
+        except Exception as error:
+            census.append({f"census failed: {type(error).__name__}: {error}"[:200]: 0})
+        return graph
+
+    TorchGraphs.record = record  # type: ignore[method-assign]  # this script's probe, restored below
+    try:
+        yield
+    finally:
+        TorchGraphs.record = original  # type: ignore[method-assign]
+
+
 def _manager_part(batches: tuple[int, ...]) -> dict[str, object]:
     from tests.benchmarks.test_bench_decode_loop import _setup  # GPU-only: imported here
 
-    setup = _setup("default")
+    census: list[dict[str, int]] = []
+    with _recorded_census(census):
+        setup = _setup("default")
     out: dict[str, object] = {"steps": setup.steps, "model": "DecoderConfig() paged, flex, pages of 128"}
+    out["loop_body_node_types"] = census  # one per loop captured (two managers: WHILE, UNROLLED)
     for num_reqs in batches:
         out[f"batch{num_reqs}"] = _manager_batch(setup, num_reqs)
     return out
@@ -444,6 +484,9 @@ def slopes(timed: Interleaved, steps: int, marks: list[float], starts: list[floa
 
 def _machine() -> dict[str, object]:
     return {
+        "torch_conditional_capture": [
+            m for m in dir(torch.cuda.CUDAGraph) if "conditional" in m or "_node" in m
+        ],
         "card": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -482,6 +525,7 @@ def summary(results: dict[str, object]) -> str:
     manager = results.get("manager")
     if isinstance(manager, dict):
         lines.append(f"\n[run_loop against its floor, {manager['model']}, 1 and {manager['steps']} steps]")
+        lines.append(f"  loop bodies' node types: {manager.get('loop_body_node_types')}")
         for key, value in manager.items():
             if key.startswith("batch") and isinstance(value, dict):
                 shown = {

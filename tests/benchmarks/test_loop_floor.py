@@ -51,8 +51,14 @@ def test_synthetic_result_gives_the_added_time_per_iteration_and_the_summary_sho
     over_replays = result["added_us_per_iteration_over_replays"]
     assert isinstance(over_replays, dict)
     assert over_replays["while_inline_u1"] == pytest.approx(1.0)
-    manager = {"steps": STEPS, "model": "m", "batch8": {"added_us_per_iteration": 6.0, "us_per_call": {}}}
+    manager = {
+        "steps": STEPS,
+        "model": "m",
+        "loop_body_node_types": [{"KERNEL": 40, "MEMSET": 2}],
+        "batch8": {"added_us_per_iteration": 6.0, "us_per_call": {}},
+    }
     text = summary({"machine": {}, "synthetic_tiny": result, "manager": manager})
     assert "while_inline_u1" in text
     assert "refused" in text
     assert "batch8" in text
+    assert "MEMSET" in text
