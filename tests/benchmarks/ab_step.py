@@ -12,22 +12,23 @@ an older commit's three packages renamed ``old_cudagraph_*``, made with::
 Both managers serve the same one-kernel model (FULL, 64 tokens) and a
 two-input model with a request count, and run the same decode loop
 (``run_loop``: 8 requests, 64 steps on the device); rounds of calls
-alternate between the two builds, so the host's drift cancels. Prints the
-median per-call microseconds of each and their ratio.
+alternate between the two builds (``interleave``), so the host's drift
+cancels. Prints the median per-call microseconds of each and their ratio
+(the median of the per-round ratios) with its spread across rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
-import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, Final
 
 import torch
+
+from tests.benchmarks.support import interleave
 
 ROUNDS: Final = 60
 CALLS: Final = 500
@@ -110,16 +111,6 @@ def _loop_manager(dispatch: ModuleType, manager: ModuleType) -> Any:
     return built
 
 
-def _round(step: Callable[[], object]) -> float:
-    """Seconds per call over ``CALLS`` calls, one synchronization."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / CALLS
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old_dir", help="a folder holding old_cudagraph_dispatch, _capture and _manager")
@@ -127,15 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, args.old_dir)
     builds = {"before": _managers("old_"), "after": _managers("")}
     for name in builds["after"]:
-        samples: dict[str, list[float]] = {"before": [], "after": []}
-        for build in builds.values():  # warm up
-            _round(build[name])
-        for _ in range(ROUNDS):
-            for label, build in builds.items():
-                samples[label].append(_round(build[name]))
-        before, after = (statistics.median(samples[k]) * 1e6 for k in ("before", "after"))
-        ratio = after / before
-        print(f"{name}: before {before:.2f} us, after {after:.2f} us, after/before {ratio:.3f}")
+        calls = {label: build[name] for label, build in builds.items()}
+        timed = interleave(calls, rounds=ROUNDS, calls_per_round=CALLS, warmup_rounds=1)
+        before, after = (timed.median(k) * 1e6 for k in ("before", "after"))
+        ratio, spread = timed.ratio("after", "before"), timed.spread("after", "before")
+        print(f"{name}: before {before:.2f} us, after {after:.2f} us, after/before {ratio:.3f} [{spread}]")
 
 
 if __name__ == "__main__":

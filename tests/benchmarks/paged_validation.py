@@ -8,17 +8,16 @@ caches, FULL_AND_PIECEWISE), their backends differing only in
 not), ``"device"`` (a graph path's checks recorded on the device, no
 synchronization), ``"host"`` (the old checks: one synchronization on every
 path) and ``False`` (no check). Rounds of steps
-alternate between them, so the host's drift cancels; each round runs
-``STEPS`` steps and synchronizes once (host and device time together).
-Prints the median microseconds per step of each, on uniform decode batches
-(FULL graphs) and a mixed batch (PIECEWISE), and the ratios to no check.
+alternate between them (``interleave``), so the host's drift cancels; each
+round runs ``STEPS`` steps and synchronizes once (host and device time
+together). Prints the median microseconds per step of each, on uniform
+decode batches (FULL graphs) and a mixed batch (PIECEWISE), and the ratios
+to no check (the median of the per-round ratios) with their spread.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Final
 
@@ -32,6 +31,7 @@ from examples.inputs import make_paged_inputs
 from examples.paged import FlexPagedAttention, GatherPagedAttention, PagedDecoder, PagedLayout
 from examples.paged import paged_static_inputs as static_inputs
 from examples.paged.batch import Validate
+from tests.benchmarks.support import interleave
 
 ROUNDS: Final = 30
 STEPS: Final = 20
@@ -84,16 +84,6 @@ def _step(
     return lambda: manager.run_batch(inputs, uniform_decode=uniform)
 
 
-def _time(step: Callable[[], object]) -> float:
-    """Microseconds per step of ``STEPS`` steps, host and device (one synchronization at the end)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / STEPS * 1e6
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--attention", choices=("gather", "flex"), default="gather")
@@ -110,16 +100,14 @@ def main(argv: list[str] | None = None) -> None:
             inputs = make_paged_inputs(
                 config, layout, tokens, uniform_decode=uniform, generator=generator, device="cuda"
             )
-            times: dict[str, list[float]] = {name: [] for name in managers}
             steps = {name: _step(manager, inputs, uniform) for name, manager in managers.items()}
-            for _ in range(ROUNDS):
-                for name, step in steps.items():
-                    times[name].append(_time(step))
+            timed = interleave(steps, rounds=ROUNDS, calls_per_round=STEPS)
             for model in models.values():
                 model.check_steps()  # the inputs are valid: nothing recorded
-            median = {name: statistics.median(values) for name, values in times.items()}
+            median = {name: timed.median(name) * 1e6 for name in steps}
             ratios = ", ".join(
-                f"{name}/none {median[name] / median['none']:.3f}" for name in ("eager", "device", "host")
+                f"{name}/none {timed.ratio(name, 'none'):.3f} [{timed.spread(name, 'none')}]"
+                for name in ("eager", "device", "host")
             )
             row = "  ".join(f"{name} {value:8.1f}" for name, value in median.items())
             print(f"{label:>10}: {row}  ({ratios})")

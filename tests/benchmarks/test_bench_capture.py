@@ -8,7 +8,8 @@
   eager break (8 breaks), ``breakable_cuda_graphs`` and our breakable wrapper.
 - Per-break cost: a chain of 33 tiny segments split by 32 no-op breaks,
   replayed by our breakable capture and by ``breakable_cuda_graphs``, minus
-  a one-graph replay of the same kernels.
+  a one-graph replay of the same kernels, the three interleaved round by
+  round (ours over the peer's, with its spread across rounds).
 - Capture time of the first 35 default sizes (1 .. 256) of the decoder: our
   monolithic and breakable wrappers, a hand-written ``torch.cuda.graph`` loop,
   ``breakable_cuda_graphs``. Each size gets one eager warm-up then a capture,
@@ -27,8 +28,13 @@ segment would read garbage (cache indices out of range). Our engine runs
 each segment as it captures it and needs no such care, but gets the same step.
 
 Every benchmarked callable runs many steps (or calls) and synchronizes the
-device once at the end. Medians per step and ratios against the baselines
-measured earlier in this module go into ``extra_info``. No timing is
+device once at the end. The host cost, the per-break cost, the capture time
+and the decoder step's target ratios come from rounds that alternate the
+variants (``interleave``): each ratio is the median of the per-round ratios,
+with its spread across rounds, in ``extra_info``. The decoder step of each
+variant is timed on its own too (one entry per variant, for the report's
+table and plot), its ratios against the baselines measured earlier in this
+module. No timing is
 asserted; only results are (a graph that replays garbage is not fast): every
 decoder variant is checked against eager ``forward`` on the step it was
 captured with and on fresh random steps.
@@ -56,7 +62,7 @@ from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder
 from examples.reference_attention import AttentionMetadata, cached_attention
-from tests.benchmarks.support import BenchmarkFixture, interleave
+from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave, record_interleaved
 from tests.manager.reference_support import StaticStep
 from tests.torch_support import rel_err
 
@@ -64,7 +70,7 @@ pytestmark = pytest.mark.gpu
 
 # Host overhead: a one-kernel graph, many calls between two syncs.
 _HOST_CALLS: Final = 1000
-_HOST_ROUNDS: Final = 10
+_HOST_ROUNDS: Final = 15
 # Decoder steps.
 _STEP_BATCHES: Final = (1, 16, 128)
 _STEPS_PER_CALL: Final = 20
@@ -76,7 +82,7 @@ _FRESH: Final = torch.Generator().manual_seed(2)  # draws those steps
 # Per-break cost.
 _BREAKS: Final = 32
 _CHAIN_REPLAYS: Final = 100
-_CHAIN_ROUNDS: Final = 10
+_CHAIN_ROUNDS: Final = 21
 # Capture time: the first 35 of the default sizes up to 512 (1, 2, 4, 8, ..., 248, 256).
 _CAPTURE_SIZES: Final = CaptureSizes.default(512).sizes[:35]
 _CAPTURE_ROUNDS: Final = 3
@@ -178,69 +184,81 @@ def _add_one(x: torch.Tensor) -> torch.Tensor:
 _HOST_LABELS: Final = ("bare_replay", "wrapper_call", "wrapper_call_with_context")
 
 
-@pytest.mark.parametrize("label", _HOST_LABELS)
-def test_host_overhead_of_one_call(benchmark: BenchmarkFixture, label: str) -> None:
-    """Time of one call replaying a one-kernel graph: bare CUDAGraph.replay vs our wrapper."""
-    group = "capture: host cost of one replay (one-kernel graph)"
-    benchmark.group = group
-    x = torch.randn(64, device="cuda")
+def _host_calls(
+    x: torch.Tensor, host_times: dict[str, list[float]]
+) -> tuple[dict[str, Callable[[], object]], Callable[[], torch.Tensor]]:
+    """Each variant's ``_HOST_CALLS`` calls replaying ``x + 1``, its host time appended to ``host_times``.
+
+    Also returns one call of the wrapper, for the check of what it replays.
+
+    ``bare_replay``: ``CUDAGraph.replay()``; ``wrapper_call``: our wrapper in
+    one forward context around all the calls; ``wrapper_call_with_context``:
+    a context per call, as an engine sets it per step.
+    """
     desc = BatchDescriptor(64)
-    host_times: list[float] = []
-    one_call: Callable[[], torch.Tensor]
+    _warm_up_on_side_stream(lambda: _add_one(x))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _add_one(x)
+    wrapper = CUDAGraphWrapper(_add_one, CUDAGraphMode.FULL)
+    with set_forward_context(CUDAGraphMode.FULL, desc):
+        wrapper(x)
 
-    if label == "bare_replay":
-        _warm_up_on_side_stream(lambda: _add_one(x))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_out = _add_one(x)
-        replay = graph.replay
+    def bare_replay() -> None:
+        for _ in range(_HOST_CALLS):
+            graph.replay()
 
-        def one_call() -> torch.Tensor:
-            replay()
-            return graph_out
-
-        def calls() -> None:
-            start = time.perf_counter()
-            for _ in range(_HOST_CALLS):
-                replay()
-            host_times.append(time.perf_counter() - start)
-            torch.cuda.synchronize()
-
-    else:
-        wrapper = CUDAGraphWrapper(_add_one, CUDAGraphMode.FULL)
+    def wrapper_call() -> None:
         with set_forward_context(CUDAGraphMode.FULL, desc):
-            wrapper(x)
+            for _ in range(_HOST_CALLS):
+                wrapper(x)
 
-        def one_call() -> torch.Tensor:
+    def wrapper_call_with_context() -> None:
+        for _ in range(_HOST_CALLS):
             with set_forward_context(CUDAGraphMode.FULL, desc):
-                return wrapper(x)
+                wrapper(x)
 
-        if label == "wrapper_call":
+    def timed(label: str, calls: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            start = time.perf_counter()
+            calls()
+            host_times[label].append(time.perf_counter() - start)  # before interleave's sync
 
-            def calls() -> None:
-                with set_forward_context(CUDAGraphMode.FULL, desc):
-                    start = time.perf_counter()
-                    for _ in range(_HOST_CALLS):
-                        wrapper(x)
-                    host_times.append(time.perf_counter() - start)
-                torch.cuda.synchronize()
+        return run
 
-        else:
+    def one_call() -> torch.Tensor:
+        with set_forward_context(CUDAGraphMode.FULL, desc):
+            return wrapper(x)
 
-            def calls() -> None:
-                start = time.perf_counter()
-                for _ in range(_HOST_CALLS):
-                    with set_forward_context(CUDAGraphMode.FULL, desc):
-                        wrapper(x)
-                host_times.append(time.perf_counter() - start)
-                torch.cuda.synchronize()
+    variants = dict(zip(_HOST_LABELS, (bare_replay, wrapper_call, wrapper_call_with_context), strict=True))
+    return {label: timed(label, calls) for label, calls in variants.items()}, one_call
 
-    benchmark.pedantic(calls, rounds=_HOST_ROUNDS, warmup_rounds=_WARMUP_ROUNDS)
-    _record(
-        benchmark, group=group, label=label, per_call=_HOST_CALLS, unit="call", baselines=("bare_replay",)
+
+def test_host_overhead_of_one_call(benchmark: BenchmarkFixture) -> None:
+    """Time of one call replaying a one-kernel graph: bare CUDAGraph.replay against our wrapper, interleaved.
+
+    ``extra_info``: each variant's median per call (host and device,
+    ``{label}_us``), its host enqueue time per call, and our calls over the
+    bare replay with their spread across rounds.
+    """
+    benchmark.group = "capture: host cost of one replay (one-kernel graph)"
+    x = torch.randn(64, device="cuda")
+    host_times: dict[str, list[float]] = {label: [] for label in _HOST_LABELS}
+    candidates, one_call = _host_calls(x, host_times)
+    results: list[Interleaved] = []
+    benchmark.pedantic(
+        lambda: results.append(interleave(candidates, rounds=_HOST_ROUNDS, calls_per_round=1)),
+        rounds=1,
+        iterations=1,
     )
-    benchmark.extra_info["host_enqueue_us_per_call"] = statistics.median(host_times) / _HOST_CALLS * 1e6
-    # Sanity: a replay computes x + 1 for the current x.
+    (timed,) = results
+    info = benchmark.extra_info
+    info["label"] = "interleaved"
+    ratios = {f"{label}_over_bare": (label, "bare_replay") for label in _HOST_LABELS[1:]}
+    record_interleaved(info, timed, ratios, per_call=_HOST_CALLS)
+    for label, times in host_times.items():
+        info[f"{label}_host_enqueue_us"] = statistics.median(times) / _HOST_CALLS * 1e6
+    # Sanity: the wrapper's replay computes x + 1 for the current x.
     x.copy_(torch.randn(64, device="cuda"))
     expected = x + 1.0
     got = one_call().clone()
@@ -449,10 +467,13 @@ def test_decoder_step_interleaved(
     info["batch"] = batch
     for label in steps:
         info[f"{label}_step_us"] = timed.median(label) * 1e6
-    info["full_vs_cuda_graph"] = timed.ratio("ours_full", "cuda_graph")
-    info["breakable_vs_full"] = timed.ratio("ours_breakable", "ours_full")
+    ratios = {
+        "full_vs_cuda_graph": ("ours_full", "cuda_graph"),
+        "breakable_vs_full": ("ours_breakable", "ours_full"),
+    }
     if "peer_breakable" in steps:
-        info["breakable_vs_peer"] = timed.ratio("ours_breakable", "peer_breakable")
+        ratios["breakable_vs_peer"] = ("ours_breakable", "peer_breakable")
+    record_interleaved(info, timed, ratios, medians=False)
 
 
 # ---------------------------------------------------------------------------
@@ -467,13 +488,8 @@ def _noop_break(t: torch.Tensor) -> None:
 _CHAIN_LABELS: Final = ("one_graph", "peer_breakable", "ours_breakable")
 
 
-@pytest.mark.parametrize("label", _CHAIN_LABELS)
-def test_per_break_cost(benchmark: BenchmarkFixture, label: str) -> None:
-    """Replay of 33 one-kernel segments split by 32 no-op breaks, minus a one-graph replay, per break."""
-    group = f"capture: replay of {_BREAKS + 1} tiny segments, {_BREAKS} no-op breaks"
-    benchmark.group = group
-    x = torch.zeros(16, device="cuda")
-    replay: Callable[[], None]
+def _chain_replay(label: str, x: torch.Tensor) -> Callable[[], None]:
+    """The replay of 33 one-kernel segments (``x += 1`` each) as variant ``label`` captured them."""
 
     def chain(brk: Callable[[torch.Tensor], None] | None) -> None:
         for i in range(_BREAKS + 1):
@@ -486,44 +502,58 @@ def test_per_break_cost(benchmark: BenchmarkFixture, label: str) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             chain(None)
-        replay = graph.replay
-    elif label == "ours_breakable":
+        return graph.replay
+    if label == "ours_breakable":
         ours = eager_break_during_capture(_noop_break)
         capture = BreakableCUDAGraphCapture()
         with capture:
             chain(ours)
         assert (capture.num_graphs, capture.num_eager_breaks) == (_BREAKS + 1, _BREAKS)
-        replay = capture.replay
-    else:
-        peer = _peer()
-        peer_noop = peer.no_graph(_noop_break)
-        peer_graph = peer.BreakableCUDAGraph()
-        with peer.breakable_graph(peer_graph):
-            chain(peer_noop)
-        replay = peer_graph.replay
+        return capture.replay
+    peer = _peer()
+    peer_noop = peer.no_graph(_noop_break)
+    peer_graph = peer.BreakableCUDAGraph()
+    with peer.breakable_graph(peer_graph):
+        chain(peer_noop)
+    replay: Callable[[], None] = peer_graph.replay
+    return replay
 
-    def replays() -> None:
-        for _ in range(_CHAIN_REPLAYS):
-            replay()
+
+def test_per_break_cost(benchmark: BenchmarkFixture) -> None:
+    """Per break: a breakable replay of 33 tiny segments less a one-graph replay, ours against the peer.
+
+    The three replays alternate round by round (``interleave``); a round's
+    per-break cost is its breakable replay less its one-graph replay, over
+    32 breaks. ``extra_info``: each variant's median per replay, each
+    engine's per-break cost, and ours over the peer's (the target: at most 1)
+    with its spread across rounds. The benchmark itself times the whole run.
+    """
+    benchmark.group = f"capture: replay of {_BREAKS + 1} tiny segments, {_BREAKS} no-op breaks"
+    x = torch.zeros(16, device="cuda")
+    labels = [label for label in _CHAIN_LABELS if label != "peer_breakable" or _peer_available()]
+    replays = {label: _chain_replay(label, x) for label in labels}
+    for label, replay in replays.items():
+        x.zero_()
+        replay()
         torch.cuda.synchronize()
-
-    x.zero_()
-    replay()
-    torch.cuda.synchronize()
-    assert torch.equal(x, torch.full_like(x, _BREAKS + 1.0)), "the chain replayed wrong"
-
-    benchmark.pedantic(replays, rounds=_CHAIN_ROUNDS, warmup_rounds=_WARMUP_ROUNDS)
-    median = _record(
-        benchmark,
-        group=group,
-        label=label,
-        per_call=_CHAIN_REPLAYS,
-        unit="replay",
-        baselines=("one_graph",),
+        assert torch.equal(x, torch.full_like(x, _BREAKS + 1.0)), f"{label}: the chain replayed wrong"
+    results: list[Interleaved] = []
+    benchmark.pedantic(
+        lambda: results.append(interleave(replays, rounds=_CHAIN_ROUNDS, calls_per_round=_CHAIN_REPLAYS)),
+        rounds=1,
+        iterations=1,
     )
-    one_graph = _MEDIANS.get((group, "one_graph"))
-    if label != "one_graph" and one_graph is not None:
-        benchmark.extra_info["per_break_us"] = (median - one_graph) / _BREAKS * 1e6
+    (timed,) = results
+    info = benchmark.extra_info
+    info["label"] = "interleaved"
+    ratios = {f"{label}_over_one_graph": (label, "one_graph") for label in labels if label != "one_graph"}
+    record_interleaved(info, timed, ratios)
+    added = timed.minus("one_graph")  # per round: what the breaks add to the same kernels
+    for label in added.samples:
+        info[f"{label}_per_break_us"] = added.median(label) / _BREAKS * 1e6
+    if "peer_breakable" in added.samples:  # the target: at most 1
+        info["per_break_ours_over_peer"] = added.ratio("ours_breakable", "peer_breakable")
+        info["per_break_ours_over_peer_spread"] = str(added.spread("ours_breakable", "peer_breakable"))
 
 
 # ---------------------------------------------------------------------------
@@ -533,110 +563,133 @@ def test_per_break_cost(benchmark: BenchmarkFixture, label: str) -> None:
 
 _CAPTURE_LABELS: Final = ("cuda_graph_loop", "ours_full", "peer_breakable", "ours_breakable")
 
+_Rows = dict[int, tuple[torch.Tensor, AttentionMetadata]]
+_Replay = Callable[[], torch.Tensor]
 
-@pytest.mark.parametrize("label", _CAPTURE_LABELS)
+
+def _capture_cuda_graph_loop(model: ReferenceDecoder, rows: _Rows, sizes: list[int]) -> _Replay:
+    """A hand-written ``torch.cuda.graph`` loop over ``sizes``: a warm-up then a capture each."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: list[tuple[torch.cuda.CUDAGraph, torch.Tensor]] = []
+    side = _new_stream()
+    for n in sizes:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model.forward_with_metadata(*rows[n])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            out = model.forward_with_metadata(*rows[n])
+        graphs.append((graph, out))
+    torch.cuda.synchronize()
+    first_graph, first_out = graphs[0]
+
+    def replay_largest() -> torch.Tensor:
+        first_graph.replay()
+        return first_out
+
+    return replay_largest
+
+
+def _capture_ours(model: ReferenceDecoder, rows: _Rows, sizes: list[int], *, breakable: bool) -> _Replay:
+    """Our monolithic (or breakable) wrapper called once per size: it warms up and captures itself."""
+    wrapper: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+    if breakable:
+        wrapper, mode = BreakableCUDAGraphWrapper(model.forward_with_metadata), CUDAGraphMode.PIECEWISE
+    else:
+        wrapper, mode = CUDAGraphWrapper(model.forward_with_metadata, CUDAGraphMode.FULL), CUDAGraphMode.FULL
+    for n in sizes:
+        with set_forward_context(mode, BatchDescriptor(n)):
+            wrapper(*rows[n])
+    torch.cuda.synchronize()
+
+    def replay_largest() -> torch.Tensor:
+        with set_forward_context(mode, BatchDescriptor(sizes[0])):
+            return wrapper(*rows[sizes[0]])
+
+    return replay_largest
+
+
+def _capture_peer(model: ReferenceDecoder, rows: _Rows, sizes: list[int]) -> _Replay:
+    """``breakable_cuda_graphs`` over ``sizes``: a warm-up then a capture each, one pool."""
+    peer = _peer()
+    pool = torch.cuda.graph_pool_handle()
+    graphs: list[tuple[_PeerGraph, torch.Tensor]] = []
+    side = _new_stream()
+    for n in sizes:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model.forward_with_metadata(*rows[n])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = peer.BreakableCUDAGraph(pool=pool)
+        with peer.breakable_graph(graph):
+            out = model.forward_with_metadata(*rows[n])
+        graphs.append((graph, out))
+    torch.cuda.synchronize()
+    first_graph, first_out = graphs[0]
+
+    def replay_largest() -> torch.Tensor:
+        first_graph.replay()
+        return first_out
+
+    return replay_largest
+
+
+def _capture(label: str, model: ReferenceDecoder, rows: _Rows, sizes: list[int]) -> _Replay:
+    """Variant ``label``'s capture of every size; returns a replay of the largest."""
+    if label == "cuda_graph_loop":
+        return _capture_cuda_graph_loop(model, rows, sizes)
+    if label == "peer_breakable":
+        return _capture_peer(model, rows, sizes)
+    return _capture_ours(model, rows, sizes, breakable=label == "ours_breakable")
+
+
 def test_capture_time(
-    benchmark: BenchmarkFixture,
-    decoder: ReferenceDecoder,
-    static_step: StaticStep,
-    label: str,
+    benchmark: BenchmarkFixture, decoder: ReferenceDecoder, static_step: StaticStep
 ) -> None:
-    """Time to warm up and capture the first 35 default sizes (1 .. 256), largest first."""
-    group = f"capture: capture time of {len(_CAPTURE_SIZES)} sizes (1 .. {max(_CAPTURE_SIZES)})"
-    benchmark.group = group
+    """Time to warm up and capture the first 35 default sizes (1 .. 256), largest first, interleaved.
+
+    ``extra_info``: each variant's median per round of every size
+    (``{label}_us``) and per size, and each over the hand-written loop with its
+    spread across rounds.
+    """
+    benchmark.group = f"capture: capture time of {len(_CAPTURE_SIZES)} sizes (1 .. {max(_CAPTURE_SIZES)})"
     sizes = sorted(_CAPTURE_SIZES, reverse=True)
     assert sizes[0] <= decoder.config.max_num_seqs
-    model = _with_attention(label, decoder)  # skips here when the peer is not installed
+    labels = [label for label in _CAPTURE_LABELS if label != "peer_breakable" or _peer_available()]
+    models = {label: _with_attention(label, decoder) for label in labels}
     rows = {n: static_step.rows(n) for n in sizes}  # views built once, outside the timing
-    for n in sizes:  # lazy initialization (cuBLAS plans per shape) happens before timing
-        model.forward_with_metadata(*rows[n])
+    for model in models.values():  # lazy initialization (cuBLAS plans per shape) happens before timing
+        for n in sizes:
+            model.forward_with_metadata(*rows[n])
     torch.cuda.synchronize()
-    # The last round's result, for the check: a replay of the largest size.
-    last: dict[str, Callable[[], torch.Tensor]] = {}
+    last: dict[str, _Replay] = {}  # each variant's last round, for the check: a replay of the largest size
 
-    def capture_cuda_graph_loop() -> None:
-        pool = torch.cuda.graph_pool_handle()
-        graphs: list[tuple[torch.cuda.CUDAGraph, torch.Tensor]] = []
-        side = _new_stream()
-        for n in sizes:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                model.forward_with_metadata(*rows[n])
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=side):
-                out = model.forward_with_metadata(*rows[n])
-            graphs.append((graph, out))
-        torch.cuda.synchronize()
-        first_graph, first_out = graphs[0]
+    def round_of(label: str) -> Callable[[], None]:
+        def capture() -> None:
+            last.pop(label, None)  # the previous round's graphs go before this round's are captured
+            last[label] = _capture(label, models[label], rows, sizes)
 
-        def replay_largest() -> torch.Tensor:
-            first_graph.replay()
-            return first_out
+        return capture
 
-        last["replay"] = replay_largest
-
-    def capture_ours(engine: str) -> None:
-        if engine == "full":
-            wrapper: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] = CUDAGraphWrapper(
-                model.forward_with_metadata, CUDAGraphMode.FULL
-            )
-            mode = CUDAGraphMode.FULL
-        else:
-            wrapper = BreakableCUDAGraphWrapper(model.forward_with_metadata)
-            mode = CUDAGraphMode.PIECEWISE
-        for n in sizes:
-            with set_forward_context(mode, BatchDescriptor(n)):
-                wrapper(*rows[n])
-        torch.cuda.synchronize()
-
-        def replay_largest() -> torch.Tensor:
-            with set_forward_context(mode, BatchDescriptor(sizes[0])):
-                return wrapper(*rows[sizes[0]])
-
-        last["replay"] = replay_largest
-
-    def capture_peer() -> None:
-        peer = _peer()
-        pool = torch.cuda.graph_pool_handle()
-        graphs: list[tuple[_PeerGraph, torch.Tensor]] = []
-        side = _new_stream()
-        for n in sizes:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                model.forward_with_metadata(*rows[n])
-            torch.cuda.current_stream().wait_stream(side)
-            graph = peer.BreakableCUDAGraph(pool=pool)
-            with peer.breakable_graph(graph):
-                out = model.forward_with_metadata(*rows[n])
-            graphs.append((graph, out))
-        torch.cuda.synchronize()
-        first_peer_graph, first_peer_out = graphs[0]
-
-        def replay_largest() -> torch.Tensor:
-            first_peer_graph.replay()
-            return first_peer_out
-
-        last["replay"] = replay_largest
-
-    rounds: dict[str, Callable[[], None]] = {
-        "cuda_graph_loop": capture_cuda_graph_loop,
-        "ours_full": lambda: capture_ours("full"),
-        "ours_breakable": lambda: capture_ours("breakable"),
-        "peer_breakable": capture_peer,
-    }
-    benchmark.pedantic(rounds[label], rounds=_CAPTURE_ROUNDS, warmup_rounds=1)
-    median = _record(
-        benchmark,
-        group=group,
-        label=label,
-        per_call=1,
-        unit="round",
-        baselines=("cuda_graph_loop",),
+    candidates = {label: round_of(label) for label in labels}
+    results: list[Interleaved] = []
+    benchmark.pedantic(
+        lambda: results.append(
+            interleave(candidates, rounds=_CAPTURE_ROUNDS, calls_per_round=1, warmup_rounds=1)
+        ),
+        rounds=1,
+        iterations=1,
     )
-    benchmark.extra_info["sizes"] = len(sizes)
-    benchmark.extra_info["ms_per_size"] = median / len(sizes) * 1e3
-
-    _check_against_eager(last["replay"], decoder, static_step, sizes[0], label)
+    (timed,) = results
+    info = benchmark.extra_info
+    info["label"] = "interleaved"
+    info["sizes"] = len(sizes)
+    ratios = {f"{label}_over_loop": (label, "cuda_graph_loop") for label in labels[1:]}
+    record_interleaved(info, timed, ratios)
+    for label in labels:
+        info[f"{label}_ms_per_size"] = timed.median(label) / len(sizes) * 1e3
+    for label, replay in last.items():
+        _check_against_eager(replay, decoder, static_step, sizes[0], label)
     last.clear()
     torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from cudagraph_capture import DeviceLoop, LoopKind
-from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave
+from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave, record_interleaved
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +93,8 @@ def test_bench_while_iteration_cost(benchmark: BenchmarkFixture) -> None:
     over_unrolled_us = (result.median("while") - result.median("unrolled")) / ITERATIONS * 1e6
     benchmark.extra_info["while_cost_per_iteration_over_replays_us"] = over_replays_us
     benchmark.extra_info["while_cost_per_iteration_over_unrolled_us"] = over_unrolled_us
-    benchmark.extra_info["while_over_replays"] = result.ratio("while", "replays")
+    ratios = {"while_over_replays": ("while", "replays"), "while_over_unrolled": ("while", "unrolled")}
+    record_interleaved(benchmark.extra_info, result, ratios, medians=False)
     assert int(loop.steps_taken) == ITERATIONS
 
 
@@ -126,6 +127,7 @@ def test_bench_while_tokens_per_second_against_the_host_loop(benchmark: Benchmar
     )
     step_us = result.median("while") / ITERATIONS * 1e6
     speedup = result.ratio("host_loop", "while")
+    benchmark.extra_info["while_speedup_spread"] = str(result.spread("host_loop", "while"))
     benchmark.extra_info.update({"step_us": step_us, "while_speedup": speedup})
     benchmark.extra_info["while_tokens_per_s"] = 8 * ITERATIONS / result.median("while")
     benchmark.extra_info["host_loop_tokens_per_s"] = 8 * ITERATIONS / result.median("host_loop")

@@ -55,7 +55,7 @@ from examples.config import DecoderConfig
 from examples.demo import run_graph
 from examples.inputs import make_step_inputs
 from examples.reference import INPUT_NAMES, ReferenceDecoder, static_inputs
-from tests.benchmarks.support import BenchmarkFixture, interleave
+from tests.benchmarks.support import BenchmarkFixture, interleave, record_interleaved
 from tests.manager.reference_support import pad_step_inputs
 from tests.torch_support import rel_err
 
@@ -395,9 +395,8 @@ def test_step_manager(
         candidates["eager_default_mode"] = lambda: decoder.step(inputs)
     timed = interleave(candidates, rounds=_INTERLEAVED_ROUNDS, calls_per_round=_STEPS_PER_CALL)
     info = benchmark.extra_info
-    for other in candidates:
-        if other != label:
-            info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
+    ratios = {f"interleaved_vs_{other}": (label, other) for other in candidates if other != label}
+    record_interleaved(info, timed, ratios, medians=False)
     info["interleaved_step_us"] = timed.median(label) * 1e6
     info[f"interleaved_{baseline_label}_step_us"] = timed.median(baseline_label) * 1e6
 
@@ -616,9 +615,8 @@ def test_step_manager_compiled(
         candidates["manager_full_compiled"] = lambda: run_graph(full, False, inputs)
     timed = interleave(candidates, rounds=_INTERLEAVED_ROUNDS, calls_per_round=_STEPS_PER_CALL)
     info = benchmark.extra_info
-    for other in candidates:
-        if other != label:
-            info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
+    ratios = {f"interleaved_vs_{other}": (label, other) for other in candidates if other != label}
+    record_interleaved(info, timed, ratios, medians=False)
     info["interleaved_step_us"] = timed.median(label) * 1e6
 
 
@@ -686,9 +684,8 @@ def test_step_8b_like(
         median_step_ms=_median_s(benchmark) / _STEPS_PER_CALL * 1e3,
         interleaved_step_us=timed.median(label) * 1e6,
     )
-    for other in candidates:
-        if other != label:
-            info[f"interleaved_vs_{other}"] = timed.ratio(label, other)
+    ratios = {f"interleaved_vs_{other}": (label, other) for other in candidates if other != label}
+    record_interleaved(info, timed, ratios, medians=False)
     assert manager.stats.eager_steps == 0
 
 

@@ -55,7 +55,7 @@ from examples.paged import (
     make_backend,
     paged_static_inputs,
 )
-from tests.benchmarks.support import BenchmarkFixture, interleave
+from tests.benchmarks.support import BenchmarkFixture, interleave, record_interleaved
 from tests.torch_support import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -278,13 +278,13 @@ def test_paged_8b_step(
     info.update(
         label="paged_8b", attention=_BACKEND, num_tokens=num_tokens, uniform=uniform, num_reqs=num_reqs
     )
-    for label in candidates:
-        info[f"{label}_us"] = timed.median(label) * 1e6
-    for name in managers:
-        manager_label = f"manager_{name}"
-        for other in candidates:
-            if other != manager_label:
-                info[f"{manager_label}_vs_{other}"] = timed.ratio(manager_label, other)
+    ratios = {
+        f"manager_{name}_vs_{other}": (f"manager_{name}", other)
+        for name in managers
+        for other in candidates
+        if other != f"manager_{name}"
+    }
+    record_interleaved(info, timed, ratios)
     for manager in managers.values():
         assert manager.stats.eager_steps == 0
 
