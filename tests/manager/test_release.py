@@ -255,16 +255,20 @@ def test_a_wake_with_the_weights_kept_says_so_and_a_replaced_weight_does_not() -
     model = nn.Linear(4, 4)
     watch = WeightWatch(model)
     watch.take()
-    assert not watch.kept  # the first capture: no earlier graphs
+    assert not _kept(watch)  # the first capture: no earlier graphs
     watch.forget()  # release()
     with torch.no_grad():
         model.weight.copy_(torch.ones(4, 4))  # updated in place: the same tensors
     watch.take()  # the wake
-    assert watch.kept
+    assert _kept(watch)
     watch.forget()
     model.weight = nn.Parameter(torch.zeros(4, 4))  # replaced: a compiled model may recompile
     watch.take()
-    assert not watch.kept
+    assert not _kept(watch)
     watch.forget()
     watch.take()  # the replacement is what the last graphs read now
-    assert watch.kept
+    assert _kept(watch)
+
+
+def _kept(watch: WeightWatch) -> bool:
+    return watch.kept
