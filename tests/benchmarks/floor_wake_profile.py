@@ -129,12 +129,27 @@ def wake(model_name: str, cycles: int, dynamo: bool) -> dict[str, Any]:
     def step(i: int) -> None:
         manager.run_batch(inputs[i % len(inputs)], uniform_decode=True)
 
+    def host_timed(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    warm_ups.append({"phase": name, "host_ms": _ms(time.perf_counter() - start)})
+
+            return run
+
+        return wrap
+
     rows: list[dict[str, Any]] = []
     with (
         torch.no_grad(),
         torch.cuda.stream(serving),
         _patched(_capturer, "warm_up", timed_warm_up),
         _patched(_warm_up.WarmUpRule, "thread_has_handles", rule_switch),
+        _patched(_capturer.Capturer, "begin", host_timed("begin (weights.take)")),
+        _patched(_capturer.Capturer, "start_totals", host_timed("start_totals")),
     ):
         for i in range(3 * len(inputs)):
             step(i)
@@ -146,8 +161,8 @@ def wake(model_name: str, cycles: int, dynamo: bool) -> dict[str, Any]:
             serving.synchronize()
             eager.append(time.perf_counter() - start)
         manager.capture(progress=False)
-        for cycle in range(2 * cycles):
-            rule["old"] = cycle % 2 == 1  # interleaved: today's rule, then the old one
+        for cycle in range(1 + 2 * cycles):  # the first: the worker's first session (its handles)
+            rule["old"] = cycle % 2 == 0  # interleaved after it: the old rule, then today's
             rows.append(_one_wake(manager, serving, step, warm_ups, rule["old"]))
         manager.release()
     eager_ms = statistics.median(eager) * 1e3
@@ -160,13 +175,14 @@ def wake(model_name: str, cycles: int, dynamo: bool) -> dict[str, Any]:
         "eager_step_ms": round(eager_ms, 4),
     }
     for old in (False, True):
-        of = [r for r in rows[1:] if r["old_rule"] is old] or [r for r in rows if r["old_rule"] is old]
+        of = [r for r in rows[1:] if r["old_rule"] is old]
         tag = "old_rule" if old else "new_rule"
         for field in ("release_ms", "start_host_ms", "step_enqueue_ms", "step_wait_ms", "first_step_ms"):
             summary[f"{tag}_{field}"] = round(statistics.median(r[field] for r in of), 4)
         summary[f"{tag}_first_step_minus_eager_ms"] = round(summary[f"{tag}_first_step_ms"] - eager_ms, 4)
         summary[f"{tag}_first_replay_ms"] = round(statistics.median(r["first_replay_ms"] for r in of), 4)
         summary[f"{tag}_warm_ups_per_wake"] = statistics.median(len(r["warm_ups"]) for r in of)
+    summary["first_wake_first_step_minus_eager_ms"] = round(rows[0]["first_step_ms"] - eager_ms, 4)
     summary["wakes"] = rows
     return summary
 
@@ -214,7 +230,10 @@ def _one_wake(
             "thread": w["thread"],
         }
         for w in warm_ups
+        if "events" in w
     ]
+    # The host phases before the first step (the first start_totals: the session's own).
+    host = {w["phase"]: w["host_ms"] for w in reversed(warm_ups) if "phase" in w}
     return {
         "old_rule": old,
         "weights_kept": manager._capturer.weights.kept,
@@ -226,6 +245,7 @@ def _one_wake(
         "first_replay_ms": _ms(first_replay),
         "steps_to_first_replay": served,
         "warm_ups": ran,
+        "host_phases_ms": host,
         "errors": [repr(e) for e in handle.errors],
     }
 
