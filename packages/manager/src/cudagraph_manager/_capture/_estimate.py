@@ -118,11 +118,8 @@ def estimate_memory(
     kept: list[object] = []  # the probes' entries and loops, alive until the end: they keep the pool usable
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
-            largest = _largest_warmed(grouped, engines, warm_ups)
-            warmup = measure_warm_ups(largest, buffers, device)
-            # The smallest keys to warm before their probes: those ``measure_warm_ups`` did not run.
-            smallest = smallest_of_modes(pending) - {graph.descriptor for graph, _ in largest}
-            groups = _probe_plan(grouped, engines, buffers, smallest, kept)
+            warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
+            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
@@ -157,6 +154,14 @@ def _largest_warmed(
         for mode, graphs in grouped.items()
         if any(graph.descriptor in warmed for graph in graphs)
     ]
+
+
+def _left_to_warm(
+    pending: Sequence[PlannedGraph[OutputT]],
+    warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
+) -> frozenset[BatchDescriptor]:
+    """Each mode's smallest key (every capture warms it) that ``measure_warm_ups`` did not warm up."""
+    return smallest_of_modes(pending) - {graph.descriptor for graph, _ in warmed}
 
 
 def _probe_plan(
