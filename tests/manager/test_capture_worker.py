@@ -15,6 +15,7 @@ from typing import Final
 
 import pytest
 import torch
+from torch import nn
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
@@ -129,8 +130,11 @@ def test_a_worker_stopped_while_a_job_is_handed_to_it_refuses_the_job() -> None:
     assert not ran.is_set()
 
 
-def _wake_warm_ups() -> tuple[int, int, float]:
-    """(warm-ups of the first background capture, of the wake's, a replay's error): for a fresh process."""
+def _wake_warm_ups(*, replace: bool = False) -> tuple[int, int, float]:
+    """(warm-ups of the first background capture, of the wake's, a replay's error): for a fresh process.
+
+    ``replace``: a weight is replaced (assigned a new tensor) while released.
+    """
     engines = FakeEngines()
     model = ToyModel(CPU)
     manager = CUDAGraphManager(
@@ -143,24 +147,34 @@ def _wake_warm_ups() -> tuple[int, int, float]:
     manager.start_capture().wait(WAIT_S)
     first = engines.engines[CUDAGraphMode.FULL].warm_ups
     manager.release()
+    if replace:
+        model.w1 = nn.Parameter(model.w1.detach().clone(), requires_grad=False)
     manager.start_capture().wait(WAIT_S)
     wake = engines.engines[CUDAGraphMode.FULL].warm_ups - first
     batch = make_batch(5, 3, CPU, seed=1)
     return first, wake, rel_err(manager.run_batch(batch), model.eager(batch))
 
 
-@pytest.mark.parametrize("dynamo", [False, True], ids=["nothing_compiled", "dynamo_loaded"])
-def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled(dynamo: bool) -> None:
+@pytest.mark.parametrize(
+    ("dynamo", "replace"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["nothing_compiled", "dynamo_loaded", "nothing_compiled_new_weights", "dynamo_loaded_new_weights"],
+)
+def test_a_wake_on_the_worker_runs_no_warm_up_unless_a_compile_may_change(
+    dynamo: bool, replace: bool
+) -> None:
     """The worker kept its handles and every key was warmed: the wake queues its recordings at once.
 
-    In a fresh process, where dynamo was never loaded. Where it was, the
-    smallest key is warmed again, for a recompile that new weights may cause.
+    In a fresh process, where dynamo was never loaded, or where it was and
+    the weights are the tensors the last graphs read (no guard changed).
+    Where dynamo is loaded and a weight was replaced, the smallest key is
+    warmed again, for a recompile that the new tensor may cause.
     """
     code = (
         "import json, sys\n"
         + ("import torch._dynamo.utils\n" if dynamo else "")
         + "from tests.manager.test_capture_worker import _wake_warm_ups\n"
-        "first, wake, err = _wake_warm_ups()\n"
+        f"first, wake, err = _wake_warm_ups(replace={replace})\n"
         "assert ('torch._dynamo' in sys.modules) is " + str(dynamo) + "\n"
         "print(json.dumps([first, wake, err]))\n"
     )
@@ -168,7 +182,7 @@ def test_a_wake_on_the_worker_runs_no_warm_up_where_nothing_is_compiled(dynamo: 
     assert first == (
         2 if dynamo else 1
     )  # the largest, whose warm-up makes the thread's handles; the smallest
-    assert wake == (1 if dynamo else 0)
+    assert wake == (1 if dynamo and replace else 0)
     assert err < TOL
 
 

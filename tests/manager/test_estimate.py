@@ -193,3 +193,30 @@ def test_extrapolate_counts_the_probes_as_measured_and_charges_each_other_key_al
 
 def test_extrapolate_of_no_probe_is_nothing() -> None:
     assert extrapolate([], 5) == (0, 0)
+
+
+@pytest.mark.gpu
+def test_an_estimate_warms_each_key_up_once_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a recapture the capture warms each mode's smallest key: the estimate runs it once, not twice."""
+    from cudagraph_manager._capture import _estimate, _recording
+
+    decoder = DecoderConfig(num_layers=2)
+    model = ReferenceDecoder(decoder, device="cuda")
+    config = DispatchConfig(
+        CUDAGraphMode.FULL_AND_PIECEWISE, CaptureSizes.default(64), max_num_seqs=decoder.max_num_seqs
+    )
+    manager = CUDAGraphManager(model.forward, static_inputs(decoder), config)
+    with torch.no_grad():
+        manager.capture(progress=False)
+    manager.release()
+    warmed: list[object] = []
+    real = _recording.warm_up
+
+    def counted(graph: object, *args: object) -> None:
+        warmed.append(graph)
+        real(graph, *args)  # type: ignore[arg-type]  # the planned graph and the rest, passed through
+
+    monkeypatch.setattr(_estimate, "warm_up", counted)
+    with torch.no_grad():
+        manager.estimate_memory()
+    assert len(warmed) == len({id(graph) for graph in warmed}) == 2  # each mode's smallest, once

@@ -249,3 +249,26 @@ def test_parameters_registered_on_other_threads_while_watches_are_built_raise_no
     assert errors == []
     nn.Linear(2, 2)
     assert all(watch.dirty for watch in watches)
+
+
+def test_a_wake_with_the_weights_kept_says_so_and_a_replaced_weight_does_not() -> None:
+    model = nn.Linear(4, 4)
+    watch = WeightWatch(model)
+    watch.take()
+    assert not _kept(watch)  # the first capture: no earlier graphs
+    watch.forget()  # release()
+    with torch.no_grad():
+        model.weight.copy_(torch.ones(4, 4))  # updated in place: the same tensors
+    watch.take()  # the wake
+    assert _kept(watch)
+    watch.forget()
+    model.weight = nn.Parameter(torch.zeros(4, 4))  # replaced: a compiled model may recompile
+    watch.take()
+    assert not _kept(watch)
+    watch.forget()
+    watch.take()  # the replacement is what the last graphs read now
+    assert _kept(watch)
+
+
+def _kept(watch: WeightWatch) -> bool:
+    return watch.kept

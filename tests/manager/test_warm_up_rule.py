@@ -117,6 +117,17 @@ def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: py
     assert not rule.thread_has_handles()
 
 
+def test_where_dynamo_compiles_a_wake_with_the_weights_kept_skips_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudagraph_manager._capture import _warm_up
+
+    monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)
+    rule = _rule()
+    assert not rule.thread_has_handles(weights_kept=True)  # a new thread still needs its handles
+    rule.ran(BatchDescriptor(8), 0.5)
+    assert rule.thread_has_handles(weights_kept=True)  # the same tensors: no guard changed
+    assert not rule.thread_has_handles(weights_kept=False)
+
+
 def test_a_warm_up_run_earlier_is_reported_once() -> None:
     rule = _rule()
     rule.ran(BatchDescriptor(8), 0.25)

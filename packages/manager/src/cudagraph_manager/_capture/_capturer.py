@@ -122,9 +122,10 @@ class Capturer(Generic[OutputT]):
         """The background capture's warm-up of ``descriptor``, timed for its key's report.
 
         A ``skippable`` warm-up is skipped where the warm-up rule says the
-        thread has its handles (``WarmUpRule.thread_has_handles``).
+        thread has its handles (``WarmUpRule.thread_has_handles``; the weights
+        kept since the last graphs: no recompile).
         """
-        if skippable and self._rule.thread_has_handles():
+        if skippable and self._rule.thread_has_handles(weights_kept=self.weights.kept):
             return
         start = time.perf_counter()
         graph = self._table.graphs[descriptor]

@@ -118,8 +118,8 @@ def estimate_memory(
     kept: list[object] = []  # the probes' entries and loops, alive until the end: they keep the pool usable
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
-            warmup = measure_warm_ups(_largest_warmed(grouped, engines, warm_ups), buffers, device)
-            groups = _probe_plan(grouped, engines, buffers, smallest_of_modes(pending), kept)
+            warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
+            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
@@ -156,6 +156,14 @@ def _largest_warmed(
     ]
 
 
+def _left_to_warm(
+    pending: Sequence[PlannedGraph[OutputT]],
+    warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
+) -> frozenset[BatchDescriptor]:
+    """Each mode's smallest key (every capture warms it) that ``measure_warm_ups`` did not warm up."""
+    return smallest_of_modes(pending) - {graph.descriptor for graph, _ in warmed}
+
+
 def _probe_plan(
     grouped: dict[CUDAGraphMode, list[PlannedGraph[OutputT]]],
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
@@ -167,9 +175,7 @@ def _probe_plan(
     return [
         (
             graphs,
-            functools.partial(
-                _probe, graphs=graphs, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest
-            ),
+            functools.partial(_probe, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest),
         )
         for mode, graphs in grouped.items()
     ]
@@ -217,20 +223,21 @@ def _probe_groups(
 def _probe(
     graph: PlannedGraph[OutputT],
     *,
-    graphs: list[PlannedGraph[OutputT]],
     engine: GraphEngine[OutputT],
     buffers: StaticBuffers,
     kept: list[object],
     smallest: frozenset[BatchDescriptor],
 ) -> CapturedGraph:
-    """Record ``graph`` into ``kept``, warmed up first if it is its mode's smallest (every capture warms it).
+    """Record ``graph`` into ``kept``, warmed up first if in ``smallest`` (every capture warms them).
 
-    ``measure_warm_ups`` warmed the largest of ``graphs`` (its mode's) already. A function of
+    ``smallest``: each mode's smallest key that ``measure_warm_ups`` did not
+    warm already (it warms the first key of the mode that the capture warms:
+    the largest on a first capture, the smallest on a recapture). A function of
     its own so that no local name outlives the probes: their graphs must die
     with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
-    warmed = graph.descriptor in smallest and graph is not graphs[0]
+    warmed = graph.descriptor in smallest
     if warmed:
         warm_up(graph, engine, buffers)
     entry, captured = record(

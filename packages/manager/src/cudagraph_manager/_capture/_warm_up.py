@@ -10,7 +10,8 @@ new to the manager it creates the thread's cuBLAS handles, which a recording
 cannot (a wake without it fails with ``CUBLAS_STATUS_NOT_INITIALIZED``), and
 new weights may make a compiled model recompile (one compile serves every
 size of a dynamic graph). Only a background capture on a thread that has its
-handles, with no compiled model, skips it.
+handles skips it, and where dynamo is loaded only if the graphs read the same
+tensors as the last ones did (a wake with the weights kept: no guard changed).
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ class WarmUpRule(Generic[OutputT]):
                 skippable.add(last)
         return WarmUps(tuple(keys), frozenset(skippable))
 
-    def thread_has_handles(self) -> bool:
+    def thread_has_handles(self, *, weights_kept: bool = False) -> bool:
         """Whether a skippable warm-up is skipped here: this thread warmed up for the manager before.
 
-        Never where dynamo is loaded: a compiled model may recompile after new weights.
+        Where dynamo is loaded, only with ``weights_kept`` (``WeightWatch.kept``: the same
+        tensors as the last graphs read): a compiled model may recompile after new weights.
         """
-        return getattr(self._thread, "warmed", False) and dynamo_compiles() is None
+        if not getattr(self._thread, "warmed", False):
+            return False
+        return weights_kept or dynamo_compiles() is None
 
     def ran(self, descriptor: BatchDescriptor, seconds: float) -> None:
         """A warm-up of ``descriptor`` ran on this thread and took ``seconds``, not yet reported."""

@@ -77,7 +77,17 @@ class WeightWatch:
     the module docstring); ``check()`` does the full comparison.
     """
 
-    __slots__ = ("__weakref__", "_addresses", "_first", "_first_name", "_first_ptr", "_module", "dirty")
+    __slots__ = (
+        "__weakref__",
+        "_addresses",
+        "_first",
+        "_first_name",
+        "_first_ptr",
+        "_last",
+        "_module",
+        "dirty",
+        "kept",
+    )
 
     def __init__(self, module: nn.Module | None) -> None:
         self._module: Final = module
@@ -88,6 +98,10 @@ class WeightWatch:
         self._first_name = ""
         self._first_ptr = 0
         self.dirty = False
+        # The addresses the last graphs read (kept by ``forget()``), and whether ``take()`` found
+        # the same tensors again: a compiled model then meets the guards it was compiled under.
+        self._last: dict[str, _Address] = {}
+        self.kept = False
         if module is not None:
             _install_hooks()
             with _hooks_lock:
@@ -103,6 +117,8 @@ class WeightWatch:
     def take(self) -> None:
         """Remember the address of every watched tensor (the graphs about to be captured read them)."""
         self._addresses = {name: _address(t) for name, t in _named_tensors(self._module).items()}
+        self.kept = bool(self._last) and self._addresses == self._last
+        self._last = self._addresses
         first = next(
             (
                 (module._parameters, name, param.data_ptr())
@@ -126,7 +142,10 @@ class WeightWatch:
             self.check()
 
     def forget(self) -> None:
-        """No graphs read the model any more (released or cleared): nothing to compare."""
+        """No graphs read the model any more (released or cleared): nothing to compare.
+
+        The addresses are still remembered for ``take()``'s ``kept`` (a wake with the same tensors).
+        """
         self._addresses = {}
         self._first, self._first_name, self._first_ptr = {}, "", 0
         self.dirty = False
