@@ -42,6 +42,10 @@ class EagerSteps(Generic[OutputT]):
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
 
+    @property
+    def captures(self) -> CaptureState:
+        return self._captures
+
     def without_graph(
         self, batch: StepBatch, route: Route, graph: PlannedGraph[OutputT] | None, dummy: bool
     ) -> OutputT:

@@ -192,19 +192,38 @@ class RankAgreement:
         replay (``can_replay=False``: its graphs are not all captured), idle
         ranks included: they would replay the agreed graph too.
         """
+        return self._agreed(dispatcher, request, can_replay, 0)[0]
+
+    def _agreed(
+        self, dispatcher: CUDAGraphDispatcher, request: StepRequest, can_replay: bool, capturing: int
+    ) -> tuple[Dispatch, bool]:
+        """``agree_step``'s decision, and whether every rank captures a key this step (``capturing``).
+
+        ``capturing``: 0, or the digest of the keys this rank's lockstep
+        capture has left; every rank nonzero and equal: they capture together
+        (``RanksDisagreeError`` on every rank where the digests differ).
+        """
         mask = 0
         for mode in request.invalid_modes:
             mask |= 1 << _MODES.index(mode)
         rows = self.exchange(
-            (request.num_tokens, int(request.uniform_decode), request.num_active_loras, mask, int(can_replay))
+            (
+                request.num_tokens,
+                int(request.uniform_decode),
+                request.num_active_loras,
+                mask,
+                int(can_replay),
+                capturing,
+            )
         )
-        if not all(ok for *_, ok in rows):
-            return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
+        together = _capture_together([row[5] for row in rows])
+        if not all(row[4] for row in rows):
+            return Dispatch(_NONE, BatchDescriptor(max(row[0] for row in rows))), together
         requests = [
             StepRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
-            for n, u, loras, bits, _ in rows
+            for n, u, loras, bits, *_ in rows
         ]
-        return agree_across_ranks(dispatcher, requests)
+        return agree_across_ranks(dispatcher, requests), together
 
     def route_step(
         self,
@@ -212,6 +231,8 @@ class RankAgreement:
         request: StepRequest,
         *,
         can_replay: bool,
+        capturing: int = 0,
+        turn: Callable[[], object] | None = None,
     ) -> tuple[Route, bool]:
         """This rank's route for a step every rank runs alike (one exchange), and whether it is a dummy step.
 
@@ -223,6 +244,12 @@ class RankAgreement:
         the others run eagerly, runs the model on one padding row so their
         collectives meet it (``stats.dummy_steps``). Only when every rank is
         idle does none call the model.
+
+        ``capturing`` and ``turn``: a lockstep capture's (``start_capture()``
+        with ranks): the digest of the keys it has left (0: none), and its
+        turn, called once every rank is capturing the same keys, after the
+        exchange and before the step: every rank captures the same key in the
+        same step, and the route was agreed before, on the graphs as they were.
         """
         # This rank's own route first: it checks the step's arguments before the exchange.
         own = dispatcher.route(
@@ -231,7 +258,9 @@ class RankAgreement:
             num_active_loras=request.num_active_loras,
             invalid_modes=request.invalid_modes,
         )
-        agreed = self.agree_step(dispatcher, request, can_replay=can_replay)
+        agreed, together = self._agreed(dispatcher, request, can_replay, capturing)
+        if together and turn is not None:
+            turn()
         idle = request.num_tokens == 0
         if agreed.mode is not _NONE:
             return agreed, idle
@@ -303,6 +332,23 @@ class RankAgreement:
 
     def __repr__(self) -> str:
         return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"
+
+
+def _capture_together(tokens: Sequence[int]) -> bool:
+    """Whether every rank captures this step: each rank's lockstep token nonzero, and all equal.
+
+    Raises ``RanksDisagreeError`` (on every rank alike) where every rank
+    captures but the keys they have left differ (plans built differently).
+    """
+    if not all(tokens):
+        return False
+    if len(set(tokens)) > 1:
+        raise RanksDisagreeError(
+            "the keys left to capture",
+            [f"digest {t:#x}" for t in tokens],
+            "; every rank must build its manager with the same config and start_capture() the same keys",
+        )
+    return True
 
 
 def _agreement_group(
