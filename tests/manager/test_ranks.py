@@ -170,7 +170,8 @@ def _check_lockstep(result: dict[str, object]) -> None:
     assert result["lockstep_wait_graphs"] == 7, result
     for key in ("lockstep_err", "lockstep_wait_err"):
         err = result[key]
-        assert isinstance(err, float) and err < TOL, result
+        assert isinstance(err, float), result
+        assert err < TOL, result
 
 
 def test_an_agreement_needs_a_process_group() -> None:

@@ -134,8 +134,7 @@ class CUDAGraphManager(Generic[OutputT]):
         """Capture the pending keys in a thread while ``run()`` keeps serving; call it on the serving stream.
 
         A key's steps run eagerly as ``not_captured`` until its capture (allowed when ``strict``).
-        With ranks: no thread; the steps capture ``keys_per_step`` keys each, every rank alike, once
-        every rank started (docs/design.md, "Background capture"); ``wait()`` is then a collective.
+        With ranks: the steps capture ``keys_per_step`` keys each, every rank alike (no thread; design.md).
         """
         check_keys_per_step(keys_per_step, self._parts.ranks is not None)
         with self._exclusive("start_capture"):

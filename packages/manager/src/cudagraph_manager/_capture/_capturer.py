@@ -38,8 +38,8 @@ from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
 from .._reports._totals import CaptureTotals
 from ..ranks import RankAgreement
 from ._background import BackgroundCapture, BackgroundTimings
-from ._lockstep import LockstepCapture
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
+from ._lockstep import LockstepCapture
 from ._loops import LoopCapture
 from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
@@ -178,7 +178,9 @@ class Capturer(Generic[OutputT]):
                 torch.cuda.current_stream(device).synchronize()
             return self.report(totals, records)
 
-    def background(self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1) -> BackgroundCapture:
+    def background(
+        self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
+    ) -> BackgroundCapture:
         """Start capturing ``pending`` in a thread (``_background``; returns once it warmed up), or,
         with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``_lockstep``)."""
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
@@ -196,7 +198,6 @@ class Capturer(Generic[OutputT]):
                 capture_one=functools.partial(self._lockstep_capture, ranks),
                 step_lock=self._parts.lock,
                 keys_per_step=keys_per_step,
-                timings=self.background_timings,
             )
         self._session = weakref.ref(session)
         session.start()

@@ -9,8 +9,8 @@ handle (``BackgroundCapture``), but the serving thread captures the keys,
 its capture (each step's agreement row carries the digest of the keys a
 rank has left, ``RankAgreement.route_step``), in plan order on every rank,
 each kept by every rank or by none (``RankAgreement.all_or_none``). Why not
-a thread, and what a capturing step costs: docs/design.md, "Background
-capture" and "Ranks".
+a thread, and what a capturing step costs: docs/design.md,
+"Background capture" and "Ranks".
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ class LockstepCapture(BackgroundCapture):
         capture_one: Callable[[BatchDescriptor], CapturedGraph],
         step_lock: StepLock,
         keys_per_step: int,
-        timings: BackgroundTimings,
     ) -> None:
-        super().__init__(pending, _NO_WARM_UPS, jobs, timings=timings)
+        super().__init__(
+            pending, _NO_WARM_UPS, jobs, timings=BackgroundTimings()
+        )  # no first step to wait for
         self._ranks: Final = ranks
         self._capture_one: Final = capture_one  # warm-up and record, kept by every rank or none
         self._step_lock: Final = step_lock

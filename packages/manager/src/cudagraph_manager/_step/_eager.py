@@ -26,6 +26,8 @@ from .._protocols import CaptureState, OutputT
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
+#: The eager forward context's extra that carries every rank's token count (with ranks).
+NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
 
 
 class EagerSteps(Generic[OutputT]):
@@ -166,11 +168,19 @@ class EagerSteps(Generic[OutputT]):
     def _context(
         self, descriptor: BatchDescriptor, batch: StepBatch, shape: BatchShape
     ) -> set_forward_context:
-        """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``."""
-        builder = self._parts.builder
-        if builder is None:
+        """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``.
+
+        With ranks, ``extra["num_tokens_across_dp"]``: every rank's token
+        count in this step's exchange, by rank (vLLM's field of the same name).
+        """
+        parts = self._parts
+        builder, ranks = parts.builder, parts.ranks
+        if builder is None and ranks is None:
             return set_forward_context(_NONE, descriptor)
-        return set_forward_context(_NONE, descriptor, **metadata_extra(builder, builder.build(batch, shape)))
+        extra = {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
+        if ranks is not None:  # every rank's count, agreed this step: a model's collectives need no exchange
+            extra[NUM_TOKENS_ACROSS_DP] = ranks.num_tokens_across_dp
+        return set_forward_context(_NONE, descriptor, **extra)
 
     def _why(self, reason: EagerReason, graph: PlannedGraph[OutputT] | None, batch: StepBatch) -> str:
         """A step's eager reason in words (for logs and errors)."""
