@@ -44,20 +44,27 @@ def ranks() -> Iterator[RankAgreement]:
         dist.destroy_process_group()
 
 
-def _manager(ranks: RankAgreement) -> tuple[CUDAGraphManager[torch.Tensor], ToyModel]:
+def _manager(
+    ranks: RankAgreement, *, strict: bool = False
+) -> tuple[CUDAGraphManager[torch.Tensor], ToyModel]:
     model = ToyModel(torch.device("cpu"))
     manager = CUDAGraphManager(
         model,
         INPUTS,
         config_for(CUDAGraphMode.FULL),
         device="cpu",
+        strict=strict,
         options=ManagerOptions(engine_factory=FakeEngines(), ranks=ranks),
     )
     return manager, model
 
 
-def test_the_steps_capture_keys_per_step_keys_and_switch_the_graphs_in(ranks: RankAgreement) -> None:
-    manager, model = _manager(ranks)
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_steps_capture_keys_per_step_keys_and_switch_the_graphs_in(
+    ranks: RankAgreement, strict: bool
+) -> None:
+    """``strict`` too: the steps before every key is captured run eagerly, as a background capture's may."""
+    manager, model = _manager(ranks, strict=strict)
     planned = 7  # FULL over sizes 1, 2, 4, 8, 16, 24, 32
     session = manager.start_capture(keys_per_step=3)
     assert session.progress == (0, planned)

@@ -28,6 +28,7 @@ _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
 #: The eager forward context's extra that carries every rank's token count (with ranks).
 NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
+_UNTIL_CAPTURED: Final = (EagerReason.NOT_CAPTURED, EagerReason.OTHER_RANK)
 
 
 class EagerSteps(Generic[OutputT]):
@@ -37,12 +38,14 @@ class EagerSteps(Generic[OutputT]):
     background capture still running).
     """
 
-    __slots__ = ("_captures", "_logged", "_parts")
+    __slots__ = ("_captures", "_logged", "_parts", "lockstep_step")
 
     def __init__(self, parts: ManagerParts[OutputT], captures: CaptureState) -> None:
         self._parts: Final = parts
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
+        #: Whether this step's route was agreed while a lockstep capture ran (the step path's).
+        self.lockstep_step = False
 
     @property
     def captures(self) -> CaptureState:
@@ -56,7 +59,8 @@ class EagerSteps(Generic[OutputT]):
         A route without a graph is its own reason; a planned graph without an
         entry is ``not_captured``, or ``no_cuda`` where nothing can be
         captured, or ``released``; a key missed while a background capture
-        runs is reported to it (captured next) and allowed in strict mode.
+        runs is reported to it (captured next) and allowed in strict mode, as
+        are the eager steps of every rank while a lockstep capture runs.
         ``dummy``: an idle rank runs a dummy step along with the others'.
         """
         if batch.num_tokens == 0:  # an idle step (EMPTY_BATCH), or an idle rank's part in the others'
@@ -73,7 +77,8 @@ class EagerSteps(Generic[OutputT]):
                     return self.run(batch, reason, graph, allowed=True)
                 finally:
                     session.served()
-        return self.run(batch, reason, graph)
+        # With ranks, a lockstep capture's steps run eagerly until every key is captured (strict too).
+        return self.run(batch, reason, graph, allowed=self.lockstep_step and reason in _UNTIL_CAPTURED)
 
     def run(
         self,

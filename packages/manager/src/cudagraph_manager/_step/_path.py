@@ -115,6 +115,7 @@ class StepPath(Generic[OutputT]):
         """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
         assert self._ranks is not None
         lockstep = self.eager.captures.lockstep()  # a capture with ranks takes its turns here
+        self.eager.lockstep_step = lockstep is not None
         token, turn = (0, None) if lockstep is None else (lockstep.token, lockstep.turn)
         return self._ranks.route_step(
             self._dispatcher, request, can_replay=self._table.all_captured, capturing=token, turn=turn
