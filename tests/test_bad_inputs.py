@@ -177,6 +177,14 @@ def _wait_for(timeout: object) -> object:
     return manager.start_capture().wait(cast(float, timeout))
 
 
+def _start_with(keys_per_step: object) -> object:
+    """``start_capture(keys_per_step=...)`` of a CPU manager (without ranks), refused before it starts."""
+    manager = construct()()
+    assert isinstance(manager, CUDAGraphManager)
+    session = manager.start_capture(keys_per_step=cast(int, keys_per_step))
+    raise AssertionError(f"started {session!r}")
+
+
 def _loop_with_ranks() -> object:
     """``ManagerOptions`` with a decode loop and ranks (an agreement's stand-in: no process group)."""
     ranks = object.__new__(RankAgreement)  # isinstance holds; nothing of it is used
@@ -1074,6 +1082,16 @@ BAD_INPUTS: Final = [
     row("background-wait-string", call(_wait_for, "1"), r"timeout: .* got '1'"),
     row("background-wait-bool", call(_wait_for, True), r"timeout: .* got True"),
     row("background-wait-nan", call(_wait_for, float("nan")), r"timeout: .* got nan"),
+    # Issue 41: start_capture() with ranks captures keys_per_step keys a step; checked on every manager.
+    row("background-keys-per-step-zero", call(_start_with, 0), r"keys_per_step: expected an int >= 1, got 0"),
+    row("background-keys-per-step-float", call(_start_with, 1.0), r"keys_per_step: .* got 1\.0"),
+    row("background-keys-per-step-bool", call(_start_with, True), r"keys_per_step: .* got True"),
+    row("background-keys-per-step-string", call(_start_with, "2"), r"keys_per_step: .* got '2'"),
+    row(
+        "background-keys-per-step-without-ranks",
+        call(_start_with, 2),
+        r"keys_per_step: the keys a step captures, with ranks .* got 2",
+    ),
     # -- compile_for_capture --
     row(
         "compile-model-int",

@@ -13,8 +13,9 @@ graph it is the key the ranks agreed on (``ManagerOptions(ranks=...)``: the
 manager pads every rank to the same key, and an idle rank replays it on pad
 values). An eager step runs each rank on its own rows (and an idle rank on
 one padding row), so ``forward`` first takes the largest count over the
-group (one small all-reduce and a host read, eager steps only: vLLM's
-``num_tokens_across_dp``) and pads its inputs to it with the static inputs'
+group (``num_tokens_across_dp``, which the manager's eager steps carry in
+the forward context: no collective; one small all-reduce and a host read
+where there is none, in a warm-up) and pads its inputs to it with the static inputs'
 pad values. Padding rows attend in the scratch cache row and are never
 counted as dropped.
 
@@ -45,14 +46,19 @@ from .moe import ExpertParallelMoE, MoeConfig, MoeWeights
 def step_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup | None) -> int:
     """The step's ``T`` on every rank: ``num_tokens`` inside a graph (the agreed key), else the group's max.
 
-    Eager (no forward context, or NONE, and no capture): one all-reduce of the
-    count on ``device`` and a host read; every rank of ``group`` runs an eager
-    step together (the agreement sends all ranks to eager at once).
+    Eager: the largest of the counts the manager's agreement exchanged this
+    step (``extra["num_tokens_across_dp"]`` of an eager step's context); else
+    (a warm-up, no manager) one all-reduce of the count on ``device`` and a
+    host read. Every rank of ``group`` runs an eager step together (the
+    agreement sends all ranks to eager at once).
     """
     context = get_forward_context()
     graph = context is not None and context.runtime_mode is not CUDAGraphMode.NONE
     if graph or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return num_tokens
+    counts = None if context is None else context.extra.get("num_tokens_across_dp")
+    if isinstance(counts, tuple) and counts:  # the manager's eager step: the agreed counts, no exchange
+        return max(num_tokens, *(int(n) for n in counts))
     count = torch.tensor([num_tokens], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count.item())

@@ -18,6 +18,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_manager import BackgroundCapture
 from cudagraph_manager.ranks import Backend, RanksDisagreeError
 from examples.config import DecoderConfig
 from examples.ep.moe import MoeConfig
@@ -60,7 +61,9 @@ def _plan_refused(device: torch.device, rank: int) -> str:
 def expert_parallel(args: Sequence[str]) -> Result:
     """``device_kind mode top_k capacity steps backend phased``: random steps against the oracle.
 
-    ``capacity``: ``exact`` or a factor. ``phased=1``: a quarter of the steps
+    ``capacity``: ``exact`` or a factor. ``phased=bg``: ``start_capture()``
+    at step 3 on rank 0 and step 8 on rank 1 (captured in lockstep from step 8,
+    one key a step), nothing captured before. ``phased=1``: a quarter of the steps
     before any capture (every rank eager), then ``capture()``; at half,
     rank 1 frees its graphs (every rank eager again: rank 0 for ``other_rank``);
     at three quarters both capture again.
@@ -81,7 +84,15 @@ def expert_parallel(args: Sequence[str]) -> Result:
     quarter = steps // 4
     eager_reasons: dict[str, int] = {}
 
+    history: list[int] = []
+    sessions: list[BackgroundCapture] = []
+
     def phases(step: int) -> None:
+        history.append(manager.num_captured)  # the keys captured before this step
+        if phased == "bg":
+            if step == 3 + 5 * rank:  # each rank starts at its own step; the ranks capture together
+                sessions.append(manager.start_capture())
+            return
         if phased != "1":
             if step == 0:
                 manager.capture()
@@ -109,7 +120,11 @@ def expert_parallel(args: Sequence[str]) -> Result:
         before_capture=eager_reasons,
         dummy_steps=stats.dummy_steps,
         captured=manager.num_captured,
+        replays=sum(stats.replays.values()),
+        history=history,
     )
+    for session in sessions:
+        result.update(bg_progress=list(session.progress), bg_errors=len(session.errors), bg_done=session.done)
     manager.clear()  # graphs with NCCL work freed before the process ends (rank_main never tears down)
     return result
 

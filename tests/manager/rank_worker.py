@@ -248,12 +248,51 @@ def capture_faults(args: Sequence[str]) -> Result:
     result["after_replayed"] = _replayed(manager)
     result["after_err"] = rel_err(out, model.eager(batch))
     manager.clear()  # graphs freed before the process ends (rank_main never tears the group down)
-    try:
-        manager.start_capture()
-        result["background"] = "no error"
-    except RuntimeError as error:
-        result["background"] = str(error)
+    result.update(_lockstep_capture(model, device, ranks, rank))
     return result
+
+
+def _lockstep_capture(model: ToyModel, device: torch.device, ranks: RankAgreement, rank: int) -> Result:
+    """``start_capture()`` with ranks: started at step 1 on rank 0 and step 3 on rank 1, two keys a step.
+
+    Rank 1's model fails its second recording: both ranks drop that key and
+    try it again. Every step's output is compared with eager. Then a
+    release, and a second start whose ``wait()`` (a collective) captures
+    every key at once.
+    """
+    failing = _FailingOnce(model, fail=rank == 1, at_capture=2)
+    manager = CUDAGraphManager(
+        failing,
+        INPUTS,
+        config_for(_FULL),
+        device=device,
+        options=ManagerOptions(engine_factory=_engines(device), ranks=ranks),
+    )
+    captured, worst, session = [], 0.0, None
+    for step in range(10):
+        if step == 1 + 2 * rank:
+            session = manager.start_capture(keys_per_step=2)
+        batch = make_batch(5, 3, device, seed=step)
+        worst = max(worst, rel_err(manager.run_batch(batch), model.eager(batch)))
+        captured.append(manager.num_captured)
+    assert session is not None
+    report = session.wait()  # done already: nothing exchanged
+    out: Result = {
+        "lockstep_captured": captured,
+        "lockstep_replayed": _replayed(manager),
+        "lockstep_err": worst,
+        "lockstep_graphs": len(report.graphs),
+        "lockstep_retries": session.retries,
+        "lockstep_errors": len(session.errors),
+        "lockstep_progress": list(session.progress),
+    }
+    manager.release()
+    again = manager.start_capture()
+    out["lockstep_wait_graphs"] = len(again.wait().graphs)  # every rank calls it: the keys captured together
+    batch = make_batch(5, 3, device, seed=99)
+    out["lockstep_wait_err"] = rel_err(manager.run_batch(batch), model.eager(batch))
+    manager.clear()
+    return out
 
 
 class _FailingOnce:

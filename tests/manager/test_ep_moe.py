@@ -74,6 +74,37 @@ def _check_phased(run: RankRun) -> None:
     assert reasons1.get("not_captured"), r1
 
 
+def _check_background(run: RankRun, *, steps: int) -> None:
+    """``start_capture()`` at step 3 on rank 0, step 8 on rank 1: nothing captured before 8, then one key a
+    step on both ranks alike, every key captured, the graphs replayed after."""
+    r0, r1 = run.results
+    assert r0["history"] == r1["history"], (r0["history"], r1["history"])  # the same key in the same step
+    history = r0["history"]
+    assert isinstance(history, list), r0
+    assert history[:9] == [0] * 9, history
+    planned = history[-1]
+    assert isinstance(planned, int), history
+    assert planned > 1, history
+    assert history[9 : 9 + planned] == list(range(1, planned + 1)), history  # one key per step from step 8
+    for result in run.results:
+        assert result["bg_done"] is True, result
+        assert result["bg_progress"] == [planned, planned], result
+        assert result["bg_errors"] == 0, result
+        replays = result["replays"]
+        assert isinstance(replays, int), result
+        assert replays > steps // 4, result
+    routes = _routes(run)
+    assert "eager" in routes, routes
+    assert routes & {"FULL", "PIECEWISE"}, routes
+
+
+def test_expert_parallel_decoder_under_background_capture_on_cpu(tmp_path: Path) -> None:
+    """gloo, fake engines: ``start_capture()`` on each rank at its own step; the ranks capture in lockstep."""
+    run = _spawn(tmp_path, "cpu", "FULL_AND_PIECEWISE", "2", "exact", "24", "gloo", "bg")
+    _check(run, steps=24, drops=False)
+    _check_background(run, steps=24)
+
+
 def test_expert_parallel_decoder_matches_the_oracle_on_cpu(tmp_path: Path) -> None:
     """gloo, fake engines, FULL_AND_PIECEWISE, top-2, capacity factor 1: graphs, eager, dummy, drops."""
     run = _spawn(tmp_path, "cpu", "FULL_AND_PIECEWISE", "2", "1.0", "24", "gloo", "1")
@@ -112,3 +143,13 @@ def test_expert_parallel_decoder_while_graphs_are_missing_on_two_gpus(tmp_path: 
     run = _spawn(tmp_path, "cuda", "FULL_AND_PIECEWISE", "2", "exact", _GPU_STEPS, "nccl", "1")
     _check(run, steps=int(_GPU_STEPS), drops=False)
     _check_phased(run)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_expert_parallel_decoder_under_background_capture_on_two_gpus(tmp_path: Path) -> None:
+    """300 random steps, ``start_capture()`` at its own step on each rank: 0 mismatches, graphs in."""
+    run = _spawn(tmp_path, "cuda", "FULL_AND_PIECEWISE", "2", "exact", _GPU_STEPS, "nccl", "bg")
+    _check(run, steps=int(_GPU_STEPS), drops=False)
+    _check_background(run, steps=int(_GPU_STEPS))
+    assert {"FULL", "PIECEWISE", "dummy_FULL", "dummy_eager"} <= _routes(run), _routes(run)

@@ -151,13 +151,27 @@ def _check_faults(run: RankRun) -> None:
     assert r0["failure_captured"] == r1["failure_captured"] == 2
     assert r0["recaptured"] == r1["recaptured"] == 7  # FULL over sizes 1, 2, 4, 8, 16, 24, 32
     for result in (r0, r1):
-        assert str(result["background"]).startswith(
-            "start_capture: a manager with ranks (ManagerOptions.ranks) captures with"
-        )
+        _check_lockstep(result)
         assert result["after_replayed"] == ["FULL:8"]
         err = result["after_err"]
         assert isinstance(err, float), err
         assert err < TOL
+
+
+def _check_lockstep(result: dict[str, object]) -> None:
+    """``start_capture()`` with ranks: the keys captured two a step once both ranks started (step 3)."""
+    # Steps 0-2: rank 1 has not started; 3-6: two keys a step (the failed one again); then all 7.
+    assert result["lockstep_captured"] == [0, 0, 0, 2, 4, 6, 7, 7, 7, 7], result
+    assert result["lockstep_replayed"] == ["FULL:8"], result  # steps 7-9, once every key was captured
+    assert result["lockstep_graphs"] == 7, result
+    assert result["lockstep_retries"] == 1, result  # rank 1's planted failure, tried again on both ranks
+    assert result["lockstep_errors"] == 0, result
+    assert result["lockstep_progress"] == [7, 7], result
+    assert result["lockstep_wait_graphs"] == 7, result
+    for key in ("lockstep_err", "lockstep_wait_err"):
+        err = result[key]
+        assert isinstance(err, float), result
+        assert err < TOL, result
 
 
 def test_an_agreement_needs_a_process_group() -> None:

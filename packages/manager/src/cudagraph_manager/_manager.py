@@ -26,7 +26,7 @@ from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
 
 from ._arguments import check_arguments
 from ._buffers._static import StaticInput
-from ._capture._background import BackgroundCapture
+from ._capture._background import BackgroundCapture, check_keys_per_step
 from ._capture._capturer import Capturer, agree_plan
 from ._decode_loop import LoopResult
 from ._graphs import GraphTable
@@ -130,17 +130,17 @@ class CUDAGraphManager(Generic[OutputT]):
             agree_plan(self._parts.ranks, self._table.pending(), self._parts.no_graphs)
             return self._capturer.estimate(self._parts.ranks)
 
-    def start_capture(self) -> BackgroundCapture:
+    def start_capture(self, *, keys_per_step: int = 1) -> BackgroundCapture:
         """Capture the pending keys in a thread while ``run()`` keeps serving; call it on the serving stream.
 
         A key's steps run eagerly as ``not_captured`` until its capture (allowed when ``strict``).
+        With ranks: the steps capture ``keys_per_step`` keys each, every rank alike (no thread; design.md).
         """
+        check_keys_per_step(keys_per_step, self._parts.ranks is not None)
         with self._exclusive("start_capture"):
-            if self._parts.ranks is not None:
-                raise RuntimeError(_NO_BACKGROUND_WITH_RANKS)
             pending = self._table.pending()
             self._capturer.begin(pending)
-            return self._capturer.background(pending)
+            return self._capturer.background(pending, keys_per_step)
 
     def clear(self) -> None:
         """Free every captured graph (the pool stays usable); ``capture()`` captures them anew."""
@@ -242,11 +242,6 @@ class CUDAGraphManager(Generic[OutputT]):
 
 
 _NOT_A_MAPPING: Final = "inputs: expected a mapping of input names to tensors"
-_NO_BACKGROUND_WITH_RANKS: Final = (
-    "start_capture: a manager with ranks (ManagerOptions.ranks) captures with capture(), "
-    "on every rank at once; a background capture would interleave its collectives with the "
-    "serving steps' differently on each rank"
-)
 
 
 def _output_guard() -> OutputGuard:

@@ -117,15 +117,27 @@ class RunningCapture(Protocol):
     def served(self) -> None: ...
 
 
+class LockstepTurns(Protocol):
+    """What a step with ranks asks of a lockstep capture: its agreement field, and its turn."""
+
+    @property
+    def token(self) -> int: ...
+
+    def turn(self) -> None: ...
+
+
 class CaptureState(Protocol):
     """What a step without a graph asks of the manager's captures (``Capturer``): why its key has none.
 
     ``released``: ``release()`` freed the graphs and no capture started
     since; ``running()``: the background capture still running, if one is
-    (a step it misses is captured next).
+    (a step it misses is captured next); ``lockstep()``: the lockstep
+    capture still running (with ranks), whose turns the steps take.
     """
 
     @property
     def released(self) -> bool: ...
 
     def running(self) -> RunningCapture | None: ...
+
+    def lockstep(self) -> LockstepTurns | None: ...

@@ -41,6 +41,17 @@ RETRIES: Final = 2
 MISSES_KEPT: Final = 64
 
 
+def check_keys_per_step(keys_per_step: object, ranks: bool) -> None:
+    """``start_capture``'s ``keys_per_step``: an int >= 1, for a manager with ranks (``ValueError``)."""
+    if not isinstance(keys_per_step, int) or isinstance(keys_per_step, bool) or keys_per_step < 1:
+        raise ValueError(f"keys_per_step: expected an int >= 1, got {keys_per_step!r:.60}")
+    if keys_per_step != 1 and not ranks:
+        raise ValueError(
+            f"keys_per_step: the keys a step captures, with ranks (ManagerOptions.ranks); without "
+            f"ranks a background capture runs in a thread, not in the steps; got {keys_per_step!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BackgroundTimings:
     """How long a background capture's first recording waits for the first step, in seconds.
@@ -327,7 +338,7 @@ class BackgroundCapture:
     def _capture_with_retries(self, key: BatchDescriptor) -> None:
         for attempt in range(RETRIES + 1):
             try:
-                record = self._jobs.capture(key)
+                record = self._record(key)
             except Exception as error:  # a model's error, an invalidated capture: never the whole loop
                 if attempt < RETRIES:
                     with self._lock:
@@ -341,6 +352,10 @@ class BackgroundCapture:
                 self._records.append(record)
                 self._finished += 1
             return
+
+    def _record(self, key: BatchDescriptor) -> CapturedGraph:
+        """One try of ``key``'s capture (a lockstep capture's is every rank's)."""
+        return self._jobs.capture(key)
 
     def _gave_up(self, error: BaseException) -> None:
         with self._lock:

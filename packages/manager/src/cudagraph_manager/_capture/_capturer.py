@@ -39,6 +39,7 @@ from .._reports._totals import CaptureTotals
 from ..ranks import RankAgreement
 from ._background import BackgroundCapture, BackgroundTimings
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
+from ._lockstep import LockstepCapture
 from ._loops import LoopCapture
 from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
@@ -178,12 +179,27 @@ class Capturer(Generic[OutputT]):
                 torch.cuda.current_stream(device).synchronize()
             return self.report(totals, records)
 
-    def background(self, pending: Sequence[PlannedGraph[OutputT]]) -> BackgroundCapture:
-        """Start capturing ``pending`` in a thread (see ``_background``); returns once it warmed up."""
+    def background(
+        self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
+    ) -> BackgroundCapture:
+        """Start capturing ``pending`` in a thread (``_background``; returns once it warmed up), or,
+        with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``_lockstep``)."""
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
-        session = BackgroundCapture(
-            keys, self._rule.background(pending), self, timings=self.background_timings
-        )
+        ranks = self._parts.ranks
+        session: BackgroundCapture
+        if ranks is None:
+            session = BackgroundCapture(
+                keys, self._rule.background(pending), self, timings=self.background_timings
+            )
+        else:
+            session = LockstepCapture(
+                keys,
+                self,
+                ranks=ranks,
+                capture_one=functools.partial(self._lockstep_capture, ranks),
+                step_lock=self._parts.lock,
+                keys_per_step=keys_per_step,
+            )
         self._session = weakref.ref(session)
         session.start()
         return session
@@ -192,6 +208,19 @@ class Capturer(Generic[OutputT]):
         """The background capture still running, if one is."""
         session = None if self._session is None else self._session()
         return session if session is not None and not session.done else None
+
+    def lockstep(self) -> LockstepCapture | None:
+        """The lockstep capture (with ranks) still running, if one is: the step path gives it its turns."""
+        session = self.running()
+        return session if isinstance(session, LockstepCapture) else None
+
+    def _lockstep_capture(self, ranks: RankAgreement, key: BatchDescriptor) -> CapturedGraph:
+        """``key`` warmed up and recorded on the serving thread, kept by every rank or by none."""
+        device = self._parts.device
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        undo = functools.partial(self._table.drop, self._table.graphs[key])
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+            return ranks.all_or_none(key, functools.partial(self._capture, key, warm=True), undo)
 
     def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
         """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""

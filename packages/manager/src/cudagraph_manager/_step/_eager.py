@@ -26,6 +26,9 @@ from .._protocols import CaptureState, OutputT
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
+#: The eager forward context's extra that carries every rank's token count (with ranks).
+NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
+_UNTIL_CAPTURED: Final = (EagerReason.NOT_CAPTURED, EagerReason.OTHER_RANK)
 
 
 class EagerSteps(Generic[OutputT]):
@@ -35,12 +38,18 @@ class EagerSteps(Generic[OutputT]):
     background capture still running).
     """
 
-    __slots__ = ("_captures", "_logged", "_parts")
+    __slots__ = ("_captures", "_logged", "_parts", "lockstep_step")
 
     def __init__(self, parts: ManagerParts[OutputT], captures: CaptureState) -> None:
         self._parts: Final = parts
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
+        #: Whether this step's route was agreed while a lockstep capture ran (the step path's).
+        self.lockstep_step = False
+
+    @property
+    def captures(self) -> CaptureState:
+        return self._captures
 
     def without_graph(
         self, batch: StepBatch, route: Route, graph: PlannedGraph[OutputT] | None, dummy: bool
@@ -50,7 +59,8 @@ class EagerSteps(Generic[OutputT]):
         A route without a graph is its own reason; a planned graph without an
         entry is ``not_captured``, or ``no_cuda`` where nothing can be
         captured, or ``released``; a key missed while a background capture
-        runs is reported to it (captured next) and allowed in strict mode.
+        runs is reported to it (captured next) and allowed in strict mode, as
+        are the eager steps of every rank while a lockstep capture runs.
         ``dummy``: an idle rank runs a dummy step along with the others'.
         """
         if batch.num_tokens == 0:  # an idle step (EMPTY_BATCH), or an idle rank's part in the others'
@@ -67,7 +77,8 @@ class EagerSteps(Generic[OutputT]):
                     return self.run(batch, reason, graph, allowed=True)
                 finally:
                     session.served()
-        return self.run(batch, reason, graph)
+        # With ranks, a lockstep capture's steps run eagerly until every key is captured (strict too).
+        return self.run(batch, reason, graph, allowed=self.lockstep_step and reason in _UNTIL_CAPTURED)
 
     def run(
         self,
@@ -162,11 +173,19 @@ class EagerSteps(Generic[OutputT]):
     def _context(
         self, descriptor: BatchDescriptor, batch: StepBatch, shape: BatchShape
     ) -> set_forward_context:
-        """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``."""
-        builder = self._parts.builder
-        if builder is None:
+        """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``.
+
+        With ranks, ``extra["num_tokens_across_dp"]``: every rank's token
+        count in this step's exchange, by rank (vLLM's field of the same name).
+        """
+        parts = self._parts
+        builder, ranks = parts.builder, parts.ranks
+        if builder is None and ranks is None:
             return set_forward_context(_NONE, descriptor)
-        return set_forward_context(_NONE, descriptor, **metadata_extra(builder, builder.build(batch, shape)))
+        extra = {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
+        if ranks is not None:  # every rank's count, agreed this step: a model's collectives need no exchange
+            extra[NUM_TOKENS_ACROSS_DP] = ranks.num_tokens_across_dp
+        return set_forward_context(_NONE, descriptor, **extra)
 
     def _why(self, reason: EagerReason, graph: PlannedGraph[OutputT] | None, batch: StepBatch) -> str:
         """A step's eager reason in words (for logs and errors)."""

@@ -114,4 +114,9 @@ class StepPath(Generic[OutputT]):
     def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
         """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
         assert self._ranks is not None
-        return self._ranks.route_step(self._dispatcher, request, can_replay=self._table.all_captured)
+        lockstep = self.eager.captures.lockstep()  # a capture with ranks takes its turns here
+        self.eager.lockstep_step = lockstep is not None
+        token, turn = (0, None) if lockstep is None else (lockstep.token, lockstep.turn)
+        return self._ranks.route_step(
+            self._dispatcher, request, can_replay=self._table.all_captured, capturing=token, turn=turn
+        )

@@ -98,6 +98,7 @@ class RankAgreement:
         self._device: Final = _exchange_device(chosen, device, target)
         # nccl: per table size, a pinned host table and its device twin, reused by every exchange.
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._counts: tuple[int, ...] = ()  # every rank's tokens in the last step's exchange
         self._table: Final = (
             SharedTable(group, self._rank, self._world_size, (timeout or _DEFAULT_TIMEOUT).total_seconds())
             if chosen == "shm"
@@ -121,6 +122,11 @@ class RankAgreement:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def num_tokens_across_dp(self) -> tuple[int, ...]:
+        """Every rank's token count in the last step's exchange, by rank (``()`` before the first step)."""
+        return self._counts
 
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
         """Every rank's ``row`` (ints, the same length on every rank), by rank: one all-reduce.
@@ -192,19 +198,15 @@ class RankAgreement:
         replay (``can_replay=False``: its graphs are not all captured), idle
         ranks included: they would replay the agreed graph too.
         """
-        mask = 0
-        for mode in request.invalid_modes:
-            mask |= 1 << _MODES.index(mode)
-        rows = self.exchange(
-            (request.num_tokens, int(request.uniform_decode), request.num_active_loras, mask, int(can_replay))
-        )
-        if not all(ok for *_, ok in rows):
-            return Dispatch(_NONE, BatchDescriptor(max(n for n, *_ in rows)))
-        requests = [
-            StepRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
-            for n, u, loras, bits, _ in rows
-        ]
-        return agree_across_ranks(dispatcher, requests)
+        return self._agreed(dispatcher, request, can_replay, 0)[0]
+
+    def _agreed(
+        self, dispatcher: CUDAGraphDispatcher, request: StepRequest, can_replay: bool, capturing: int
+    ) -> tuple[Dispatch, bool]:
+        """``agree_step``'s decision, and whether every rank captures this step (``_capture_together``)."""
+        rows = self.exchange(_row(request, can_replay, capturing))
+        self._counts = tuple(row[0] for row in rows)
+        return _decided(dispatcher, rows), _capture_together([row[5] for row in rows])
 
     def route_step(
         self,
@@ -212,6 +214,8 @@ class RankAgreement:
         request: StepRequest,
         *,
         can_replay: bool,
+        capturing: int = 0,
+        turn: Callable[[], object] | None = None,
     ) -> tuple[Route, bool]:
         """This rank's route for a step every rank runs alike (one exchange), and whether it is a dummy step.
 
@@ -223,15 +227,18 @@ class RankAgreement:
         the others run eagerly, runs the model on one padding row so their
         collectives meet it (``stats.dummy_steps``). Only when every rank is
         idle does none call the model.
+
+        ``capturing``, ``turn``: a lockstep capture's (``start_capture()``
+        with ranks) digest of its keys left (0: none), and its turn, called
+        once every rank carries the same digest, before the step (its route
+        agreed on the graphs as they were).
         """
         # This rank's own route first: it checks the step's arguments before the exchange.
-        own = dispatcher.route(
-            request.num_tokens,
-            uniform_decode=request.uniform_decode,
-            num_active_loras=request.num_active_loras,
-            invalid_modes=request.invalid_modes,
-        )
-        agreed = self.agree_step(dispatcher, request, can_replay=can_replay)
+        r = request
+        own = dispatcher.route(r.num_tokens, r.uniform_decode, r.num_active_loras, r.invalid_modes)
+        agreed, together = self._agreed(dispatcher, request, can_replay, capturing)
+        if together and turn is not None:
+            turn()
         idle = request.num_tokens == 0
         if agreed.mode is not _NONE:
             return agreed, idle
@@ -281,21 +288,7 @@ class RankAgreement:
         One exchange of a digest of the plan, its length and that flag.
         """
         digest = zlib.crc32(repr([(m.name, d) for m, d in plan]).encode())
-        rows = self.exchange((digest, len(plan), int(no_graphs is None)))
-        if len({ok for *_, ok in rows}) > 1:
-            without = [r for r, (*_, ok) in enumerate(rows) if not ok]
-            mine = f"; here (rank {self._rank}): {no_graphs}" if no_graphs is not None else ""
-            raise RanksDisagreeError(
-                "whether to capture",
-                ["cannot capture" if not ok else "can capture" for *_, ok in rows],
-                f": rank(s) {without} cannot capture CUDA graphs{mine}",
-            )
-        if len({(d, n) for d, n, _ in rows}) > 1:
-            raise RanksDisagreeError(
-                "the capture plan",
-                [f"{n} keys, digest {d:#010x}" for d, n, _ in rows],
-                "; every rank must build its manager with the same config and capture the same keys",
-            )
+        _check_plans(self.exchange((digest, len(plan), int(no_graphs is None))), self._rank, no_graphs)
 
     def failed_ranks(self, failed: bool) -> list[int]:
         """The ranks (one exchange) that report ``failed=True``: every rank learns the same list."""
@@ -303,6 +296,62 @@ class RankAgreement:
 
     def __repr__(self) -> str:
         return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"
+
+
+def _check_plans(rows: Sequence[tuple[int, ...]], rank: int, no_graphs: str | None) -> None:
+    """``agree_plan``'s verdict over every rank's (digest, length, can capture): ``RanksDisagreeError``."""
+    if len({ok for *_, ok in rows}) > 1:
+        without = [r for r, (*_, ok) in enumerate(rows) if not ok]
+        mine = f"; here (rank {rank}): {no_graphs}" if no_graphs is not None else ""
+        raise RanksDisagreeError(
+            "whether to capture",
+            ["cannot capture" if not ok else "can capture" for *_, ok in rows],
+            f": rank(s) {without} cannot capture CUDA graphs{mine}",
+        )
+    if len({(d, n) for d, n, _ in rows}) > 1:
+        raise RanksDisagreeError(
+            "the capture plan",
+            [f"{n} keys, digest {d:#010x}" for d, n, _ in rows],
+            "; every rank must build its manager with the same config and capture the same keys",
+        )
+
+
+def _row(request: StepRequest, can_replay: bool, capturing: int) -> tuple[int, ...]:
+    """A rank's row of a step's exchange: its request, whether it can replay, its capture's digest (or 0)."""
+    mask = 0
+    for mode in request.invalid_modes:
+        mask |= 1 << _MODES.index(mode)
+    num_tokens, loras = request.num_tokens, request.num_active_loras
+    return (num_tokens, int(request.uniform_decode), loras, mask, int(can_replay), capturing)
+
+
+def _decided(dispatcher: CUDAGraphDispatcher, rows: Sequence[tuple[int, ...]]) -> Dispatch:
+    """``agree_step``'s decision from every rank's row: eager on all (unpadded) unless all can replay."""
+    if not all(row[4] for row in rows):
+        return Dispatch(_NONE, BatchDescriptor(max(row[0] for row in rows)))
+    requests = [
+        StepRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
+        for n, u, loras, bits, *_ in rows
+    ]
+    return agree_across_ranks(dispatcher, requests)
+
+
+def _capture_together(tokens: Sequence[int]) -> bool:
+    """Whether every rank captures this step: each rank's lockstep token nonzero, and all equal.
+
+    ``capturing``: 0, or the digest of the keys this rank's lockstep capture
+    has left. Raises ``RanksDisagreeError`` (on every rank alike) where every
+    rank captures but the keys they have left differ (plans built differently).
+    """
+    if not all(tokens):
+        return False
+    if len(set(tokens)) > 1:
+        raise RanksDisagreeError(
+            "the keys left to capture",
+            [f"digest {t:#x}" for t in tokens],
+            "; every rank must build its manager with the same config and start_capture() the same keys",
+        )
+    return True
 
 
 def _agreement_group(
