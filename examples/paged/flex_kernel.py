@@ -96,7 +96,6 @@ def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     log-sum-exp, ``-inf`` where it saw no key); the softmax over all keys is
     their log-sum-exp weighted sum. A query that saw no key is zeros.
     """
-    lse = torch.where(lse.isnan(), float("-inf"), lse)  # a row that saw no key, however the kernel says it
     peak = lse.amax(0)  # [heads, Q]
     peak = torch.where(peak.isfinite(), peak, 0.0)
     weight = torch.exp(lse - peak)  # [S, heads, Q]: 0 where a row saw no key
