@@ -35,9 +35,6 @@ from .flex_kernel import KEY_BLOCK, Q_TILE, paged_flex
 from .gather import token_pages
 from .layout import PagedLayout, page_of_slot
 
-#: With ``split``, a packed layout of fewer tiles than this cuts their pages into rows until it has this many.
-_SPLIT_TILES: Final = 8
-
 
 class _FlexPlan(NamedTuple):
     """What the block mask reads, derived from ``PagedMetadata`` once per forward."""
@@ -93,38 +90,6 @@ def page_owners(layout: PagedLayout, meta: PagedMetadata) -> tuple[torch.Tensor,
     return owner, page_index
 
 
-def split_tiles(
-    kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, splits: int, scratch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tile_unions``' lists cut into ``splits`` rows: ``[S, 1, tiles]``, ``[S, 1, tiles, chunk]``.
-
-    Row ``s`` lists the ``s``-th chunk of each tile's distinct pages (a
-    static chunk width, its count clamped to what the tile has), so each
-    page is in one row and a tile's chain of pages is ``splits`` times
-    shorter (``paged_flex`` combines the rows). Fixed shapes, no host sync.
-    """
-    tiles, width = kv_indices.shape[2], kv_indices.shape[3]
-    chunk = -(-width // splits)
-    padded = torch.full((tiles, chunk * splits), scratch, dtype=kv_indices.dtype, device=kv_indices.device)
-    padded[:, :width] = kv_indices[0, 0]
-    indices = padded.view(tiles, splits, chunk).transpose(0, 1)[:, None]  # [S, 1, tiles, chunk]
-    first = torch.arange(splits, device=kv_indices.device)[:, None] * chunk  # [S, 1]
-    counts = (kv_num_blocks[0] - first).clamp_(0, chunk)  # [S, tiles]
-    return counts[:, None].int(), indices
-
-
-def split_count(num_tokens: int, pages_per_seq: int) -> int:
-    """How many rows a packed layout of ``num_tokens`` cuts its tiles' pages into (``split``).
-
-    A power of two: enough that tiles times rows reaches ``_SPLIT_TILES``,
-    at most half the pages a tile can read (chunks of two pages or more), 1
-    where the tiles alone are that many (mixed batches keep their kernel).
-    """
-    tiles = -(-num_tokens // Q_TILE)
-    wanted = min(_SPLIT_TILES // tiles, min(num_tokens, Q_TILE) * pages_per_seq // 2)
-    return 1 << (max(wanted, 1).bit_length() - 1)
-
-
 def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query tile's distinct pages, first, and how many: ``[1, 1, tiles]``, ``[1, 1, tiles, 16 * M]``.
 
@@ -165,10 +130,6 @@ class FlexPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
-        split: a packed layout of few tiles (a mixed key of decode size) cuts each tile's pages
-            into batch rows (``split_count``, ``split_tiles``) combined by their log-sum-exp, so
-            a tile's chain of pages is shorter (docs/benchmarks-notes.md, "FlexAttention's mixed
-            key at decode sizes"); off by default until measured.
     """
 
     def __init__(
@@ -181,13 +142,10 @@ class FlexPagedAttention(EagerBreakAttention):
         compile: bool | None = None,
         breakable: bool = True,
         validate: Validate = True,
-        split: bool = False,
     ) -> None:
         super().__init__(breakable=breakable)
         if compile is not None:
             check_bool("compile", compile)
-        #: Whether a packed layout of few tiles splits their pages over batch rows.
-        self.split: Final = check_bool("split", split)
         #: The cache's paging (``resize`` changes its page count).
         self.layout = layout
         self.support: Final = AttentionSupport(
@@ -259,13 +217,7 @@ class FlexPagedAttention(EagerBreakAttention):
             rows = (-1, query_len)
         else:  # one packed sequence: each query tile reads the union of its tokens' pages
             kv_num_blocks, kv_indices = tile_unions(token_pages(layout, paged), layout.scratch_page)
-            num_tokens = paged.positions.shape[0]
-            splits = split_count(num_tokens, layout.pages_per_seq) if self.split else 1
-            if splits > 1:  # the queries are one row, each block-mask row a chunk of the pages
-                kv_num_blocks, kv_indices = split_tiles(
-                    kv_num_blocks, kv_indices, splits, layout.scratch_page
-                )
-            rows = (1, num_tokens)
+            rows = (1, paged.positions.shape[0])
         owner, page_index = page_owners(layout, paged)
         pages = torch.arange(owner.shape[0], device=owner.device)  # [num_pages]
         return _FlexPlan(
@@ -274,6 +226,6 @@ class FlexPagedAttention(EagerBreakAttention):
             owner,
             (page_index - pages) * page_size,  # a key's position is this (of its page) + its slot
             meta.page_of_slot,
-            paged.req_ids.view(rows).expand(kv_num_blocks.shape[0], -1),  # [B, Q]
-            paged.positions.view(rows).expand(kv_num_blocks.shape[0], -1),  # [B, Q]
+            paged.req_ids.view(rows),  # [B, Q]
+            paged.positions.view(rows),  # [B, Q]
         )

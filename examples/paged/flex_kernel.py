@@ -9,9 +9,8 @@ compiled function serves every step.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import torch
 
@@ -53,28 +52,18 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
     """
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    flex_module = importlib.import_module("torch.nn.attention.flex_attention")
-    aux_request: Any = getattr(flex_module, "AuxRequest", None)  # return_aux, where torch has it
-
     def attend(
         queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *metadata: torch.Tensor
     ) -> torch.Tensor:
         block_mask = _block_mask(BlockMask, page_size, (queries.shape[2], keys.shape[2]), *metadata)
-        splits = metadata[0].shape[0] // queries.shape[0]  # block-mask rows per query row
-        options: Any = _KERNEL_OPTIONS if compiled else None  # a TypedDict in torch's stubs
-        scale = queries.shape[-1] ** -0.5
-        if splits == 1:
-            return flex_attention(
-                queries, keys, values, block_mask=block_mask, scale=scale, kernel_options=options
-            )
-        rows = queries.expand(splits, -1, -1, -1)  # one packed sequence, a chunk of its pages per row
-        kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "kernel_options": options}
-        if aux_request is None:  # a torch before return_aux
-            out, lse = flex_attention(rows, keys, values, return_lse=True, **kwargs)
-        else:
-            out, aux = flex_attention(rows, keys, values, return_aux=aux_request(lse=True), **kwargs)
-            lse = aux.lse
-        return combine_splits(out, lse)
+        return flex_attention(
+            queries,
+            keys,
+            values,
+            block_mask=block_mask,
+            scale=queries.shape[-1] ** -0.5,
+            kernel_options=_KERNEL_OPTIONS if compiled else None,  # type: ignore[arg-type]  # a TypedDict in torch's stubs
+        )
 
     if not compiled:
         return attend
@@ -87,21 +76,6 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
             return compiled_attend(*args)
 
     return attend_compiled
-
-
-def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``[1, heads, Q, head_dim]``: ``out [S, heads, Q, head_dim]``'s rows combined by ``lse [S, heads, Q]``.
-
-    Row ``s`` attended over the ``s``-th chunk of each tile's pages (natural
-    log-sum-exp, ``-inf`` where it saw no key); the softmax over all keys is
-    their log-sum-exp weighted sum. A query that saw no key is zeros.
-    """
-    peak = lse.amax(0)  # [heads, Q]
-    peak = torch.where(peak.isfinite(), peak, 0.0)
-    weight = torch.exp(lse - peak)  # [S, heads, Q]: 0 where a row saw no key
-    parts = torch.where(weight[..., None] > 0, out.float(), 0.0) * weight[..., None]
-    total = weight.sum(0).clamp(min=1e-30)[..., None]  # [heads, Q, 1]
-    return (parts.sum(0) / total).to(out.dtype)[None]
 
 
 def _block_mask(

@@ -48,7 +48,6 @@ from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs
 from examples.paged import (
     BACKENDS,
-    FlexPagedAttention,
     PagedBackend,
     PagedDecoder,
     PagedLayout,
@@ -95,12 +94,10 @@ def managers(model: PagedDecoder) -> Iterator[dict[str, CUDAGraphManager[torch.T
         manager.release()
 
 
-def _captured(
-    model: PagedDecoder, sizes: CaptureSizes, modes: dict[str, CUDAGraphMode] = _MODES
-) -> dict[str, CUDAGraphManager[torch.Tensor]]:
-    """A manager per mode of ``modes`` over ``model``, its graphs of ``sizes`` captured."""
+def _captured(model: PagedDecoder, sizes: CaptureSizes) -> dict[str, CUDAGraphManager[torch.Tensor]]:
+    """A manager per mode of ``_MODES`` over ``model``, its graphs of ``sizes`` captured."""
     built: dict[str, CUDAGraphManager[torch.Tensor]] = {}
-    for name, mode in modes.items():
+    for name, mode in _MODES.items():
         config = DispatchConfig(mode, sizes, max_num_seqs=model.config.max_num_seqs)
         manager = CUDAGraphManager(
             model,
@@ -355,13 +352,6 @@ def floor(request: pytest.FixtureRequest) -> Iterator[Floor]:
     decoder = PagedDecoder(config, layout=layout, backend=name, device="cuda")
     decoder.warm_up(_FLOOR_SIZES.max)
     built = _captured(decoder, _FLOOR_SIZES)
-    if name == "flex":  # and FULL with the packed layout split over batch rows, on the same weights
-        split = FlexPagedAttention(
-            layout, max_tokens=_FLOOR_SIZES.max, max_reqs=config.max_num_seqs, device="cuda", split=True
-        )
-        built |= {
-            "full_split": _captured(decoder.with_backend(split), _FLOOR_SIZES, {"full": M.FULL})["full"]
-        }
     yield name, decoder, built
     for manager in built.values():
         manager.release()
@@ -380,10 +370,9 @@ def test_paged_graph_vs_eager(
     """Each backend's FULL and FULL_AND_PIECEWISE steps against its eager step, interleaved.
 
     ``eager_over_manager_<mode>``: the speed-up of the graphs (above 1: the
-    graph is faster); ``manager_full_over_uniform_key`` at decodes: FULL
+    graph is faster); ``full_mixed_key_over_uniform_key`` at decodes: FULL
     mode's mixed key over FULL_AND_PIECEWISE's uniform key (flex's packed
-    layout against its per-request one, ``docs/benchmarks-notes.md``); flex
-    also FULL with ``split=True`` (``manager_full_split``).
+    layout against its per-request one, ``docs/benchmarks-notes.md``).
     """
     name, model, built = floor
     inputs = _inputs(model, num_tokens, uniform)
@@ -409,8 +398,6 @@ def test_paged_graph_vs_eager(
         info[f"eager_over_manager_{mode}"] = timed.ratio("eager", f"manager_{mode}")
         info[f"eager_over_manager_{mode}_spread"] = [min(rounds), max(rounds)]
     if uniform:
-        for full in ("manager_full", "manager_full_split"):
-            if full in candidates:
-                info[f"{full}_over_uniform_key"] = timed.ratio(full, "manager_full_and_piecewise")
+        info["full_mixed_key_over_uniform_key"] = timed.ratio("manager_full", "manager_full_and_piecewise")
     for manager in built.values():
         assert manager.stats.eager_steps == 0
