@@ -62,7 +62,7 @@ import torch
 from cudagraph_capture import DeviceLoop, LoopKind
 from cudagraph_capture._conditional import _PRELUDES, _compile
 from cudagraph_capture._loop import TorchGraphs
-from tests.benchmarks.support import Interleaved, Spread, interleave
+from tests.benchmarks.support import Interleaved, Spread, interleave, plain_graph
 
 if TYPE_CHECKING:
     from tests.benchmarks.test_bench_decode_loop import Setup
@@ -239,18 +239,6 @@ def _body(name: str) -> Callable[[], None]:
     return step
 
 
-def _torch_graph(work: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        work()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        work()
-    return graph
-
-
 def _repeat(work: Callable[[], None], times: int) -> Callable[[], None]:
     def repeated() -> None:
         for _ in range(times):
@@ -271,8 +259,8 @@ def _synthetic_variants(
         body()
         cells.steps.add_(1)
 
-    one = _torch_graph(iteration)
-    unrolled = _torch_graph(_repeat(iteration, n))
+    one = plain_graph(iteration)
+    unrolled = plain_graph(_repeat(iteration, n))
     variants: dict[str, Callable[[], object]] = {
         "replays": _repeat(one.replay, n),
         "unrolled": unrolled.replay,

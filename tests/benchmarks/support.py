@@ -185,6 +185,19 @@ def rotated(names: Sequence[str], index: int) -> list[str]:
     return [*names[start:], *names[:start]]
 
 
+def plain_graph(work: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``work`` warmed up on a side stream, then captured as a plain torch graph (a baseline's)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    return graph
+
+
 def pyplot_or_none() -> ModuleType | None:
     """``matplotlib.pyplot`` on the Agg backend, or ``None`` where matplotlib is not installed."""
     try:

@@ -44,7 +44,13 @@ from examples import DecoderConfig
 from examples.demo_loop import host_loop
 from examples.paged import PAGED_INPUT_NAMES, PagedDecoder, PagedLayout, paged_static_inputs
 from examples.paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_advance
-from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave, record_interleaved
+from tests.benchmarks.support import (
+    BenchmarkFixture,
+    Interleaved,
+    interleave,
+    plain_graph,
+    record_interleaved,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -157,7 +163,7 @@ def _floor(
             setup.advance(model(*(static[name] for name in PAGED_INPUT_NAMES)), static, state)
             state.step.add_(1)  # in the graph: nothing runs between two replays
 
-    graph = _graph(body)
+    graph = plain_graph(body)
     replays = setup.steps if steps is None else steps
 
     def run() -> torch.Tensor:
@@ -171,19 +177,6 @@ def _floor(
         return state.tokens
 
     return run
-
-
-def _graph(work: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """``work`` warmed up on a side stream, then captured as a plain torch graph."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        work()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        work()
-    return graph
 
 
 @pytest.mark.parametrize("num_reqs", BATCHES)

@@ -24,25 +24,18 @@ import pytest
 import torch
 
 from cudagraph_capture import DeviceLoop, LoopKind
-from tests.benchmarks.support import BenchmarkFixture, Interleaved, interleave, record_interleaved
+from tests.benchmarks.support import (
+    BenchmarkFixture,
+    Interleaved,
+    interleave,
+    plain_graph,
+    record_interleaved,
+)
 
 pytestmark = pytest.mark.gpu
 
 ITERATIONS: Final = 256
 ROUNDS: Final = 21
-
-
-def _graph(work: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """``work`` warmed up on a side stream, then captured as a plain torch graph."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        work()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        work()
-    return graph
 
 
 def _loop(body: Callable[[torch.Tensor], object], stop: torch.Tensor) -> DeviceLoop:
@@ -69,13 +62,13 @@ def test_bench_while_iteration_cost(benchmark: BenchmarkFixture) -> None:
         x.add_(1.0)
 
     loop = _loop(body, stop)
-    one = _graph(lambda: body(loop.steps_taken))
+    one = plain_graph(lambda: body(loop.steps_taken))
 
     def bodies() -> None:
         for _ in range(ITERATIONS):
             body(loop.steps_taken)
 
-    unrolled = _graph(bodies)
+    unrolled = plain_graph(bodies)
 
     def replays() -> None:
         for _ in range(ITERATIONS):
@@ -113,7 +106,7 @@ def test_bench_while_tokens_per_second_against_the_host_loop(benchmark: Benchmar
 
     loop = _loop(step, stop)
     host_steps = torch.zeros((), dtype=torch.long, device="cuda")
-    one = _graph(lambda: step(host_steps))
+    one = plain_graph(lambda: step(host_steps))
 
     def host_loop() -> None:
         for _ in range(ITERATIONS):
