@@ -125,6 +125,8 @@ class LockstepTurns(Protocol):
 
     def turn(self) -> None: ...
 
+    def stepped(self) -> None: ...
+
 
 class CaptureState(Protocol):
     """What a step without a graph asks of the manager's captures (``Capturer``): why its key has none.

@@ -94,7 +94,7 @@ class Capturer(Generic[OutputT]):
         # The last background capture, weakly: it holds this object (its jobs), and a strong
         # reference back would keep the graphs alive after the manager goes, until a collection.
         # While it runs, its thread holds it.
-        self._session: weakref.ref[BackgroundCapture] | None = None
+        self._session: Callable[[], BackgroundCapture | None] | None = None
         self.released = False  # release() freed the graphs, and no capture started since
         #: The addresses of the model's parameters and buffers that its graphs read.
         self.weights: Final = WeightWatch(watched_module(parts.model))
@@ -200,7 +200,7 @@ class Capturer(Generic[OutputT]):
                 step_lock=self._parts.lock,
                 keys_per_step=keys_per_step,
             )
-        self._session = weakref.ref(session)
+        self._session = weakref.ref(session) if ranks is None else (lambda: session)  # lockstep: held
         session.start()
         return session
 
@@ -210,7 +210,7 @@ class Capturer(Generic[OutputT]):
         return session if session is not None and not session.done else None
 
     def lockstep(self) -> LockstepCapture | None:
-        """The lockstep capture (with ranks) still running, if one is: the step path gives it its turns."""
+        """The lockstep capture (with ranks) running, if one is (held: no thread keeps it alive)."""
         session = self.running()
         return session if isinstance(session, LockstepCapture) else None
 

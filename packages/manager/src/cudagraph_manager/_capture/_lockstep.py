@@ -26,6 +26,7 @@ from .._parts import StepLock
 from .._protocols import CaptureJobs
 from .._reports._report import CapturedGraph, CaptureReport
 from ..ranks import RankAgreement, RanksDisagreeError
+from ..ranks._agreement import CAPTURE_STOPPED
 from ._background import BackgroundCapture, BackgroundTimings
 from ._warm_up import WarmUps
 
@@ -65,8 +66,10 @@ class LockstepCapture(BackgroundCapture):
 
     @property
     def token(self) -> int:
-        """The digest of the keys left (never 0), or 0 once done or stopped: this rank's agreement field."""
-        return 0 if self._stop.is_set() or self._done.is_set() else self._token
+        """This rank's agreement field: the digest of the keys left, ``CAPTURE_STOPPED`` or 0 once done."""
+        if self._done.is_set():
+            return 0
+        return CAPTURE_STOPPED if self._stop.is_set() else self._token
 
     def start(self) -> None:
         """No thread, no warm-up now: the steps capture once every rank has started (never a collective)."""
@@ -92,14 +95,22 @@ class LockstepCapture(BackgroundCapture):
         if not self._pending:
             self._end()
 
+    def stepped(self) -> None:
+        """After a step's exchange: where some rank's capture was stopped, every rank's ends here."""
+        if (self._stop.is_set() or CAPTURE_STOPPED in self._ranks.capture_tokens) and not self._done.is_set():
+            self._stop.set()
+            self._end()
+
     def wait(self, timeout: float | None = None) -> CaptureReport:
         """Capture every key left now, every rank together (a collective), and return the report.
 
-        Every rank calls it at the same point of its steps (its exchanges
-        meet the others'); ``timeout`` is checked but not used: the ranks
-        wait for each other. After ``stop()`` it captures nothing and
-        exchanges nothing. ``RanksDisagreeError`` on every rank where the
-        ranks have different keys left (or one stopped).
+        Every rank calls it at the same point of its steps (one exchange of
+        the tokens, then the turns, each with its own); ``timeout`` is
+        checked but not used: the ranks wait for each other. A capture done
+        (every rank's ends in the same step: the last key, or a ``stop()``
+        seen in a step's exchange) or stopped here returns its report
+        without an exchange (``stop()`` and ``release()`` go to every rank);
+        ``RanksDisagreeError`` on every rank where the keys left differ.
         """
         given: object = timeout
         if given is not None and (
@@ -109,7 +120,7 @@ class LockstepCapture(BackgroundCapture):
         if self._thread == threading.get_ident():
             raise RuntimeError("wait(): called from inside the capture it waits for (the model, on its turn)")
         if not self._done.is_set():
-            if self._stop.is_set():
+            if self._stop.is_set():  # this rank's own stop: the others see it in their next step's exchange
                 self._end()
             else:
                 with self._step_lock.held("wait"):
@@ -118,15 +129,22 @@ class LockstepCapture(BackgroundCapture):
         return self._report
 
     def _drive(self) -> None:
-        """``wait()``'s captures: one exchange of the tokens, then every key left, one turn each."""
+        """``wait()``'s captures: one exchange of the tokens, then every key left, one turn each.
+
+        The turns ignore a ``stop()`` made meanwhile: every rank agreed on them.
+        """
         tokens = [row[0] for row in self._ranks.exchange((self.token,))]
+        if CAPTURE_STOPPED in tokens:  # every rank's capture ends, as at a step
+            self._stop.set()
+            self._end()
+            return
         if len(set(tokens)) > 1 or not all(tokens):
             raise RanksDisagreeError(
                 "the keys left to capture in wait()",
                 [f"digest {t:#x}" if t else "stopped or done" for t in tokens],
                 "; every rank calls wait() on its capture at the same step, with the same keys left",
             )
-        while self._pending and not self._stop.is_set():
+        while self._pending:
             self.turn()
 
     def _record(self, key: BatchDescriptor) -> CapturedGraph:

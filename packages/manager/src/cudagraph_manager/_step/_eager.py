@@ -23,12 +23,12 @@ from .._errors import NoGraphError
 from .._graphs import PlannedGraph
 from .._parts import ManagerParts
 from .._protocols import CaptureState, OutputT
+from ..ranks._agreement import CAPTURE_STOPPED
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
 #: The eager forward context's extra that carries every rank's token count (with ranks).
 NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
-_UNTIL_CAPTURED: Final = (EagerReason.NOT_CAPTURED, EagerReason.OTHER_RANK)
 
 
 class EagerSteps(Generic[OutputT]):
@@ -38,14 +38,12 @@ class EagerSteps(Generic[OutputT]):
     background capture still running).
     """
 
-    __slots__ = ("_captures", "_logged", "_parts", "lockstep_step")
+    __slots__ = ("_captures", "_logged", "_parts")
 
     def __init__(self, parts: ManagerParts[OutputT], captures: CaptureState) -> None:
         self._parts: Final = parts
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
-        #: Whether this step's route was agreed while a lockstep capture ran (the step path's).
-        self.lockstep_step = False
 
     @property
     def captures(self) -> CaptureState:
@@ -77,8 +75,9 @@ class EagerSteps(Generic[OutputT]):
                     return self.run(batch, reason, graph, allowed=True)
                 finally:
                     session.served()
-        # With ranks, a lockstep capture's steps run eagerly until every key is captured (strict too).
-        return self.run(batch, reason, graph, allowed=self.lockstep_step and reason in _UNTIL_CAPTURED)
+        # With ranks, every step runs eagerly while every rank's lockstep capture runs (strict too): the
+        # allowance comes from the step's exchange, so every rank runs or every rank raises.
+        return self.run(batch, reason, graph, allowed=self._lockstep_everywhere())
 
     def run(
         self,
@@ -137,14 +136,20 @@ class EagerSteps(Generic[OutputT]):
     def dummy_step(self) -> OutputT:
         """An idle rank's part in an eager step of the others: the model once on one padding row.
 
-        Outputs with 0 rows; counted in ``stats.dummy_steps``; strict raises.
+        Outputs with 0 rows; counted in ``stats.dummy_steps``; strict raises
+        (as every rank does), unless every rank's lockstep capture runs.
         """
         parts = self._parts
-        if parts.strict:
+        if parts.strict and not self._lockstep_everywhere():
             raise NoGraphError(0, f"the other ranks of the {_world_size(parts)} run this step eagerly")
         out = self._padding_row()
         parts.counts.dummy()
         return out
+
+    def _lockstep_everywhere(self) -> bool:
+        """Whether this step's exchange saw a lockstep capture running on every rank (strict allows it)."""
+        ranks = self._parts.ranks
+        return ranks is not None and all(ranks.capture_tokens) and CAPTURE_STOPPED not in ranks.capture_tokens
 
     def _padding_row(self) -> OutputT:
         """The model on one padding row (the static buffers' pad values), its outputs cut to 0 rows."""

@@ -115,8 +115,14 @@ class StepPath(Generic[OutputT]):
         """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
         assert self._ranks is not None
         lockstep = self.eager.captures.lockstep()  # a capture with ranks takes its turns here
-        self.eager.lockstep_step = lockstep is not None
-        token, turn = (0, None) if lockstep is None else (lockstep.token, lockstep.turn)
-        return self._ranks.route_step(
-            self._dispatcher, request, can_replay=self._table.all_captured, capturing=token, turn=turn
+        if lockstep is None:
+            return self._ranks.route_step(self._dispatcher, request, can_replay=self._table.all_captured)
+        route = self._ranks.route_step(
+            self._dispatcher,
+            request,
+            can_replay=self._table.all_captured,
+            capturing=lockstep.token,
+            turn=lockstep.turn,
         )
+        lockstep.stepped()  # a stopped capture ends at the step boundary
+        return route

@@ -37,6 +37,9 @@ Backend = Literal["gloo", "nccl", "shm"]
 T = TypeVar("T")
 
 _NONE: Final = CUDAGraphMode.NONE
+#: A lockstep capture's agreement field once ``stop()`` was called on its rank (a digest is never 1):
+#: every rank's capture ends at that step.
+CAPTURE_STOPPED: Final = 1
 _MODES: Final = tuple(CUDAGraphMode)
 _BACKENDS: Final[tuple[str, ...]] = ("gloo", "nccl", "shm")
 _DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)  # torch's default for gloo groups
@@ -99,6 +102,7 @@ class RankAgreement:
         # nccl: per table size, a pinned host table and its device twin, reused by every exchange.
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._counts: tuple[int, ...] = ()  # every rank's tokens in the last step's exchange
+        self._tokens: tuple[int, ...] = ()  # every rank's lockstep capture field in the last step's exchange
         self._table: Final = (
             SharedTable(group, self._rank, self._world_size, (timeout or _DEFAULT_TIMEOUT).total_seconds())
             if chosen == "shm"
@@ -127,6 +131,11 @@ class RankAgreement:
     def num_tokens_across_dp(self) -> tuple[int, ...]:
         """Every rank's token count in the last step's exchange, by rank (``()`` before the first step)."""
         return self._counts
+
+    @property
+    def capture_tokens(self) -> tuple[int, ...]:
+        """Every rank's lockstep capture field in the last step's exchange (0, a digest, CAPTURE_STOPPED)."""
+        return self._tokens
 
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
         """Every rank's ``row`` (ints, the same length on every rank), by rank: one all-reduce.
@@ -206,7 +215,8 @@ class RankAgreement:
         """``agree_step``'s decision, and whether every rank captures this step (``_capture_together``)."""
         rows = self.exchange(_row(request, can_replay, capturing))
         self._counts = tuple(row[0] for row in rows)
-        return _decided(dispatcher, rows), _capture_together([row[5] for row in rows])
+        self._tokens = tuple(row[5] for row in rows)
+        return _decided(dispatcher, rows), _capture_together(self._tokens)
 
     def route_step(
         self,
@@ -343,7 +353,7 @@ def _capture_together(tokens: Sequence[int]) -> bool:
     has left. Raises ``RanksDisagreeError`` (on every rank alike) where every
     rank captures but the keys they have left differ (plans built differently).
     """
-    if not all(tokens):
+    if not all(tokens) or CAPTURE_STOPPED in tokens:
         return False
     if len(set(tokens)) > 1:
         raise RanksDisagreeError(
