@@ -11,6 +11,7 @@ background capture, release and wake); every item equals the item alone.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -66,9 +67,9 @@ def test_build_writes_nothing_the_forward_writes_the_offsets() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     shape = BatchShape(64, 4, None, _FULL)
     meta = builder.build_for_capture(shape)
-    meta.cu_seqlens.fill_(-1)  # what a replay's build would overwrite, were it to launch anything
+    meta.offsets.fill_(-1)  # what a replay's build would overwrite, were it to launch anything
     assert builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), shape) is meta
-    assert meta.cu_seqlens.tolist() == [-1] * 6
+    assert meta.offsets.tolist() == [-1] * 6
 
 
 # torch 2.11's profiler warns once per process that it keeps one cycle's events (this test reads one).
@@ -116,7 +117,7 @@ def test_offsets_of_an_eager_shape_and_one_view_per_graph_shape() -> None:
     built = builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), shape)
     assert built is captured  # the graph reads the view its capture saw
     big = builder.build_for_capture(BatchShape(128, 4, None, _FULL))
-    assert big.cu_seqlens.data_ptr() == captured.cu_seqlens.data_ptr()  # one buffer, at the largest
+    assert big.offsets.data_ptr() == captured.offsets.data_ptr()  # one buffer, at the largest
     eager = BatchShape.eager(7, 2, False)
     first = builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), eager)
     assert first.write_offsets(_lens(3, 4)).tolist() == [0, 3, 7, 7]
@@ -127,10 +128,10 @@ def test_offsets_of_an_eager_shape_and_one_view_per_graph_shape() -> None:
 @pytest.mark.parametrize("lengths", [torch.zeros(3, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.int32)])
 def test_lengths_of_another_item_count_than_the_shape_are_named(lengths: torch.Tensor) -> None:
     meta = PackedMetadataBuilder(_BUDGETS, device="cpu").build_for_capture(BatchShape(32, 4, None, _FULL))
-    before = meta.cu_seqlens.tolist()
+    before = meta.offsets.tolist()
     with pytest.raises(ValueError, match=r"lengths: expected 4 item lengths"):
         meta.write_offsets(lengths)
-    assert meta.cu_seqlens.tolist() == before  # refused before a row is written
+    assert meta.offsets.tolist() == before  # refused before a row is written
 
 
 def test_the_builder_validates_on_request_and_names_what_is_wrong() -> None:
@@ -257,3 +258,24 @@ def test_the_model_reads_its_offsets_through_the_seam_only() -> None:
     model = ViTEncoder(EncoderConfig.small(), builder, device="cpu")
     with pytest.raises(RuntimeError, match="attention_metadata"):
         model(patches=torch.zeros(4, 48), item_lens=_lens(4))
+
+
+def test_a_forward_that_forgets_to_write_the_offsets_is_refused() -> None:
+    """Reading ``cu_seqlens`` before ``write_offsets`` since the step's build raises (stale offsets)."""
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    shape = BatchShape(64, 4, None, _FULL)
+    meta = builder.build_for_capture(shape)
+    with pytest.raises(RuntimeError, match=r"write_offsets\(lengths\)"):
+        _ = meta.cu_seqlens
+    meta.write_offsets(_lens(5, 20, 12, 0))
+    assert meta.cu_seqlens.tolist() == [0, 5, 25, 37, 37, 64]
+    again = builder.build(StepBatch(7, 2, {"item_lens": _lens(3, 4)}), shape)  # the next step: written again
+    with pytest.raises(RuntimeError, match=r"write_offsets\(lengths\)"):
+        _ = again.cu_seqlens
+    done: list[bool] = []
+    thread = threading.Thread(target=lambda: done.append(builder.build_for_capture(shape) is meta))
+    again.write_offsets(_lens(3, 4, 0, 0))
+    thread.start()  # another thread's build (a background capture's) leaves this thread's forward alone
+    thread.join()
+    assert done == [True]
+    assert again.cu_seqlens.tolist() == [0, 3, 7, 7, 7, 64]

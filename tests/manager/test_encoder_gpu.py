@@ -101,7 +101,7 @@ def test_each_replay_writes_its_offsets_in_the_graph() -> None:
     budgets = TokenBudgets([256, 1024], max_items=4)
     runner = EncoderRunner(_config("varlen"), budgets, strict=True)
     runner.manager.capture()
-    view = runner.builder.build_for_capture(BatchShape(1024, 4, None, _FULL)).cu_seqlens
+    view = runner.builder.build_for_capture(BatchShape(1024, 4, None, _FULL)).offsets
     rng = random.Random(5)
     for seed in range(12):  # 1-4 items in the 1024 budget (over 256 tokens), after packs of every count
         count = rng.randint(1, 4)

@@ -17,6 +17,7 @@ the cumsum and a replay's ``build`` is a look-up, no kernel launched.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Final
 
 import torch
@@ -29,6 +30,13 @@ from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from .._batch import BatchShape, StepBatch
 
 
+class _Ledger(threading.local):
+    """Whether the forward wrote the offsets since the last build, per thread (a background capture's
+    builds and forwards run beside the serving thread's); one per builder, shared by its views."""
+
+    written: bool = False
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PackedMetadata:
     """The metadata of a forward of packed items (``PackedMetadataBuilder``'s).
@@ -36,14 +44,27 @@ class PackedMetadata:
     ``cu_seqlens [num_reqs + 2]`` int32, once the forward called
     ``write_offsets(lengths)``: 0, each item's end, the real total in each
     padding row of ``lengths`` (empty sequences), then ``num_tokens``, the
-    padded total (the end of the padding sequence). ``max_seqlen``: the
-    shape's token count, a bound on every sequence (the padding's included)
-    that a FULL graph may bake.
+    padded total (the end of the padding sequence). Read before the forward
+    wrote them (since the step's build), it raises: a forward that forgot
+    would read a previous step's offsets. ``offsets`` is the same view,
+    unchecked. ``max_seqlen``: the shape's token count, a bound on every
+    sequence (the padding's included) that a FULL graph may bake.
     """
 
-    cu_seqlens: torch.Tensor
+    offsets: torch.Tensor
     max_seqlen: int
     num_tokens: int
+    ledger: _Ledger = dataclasses.field(default_factory=_Ledger, repr=False, compare=False)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The offsets, ``RuntimeError`` unless this forward wrote them (in Python: eager steps, captures)."""
+        if not self.ledger.written:
+            raise RuntimeError(
+                "PackedMetadata.cu_seqlens: read before the forward called write_offsets(lengths) "
+                "(the forward writes each step's offsets, in a graph too)"
+            )
+        return self.offsets
 
     def write_offsets(self, lengths: torch.Tensor) -> torch.Tensor:
         """``cu_seqlens`` written on the device from ``lengths [num_reqs]`` (the forward's input, padding 0).
@@ -54,7 +75,7 @@ class PackedMetadata:
         it), and the padded total in the last row (row 0 stays 0). Returns
         ``cu_seqlens``; ``ValueError`` if ``lengths`` has not ``num_reqs`` rows.
         """
-        offsets = self.cu_seqlens
+        offsets = self.offsets
         if lengths.dim() != 1 or lengths.shape[0] + 2 != offsets.shape[0]:
             raise ValueError(
                 f"lengths: expected {offsets.shape[0] - 2} item lengths (the shape's items), "
@@ -64,6 +85,7 @@ class PackedMetadata:
         torch.cumsum(lengths, 0, dtype=torch.int32, out=ends)
         ends.clamp_(max=self.num_tokens)
         offsets[-1:].fill_(self.num_tokens)
+        self.ledger.written = True
         return offsets
 
 
@@ -106,9 +128,11 @@ class PackedMetadataBuilder:
         self.validate: Final = check_bool("validate", validate)
         self._offsets: Final = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
         self._views: Final[dict[tuple[int, int], PackedMetadata]] = {}
+        self._ledger: Final = _Ledger()
 
     def build_for_capture(self, shape: BatchShape, /) -> PackedMetadata:
         """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape."""
+        self._ledger.written = False  # the forward that follows writes the offsets
         key = (shape.num_tokens, shape.num_reqs)
         meta = self._views.get(key)
         if meta is None:
@@ -116,13 +140,15 @@ class PackedMetadataBuilder:
                 raise ValueError(
                     f"shape: {shape.num_reqs} items exceed max_items={self.budgets.max_items} of the builder"
                 )
-            meta = PackedMetadata(self._offsets[: shape.num_reqs + 2], shape.num_tokens, shape.num_tokens)
+            view = self._offsets[: shape.num_reqs + 2]
+            meta = PackedMetadata(view, shape.num_tokens, shape.num_tokens, self._ledger)
             if shape.mode is not CUDAGraphMode.NONE:  # a graph's shape: one per key; eager ones are not kept
                 self._views[key] = meta
         return meta
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> PackedMetadata:
         """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets)."""
+        self._ledger.written = False
         meta = self._views.get((shape.num_tokens, shape.num_reqs))  # a graph's shape: one look-up
         if meta is None:
             meta = self.build_for_capture(shape)  # checks the shape's item count
