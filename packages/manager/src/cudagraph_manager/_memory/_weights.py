@@ -82,6 +82,7 @@ class WeightWatch:
         "_addresses",
         "_first",
         "_first_name",
+        "_guards",
         "_first_ptr",
         "_last",
         "_module",
@@ -101,6 +102,8 @@ class WeightWatch:
         # The addresses the last graphs read (kept by ``forget()``), and whether ``take()`` found
         # the same tensors again: a compiled model then meets the guards it was compiled under.
         self._last: dict[str, _Address] = {}
+        # What else a compiled model's guards read of each tensor: the object, its strides, requires_grad.
+        self._guards: dict[str, tuple[int, tuple[int, ...], bool]] = {}
         self.kept = False
         if module is not None:
             _install_hooks()
@@ -116,9 +119,11 @@ class WeightWatch:
 
     def take(self) -> None:
         """Remember the address of every watched tensor (the graphs about to be captured read them)."""
-        self._addresses = {name: _address(t) for name, t in _named_tensors(self._module).items()}
-        self.kept = bool(self._last) and self._addresses == self._last
-        self._last = self._addresses
+        named = _named_tensors(self._module)
+        self._addresses = {name: _address(t) for name, t in named.items()}
+        guards = {name: (id(t), t.stride(), t.requires_grad) for name, t in named.items()}
+        self.kept = bool(self._last) and self._addresses == self._last and guards == self._guards
+        self._last, self._guards = self._addresses, guards
         first = next(
             (
                 (module._parameters, name, param.data_ptr())
