@@ -271,13 +271,13 @@ def test_a_wake_with_the_weights_kept_says_so_and_a_replaced_weight_does_not() -
 
 
 def test_a_wake_is_not_kept_where_a_compiled_models_guards_would_see_a_change() -> None:
-    """Same addresses, but another parameter object, other strides or requires_grad: dynamo may recompile."""
+    """Same storage, but another parameter object, other strides or requires_grad: dynamo may recompile."""
     model = nn.Linear(4, 4)
     watch = WeightWatch(model)
     watch.take()
     changes = (
         lambda: model.requires_grad_(False),
-        lambda: setattr(model, "weight", nn.Parameter(model.weight.data, requires_grad=False)),  # same storage
+        lambda: setattr(model, "weight", nn.Parameter(model.weight.data, requires_grad=False)),
         lambda: setattr(model, "weight", nn.Parameter(model.weight.data.t(), requires_grad=False)),
     )
     for change in changes:
