@@ -149,7 +149,8 @@ class EagerSteps(Generic[OutputT]):
     def _lockstep_everywhere(self) -> bool:
         """Whether this step's exchange saw a lockstep capture running on every rank (strict allows it)."""
         ranks = self._parts.ranks
-        return ranks is not None and all(ranks.capture_tokens) and CAPTURE_STOPPED not in ranks.capture_tokens
+        tokens = () if ranks is None else ranks.capture_tokens  # () before any exchange: not allowed
+        return bool(tokens) and all(tokens) and CAPTURE_STOPPED not in tokens
 
     def _padding_row(self) -> OutputT:
         """The model on one padding row (the static buffers' pad values), its outputs cut to 0 rows."""
