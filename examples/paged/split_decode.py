@@ -8,23 +8,34 @@ host value chosen from the padded request count (``split_count``: more
 splits for fewer requests, to keep the device busy), so it depends on the
 shape alone and a FULL graph may bake it.
 
-Every other batch (prefill chunks, mixed, spec decode) runs a path planned
-on the host from the real batch (``planned_attention``): the query offsets
-are read once per step (one synchronization), then each request attends on
-its own. That plan may not be baked into a graph, so the backend declares
-``UNIFORM_SINGLE_TOKEN_DECODE``: the manager keeps FULL graphs for decodes
-and runs mixed batches PIECEWISE (the attention runs eagerly between
-segments, ``breakable``) or eagerly. ``declare=`` over-declares for tests of
-that level check: a FULL graph of a mixed key then bakes the plan of its
-capture (every token in the first request, the padding batch's) and replays
-it, wrong, for whatever batch it serves.
+Every other batch (prefill chunks, mixed, spec decode) takes the prefill
+path, ``prefill=``:
+
+- ``"varlen"`` (the default): the varlen backend's packed FlashAttention
+  (``VarlenPagedAttention``, composed: its metadata and kernel, sharing
+  this backend's buffers), one kernel per layer whose work follows the
+  batch's real lengths, with no host synchronization;
+- ``"planned"``: a path planned on the host from the real batch
+  (``planned_attention``): the query offsets are read once per step (one
+  synchronization), then each request attends on its own, one after the
+  other (slow: a loop of small kernels per request and layer).
+
+The backend declares ``UNIFORM_SINGLE_TOKEN_DECODE`` either way, the level
+of a decode kernel beside a host-planned prefill: the manager keeps FULL
+graphs for decodes and runs mixed batches PIECEWISE (the attention runs
+eagerly between segments, ``breakable``) or eagerly. The varlen path would
+also hold in a FULL graph of a mixed key (``declare=ALWAYS`` is then true);
+the planned one would not: ``declare=`` over-declares it for tests of that
+level check, whose FULL graph of a mixed key bakes the plan of its capture
+(every token in the first request, the padding batch's) and replays it,
+wrong, for whatever batch it serves.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Literal
 
 import torch
 
@@ -35,7 +46,12 @@ from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadat
 from .backend import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
+from .varlen import VarlenMetadata, VarlenPagedAttention
 from .varlen_kernels import causal_rows
+
+#: The prefill paths of ``SplitDecodeAttention`` (``prefill=``).
+Prefill = Literal["varlen", "planned"]
+_PREFILLS: Final = ("varlen", "planned")
 
 #: Request-chunk work items the decode kernel aims for: ``split_count`` splits keys until
 #: requests times splits reaches this.
@@ -134,29 +150,33 @@ class SplitDecodeMetadata:
     """``SplitDecodeAttention``'s metadata: the paged batch, and the plan of the path it takes.
 
     ``num_splits``: the decode kernel's split count (uniform shapes of one
-    token per request), else ``None`` and the planned path runs. ``plan``:
-    that path's query offsets on the host where the shape implies them (a
-    FULL graph's), else ``None``: the step's first attention reads them
-    (one sync, eager) and keeps them in ``read`` for the other layers (a
-    new value per build).
+    token per request), else ``None`` and a prefill path runs: ``prefill``,
+    the varlen backend's metadata of the batch where that path is varlen's,
+    else the planned path's ``plan``: its query offsets on the host where
+    the shape implies them (a FULL graph's), else ``None``: the step's first
+    attention reads them (one sync, eager) and keeps them in ``read`` for
+    the other layers (a new value per build).
     """
 
     paged: PagedMetadata
     num_splits: int | None
     plan: tuple[int, ...] | None
     read: list[tuple[int, ...]] = dataclasses.field(default_factory=list, compare=False)
+    prefill: VarlenMetadata | None = None
 
 
 class SplitDecodeAttention(EagerBreakAttention):
-    """Flash-decoding for decodes, a host-planned path for the rest: a ``PagedBackend`` below ``ALWAYS``.
+    """Flash-decoding for decodes, a prefill path for the rest: a ``PagedBackend`` below ``ALWAYS``.
 
     Arguments:
         layout: the cache's paging (any page size).
         max_tokens, max_reqs: the largest batch; the buffers are sized once for it.
         device: where the buffers live.
         breakable: ``attend`` is an eager break, so PIECEWISE graphs serve mixed batches.
-        declare: the level it declares (default: the one it serves, ``UNIFORM_SINGLE_TOKEN_DECODE``);
-            higher only to test the manager's level check.
+        declare: the level it declares (default: ``UNIFORM_SINGLE_TOKEN_DECODE``); ``ALWAYS`` holds
+            with the varlen prefill path, and over-declares the planned one (tests of the level check).
+        prefill: the path of the batches that are not decodes: ``"varlen"`` (default; the varlen
+            backend's, on its gathered or paged path as it chooses) or ``"planned"`` (on the host).
         validate: ``PagedBuffers.validate``: ``"eager"`` (``True``) checks eager steps at once and
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
@@ -173,19 +193,47 @@ class SplitDecodeAttention(EagerBreakAttention):
         breakable: bool = True,
         declare: GraphSupport = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         validate: Validate = True,
+        prefill: Prefill = "varlen",
     ) -> None:
+        if prefill not in _PREFILLS:
+            raise ValueError(f"prefill: expected one of {list(_PREFILLS)}, got {prefill!r:.80}")
         super().__init__(breakable=breakable)
         self.layout: Final = layout
         self.support: Final = AttentionSupport(declare, piecewise=breakable, name="split_decode")
-        self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+        # The varlen prefill path's backend, whose buffers are this one's; None: the planned path.
+        self._prefill: Final = (
+            VarlenPagedAttention(
+                layout,
+                max_tokens=max_tokens,
+                max_reqs=max_reqs,
+                device=device,
+                breakable=False,
+                validate=validate,
+            )
+            if prefill == "varlen"
+            else None
+        )
+        self.buffers: Final = (
+            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+            if self._prefill is None
+            else self._prefill.buffers
+        )
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> SplitDecodeMetadata:
-        """``batch`` padded to ``shape`` (device ops); the planned path's plan as ``_plan`` says."""
+        """``batch`` padded to ``shape`` (device ops); the prefill path's metadata as ``_metadata`` says."""
+        if self._prefill is not None and not self._decode(shape):
+            return self._varlen(self._prefill.build(batch, shape))
         return self._metadata(self.buffers.fill(batch, shape))
 
     def build_for_capture(self, shape: BatchShape, /) -> SplitDecodeMetadata:
         """The buffers of ``shape`` as they are (host only)."""
+        if self._prefill is not None and not self._decode(shape):
+            return self._varlen(self._prefill.build_for_capture(shape))
         return self._metadata(self.buffers.views(shape))
+
+    @staticmethod
+    def _varlen(prefill: VarlenMetadata) -> SplitDecodeMetadata:
+        return SplitDecodeMetadata(prefill.paged, None, None, prefill=prefill)
 
     def _decode(self, shape: BatchShape) -> bool:
         return shape.query_len == 1
@@ -208,6 +256,9 @@ class SplitDecodeAttention(EagerBreakAttention):
         paged = meta.paged
         if meta.num_splits is not None:  # one token per request: T == R
             out.copy_(split_decode_attention(q, kv_cache, paged.seq_lens, paged.block_table, meta.num_splits))
+            return
+        if meta.prefill is not None and self._prefill is not None:  # the varlen path: no plan, no sync
+            self._prefill.attend_with(meta.prefill, q, kv_cache, out)
             return
         if meta.plan is None and not meta.read:
             meta.read.append(tuple(paged.query_start_loc.tolist()))  # the step's one sync

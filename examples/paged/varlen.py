@@ -132,7 +132,17 @@ class VarlenPagedAttention(EagerBreakAttention):
         return meta
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
-        meta = attention_metadata(self)
+        self.attend_with(attention_metadata(self), q, kv_cache, out)
+
+    def attend_with(
+        self, meta: VarlenMetadata, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """The attention of ``q`` over ``kv_cache`` into ``out`` (``[T, H, D]``) as ``meta`` says.
+
+        ``_attend`` with the metadata given: a backend that composes this one
+        (``split_decode``'s mixed batches) passes the metadata it got from
+        ``build`` or ``build_for_capture``.
+        """
         paged = meta.paged
         bounds = (meta.max_q, paged.max_seq_len)
         if meta.cu_seq_k is None or meta.key_slots is None:

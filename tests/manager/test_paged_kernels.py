@@ -30,6 +30,7 @@ from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch,
 from examples.paged.batch import paged_static_inputs
 from examples.paged.layout import PagedLayout
 from examples.paged.split_decode import (
+    Prefill,
     SplitDecodeAttention,
     planned_attention,
     split_count,
@@ -296,18 +297,19 @@ def test_split_decode_declares_decodes_only_and_the_manager_keeps_mixed_batches_
     [
         ((1,) * 6, BatchShape(8, 8, 1, M.FULL), split_count(8, 5)),  # the decode kernel, padded
         ((1,) * 2, BatchShape(2, 2, 1, M.NONE), split_count(2, 5)),
-        ((7, 1, 1, 11, 1), BatchShape(21, 5, None, M.NONE), None),  # planned: eager
+        ((7, 1, 1, 11, 1), BatchShape(21, 5, None, M.NONE), None),  # a prefill path: eager
         ((7, 1, 1, 11, 1), BatchShape(32, 8, None, M.PIECEWISE), None),
     ],
 )
-def test_split_decode_backend_equals_the_oracle(
+def test_split_decode_planned_backend_equals_the_oracle(
     query_lens: tuple[int, ...], shape: BatchShape, splits: int | None
 ) -> None:
     layout = _layout()
-    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8)
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, prefill="planned")
     step = random_step(layout, query_lens, seed=len(query_lens) + shape.num_tokens)
     meta = backend.build(step.batch(), shape)
     assert meta.num_splits == splits
+    assert meta.prefill is None
     with highest_fp32_matmul_precision():
         assert rel_err(attend(backend, step, meta, shape), oracle(step)) < 1e-5
         again = attend(backend, step, meta, shape)  # a second layer: the plan read once per step
@@ -315,10 +317,48 @@ def test_split_decode_backend_equals_the_oracle(
     assert rel_err(again, oracle(step)) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "shape"),
+    [
+        ((7, 1, 1, 11, 1), BatchShape(21, 5, None, M.NONE)),  # eager
+        ((7, 1, 1, 11, 1), BatchShape(32, 8, None, M.PIECEWISE)),  # a mixed key, padded
+        ((7, 1, 1, 11, 1), BatchShape(21, 8, None, M.FULL)),  # a FULL mixed key (declare=ALWAYS)
+        ((3, 3, 3), BatchShape(12, 4, 3, M.FULL)),  # a uniform key of 3 queries per request
+        ((1,) * 6, BatchShape(8, 8, 1, M.FULL)),  # a decode: the split-decode kernel
+    ],
+)
+def test_split_decode_mixed_keys_take_the_varlen_prefill_path(
+    query_lens: tuple[int, ...], shape: BatchShape
+) -> None:
+    """The default prefill path: the varlen backend's metadata and kernel, no plan read on the host."""
+    layout = _layout()
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8)
+    step = random_step(layout, query_lens, seed=len(query_lens) + shape.num_tokens)
+    meta = backend.build(step.batch(), shape)
+    captured = backend.build_for_capture(shape)
+    decode = shape.query_len == 1
+    assert (meta.num_splits is not None, meta.prefill is None, captured.prefill is None) == (decode,) * 3
+    assert meta.plan is None
+    assert captured.plan is None
+    assert captured.paged.seq_lens.data_ptr() == meta.paged.seq_lens.data_ptr()  # one set of buffers
+    with highest_fp32_matmul_precision():
+        assert rel_err(attend(backend, step, meta, shape), oracle(step)) < 1e-5
+        again = attend(backend, step, captured, shape)  # as a graph recorded with the capture's metadata
+    assert meta.read == []  # nothing read on the host
+    assert rel_err(again, oracle(step)) < 1e-5
+
+
+def test_split_decode_prefill_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"prefill: expected one of \['varlen', 'planned'\], got 'flash'"):
+        SplitDecodeAttention(_layout(), max_tokens=32, max_reqs=8, prefill="flash")  # type: ignore[arg-type]
+
+
 def test_split_decode_over_declared_bakes_the_capture_plan_into_a_full_mixed_graph() -> None:
     """``declare=ALWAYS``: a FULL mixed key's plan is its shape's (all tokens in request 0): wrong."""
     layout = _layout()
-    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, declare=GraphSupport.ALWAYS)
+    backend = SplitDecodeAttention(
+        layout, max_tokens=32, max_reqs=8, declare=GraphSupport.ALWAYS, prefill="planned"
+    )
     assert backend.support.level is GraphSupport.ALWAYS
     shape = BatchShape(21, 8, None, M.FULL)
     captured = backend.build_for_capture(shape)
@@ -354,11 +394,11 @@ class _AttentionModel(torch.nn.Module):
 
 
 def _manager_run(
-    declare: GraphSupport, mode: CUDAGraphMode
+    declare: GraphSupport, mode: CUDAGraphMode, prefill: Prefill = "varlen"
 ) -> tuple[CUDAGraphManager[torch.Tensor], list[float]]:
     """A decode step, then a mixed one, through a captured manager; each step's error vs the oracle."""
     layout = _layout()
-    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, declare=declare)
+    backend = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, declare=declare, prefill=prefill)
     model = _AttentionModel(backend)
     config = DispatchConfig(mode, CaptureSizes([8, 16, 32]), max_num_seqs=8)
     manager = CUDAGraphManager(
@@ -383,8 +423,11 @@ def _manager_run(
     return manager, errors
 
 
-def test_split_decode_through_the_manager_full_for_decodes_piecewise_for_mixed_batches() -> None:
-    manager, errors = _manager_run(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, M.FULL)
+@pytest.mark.parametrize("prefill", ["varlen", "planned"])
+def test_split_decode_through_the_manager_full_for_decodes_piecewise_for_mixed_batches(
+    prefill: Prefill,
+) -> None:
+    manager, errors = _manager_run(GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, M.FULL, prefill)
     stats = manager.stats
     assert stats.resolution is not None
     assert stats.resolution.mode is M.FULL_AND_PIECEWISE  # FULL asked, downgraded for mixed batches
@@ -394,12 +437,19 @@ def test_split_decode_through_the_manager_full_for_decodes_piecewise_for_mixed_b
 
 def test_split_decode_over_declared_through_the_manager_replays_batches_wrong() -> None:
     """FULL with ``ALWAYS`` declared: mixed keys only, each baking its capture's plan (padding's)."""
-    manager, errors = _manager_run(GraphSupport.ALWAYS, M.FULL)
+    manager, errors = _manager_run(GraphSupport.ALWAYS, M.FULL, "planned")
     stats = manager.stats
     assert stats.resolution is not None
     assert not stats.resolution.downgraded
     assert dict(stats.replays) == {(M.FULL, 8): 1, (M.FULL, 32): 1}  # the decode too: FULL has no decode keys
     assert min(errors) > 0.1
+
+
+def test_split_decode_with_the_varlen_prefill_holds_full_mixed_graphs_through_the_manager() -> None:
+    """``declare=ALWAYS`` is true of the varlen prefill path: FULL mixed keys replay any batch right."""
+    manager, errors = _manager_run(GraphSupport.ALWAYS, M.FULL)
+    assert dict(manager.stats.replays) == {(M.FULL, 8): 1, (M.FULL, 32): 1}
+    assert max(errors) < 1e-5
 
 
 # --- on CUDA: the real kernels in bfloat16, and in a CUDA graph refilled between replays --------------
@@ -530,8 +580,22 @@ def test_split_decode_over_declared_full_mixed_graph_replays_wrong_on_cuda() -> 
     """``declare=ALWAYS`` lets a FULL graph hold a mixed key: it replays its capture's plan, wrong."""
     layout = PagedLayout(16, num_pages=120, pages_per_seq=5)
     backend = SplitDecodeAttention(
-        layout, max_tokens=48, max_reqs=8, device="cuda", declare=GraphSupport.ALWAYS
+        layout, max_tokens=48, max_reqs=8, device="cuda", declare=GraphSupport.ALWAYS, prefill="planned"
     )
     shape = BatchShape(48, 8, None, M.FULL)
     errors = graph_errors(backend, shape, _cuda_steps(layout, ((7, 1, 1, 12, 1, 3), (5, 16, 2, 1, 1, 1, 9))))
     assert min(errors) > 0.1, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_split_decode_varlen_prefill_graph_replays_any_mixed_batch_on_cuda(mode: CUDAGraphMode) -> None:
+    """The varlen prefill path in a graph of a mixed key (a FULL one with ``declare=ALWAYS``): right."""
+    layout = PagedLayout(16, num_pages=120, pages_per_seq=5)
+    backend = SplitDecodeAttention(
+        layout, max_tokens=48, max_reqs=8, device="cuda", declare=GraphSupport.ALWAYS, breakable=False
+    )
+    shape = BatchShape(48, 8, None, mode)
+    mixes = ((7, 1, 1, 12, 1, 3), (29,), (1, 1, 1, 1, 1), (5, 16, 2, 1, 1, 1, 9))
+    errors = graph_errors(backend, shape, _cuda_steps(layout, mixes))
+    assert max(errors) < 2e-2, errors

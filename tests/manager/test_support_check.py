@@ -26,7 +26,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Final, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Final, Generic, TypeVar, cast
 
 import pytest
 import torch
@@ -50,6 +50,9 @@ from cudagraph_manager.attention import (
 )
 from tests.test_readmes import ROOT, python_blocks
 from tests.torch_support import as_tensor, highest_fp32_matmul_precision
+
+if TYPE_CHECKING:
+    from examples.paged.split_decode import Prefill
 
 R = TypeVar("R")
 
@@ -559,7 +562,7 @@ def test_the_readme_example_runs_as_written() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _split_decode_check(backend: str, declare: GraphSupport) -> SupportCheck:
+def _split_decode_check(backend: str, declare: GraphSupport, prefill: Prefill = "planned") -> SupportCheck:
     """The check over ``SplitDecodeAttention`` in the one-layer model of ``test_paged_kernels``."""
     from examples.paged.batch import paged_static_inputs
     from examples.paged.split_decode import SplitDecodeAttention
@@ -567,7 +570,9 @@ def _split_decode_check(backend: str, declare: GraphSupport) -> SupportCheck:
 
     device = torch.device("cpu") if backend == "cpu" else torch.device("cuda", torch.cuda.current_device())
     layout = _layout()
-    attention = SplitDecodeAttention(layout, max_tokens=32, max_reqs=8, device=device, declare=declare)
+    attention = SplitDecodeAttention(
+        layout, max_tokens=32, max_reqs=8, device=device, declare=declare, prefill=prefill
+    )
     torch.manual_seed(0)
     model = _AttentionModel(attention).to(device)
     model.kv_cache = model.kv_cache.to(device)
@@ -610,6 +615,14 @@ def test_split_decode_over_declared_is_caught(backend: str) -> None:
     ) as raised:
         _split_decode_check(backend, ALWAYS)
     assert raised.value.check.kind(BatchKind.MIXED).worst_error > 0.1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_decode_with_the_varlen_prefill_is_verified_always(backend: str) -> None:
+    """Its mixed batches take the varlen backend's path: every level holds, ``ALWAYS`` included."""
+    check = _split_decode_check(backend, ALWAYS, prefill="varlen")
+    assert (check.declared, check.verified, check.overdeclared) == (ALWAYS, ALWAYS, False)
+    assert check.kind(BatchKind.MIXED).worst_error < 1e-4
 
 
 def _altered(name: str, alter: Callable[[torch.Tensor], object]) -> Callable[..., dict[str, object]]:
