@@ -337,11 +337,17 @@ _FLOOR_LAYERS: Final = 4
 _FLOOR_DECODES: Final = (1, 16, 64)
 _FLOOR_SIZES: Final = CaptureSizes([*_FLOOR_DECODES, _MIXED_TOKENS])
 _FLOOR_ROUNDS: Final = 7
+#: ``CUDAGRAPH_BENCH_FLOOR_PLANNED=1`` adds ``split_decode`` on its host-planned prefill path (the
+#: baseline of its default varlen one) as the backend ``split_decode_planned``.
+_FLOOR_BACKENDS: Final = (
+    *BACKENDS,
+    *(("split_decode_planned",) if os.environ.get("CUDAGRAPH_BENCH_FLOOR_PLANNED") == "1" else ()),
+)
 
 Floor = tuple[str, PagedDecoder, dict[str, CUDAGraphManager[torch.Tensor]]]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=_FLOOR_BACKENDS)
 def floor(request: pytest.FixtureRequest) -> Iterator[Floor]:
     """Per backend: the 8B-like model of ``_FLOOR_LAYERS`` layers, its managers' graphs of 4 sizes."""
     name = request.param
@@ -349,7 +355,18 @@ def floor(request: pytest.FixtureRequest) -> Iterator[Floor]:
     torch.manual_seed(0)
     config = dataclasses.replace(DecoderConfig.llama_8b_like(), num_layers=_FLOOR_LAYERS)
     layout = PagedLayout.for_config(config, page_size=_PAGE)
-    decoder = PagedDecoder(config, layout=layout, backend=name, device="cuda")
+    backend: str | PagedBackend[object] = name
+    if name == "split_decode_planned":
+        from examples.paged.split_decode import SplitDecodeAttention
+
+        backend = SplitDecodeAttention(
+            layout,
+            max_tokens=config.max_num_seqs * layout.max_seq_len,
+            max_reqs=config.max_num_seqs,
+            device="cuda",
+            prefill="planned",
+        )
+    decoder = PagedDecoder(config, layout=layout, backend=backend, device="cuda")
     decoder.warm_up(_FLOOR_SIZES.max)
     built = _captured(decoder, _FLOOR_SIZES)
     yield name, decoder, built
