@@ -20,9 +20,9 @@ path, ``prefill=``:
   synchronization), then each request attends on its own, one after the
   other (slow: a loop of small kernels per request and layer).
 
-The backend declares ``UNIFORM_SINGLE_TOKEN_DECODE`` either way, the level
-of a decode kernel beside a host-planned prefill: the manager keeps FULL
-graphs for decodes and runs mixed batches PIECEWISE (the attention runs
+The backend declares ``UNIFORM_SINGLE_TOKEN_DECODE`` either way (the paged
+backend below ``ALWAYS``, whose FULL mode the manager downgrades): FULL
+graphs serve decodes, mixed batches run PIECEWISE (the attention runs
 eagerly between segments, ``breakable``) or eagerly. The varlen path would
 also hold in a FULL graph of a mixed key (``declare=ALWAYS`` is then true);
 the planned one would not: ``declare=`` over-declares it for tests of that
