@@ -90,7 +90,7 @@ def test_the_ab_gives_each_ways_cost_per_iteration_over_the_floor_and_the_summar
         "same_tokens": {"while_kernels": True},
         "copy_rewrites": {"while_kernels": {"kernels": 11}},
     }
-    text = ab_summary({"machine": "m", "batch64": {**part, "nodes": nodes, "profile": None}})
+    text = ab_summary({"machine": "m", "batch64": {**part, "nodes": nodes}})
     assert "while_kernels" in text
     assert "'c': 1" in text
     assert "kernels': 11" in text
