@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Final
 
 import pytest
 
@@ -28,6 +29,7 @@ from cudagraph_capture._copy_nodes import (
 
 KERNEL, MEMCPY = 0, 1  # CU_GRAPH_NODE_TYPE_*
 DEVICE, HOST, UNIFIED = 2, 1, 4  # CU_MEMORYTYPE_*
+MEMORY_TYPE_ATTRIBUTE = object()  # CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 
 
 @dataclasses.dataclass
@@ -47,6 +49,11 @@ class Memcpy3D:
     Depth: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class PointerAttributes:  # CUpointer_attribute
+    CU_POINTER_ATTRIBUTE_MEMORY_TYPE: object = MEMORY_TYPE_ATTRIBUTE
+
+
 @dataclasses.dataclass
 class Launch:
     function: object
@@ -57,6 +64,8 @@ class Launch:
 
 class FakeGraph:
     """One graph's nodes and edges, and the driver calls ``copies_as_kernels`` makes on it."""
+
+    CUpointer_attribute: Final = PointerAttributes()
 
     def __init__(self, *, wire_fails: bool = False, host_pointers: Sequence[int] = ()) -> None:
         self.types: dict[str, int] = {}
@@ -129,8 +138,8 @@ class FakeGraph:
         self.edges = {(a, b) for a, b in self.edges if node not in (a, b)}
         return (0,)
 
-    def cuPointerGetAttribute(self, attribute: int, pointer: int) -> tuple[int, int]:  # noqa: N802
-        assert attribute == 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+    def cuPointerGetAttribute(self, attribute: object, pointer: int) -> tuple[int, int]:  # noqa: N802
+        assert attribute is MEMORY_TYPE_ATTRIBUTE  # the bindings take the enum member
         return 0, HOST if pointer in self.host_pointers else DEVICE
 
     def rewrite(self) -> CopyCounts:
