@@ -15,10 +15,10 @@ start=$(date +%s)
 # One process, every variant interleaved round by round: the floor graph replayed; that graph in a
 # WHILE node with its memcpy nodes / with them as kernels; run_loop of a manager captured with the
 # rewrite off / on. Batches 64, 8, 1 (64 first: the largest gap); the profile last, if time is left.
-timeout 85 $PY -m tests.benchmarks.loop_floor_ab --out "$DIR" --batches 64 8 1 --rounds 7 --profile \
+timeout 78 $PY -m tests.benchmarks.loop_floor_ab --out "$DIR" --batches 64 8 1 --rounds 7 --profile \
   > "$DIR/loop_floor_ab.log" 2>&1
 rc=$?
-echo "[loopfloor] loop_floor_ab exit $rc after $(( $(date +%s) - start ))s (124: timed out; the JSON holds the batches done)"
+echo "[loopfloor] loop_floor_ab exit $rc after $(( $(date +%s) - start ))s (124: timed out at 78 s; the JSON holds the batches done)"
 if [ "$rc" -eq 0 ]; then
   sed -n '/^loop floor A\/B/,$p' "$DIR/loop_floor_ab.log" | cut -c1-400 | head -36
 else
