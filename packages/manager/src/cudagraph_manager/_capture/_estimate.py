@@ -37,8 +37,10 @@ from .._reports._report import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
 from ._warm_up import WarmUps, smallest_of_modes
 
-#: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
-PROBE_SHARE: Final = 0.08
+#: The share of a mode's keys probed, rounded down (``probe_count``): the estimate's time over the
+#: capture's is about this share, as a probe costs what a captured key costs.
+PROBE_SHARE: Final = 0.06
+#: The fewest keys probed after a mode's largest (where it has them): the second largest and the smallest.
 MIN_PROBES: Final = 2
 
 _K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
@@ -47,8 +49,17 @@ _K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
 ProbeEngines = Callable[[CUDAGraphMode, GraphPool], GraphEngine[OutputT]]
 
 
+def probe_count(num_keys: int) -> int:
+    """How many of a mode's ``num_keys`` keys are probed: ``PROBE_SHARE`` of them, rounded down.
+
+    At least the largest and ``MIN_PROBES`` others, at most every key: 3 of
+    the 51 default sizes up to 512, 8 of the 147 up to 2,048.
+    """
+    return min(num_keys, max(1 + MIN_PROBES, math.floor(PROBE_SHARE * num_keys)))
+
+
 def pick_probes(planned: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
-    """A mode's probes, in plan order: its largest key, then ``k`` of the others spread over their sizes.
+    """A mode's ``probe_count`` probes, in plan order: its largest key, then ``k`` others spread by size.
 
     ``planned`` (a mode's graphs) are largest first; ``tokens`` gives one's size. The ``k`` are
     the second largest, the smallest, and the keys nearest to sizes evenly
@@ -56,7 +67,7 @@ def pick_probes(planned: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
     are dense at small sizes and the pool's lumps are large at large ones.
     """
     largest, others = planned[0], planned[1:]
-    k = min(len(others), max(MIN_PROBES, math.ceil(PROBE_SHARE * len(others))))
+    k = probe_count(len(planned)) - 1
     if k <= 1:
         return [largest, *others[:k]]
     sizes = [-tokens(key) for key in others]  # ascending, for bisect
