@@ -27,7 +27,6 @@ import gc
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -79,7 +78,9 @@ def _paged(backend: str) -> Callable[[], tuple[Any, Any, Any]]:
         layout = PagedLayout.for_config(config, page_size=64)
         model = PagedDecoder(config, layout=layout, backend=backend, device="cuda")
         model.warm_up(512)
-        options = ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend))
+        options: ManagerOptions[Any] = ManagerOptions(
+            attention=AttentionOptions(metadata_builder=model.backend)
+        )
         return model, paged_static_inputs(model.layout), options
 
     return build
@@ -101,11 +102,11 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, Any, Any]], str, int]] = {  # mos
 def _rule(name: str) -> Iterator[None]:
     saved = _estimate.probe_count
     if name == "old":
-        _estimate.probe_count = old_probe_count  # type: ignore[assignment]  # same signature
+        _estimate.probe_count = old_probe_count
     try:
         yield
     finally:
-        _estimate.probe_count = saved  # type: ignore[assignment]  # restored
+        _estimate.probe_count = saved
 
 
 @contextlib.contextmanager
@@ -161,8 +162,11 @@ def _one(manager: CUDAGraphManager[Any], rule: str) -> dict[str, Any]:
         "warmup_mib": estimate.warmup_bytes / MIB,
         "pool_mib": estimate.pool_bytes / MIB,
         "driver_mib": estimate.driver_bytes / MIB,
+        # What extrapolate charged the keys not probed (the rest of pool and driver is the probes' own):
+        "unprobed_pool_mib": (estimate.pool_bytes - sum(p.pool_bytes for p in probes)) / MIB,
+        "unprobed_driver_mib": (estimate.driver_bytes - sum(p.driver_bytes for p in probes)) / MIB,
         "ms": {
-            "measure_warm_ups": 1e3 * spent.get("measure_warm_ups", 0.0),
+            "measure_warm_ups": 1e3 * spent.get("measure_warm_ups", 0.0),  # its empty_cache included
             "probes": 1e3 * spent.get("_probe_groups", 0.0),
             "probe_record": 1e3 * sum(p.recording_seconds for p in probes),
             "probe_instantiate": 1e3 * sum(p.instantiation_seconds for p in probes),
@@ -212,6 +216,8 @@ def run_case(name: str, rounds: int) -> dict[str, Any]:
             "ratios": [round(r["ratio"], 4) for r in results],
             "errors_mib": [round(r["error_mib"], 2) for r in results],
             "errors_pct": [round(r["error_pct"], 3) for r in results],
+            "unprobed_pool_mib": [round(r["unprobed_pool_mib"], 2) for r in results],
+            "unprobed_driver_mib": [round(r["unprobed_driver_mib"], 2) for r in results],
             "probes": results[0]["probes"],
             "graphs": results[0]["graphs"],
             "estimate_ms_median": statistics.median(r["estimate_ms"] for r in results),
@@ -252,7 +258,8 @@ def main() -> None:
                 f"{name:26s} {rule}: ratio {r['ratio_median']:.3f} {r['ratios']}"
                 f" probes {r['probes']}/{r['graphs']}"
                 f" err MiB {r['errors_mib']} % {r['errors_pct']} est {r['estimate_ms_median']:.1f} ms"
-                f" cap {r['capture_ms_median']:.0f} ms phases {r['phase_ms_median']}",
+                f" cap {r['capture_ms_median']:.0f} ms phases {r['phase_ms_median']}"
+                f" unprobed charge pool {r['unprobed_pool_mib'][0]} driver {r['unprobed_driver_mib'][0]} MiB",
                 flush=True,
             )
         if args.json:
@@ -263,4 +270,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
