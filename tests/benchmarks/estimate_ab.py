@@ -1,17 +1,19 @@
 """The estimate's time over the capture's, and its error, under two probe rules interleaved (issue 40).
 
-``python -m tests.benchmarks.estimate_ab [--cases NAME,...] [--rounds N] [--deadline S]``:
+``python -m tests.benchmarks.estimate_ab [--cases NAME,...] [--rules old,new] [--rounds N] [--deadline S]``:
 one process, the cases in turn (``CASES``: the reference decoder in three
-modes and plans, a wide 4-layer model with a 32k vocabulary, the 8B-like
-preset, the paged gather decoder, the compiled reference), each warmed up
+modes and plans, a wide 4-layer model with a 32k vocabulary, the paged
+gather decoder, the 8B-like preset, the compiled reference), each warmed up
 by one estimate, capture and release (as ``tests.benchmarks.memory_estimate``),
-then ``--rounds`` rounds per rule, in ABBA order: ``estimate_memory()``
-(timed), the ``capture()`` it predicts (timed; the drop of the device's free
-memory is the truth), ``release()``.
+then ``--rounds`` rounds of every rule, each round in the reverse order of
+the one before: ``estimate_memory()`` (timed), the ``capture()`` it
+predicts (timed; the drop of the device's free memory is the truth),
+``release()``.
 
-The rules: ``old`` is the probe count before issue 40 (``1 + max(2,
-ceil(0.08 * others))``), swapped into ``_estimate.probe_count`` here, not in
-the package; ``new`` is the package's own ``probe_count``. Per estimate, the
+The rules (``RULES``): ``old`` is the probe count before issue 40 (``1 +
+max(2, ceil(0.08 * others))``), swapped into ``_estimate.probe_count`` here,
+not in the package; ``new`` is the package's own ``probe_count``; ``min4``
+the package's share with at least 4 probes a mode. Per estimate, the
 host time of its phases (no added synchronization: ``_empty_cache``
 synchronizes anyway): the warm-ups it measures, the probes (recording,
 instantiation and the smallest key's warm-up, from each probe's
@@ -103,23 +105,24 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, Any, Any]], str, int]] = {  # mos
     "reference-FP-512": (_decoder(DecoderConfig), "FULL_AND_PIECEWISE", 512),
     "reference-FULL-512": (_decoder(DecoderConfig), "FULL", 512),
     "wide-FP-512": (_decoder(_wide), "FULL_AND_PIECEWISE", 512),
-    "reference-PW-2048": (_decoder(DecoderConfig), "PIECEWISE", 2048),
     "paged_gather-FP-512": (_paged("gather"), "FULL_AND_PIECEWISE", 512),
     "8b_like-FP-512": (_decoder(DecoderConfig.llama_8b_like), "FULL_AND_PIECEWISE", 512),
+    "reference-PW-2048": (_decoder(DecoderConfig), "PIECEWISE", 2048),
     "reference-FP-512-compiled": (_decoder(DecoderConfig, compiled=True), "FULL_AND_PIECEWISE", 512),
 }
 
 
 @contextlib.contextmanager
 def _rule(name: str) -> Iterator[None]:
+    """``_estimate.probe_count`` swapped for the rule's count (``pick_probes`` looks it up per call)."""
     saved = _estimate.probe_count
     count = RULES[name]
     if count is not None:
-        _estimate.probe_count = count
+        setattr(_estimate, "probe_count", count)  # noqa: B010  # a module function, replaced for the run
     try:
         yield
     finally:
-        _estimate.probe_count = saved
+        setattr(_estimate, "probe_count", saved)  # noqa: B010
 
 
 @contextlib.contextmanager
