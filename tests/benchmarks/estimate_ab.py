@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every case's JSON here")
     args = parser.parse_args()
     begin = time.perf_counter()
-    results = []
+    results: list[dict[str, Any]] = []
     for name in args.cases.split(","):
         if time.perf_counter() - begin > args.deadline:
             print(f"skipped {name}: past the deadline", flush=True)
@@ -268,7 +268,9 @@ def main() -> None:
         try:
             result = run_case(name, args.rounds, args.rules.split(","))
         except Exception as error:  # one case's failure (memory, a compile) must not hide the others
-            print(f"failed {name}: {type(error).__name__}: {error}", flush=True)
+            print(f"failed {name}: {type(error).__name__}: {error}"[:300], flush=True)
+            result = None
+        if result is None:  # the failed case's frames are gone with its error: free what they held
             gc.collect()
             torch.cuda.empty_cache()
             continue
