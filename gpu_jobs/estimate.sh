@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 40, item 5: estimate_memory()'s time over the capture's (target <= 0.10) and its error, per model,
-# under three probe counts interleaved in one process (tests/benchmarks/estimate_ab.py): "old" (before this
-# branch: 1 + max(2, ceil(0.08 * others)) a mode), "new" (the package's probe_count: 6% of a mode's keys
-# rounded down, at least 3), "min4" (the same, at least 4: the fallback if "new" loses accuracy).
+# under three rules interleaved in one process (tests/benchmarks/estimate_ab.py): "old" (before this
+# branch: 1 + max(2, ceil(0.08 * others)) probes a mode, every mode's smallest key warmed up), "new" (the
+# package's: probe_count, 6% of a mode's keys rounded down, at least 3; FULL_AND_PIECEWISE's twin smallest
+# keys warmed up once), "min4" (new with at least 4 probes a mode: the fallback if "new" loses accuracy).
 # One H200, from the repository root, <= 90 s; everything under $OUT/estimate/. Then, with the time left,
 # the estimate's GPU tests (error bound, nothing left behind).
 set -u

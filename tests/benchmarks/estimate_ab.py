@@ -1,6 +1,6 @@
-"""The estimate's time over the capture's, and its error, under two probe rules interleaved (issue 40).
+"""The estimate's time over the capture's, and its error, under several rules interleaved (issue 40).
 
-``python -m tests.benchmarks.estimate_ab [--cases NAME,...] [--rules old,new] [--rounds N] [--deadline S]``:
+``python -m tests.benchmarks.estimate_ab [--cases A,B] [--rules old,new] [--rounds N] [--deadline S]``:
 one process, the cases in turn (``CASES``: the reference decoder in three
 modes and plans, a wide 4-layer model with a 32k vocabulary, the paged
 gather decoder, the 8B-like preset, the compiled reference), each warmed up
@@ -10,10 +10,13 @@ the one before: ``estimate_memory()`` (timed), the ``capture()`` it
 predicts (timed; the drop of the device's free memory is the truth),
 ``release()``.
 
-The rules (``RULES``): ``old`` is the probe count before issue 40 (``1 +
-max(2, ceil(0.08 * others))``), swapped into ``_estimate.probe_count`` here,
-not in the package; ``new`` is the package's own ``probe_count``; ``min4``
-the package's share with at least 4 probes a mode. Per estimate, the
+The rules (``RULES``): ``old`` is the estimate before issue 40 (a probe
+count of ``1 + max(2, ceil(0.08 * others))``, each mode's smallest key
+warmed up), swapped into ``_estimate`` here, not in the package; ``new`` is
+the package's (``probe_count``, and FULL_AND_PIECEWISE's twin smallest keys
+warmed up once: ``eager_twin``); ``min4`` the package's with at least 4
+probes a mode; ``new_count_only`` the package's count, every smallest key
+warmed up. Per estimate, the
 host time of its phases (no added synchronization: ``_empty_cache``
 synchronizes anyway): the warm-ups it measures, the probes (recording,
 instantiation and the smallest key's warm-up, from each probe's
@@ -54,11 +57,17 @@ def min4_probe_count(num_keys: int) -> int:
     return min(num_keys, max(4, math.floor(_estimate.PROBE_SHARE * num_keys)))
 
 
-#: The probe counts compared (``--rules``): ``new`` is the package's own ``probe_count``.
-RULES: dict[str, Callable[[int], int] | None] = {
-    "old": old_probe_count,
-    "new": None,
-    "min4": min4_probe_count,
+def _no_twins(graph: object) -> None:
+    """Before issue 40: no key is another's eager twin, every mode's smallest warms up."""
+
+
+#: The rules compared (``--rules``): a probe count (None: the package's ``probe_count``), and whether the
+#: modes' twin smallest keys warm up once (``_estimate.eager_twin``, the package's) or each (``_no_twins``).
+RULES: dict[str, tuple[Callable[[int], int] | None, bool]] = {
+    "old": (old_probe_count, False),
+    "new": (None, True),
+    "min4": (min4_probe_count, True),
+    "new_count_only": (None, False),
 }
 
 
@@ -114,21 +123,24 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, Any, Any]], str, int]] = {  # mos
 
 @contextlib.contextmanager
 def _rule(name: str) -> Iterator[None]:
-    """``_estimate.probe_count`` swapped for the rule's count (``pick_probes`` looks it up per call)."""
-    saved = _estimate.probe_count
-    count = RULES[name]
+    """``_estimate``'s ``probe_count`` and ``eager_twin`` swapped for the rule's (looked up per call)."""
+    saved = _estimate.probe_count, _estimate.eager_twin
+    count, twins = RULES[name]
     if count is not None:
         setattr(_estimate, "probe_count", count)  # noqa: B010  # a module function, replaced for the run
+    if not twins:
+        setattr(_estimate, "eager_twin", _no_twins)  # noqa: B010
     try:
         yield
     finally:
-        setattr(_estimate, "probe_count", saved)  # noqa: B010
+        setattr(_estimate, "probe_count", saved[0])  # noqa: B010
+        setattr(_estimate, "eager_twin", saved[1])  # noqa: B010
 
 
 @contextlib.contextmanager
 def _phases(spent: dict[str, float]) -> Iterator[None]:
     """The estimate's phases' host seconds added into ``spent`` (no synchronization added)."""
-    names = ("measure_warm_ups", "_probe_groups", "_empty_cache")
+    names = ("measure_warm_ups", "_probe_groups", "_empty_cache", "warm_up")
     saved = {name: getattr(_estimate, name) for name in names}
 
     def timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -138,6 +150,7 @@ def _phases(spent: dict[str, float]) -> Iterator[None]:
                 return original(*args, **kwargs)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+                spent[f"{name} calls"] = spent.get(f"{name} calls", 0) + 1
 
         return run
 
@@ -179,6 +192,7 @@ def _one(manager: CUDAGraphManager[Any], rule: str) -> dict[str, Any]:
         "graphs": report.num_graphs,
         "probes": len(probes),
         "warmup_mib": estimate.warmup_bytes / MIB,
+        "warm_ups": int(spent.get("warm_up calls", 0)),
         "pool_mib": estimate.pool_bytes / MIB,
         "driver_mib": estimate.driver_bytes / MIB,
         # What extrapolate charged the keys not probed (the rest of pool and driver is the probes' own):
@@ -239,6 +253,8 @@ def run_case(name: str, rounds: int, rules: list[str]) -> dict[str, Any]:
             "unprobed_pool_mib": [round(r["unprobed_pool_mib"], 2) for r in results],
             "unprobed_driver_mib": [round(r["unprobed_driver_mib"], 2) for r in results],
             "probes": results[0]["probes"],
+            "warm_ups": results[0]["warm_ups"],
+            "warmup_mib": [round(r["warmup_mib"], 2) for r in results],
             "graphs": results[0]["graphs"],
             "estimate_ms_median": statistics.median(r["estimate_ms"] for r in results),
             "capture_ms_median": statistics.median(r["capture_ms"] for r in results),
@@ -279,7 +295,7 @@ def main() -> None:
             r = result[rule]
             print(
                 f"{name:26s} {rule}: ratio {r['ratio_median']:.3f} {r['ratios']}"
-                f" probes {r['probes']}/{r['graphs']}"
+                f" probes {r['probes']}/{r['graphs']} warm-ups {r['warm_ups']} ({r['warmup_mib'][0]} MiB)"
                 f" err MiB {r['errors_mib']} % {r['errors_pct']} (driver {r['driver_errors_mib']})"
                 f" est {r['estimate_ms_median']:.1f} ms"
                 f" cap {r['capture_ms_median']:.0f} ms phases {r['phase_ms_median']}"

@@ -11,19 +11,21 @@ max(1.5%, 32 MiB) of the drop the capture's report measured
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from typing import Final
+from typing import Final, cast
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cudagraph_capture import CaptureDisabledError, set_capture_enabled
+from cudagraph_capture import CaptureDisabledError, GraphEngine, set_capture_enabled
 from cudagraph_capture.lowlevel import capture_disabled_reason
-from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager._capture import _estimate
 from cudagraph_manager._capture._estimate import (
     MIN_PROBES,
     PROBE_SHARE,
@@ -31,6 +33,8 @@ from cudagraph_manager._capture._estimate import (
     pick_probes,
     probe_count,
 )
+from cudagraph_manager._capture._warm_up import WarmUps
+from cudagraph_manager._graphs import PlannedGraph, by_mode
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
@@ -128,6 +132,85 @@ def test_several_keys_of_the_smallest_size_probe_the_last() -> None:
     chosen = pick_probes(keys, sizes.__getitem__)
     assert chosen[-1] == keys[-1]
     assert chosen[1] == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A planned graph's stand-in: what the estimate's warm-up choice reads."""
+
+    mode: CUDAGraphMode
+    num_tokens: int
+    num_reqs: int
+    builder: object = None
+
+    @property
+    def descriptor(self) -> BatchDescriptor:
+        uniform = self.mode is CUDAGraphMode.FULL
+        return BatchDescriptor(self.num_tokens, self.num_reqs if uniform else None, uniform=uniform)
+
+
+def _recapture_plan(builder: object = None) -> list[_Planned]:
+    """FULL_AND_PIECEWISE largest first: uniform decodes 4 and 1, mixed batches 8, 2 and 1."""
+    full, piecewise = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE
+    sizes = ((full, 4, 4), (full, 1, 1), (piecewise, 8, 8), (piecewise, 2, 2), (piecewise, 1, 1))
+    return [_Planned(mode, tokens, reqs, builder) for mode, tokens, reqs in sizes]
+
+
+def _estimate_warm_ups(plan: list[_Planned], warmed: list[_Planned]) -> list[_Planned]:
+    """The keys the estimate warms up (``measure_warm_ups``', then the probes'), ``warmed`` the capture's."""
+    pending = cast("list[PlannedGraph[torch.Tensor]]", plan)
+    rule = WarmUps(tuple(graph.descriptor for graph in warmed), frozenset())
+    engines = cast("dict[CUDAGraphMode, GraphEngine[torch.Tensor]]", dict.fromkeys(CUDAGraphMode))
+    largest = _estimate._largest_warmed(by_mode(pending), engines, rule)
+    left = _estimate._left_to_warm(pending, largest)
+    return [cast("_Planned", graph) for graph, _ in largest] + [g for g in plan if g.descriptor in left]
+
+
+def test_a_recaptures_estimate_warms_one_of_the_modes_twin_smallest_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 40: FULL_AND_PIECEWISE's smallest keys run the same eager step: the estimate runs it once.
+
+    The capture warms both (every capture warms each mode's smallest); the
+    estimate measures the blocks the first leaves and records the second
+    without a warm-up, where no builder and no dynamo can tell them apart.
+    """
+    monkeypatch.setattr(_estimate, "dynamo_compiles", lambda: None)
+    plan = _recapture_plan()
+    smallest = [plan[1], plan[4]]
+    assert _estimate_warm_ups(plan, smallest) == [plan[1]]
+    # A first capture warms every key: each mode's largest is measured, one smallest warmed.
+    assert _estimate_warm_ups(plan, plan) == [plan[0], plan[2], plan[1]]
+
+
+@pytest.mark.parametrize("why", ["builder", "dynamo"])
+def test_twin_keys_both_warm_up_where_a_builder_or_dynamo_may_tell_them_apart(
+    monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """A builder builds each key's metadata; a compiled model may guard on the key: both warm up."""
+    monkeypatch.setattr(_estimate, "dynamo_compiles", lambda: 3 if why == "dynamo" else None)
+    plan = _recapture_plan(builder=object() if why == "builder" else None)
+    assert _estimate_warm_ups(plan, [plan[1], plan[4]]) == [plan[1], plan[4]]
+    assert _estimate_warm_ups(plan, plan) == [plan[0], plan[2], plan[1], plan[4]]
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4), st.booleans()), max_size=12))
+def test_once_per_twin_keeps_the_first_of_each_twin_in_order(rows: list[tuple[int, int, bool]]) -> None:
+    """``once_per_twin``, pure: the first graph of each (tokens, requests) and every graph with a builder."""
+    graphs = [_Planned(CUDAGraphMode.FULL, t, r, object() if built else None) for t, r, built in rows]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_estimate, "dynamo_compiles", lambda: None)
+        kept = cast(
+            "list[_Planned]", _estimate.once_per_twin(cast("list[PlannedGraph[torch.Tensor]]", graphs), set())
+        )
+    seen: set[tuple[int, int]] = set()
+    expected = []
+    for graph in graphs:
+        if graph.builder is not None or (graph.num_tokens, graph.num_reqs) not in seen:
+            expected.append(graph)
+            if graph.builder is None:
+                seen.add((graph.num_tokens, graph.num_reqs))
+    assert [id(g) for g in kept] == [id(g) for g in expected]
 
 
 def test_a_manager_without_cuda_graphs_estimates_nothing_and_says_why() -> None:
@@ -232,8 +315,13 @@ def test_extrapolate_of_no_probe_is_nothing() -> None:
 
 @pytest.mark.gpu
 def test_an_estimate_warms_each_key_up_once_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a recapture the capture warms each mode's smallest key: the estimate runs it once, not twice."""
-    from cudagraph_manager._capture import _estimate, _recording
+    """On a recapture the capture warms each mode's smallest key: the estimate runs each once at most.
+
+    Both are one token of one request, the same eager step: where dynamo is
+    not loaded the estimate runs it once for both (``eager_twin``).
+    """
+    from cudagraph_manager._capture import _recording
+    from cudagraph_manager._compiled import dynamo_compiles
 
     decoder = DecoderConfig(num_layers=2)
     model = ReferenceDecoder(decoder, device="cuda")
@@ -254,4 +342,5 @@ def test_an_estimate_warms_each_key_up_once_at_most(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_estimate, "warm_up", counted)
     with torch.no_grad():
         manager.estimate_memory()
-    assert len(warmed) == len({id(graph) for graph in warmed}) == 2  # each mode's smallest, once
+    twins = 1 if dynamo_compiles() is None else 2  # where dynamo is loaded: each mode's smallest, once
+    assert len(warmed) == len({id(graph) for graph in warmed}) == twins

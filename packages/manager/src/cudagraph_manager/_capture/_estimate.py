@@ -30,12 +30,13 @@ from cudagraph_capture.lowlevel import (
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._buffers._buffers import StaticBuffers
+from .._compiled import dynamo_compiles
 from .._graphs import PlannedGraph, by_mode
 from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
-from ._warm_up import WarmUps, smallest_of_modes
+from ._warm_up import WarmUps
 
 #: The share of a mode's keys probed, rounded down (``probe_count``): the estimate's time over the
 #: capture's is about this share, as a probe costs what a captured key costs.
@@ -158,21 +159,58 @@ def _largest_warmed(
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
     warm_ups: WarmUps,
 ) -> list[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]]:
-    """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak."""
+    """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak.
+
+    One of eager twins (``eager_twin``): the second runs what the first ran, in the blocks it left.
+    """
     warmed = set(warm_ups.keys)
-    return [
-        (next(graph for graph in graphs if graph.descriptor in warmed), engines[mode])
-        for mode, graphs in grouped.items()
+    firsts = [
+        next(graph for graph in graphs if graph.descriptor in warmed)
+        for graphs in grouped.values()
         if any(graph.descriptor in warmed for graph in graphs)
     ]
+    return [(graph, engines[graph.mode]) for graph in once_per_twin(firsts, set())]
 
 
 def _left_to_warm(
     pending: Sequence[PlannedGraph[OutputT]],
     warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
 ) -> frozenset[BatchDescriptor]:
-    """Each mode's smallest key (every capture warms it) that ``measure_warm_ups`` did not warm up."""
-    return smallest_of_modes(pending) - {graph.descriptor for graph, _ in warmed}
+    """Each mode's smallest key (every capture warms it) not warmed by ``measure_warm_ups``, nor its twin."""
+    done = {graph.descriptor for graph, _ in warmed}
+    twins = {twin for graph, _ in warmed if (twin := eager_twin(graph)) is not None}
+    smallest = [graphs[-1] for graphs in by_mode(pending).values() if graphs[-1].descriptor not in done]
+    return frozenset(graph.descriptor for graph in once_per_twin(smallest, twins))
+
+
+def eager_twin(graph: PlannedGraph[OutputT]) -> tuple[int, int] | None:
+    """The rows of ``graph``'s warm-up where another mode's key of the same rows runs the same; else None.
+
+    The estimate warms up one key of such twins (FULL_AND_PIECEWISE's
+    smallest keys: one token, one request, in either mode) and records the
+    other without a warm-up: the eager run is the same model on the same
+    views, it leaves the same blocks, and this thread has its handles after
+    the first. None, so every key warms up, where the warm-up may differ by
+    key: an attention builder builds each key's metadata, and a compiled
+    model (dynamo loaded) may guard on the forward context's key.
+    """
+    if graph.builder is not None or dynamo_compiles() is not None:
+        return None
+    return graph.num_tokens, graph.num_reqs
+
+
+def once_per_twin(
+    graphs: Sequence[PlannedGraph[OutputT]], seen: set[tuple[int, int]]
+) -> list[PlannedGraph[OutputT]]:
+    """``graphs`` in order, less each whose ``eager_twin`` is in ``seen`` or came earlier (``seen`` grows)."""
+    kept: list[PlannedGraph[OutputT]] = []
+    for graph in graphs:
+        twin = eager_twin(graph)
+        if twin is None or twin not in seen:
+            kept.append(graph)
+            if twin is not None:
+                seen.add(twin)
+    return kept
 
 
 def _probe_plan(
