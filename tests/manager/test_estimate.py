@@ -156,13 +156,15 @@ def _recapture_plan(builder: object = None) -> list[_Planned]:
     return [_Planned(mode, tokens, reqs, builder) for mode, tokens, reqs in sizes]
 
 
-def _estimate_warm_ups(plan: list[_Planned], warmed: list[_Planned]) -> list[_Planned]:
+def _estimate_warm_ups(
+    plan: list[_Planned], warmed: list[_Planned], *, ranks: bool = False
+) -> list[_Planned]:
     """The keys the estimate warms up (``measure_warm_ups``', then the probes'), ``warmed`` the capture's."""
     pending = cast("list[PlannedGraph[torch.Tensor]]", plan)
-    rule = WarmUps(tuple(graph.descriptor for graph in warmed), frozenset())
+    rule = WarmUps(tuple(graph.descriptor for graph in warmed), frozenset(), ranks=ranks)
     engines = cast("dict[CUDAGraphMode, GraphEngine[torch.Tensor]]", dict.fromkeys(CUDAGraphMode))
     largest = _estimate._largest_warmed(by_mode(pending), engines, rule)
-    left = _estimate._left_to_warm(pending, largest)
+    left = _estimate._left_to_warm(pending, largest, rule)
     return [cast("_Planned", graph) for graph, _ in largest] + [g for g in plan if g.descriptor in left]
 
 
@@ -183,15 +185,19 @@ def test_a_recaptures_estimate_warms_one_of_the_modes_twin_smallest_keys(
     assert _estimate_warm_ups(plan, plan) == [plan[0], plan[2], plan[1]]
 
 
-@pytest.mark.parametrize("why", ["builder", "dynamo"])
-def test_twin_keys_both_warm_up_where_a_builder_or_dynamo_may_tell_them_apart(
+@pytest.mark.parametrize("why", ["builder", "dynamo", "ranks"])
+def test_twin_keys_both_warm_up_where_a_builder_dynamo_or_ranks_may_tell_them_apart(
     monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    """A builder builds each key's metadata; a compiled model may guard on the key: both warm up."""
+    """A builder builds each key's metadata; a compiled model may guard on the key: both warm up.
+
+    With ranks every rank runs the same warm-ups (collectives): none is left to a twin.
+    """
     monkeypatch.setattr(_estimate, "dynamo_compiles", lambda: 3 if why == "dynamo" else None)
     plan = _recapture_plan(builder=object() if why == "builder" else None)
-    assert _estimate_warm_ups(plan, [plan[1], plan[4]]) == [plan[1], plan[4]]
-    assert _estimate_warm_ups(plan, plan) == [plan[0], plan[2], plan[1], plan[4]]
+    ranks = why == "ranks"
+    assert _estimate_warm_ups(plan, [plan[1], plan[4]], ranks=ranks) == [plan[1], plan[4]]
+    assert _estimate_warm_ups(plan, plan, ranks=ranks) == [plan[0], plan[2], plan[1], plan[4]]
 
 
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4), st.booleans()), max_size=12))

@@ -131,7 +131,7 @@ def estimate_memory(
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
-            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept)
+            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest, warm_ups), kept)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
@@ -161,7 +161,8 @@ def _largest_warmed(
 ) -> list[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]]:
     """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak.
 
-    One of eager twins (``eager_twin``): the second runs what the first ran, in the blocks it left.
+    One of eager twins (``eager_twin``), but with ranks: the second runs what the first ran, in
+    the blocks it left.
     """
     warmed = set(warm_ups.keys)
     firsts = [
@@ -169,18 +170,25 @@ def _largest_warmed(
         for graphs in grouped.values()
         if any(graph.descriptor in warmed for graph in graphs)
     ]
-    return [(graph, engines[graph.mode]) for graph in once_per_twin(firsts, set())]
+    chosen = firsts if warm_ups.ranks else once_per_twin(firsts, set())
+    return [(graph, engines[graph.mode]) for graph in chosen]
 
 
 def _left_to_warm(
     pending: Sequence[PlannedGraph[OutputT]],
     warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
+    warm_ups: WarmUps,
 ) -> frozenset[BatchDescriptor]:
-    """Each mode's smallest key (every capture warms it) not warmed by ``measure_warm_ups``, nor its twin."""
+    """Each mode's smallest key (every capture warms it) not warmed by ``measure_warm_ups``.
+
+    Nor the eager twin of one warmed (``eager_twin``), but with ranks (``warm_ups.ranks``).
+    """
     done = {graph.descriptor for graph, _ in warmed}
-    twins = {twin for graph, _ in warmed if (twin := eager_twin(graph)) is not None}
     smallest = [graphs[-1] for graphs in by_mode(pending).values() if graphs[-1].descriptor not in done]
-    return frozenset(graph.descriptor for graph in once_per_twin(smallest, twins))
+    if not warm_ups.ranks:
+        seen = {twin for graph, _ in warmed if (twin := eager_twin(graph)) is not None}
+        smallest = once_per_twin(smallest, seen)
+    return frozenset(graph.descriptor for graph in smallest)
 
 
 def eager_twin(graph: PlannedGraph[OutputT]) -> tuple[int, int] | None:
