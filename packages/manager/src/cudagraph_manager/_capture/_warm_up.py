@@ -39,6 +39,9 @@ class WarmUps:
 
     keys: tuple[BatchDescriptor, ...]
     skippable: frozenset[BatchDescriptor]
+    #: With ranks: every rank runs the same warm-ups (a tensor-parallel one holds collectives), so
+    #: the estimate warms up each of two eager twins (``_estimate.eager_twin``), not one for both.
+    ranks: bool = False
 
 
 class WarmUpRule(Generic[OutputT]):
@@ -66,7 +69,7 @@ class WarmUpRule(Generic[OutputT]):
         keys = [graph.descriptor for graph in pending]
         if not ranks:
             keys = [d for d in keys if d not in self._seconds or d in smallest]
-        return WarmUps(tuple(keys), frozenset())
+        return WarmUps(tuple(keys), frozenset(), ranks=ranks)
 
     def background(self, pending: Sequence[PlannedGraph[OutputT]]) -> WarmUps:
         """The background capture's: each mode's largest key not warmed before, and its smallest.
