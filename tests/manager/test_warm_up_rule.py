@@ -249,7 +249,7 @@ def _capture_log(fail_cold: bool, error: Exception) -> tuple[list[bool], object]
 
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
         calls.append(warm)
-        if fail_cold and not warm or not fail_cold:
+        if not (fail_cold and warm):  # fails always, or only without a warm-up
             raise error
         return ("captured", descriptor)
 

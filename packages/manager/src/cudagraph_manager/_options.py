@@ -155,7 +155,8 @@ class ManagerOptions(Generic[OutputT]):
             )
             raise ValueError(f"options.attention: expected AttentionOptions, got {attention!r:.80}{hint}")
         _check_optional("options.decode_loop", self.decode_loop, DecodeLoop, "a DecodeLoop or None")
-        if not isinstance(self.warm_ups, str) or self.warm_ups not in WARM_UP_POLICIES:
+        warm_ups: object = self.warm_ups  # untyped callers pass anything
+        if not isinstance(warm_ups, str) or warm_ups not in WARM_UP_POLICIES:
             raise ValueError(
                 f"options.warm_ups: expected one of {WARM_UP_POLICIES}, got {self.warm_ups!r:.80}"
             )
