@@ -283,6 +283,13 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
         (cold, ValueError("an output that cannot be cut"), [False]),
         (cold, CaptureError("the model failed", cold.descriptor), [False, True]),  # the retry's error
     ]
+    rule = _rule()
+    rule.captured(cold.descriptor)  # a recapture: cold under "every_key" too, never retried
+    recapture = rule.plan(plan, "per_class", ranks=False)
+    calls, capture = _capture_log(False, CaptureError("the model failed", cold.descriptor))
+    with pytest.raises(CaptureError):
+        recapture.capture(cold, capture)  # type: ignore[arg-type]  # a stand-in capture
+    assert calls == [False]
     for graph, error, expected in cases:
         calls, capture = _capture_log(False, error)
         with pytest.raises(type(error)):

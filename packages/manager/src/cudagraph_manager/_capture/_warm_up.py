@@ -37,7 +37,7 @@ from typing import Final, Generic, Protocol, TypeAlias
 from cudagraph_capture import CaptureDisabledError, CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._compiled import compiles_since, dynamo_compiles
+from .._compiled import dynamo_compiles
 from .._graphs import PlannedGraph, by_mode
 from .._options import WarmUpPolicy
 from .._protocols import OutputT
@@ -98,7 +98,7 @@ class ForegroundWarmUps(Generic[OutputT]):
         return graph.descriptor in self._chosen or warm_up_class(graph) in self._hot
 
     def capture(self, graph: PlannedGraph[OutputT], capture: Capture) -> CapturedGraph:
-        """``graph`` captured, warmed up first where ``needs``; a failed recording without one retried.
+        """``graph`` captured, warmed up where ``needs``; a recording cold by the class rule retried once.
 
         The retry warms the key up first (a first use a recording cannot
         make: an autotune's or a compile's synchronization).
@@ -108,8 +108,8 @@ class ForegroundWarmUps(Generic[OutputT]):
             with self.watch(graph):
                 return capture(graph.descriptor, warm=warm)
         except CaptureError as error:
-            if warm or isinstance(error, CaptureDisabledError):
-                raise
+            if warm or graph.descriptor not in self._every or isinstance(error, CaptureDisabledError):
+                raise  # only a key cold by the class rule is retried: "every_key" warms it
         with self.watch(graph):
             return capture(graph.descriptor, warm=True)
 
@@ -124,7 +124,8 @@ class ForegroundWarmUps(Generic[OutputT]):
             yield
         finally:
             cls = warm_up_class(graph)
-            if compiles_since(before):
+            after = dynamo_compiles()
+            if after is not None and after > (before or 0):
                 self._hot.add(cls)
                 if self._auto:
                     self._chosen = self._every
