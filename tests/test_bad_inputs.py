@@ -881,6 +881,22 @@ BAD_INPUTS: Final = [
         construct(fields={"check_overwritten_outputs": 1}),
         re.escape("options.check_overwritten_outputs: expected True or False, got 1"),
     ),
+    # Issue 40: capture()'s warm-up policy, a closed set of names.
+    row(
+        "manager-warm_ups-unknown-name",
+        construct(fields={"warm_ups": "per_key"}),
+        re.escape("options.warm_ups: expected one of ('auto', 'every_key', 'per_class'), got 'per_key'"),
+    ),
+    row(
+        "manager-warm_ups-bool",
+        construct(fields={"warm_ups": True}),
+        re.escape("options.warm_ups: expected one of ('auto', 'every_key', 'per_class'), got True"),
+    ),
+    row(
+        "manager-warm_ups-none",
+        construct(fields={"warm_ups": None}, watch_factory=False),
+        re.escape("options.warm_ups: expected one of ('auto', 'every_key', 'per_class'), got None"),
+    ),
     row(
         "manager-engine_factory-int",
         construct(fields={"engine_factory": 3}),

@@ -29,7 +29,9 @@ code under test is unchanged. Three commands, each printing one JSON line:
   instantiate + bookkeeping, the floor's proxy; the report's recording +
   instantiation is the floor itself). Run twice with the same
   ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``: the second is a cold
-  process with the libraries' on-disk caches warm.
+  process with the libraries' on-disk caches warm. ``--warm-ups``: the
+  first capture's ``ManagerOptions.warm_ups`` (``every_key``: before issue
+  40's per-class warm-ups; ``gpu_jobs/coldvarlen.sh`` runs both, one process each).
 """
 
 from __future__ import annotations
@@ -378,7 +380,10 @@ def _constants(**values: float) -> Iterator[None]:
 # -- cold ----------------------------------------------------------------------------------------
 
 
-def cold(backend: str, max_size: int, mode_name: str, recompile_log: bool, plain: bool) -> dict[str, Any]:
+def cold(
+    backend: str, max_size: int, mode_name: str, recompile_log: bool, plain: bool, warm_ups: str = "auto"
+) -> dict[str, Any]:
+    from cudagraph_manager._compiled import dynamo_compiles
     from cudagraph_manager.attention import AttentionOptions
     from examples.paged import PagedDecoder, PagedLayout, paged_static_inputs
 
@@ -408,12 +413,14 @@ def cold(backend: str, max_size: int, mode_name: str, recompile_log: bool, plain
             options=ManagerOptions(
                 attention=AttentionOptions(metadata_builder=model.backend),
                 capture=CaptureOptions(warmup_runs=runs),
+                warm_ups=warm_ups,  # type: ignore[arg-type]  # the command line's name, checked there
             ),
         )
 
     per_key: list[dict[str, Any]] = []
     spent = [0.0]
     manager = make(1)
+    compiles_before = dynamo_compiles()
     with torch.no_grad():
         phased = contextlib.ExitStack()
         if not plain:  # synchronized per warm-up and per build: the cold figure is an upper bound
@@ -450,6 +457,10 @@ def cold(backend: str, max_size: int, mode_name: str, recompile_log: bool, plain
         "backend": backend,
         "mode": mode_name,
         "plain": plain,
+        "warm_ups": warm_ups,
+        "dynamo_compiles_before_capture": compiles_before,
+        "keys_warmed_up": sum(1 for g in report.graphs if g.warmup_seconds > 0),
+        "cold_warm_up_s": round(report.phases.warmup, 4),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "graphs": report.num_graphs,
@@ -549,13 +560,14 @@ def main() -> None:
     c.add_argument("--mode", default="FULL")
     c.add_argument("--recompile-log", action="store_true")
     c.add_argument("--plain", action="store_true", help="no synchronization per warm-up: the cold figure")
+    c.add_argument("--warm-ups", choices=["auto", "every_key", "per_class"], default="auto")
     args = parser.parse_args()
     if args.command == "wake":
         result = wake(args.model, args.cycles, args.dynamo)
     elif args.command == "estimate":
         result = estimate(args.model, args.max_size, args.mode)
     else:
-        result = cold(args.backend, args.max_size, args.mode, args.recompile_log, args.plain)
+        result = cold(args.backend, args.max_size, args.mode, args.recompile_log, args.plain, args.warm_ups)
     print(json.dumps(result, default=str))
 
 

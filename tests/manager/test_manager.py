@@ -550,7 +550,7 @@ def test_a_fake_capture_splits_its_seconds_into_phases() -> None:
         INPUTS,
         config_for(FULL),
         device="cpu",
-        options=ManagerOptions(engine_factory=FakeEngines()),
+        options=ManagerOptions(engine_factory=FakeEngines(), warm_ups="every_key"),
     )
     report = manager.capture(progress=False)
     assert report.num_graphs > 1
@@ -688,9 +688,41 @@ def test_captures_the_51_default_sizes() -> None:
     assert manager.stats.replays == {(FULL, 304): 1}
 
 
+@pytest.mark.parametrize("policy", ["auto", "per_class"])
+def test_a_first_capture_per_class_warms_each_class_up_once(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Per class (the default where nothing compiled): each class's first key and each mode's smallest.
+
+    The other keys record without a warm-up of their own (``warmup_seconds``
+    0); every replay still matches eager.
+    """
+    from cudagraph_manager._capture import _warm_up
+
+    monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: None)  # nothing compiled in this process
+    engines = FakeEngines()
+    model = ToyModel(torch.device("cpu"))
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(engine_factory=engines, warm_ups=policy)  # type: ignore[arg-type]  # a name
+    manager = CUDAGraphManager(
+        model, INPUTS, config_for(CUDAGraphMode.FULL_AND_PIECEWISE), device="cpu", options=options
+    )
+    report = manager.capture(progress=False)
+    plan = manager.dispatcher.capture_plan()
+    expected = [(keys[0], keys[-1]) for _, keys in plan]  # one class per mode here: largest, smallest
+    warmed = [g.descriptor for g in report.graphs if g.warmup_seconds > 0]
+    assert warmed == [key for pair in expected for key in pair]
+    assert sum(e.warm_ups for e in engines.engines.values()) == len(warmed) < report.num_graphs
+    with highest_fp32_matmul_precision():
+        steps = [(n, min(n, 2), False) for n in (1, 3, 5, max(SIZES))] + [(n, n, True) for n in (1, 3, 16)]
+        for num_tokens, num_reqs, uniform in steps:
+            batch = make_batch(num_tokens, num_reqs, torch.device("cpu"), seed=num_tokens)
+            assert rel_err(manager.run_batch(batch, uniform_decode=uniform), model.eager(batch)) < TOL
+    assert manager.stats.eager_steps == 0
+
+
 @pytest.mark.parametrize("mode", [FULL, CUDAGraphMode.FULL_AND_PIECEWISE])
 def test_a_recapture_warms_up_only_the_smallest_key_of_each_mode(mode: CUDAGraphMode) -> None:
-    """A key's first capture warms it up; a recapture (clear(), release()) warms one key per mode.
+    """A key's first capture warms it up (``"every_key"``); a recapture (clear(), release()) one key per mode.
 
     The keys' compiles and plans were made by their first warm-up; the
     smallest key of each mode is warmed again for the capturing thread.
@@ -698,9 +730,8 @@ def test_a_recapture_warms_up_only_the_smallest_key_of_each_mode(mode: CUDAGraph
     """
     engines = FakeEngines()
     model = ToyModel(torch.device("cpu"))
-    manager = CUDAGraphManager(
-        model, INPUTS, config_for(mode), device="cpu", options=ManagerOptions(engine_factory=engines)
-    )
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(engine_factory=engines, warm_ups="every_key")
+    manager = CUDAGraphManager(model, INPUTS, config_for(mode), device="cpu", options=options)
     first = manager.capture(progress=False)
     plan = manager.dispatcher.capture_plan()
     assert sum(e.warm_ups for e in engines.engines.values()) == first.num_graphs  # every first use

@@ -129,7 +129,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.config,
             device=CPU,
             strict=strict,
-            options=ManagerOptions(engine_factory=self.engines),
+            options=ManagerOptions(engine_factory=self.engines, warm_ups="every_key"),  # its model: every key
         )
         self.plan = [key for _, keys in self.manager.dispatcher.capture_plan() for key in keys]
         self.modes = {key: mode for mode, keys in self.manager.dispatcher.capture_plan() for key in keys}

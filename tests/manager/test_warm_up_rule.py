@@ -136,3 +136,162 @@ def test_a_warm_up_run_earlier_is_reported_once() -> None:
     assert rule.unreported(BatchDescriptor(8)) == 0.0
     plan = _keys(_Key(PIECEWISE, BatchDescriptor(16)), _Key(PIECEWISE, BatchDescriptor(8)))
     assert rule.foreground(plan, ranks=False).keys == (BatchDescriptor(16), BatchDescriptor(8))
+
+
+# -- capture()'s policy (``ManagerOptions.warm_ups``): per class or every key --------------------
+
+
+def _mixed_plan() -> list[PlannedGraph[torch.Tensor]]:
+    """FULL keys of two classes (mixed and uniform) and one LoRA class, largest first per class."""
+    return _keys(
+        *(_Key(FULL, BatchDescriptor(n, n)) for n in (64, 32, 8)),
+        *(_Key(FULL, BatchDescriptor(n, n, True)) for n in (16, 4)),
+        *(_Key(FULL, BatchDescriptor(n, n, has_lora=True, num_active_loras=1)) for n in (8, 2)),
+        _Key(FULL, BatchDescriptor(1, 1, True)),
+    )
+
+
+def _no_dynamo(monkeypatch: pytest.MonkeyPatch, count: int | None = None) -> list[int | None]:
+    """dynamo's compile count as the rule sees it (``None``: never loaded); the list's first item."""
+    from cudagraph_manager import _compiled
+    from cudagraph_manager._capture import _warm_up
+
+    counter = [count]
+    monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: counter[0])
+    monkeypatch.setattr(_compiled, "dynamo_compiles", lambda: counter[0])
+    return counter
+
+
+def _needed(plan: list[PlannedGraph[torch.Tensor]], warm_ups: object) -> tuple[BatchDescriptor, ...]:
+    from cudagraph_manager._capture._warm_up import ForegroundWarmUps
+
+    assert isinstance(warm_ups, ForegroundWarmUps)
+    return tuple(key.descriptor for key in plan if warm_ups.needs(key))
+
+
+def test_per_class_warms_each_classes_first_key_and_each_modes_smallest() -> None:
+    assert _rule().per_class(_plan()) == (
+        BatchDescriptor(64),
+        BatchDescriptor(8),
+        BatchDescriptor(16, 16, True),
+        BatchDescriptor(1, 1, True),
+    )
+    assert _rule().per_class(_mixed_plan()) == (
+        BatchDescriptor(64, 64),
+        BatchDescriptor(16, 16, True),
+        BatchDescriptor(8, 8, has_lora=True, num_active_loras=1),
+        BatchDescriptor(1, 1, True),  # the mode's smallest: the thread's handles
+    )
+
+
+def test_per_class_skips_a_class_warmed_before_but_not_the_modes_smallest() -> None:
+    rule, plan = _rule(), _mixed_plan()
+    rule.captured(BatchDescriptor(32, 32))  # a mixed key warmed up before: its class has its first use
+    assert rule.per_class(plan) == (
+        BatchDescriptor(16, 16, True),
+        BatchDescriptor(8, 8, has_lora=True, num_active_loras=1),
+        BatchDescriptor(1, 1, True),
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "count", "ranks", "per_class"),
+    [
+        ("auto", None, False, True),  # dynamo never loaded
+        ("auto", 0, False, True),  # loaded (an import), nothing compiled
+        ("auto", 3, False, False),  # a compiled model: every key
+        ("auto", None, True, False),  # ranks: every rank the same warm-ups, every key
+        ("per_class", 3, False, True),
+        ("per_class", None, True, False),
+        ("every_key", None, False, False),
+    ],
+)
+def test_the_policy_picks_per_class_only_where_it_may(
+    monkeypatch: pytest.MonkeyPatch, policy: str, count: int | None, ranks: bool, per_class: bool
+) -> None:
+    _no_dynamo(monkeypatch, count)
+    plan = _mixed_plan()
+    warm_ups = _rule().plan(plan, policy, ranks=ranks)  # type: ignore[arg-type]  # the names, as strings
+    expected = _rule().per_class(plan) if per_class else _descriptors(plan)
+    assert _needed(plan, warm_ups) == expected
+    assert warm_ups.per_class is per_class
+
+
+def test_a_compile_warms_the_classes_next_key_up_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per class, a capture that made dynamo compile warms its class's next key up; one that did not, not."""
+    counter = _no_dynamo(monkeypatch, 0)
+    plan = _mixed_plan()
+    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    mixed_64, mixed_32, mixed_8 = plan[:3]
+    with warm_ups.watch(mixed_64):
+        counter[0] = 1  # the first size compiled
+    assert warm_ups.needs(mixed_32)
+    assert not warm_ups.needs(plan[3 + 1])  # another class: untouched
+    with warm_ups.watch(mixed_32):
+        pass  # a dynamic graph: no compile for this size
+    assert not warm_ups.needs(mixed_8)
+
+
+def test_under_auto_a_compile_turns_the_rest_of_the_capture_to_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counter = _no_dynamo(monkeypatch, None)
+    plan = _mixed_plan()
+    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    assert not warm_ups.needs(plan[1])
+    with warm_ups.watch(plan[0]):
+        counter[0] = 1  # a model compiled at its first call, inside capture()
+    assert _needed(plan, warm_ups) == _descriptors(plan)
+
+
+def _capture_log(fail_cold: bool, error: Exception) -> tuple[list[bool], object]:
+    calls: list[bool] = []
+
+    def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
+        calls.append(warm)
+        if not (fail_cold and warm):  # fails always, or only without a warm-up
+            raise error
+        return ("captured", descriptor)
+
+    return calls, capture
+
+
+def test_a_recording_without_a_warm_up_that_fails_is_retried_after_its_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cudagraph_capture import CaptureError
+
+    _no_dynamo(monkeypatch)
+    plan = _mixed_plan()
+    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    calls, capture = _capture_log(True, CaptureError("an autotune synchronized", plan[1].descriptor))
+    assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
+    assert calls == [False, True]
+
+
+def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not after a warm-up, not a refusal (capture disabled), not the output's check; a retry's own raises."""
+    from cudagraph_capture import CaptureDisabledError, CaptureError
+
+    _no_dynamo(monkeypatch)
+    plan = _mixed_plan()
+    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warmed, cold = plan[0], plan[1]
+    cases: list[tuple[PlannedGraph[torch.Tensor], Exception, list[bool]]] = [
+        (warmed, CaptureError("the model failed", warmed.descriptor), [True]),
+        (cold, CaptureDisabledError("disabled", cold.descriptor), [False]),
+        (cold, ValueError("an output that cannot be cut"), [False]),
+        (cold, CaptureError("the model failed", cold.descriptor), [False, True]),  # the retry's error
+    ]
+    rule = _rule()
+    rule.captured(cold.descriptor)  # a recapture: cold under "every_key" too, never retried
+    recapture = rule.plan(plan, "per_class", ranks=False)
+    calls, capture = _capture_log(False, CaptureError("the model failed", cold.descriptor))
+    with pytest.raises(CaptureError):
+        recapture.capture(cold, capture)  # type: ignore[arg-type]  # a stand-in capture
+    assert calls == [False]
+    for graph, error, expected in cases:
+        calls, capture = _capture_log(False, error)
+        with pytest.raises(type(error)):
+            warm_ups.capture(graph, capture)  # type: ignore[arg-type]  # a stand-in capture
+        assert calls == expected

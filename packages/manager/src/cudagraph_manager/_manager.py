@@ -63,7 +63,7 @@ class CUDAGraphManager(Generic[OutputT]):
         checked = check_arguments(model, inputs, config, device, strict, options)
         parts = self._parts = ManagerParts.of(model, checked, strict)
         self._table: Final = GraphTable[OutputT](parts.dispatcher, parts.buffers, parts.builder)
-        self._capturer: Final = Capturer(parts, self._table, checked.factory, checked.options)
+        self._capturer: Final = Capturer(parts, self._table, checked)
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
         self._guard: Final = _output_guard() if checked.given.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)

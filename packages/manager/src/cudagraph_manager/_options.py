@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Generic
+from typing import Final, Generic, Literal, TypeAlias
 
 from cudagraph_capture import CaptureOptions
 from cudagraph_dispatch.lowlevel import check_bool
@@ -21,6 +21,10 @@ from ._buffers._outputs import OutputRows, check_output_rows
 from ._decode_loop import DecodeLoop
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
+
+#: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_capture._warm_up`` says each).
+WarmUpPolicy: TypeAlias = Literal["auto", "every_key", "per_class"]
+WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_class")
 
 
 def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
@@ -111,6 +115,13 @@ class ManagerOptions(Generic[OutputT]):
             take one route per step.
         attention: the model's attention (``AttentionOptions``).
         decode_loop: lets ``run_loop`` take many decode steps per call.
+        warm_ups: which keys ``capture()`` warms up before recording them:
+            ``"every_key"`` (each key's first capture), ``"per_class"`` (the
+            first key of each class: its mode, uniform flag and LoRA fields;
+            the other sizes record without a warm-up of their own), or
+            ``"auto"`` (the default: ``"per_class"`` while dynamo has compiled
+            nothing in the process and there are no ``ranks``, else
+            ``"every_key"``).
 
     Generic over the model's output type, which ``decode_loop``'s ``advance``
     takes: built inside the manager's call it is inferred; a variable holding
@@ -124,6 +135,7 @@ class ManagerOptions(Generic[OutputT]):
     ranks: RankAgreement | None = None
     attention: AttentionOptions = AttentionOptions()
     decode_loop: DecodeLoop[OutputT] | None = None
+    warm_ups: WarmUpPolicy = "auto"
 
     def __post_init__(self) -> None:
         _check_optional("options.capture", self.capture, CaptureOptions, "CaptureOptions or None")
@@ -143,6 +155,11 @@ class ManagerOptions(Generic[OutputT]):
             )
             raise ValueError(f"options.attention: expected AttentionOptions, got {attention!r:.80}{hint}")
         _check_optional("options.decode_loop", self.decode_loop, DecodeLoop, "a DecodeLoop or None")
+        warm_ups: object = self.warm_ups  # untyped callers pass anything
+        if not isinstance(warm_ups, str) or warm_ups not in WARM_UP_POLICIES:
+            raise ValueError(
+                f"options.warm_ups: expected one of {WARM_UP_POLICIES}, got {self.warm_ups!r:.80}"
+            )
         if self.decode_loop is not None and self.ranks is not None:
             raise ValueError(
                 "options.decode_loop: ranks step together through run(); a loop would step alone"

@@ -1,6 +1,7 @@
 """A manager's captures: in the foreground, in a background thread, or probed for an estimate.
 
-Each planned graph is warmed up where the warm-up rule says, recorded
+Each planned graph is warmed up where the warm-up rule (and ``capture()``'s
+policy, ``ManagerOptions.warm_ups``) says, recorded
 (nothing runs on the device, so a serving step's memory is never written),
 its outputs checked, then kept in the graph table: its key is captured.
 The capturer owns the capture's lifecycle: the engines, the warm-up rule,
@@ -30,6 +31,7 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
+from .._arguments import Arguments
 from .._graphs import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
@@ -61,6 +63,7 @@ class Capturer(Generic[OutputT]):
         "_loops",
         "_options",
         "_parts",
+        "_policy",
         "_rule",
         "_session",
         "_table",
@@ -70,14 +73,12 @@ class Capturer(Generic[OutputT]):
     )
 
     def __init__(
-        self,
-        parts: ManagerParts[OutputT],
-        table: GraphTable[OutputT],
-        factory: GraphEngineFactory,
-        options: CaptureOptions,
+        self, parts: ManagerParts[OutputT], table: GraphTable[OutputT], checked: Arguments[OutputT]
     ) -> None:
         self._parts: Final = parts
+        self._policy: Final = checked.given.warm_ups  # capture()'s warm-ups
         self._table: Final = table
+        factory, options = checked.factory, checked.options
         self._factory: Final = factory
         self._options: Final = options
         # One engine per mode of the plan (none where nothing can be captured).
@@ -152,12 +153,12 @@ class Capturer(Generic[OutputT]):
     ) -> CaptureReport:
         """Capture ``pending`` in order on this thread (each key kept by every rank, or by none).
 
-        A key is warmed up where the warm-up rule says (``WarmUpRule.foreground``).
+        A key is warmed up where the warm-up rule says (``WarmUpRule.plan``).
         """
         parts = self._parts
         if parts.no_graphs is not None:
             return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution)
-        warm = set(self._rule.foreground(pending, ranks=ranks is not None).keys)
+        plan = self._rule.plan(pending, self._policy, ranks=ranks is not None)
         device = parts.device
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -165,7 +166,7 @@ class Capturer(Generic[OutputT]):
             totals = self.start_totals()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 key = graph.descriptor
-                attempt = functools.partial(self._capture, key, warm=key in warm)
+                attempt = functools.partial(plan.capture, graph, self._capture)
                 if ranks is None:
                     records.append(attempt())
                 else:

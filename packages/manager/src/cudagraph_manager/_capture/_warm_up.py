@@ -12,20 +12,36 @@ new weights may make a compiled model recompile (one compile serves every
 size of a dynamic graph). Only a background capture on a thread that has its
 handles skips it, and where dynamo is loaded only if the graphs read the same
 tensors as the last ones did (a wake with the weights kept: no guard changed).
+
+``capture()``'s policy (``ManagerOptions.warm_ups``): ``"every_key"`` warms
+each key's first use up; ``"per_class"`` only each class's (``warm_up_class``:
+the mode, the uniform flag, the LoRA fields; every size alike), as the
+background capture already does: a recording pays a new size's host-side
+first use itself (library heuristics, views), and the class's warm-up made
+the rest (handles, workspaces, lazy state, compiles). Where a capture made
+dynamo compile, the class's next key warms up too (a compiled model
+specializes by size); a recording of a key not warmed up that fails is
+retried once after its warm-up. ``"auto"`` (the default) is ``"per_class"``
+while dynamo has compiled nothing in this process and there are no ranks,
+and turns to ``"every_key"`` for the rest of a capture once anything compiles.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
-from typing import Final, Generic
+from collections.abc import Iterator, Sequence
+from typing import Final, Generic, Protocol, TypeAlias
 
-from cudagraph_dispatch import BatchDescriptor
+from cudagraph_capture import CaptureDisabledError, CaptureError
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._compiled import dynamo_compiles
 from .._graphs import PlannedGraph, by_mode
+from .._options import WarmUpPolicy
 from .._protocols import OutputT
+from .._reports._report import CapturedGraph
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +58,82 @@ class WarmUps:
     #: With ranks: every rank runs the same warm-ups (a tensor-parallel one holds collectives), so
     #: the estimate warms up each of two eager twins (``_estimate.eager_twin``), not one for both.
     ranks: bool = False
+
+
+#: What keys of one warm-up class share: everything but their sizes.
+WarmUpClass: TypeAlias = tuple[CUDAGraphMode, bool, bool, int]
+
+
+def warm_up_class(graph: PlannedGraph[OutputT]) -> WarmUpClass:
+    """``graph``'s class: its mode, uniform flag and LoRA fields (keys that differ only in size)."""
+    d = graph.descriptor
+    return (graph.mode, d.uniform, d.has_lora, d.num_active_loras)
+
+
+class Capture(Protocol):
+    """A capturer's capture of one key: ``capture(descriptor, warm=...)``."""
+
+    def __call__(self, descriptor: BatchDescriptor, /, *, warm: bool) -> CapturedGraph: ...
+
+
+class ForegroundWarmUps(Generic[OutputT]):
+    """One ``capture()``'s warm-ups, decided key by key (``needs``) as the capture goes.
+
+    ``every``: the keys ``"every_key"`` warms; ``chosen``: the keys this
+    capture's policy warms (the same set, or each class's first and each
+    mode's smallest). ``watch`` counts dynamo's compiles over one key's capture.
+    """
+
+    __slots__ = ("_auto", "_chosen", "_every", "_hot", "per_class")
+
+    def __init__(
+        self, every: Sequence[BatchDescriptor], chosen: Sequence[BatchDescriptor], *, auto: bool
+    ) -> None:
+        self._every: Final = frozenset(every)
+        self._chosen = frozenset(chosen)
+        self._auto: Final = auto
+        self._hot: Final[set[WarmUpClass]] = set()  # classes whose last capture compiled
+        #: Whether some key of the plan records without its own warm-up (its failure is retried).
+        self.per_class = self._chosen != self._every
+
+    def needs(self, graph: PlannedGraph[OutputT]) -> bool:
+        """Whether ``graph`` warms up before its recording."""
+        return graph.descriptor in self._chosen or warm_up_class(graph) in self._hot
+
+    def capture(self, graph: PlannedGraph[OutputT], capture: Capture) -> CapturedGraph:
+        """``graph`` captured, warmed up where ``needs``; a recording cold by the class rule retried once.
+
+        The retry warms the key up first (a first use a recording cannot
+        make: an autotune's or a compile's synchronization).
+        """
+        warm = self.needs(graph)
+        try:
+            with self.watch(graph):
+                return capture(graph.descriptor, warm=warm)
+        except CaptureError as error:
+            if warm or graph.descriptor not in self._every or isinstance(error, CaptureDisabledError):
+                raise  # only a key cold by the class rule is retried: "every_key" warms it
+        with self.watch(graph):
+            return capture(graph.descriptor, warm=True)
+
+    @contextlib.contextmanager
+    def watch(self, graph: PlannedGraph[OutputT]) -> Iterator[None]:
+        """Around ``graph``'s capture: where dynamo compiled, its class's next key warms up too.
+
+        Under ``"auto"`` a compile shows a compiled model: every key from here.
+        """
+        before = dynamo_compiles()
+        try:
+            yield
+        finally:
+            cls = warm_up_class(graph)
+            after = dynamo_compiles()
+            if after is not None and after > (before or 0):
+                self._hot.add(cls)
+                if self._auto:
+                    self._chosen = self._every
+            else:
+                self._hot.discard(cls)
 
 
 class WarmUpRule(Generic[OutputT]):
@@ -70,6 +162,30 @@ class WarmUpRule(Generic[OutputT]):
         if not ranks:
             keys = [d for d in keys if d not in self._seconds or d in smallest]
         return WarmUps(tuple(keys), frozenset(), ranks=ranks)
+
+    def plan(
+        self, pending: Sequence[PlannedGraph[OutputT]], policy: WarmUpPolicy, *, ranks: bool
+    ) -> ForegroundWarmUps[OutputT]:
+        """``capture()``'s warm-ups under ``policy`` (``"auto"`` resolved here: see the module)."""
+        every = self.foreground(pending, ranks=ranks).keys
+        auto = policy == "auto"
+        if ranks or policy == "every_key" or (auto and dynamo_compiles()):
+            return ForegroundWarmUps(every, every, auto=False)
+        return ForegroundWarmUps(every, self.per_class(pending), auto=auto)
+
+    def per_class(self, pending: Sequence[PlannedGraph[OutputT]]) -> tuple[BatchDescriptor, ...]:
+        """Each class's first key where no key of the class was warmed up before, and each mode's smallest."""
+        smallest = smallest_of_modes(pending)
+        warmed = {warm_up_class(graph) for graph in pending if graph.descriptor in self._seconds}
+        keys: list[BatchDescriptor] = []
+        for graph in pending:
+            cls = warm_up_class(graph)
+            if cls not in warmed:
+                warmed.add(cls)
+                keys.append(graph.descriptor)
+            elif graph.descriptor in smallest:
+                keys.append(graph.descriptor)
+        return tuple(keys)
 
     def background(self, pending: Sequence[PlannedGraph[OutputT]]) -> WarmUps:
         """The background capture's: each mode's largest key not warmed before, and its smallest.
