@@ -30,18 +30,15 @@ from cudagraph_capture.lowlevel import (
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._buffers._buffers import StaticBuffers
-from .._compiled import dynamo_compiles
 from .._graphs import PlannedGraph, by_mode
 from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
-from ._warm_up import WarmUps
+from ._warm_up import WarmUps, smallest_of_modes
 
-#: The share of a mode's keys probed, rounded down (``probe_count``): the estimate's time over the
-#: capture's is about this share, as a probe costs what a captured key costs.
-PROBE_SHARE: Final = 0.06
-#: The fewest keys probed after a mode's largest (where it has them): the second largest and the smallest.
+#: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
+PROBE_SHARE: Final = 0.08
 MIN_PROBES: Final = 2
 
 _K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
@@ -50,17 +47,8 @@ _K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
 ProbeEngines = Callable[[CUDAGraphMode, GraphPool], GraphEngine[OutputT]]
 
 
-def probe_count(num_keys: int) -> int:
-    """How many of a mode's ``num_keys`` keys are probed: ``PROBE_SHARE`` of them, rounded down.
-
-    At least the largest and ``MIN_PROBES`` others, at most every key: 3 of
-    the 51 default sizes up to 512, 8 of the 147 up to 2,048.
-    """
-    return min(num_keys, max(1 + MIN_PROBES, math.floor(PROBE_SHARE * num_keys)))
-
-
 def pick_probes(planned: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
-    """A mode's ``probe_count`` probes, in plan order: its largest key, then ``k`` others spread by size.
+    """A mode's probes, in plan order: its largest key, then ``k`` of the others spread over their sizes.
 
     ``planned`` (a mode's graphs) are largest first; ``tokens`` gives one's size. The ``k`` are
     the second largest, the smallest, and the keys nearest to sizes evenly
@@ -68,7 +56,7 @@ def pick_probes(planned: Sequence[_K], tokens: Callable[[_K], int]) -> list[_K]:
     are dense at small sizes and the pool's lumps are large at large ones.
     """
     largest, others = planned[0], planned[1:]
-    k = probe_count(len(planned)) - 1
+    k = min(len(others), max(MIN_PROBES, math.ceil(PROBE_SHARE * len(others))))
     if k <= 1:
         return [largest, *others[:k]]
     sizes = [-tokens(key) for key in others]  # ascending, for bisect
@@ -131,7 +119,7 @@ def estimate_memory(
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
-            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest, warm_ups), kept)
+            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
@@ -159,66 +147,21 @@ def _largest_warmed(
     engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
     warm_ups: WarmUps,
 ) -> list[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]]:
-    """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak.
-
-    One of eager twins (``eager_twin``), but with ranks: the second runs what the first ran, in
-    the blocks it left.
-    """
+    """Each mode's largest graph the capture warms up, with its engine: the capture's eager peak."""
     warmed = set(warm_ups.keys)
-    firsts = [
-        next(graph for graph in graphs if graph.descriptor in warmed)
-        for graphs in grouped.values()
+    return [
+        (next(graph for graph in graphs if graph.descriptor in warmed), engines[mode])
+        for mode, graphs in grouped.items()
         if any(graph.descriptor in warmed for graph in graphs)
     ]
-    chosen = firsts if warm_ups.ranks else once_per_twin(firsts, set())
-    return [(graph, engines[graph.mode]) for graph in chosen]
 
 
 def _left_to_warm(
     pending: Sequence[PlannedGraph[OutputT]],
     warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
-    warm_ups: WarmUps,
 ) -> frozenset[BatchDescriptor]:
-    """Each mode's smallest key (every capture warms it) not warmed by ``measure_warm_ups``.
-
-    Nor the eager twin of one warmed (``eager_twin``), but with ranks (``warm_ups.ranks``).
-    """
-    done = {graph.descriptor for graph, _ in warmed}
-    smallest = [graphs[-1] for graphs in by_mode(pending).values() if graphs[-1].descriptor not in done]
-    if not warm_ups.ranks:
-        seen = {twin for graph, _ in warmed if (twin := eager_twin(graph)) is not None}
-        smallest = once_per_twin(smallest, seen)
-    return frozenset(graph.descriptor for graph in smallest)
-
-
-def eager_twin(graph: PlannedGraph[OutputT]) -> tuple[int, int] | None:
-    """The rows of ``graph``'s warm-up where another mode's key of the same rows runs the same; else None.
-
-    The estimate warms up one key of such twins (FULL_AND_PIECEWISE's
-    smallest keys: one token, one request, in either mode) and records the
-    other without a warm-up: the eager run is the same model on the same
-    views, it leaves the same blocks, and this thread has its handles after
-    the first. None, so every key warms up, where the warm-up may differ by
-    key: an attention builder builds each key's metadata, and a compiled
-    model (dynamo loaded) may guard on the forward context's key.
-    """
-    if graph.builder is not None or dynamo_compiles() is not None:
-        return None
-    return graph.num_tokens, graph.num_reqs
-
-
-def once_per_twin(
-    graphs: Sequence[PlannedGraph[OutputT]], seen: set[tuple[int, int]]
-) -> list[PlannedGraph[OutputT]]:
-    """``graphs`` in order, less each whose ``eager_twin`` is in ``seen`` or came earlier (``seen`` grows)."""
-    kept: list[PlannedGraph[OutputT]] = []
-    for graph in graphs:
-        twin = eager_twin(graph)
-        if twin is None or twin not in seen:
-            kept.append(graph)
-            if twin is not None:
-                seen.add(twin)
-    return kept
+    """Each mode's smallest key (every capture warms it) that ``measure_warm_ups`` did not warm up."""
+    return smallest_of_modes(pending) - {graph.descriptor for graph, _ in warmed}
 
 
 def _probe_plan(

@@ -55,9 +55,6 @@ class WarmUps:
 
     keys: tuple[BatchDescriptor, ...]
     skippable: frozenset[BatchDescriptor]
-    #: With ranks: every rank runs the same warm-ups (a tensor-parallel one holds collectives), so
-    #: the estimate warms up each of two eager twins (``_estimate.eager_twin``), not one for both.
-    ranks: bool = False
 
 
 #: What keys of one warm-up class share: everything but their sizes.
@@ -161,7 +158,7 @@ class WarmUpRule(Generic[OutputT]):
         keys = [graph.descriptor for graph in pending]
         if not ranks:
             keys = [d for d in keys if d not in self._seconds or d in smallest]
-        return WarmUps(tuple(keys), frozenset(), ranks=ranks)
+        return WarmUps(tuple(keys), frozenset())
 
     def plan(
         self, pending: Sequence[PlannedGraph[OutputT]], policy: WarmUpPolicy, *, ranks: bool
