@@ -62,35 +62,3 @@ def test_synthetic_result_gives_the_added_time_per_iteration_and_the_summary_sho
     assert "refused" in text
     assert "batch8" in text
     assert "MEMSET" in text
-
-
-def test_the_ab_gives_each_ways_cost_per_iteration_over_the_floor_and_the_summary_shows_it() -> None:
-    from tests.benchmarks.loop_floor_ab import STEPS as AB_STEPS
-    from tests.benchmarks.loop_floor_ab import WAYS, figures, node_diff
-    from tests.benchmarks.loop_floor_ab import summary as ab_summary
-
-    # us per step of each way: the floor 300; the loop adds 2, 8, 9, 5 us an iteration.
-    per_step = dict(zip(WAYS, (300.0, 302.0, 308.0, 309.0, 305.0), strict=True))
-    timed = Interleaved(
-        {f"{way}_{steps}": _line(40.0, per_step[way], steps) for way in WAYS for steps in (1, AB_STEPS)}
-    )
-    got = figures(timed)
-    assert got["floor_us_per_step"] == pytest.approx(300.0)
-    for way in WAYS[1:]:
-        part = got[way]
-        assert isinstance(part, dict)
-        assert part["added_us_per_iteration"] == pytest.approx(per_step[way] - 300.0)
-    nodes = {
-        "floor": {"types": {"KERNEL": 3}, "kernels": {"a": 2, "b": 1}, "memcpy_bytes": [8]},
-        "while_memcpy": {"types": {"KERNEL": 3}, "kernels": {"a": 2, "c": 1}, "memcpy_bytes": [8]},
-    }
-    assert node_diff(nodes, "while_memcpy") == {"b": -1, "c": 1}
-    part = {
-        **got,
-        "same_tokens": {"while_kernels": True},
-        "copy_rewrites": {"while_kernels": {"kernels": 11}},
-    }
-    text = ab_summary({"machine": "m", "batch64": {**part, "nodes": nodes}})
-    assert "while_kernels" in text
-    assert "'c': 1" in text
-    assert "kernels': 11" in text

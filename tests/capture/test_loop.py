@@ -30,15 +30,13 @@ from cudagraph_capture import (
     set_capture_enabled,
 )
 from cudagraph_capture._conditional import (
-    CudaWhileGraph,
     LoopCells,
     LoopUnavailableError,
     RecordedGraph,
     compile_kernels,
     open_conditional,
 )
-from cudagraph_capture._copy_nodes import CopyRewrite
-from cudagraph_capture._loop import LoopSpec, _WhileRun, build_loop
+from cudagraph_capture._loop import LoopSpec, build_loop
 from cudagraph_capture.lowlevel import LoopFallback, loop_fallback_counts
 from cudagraph_dispatch import BatchDescriptor
 from tests.capture.helpers import sleep_gpu
@@ -738,70 +736,3 @@ def test_gpu_the_readmes_loop_example_runs() -> None:
     loop = namespace["loop"]
     assert isinstance(loop, DeviceLoop)
     assert loop.kind is LoopKind.WHILE, loop.fallback_reason
-
-
-BIG: Final = 1 << 20
-
-
-class Copier:
-    """A body of device-to-device copies (memcpy nodes): 1 MiB aligned, and bytes at odd offsets and sizes.
-
-    Each iteration's copies read what the iteration before wrote, so a copy
-    that ran out of order, or short, changes the end state.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        generator = torch.Generator().manual_seed(3)
-        self.start = torch.randint(0, 256, (BIG + 4099,), dtype=torch.uint8, generator=generator)
-        self.a = self.start.to(device)
-        self.b = torch.zeros(BIG, dtype=torch.uint8, device=device)
-        self.stop = torch.zeros((), dtype=torch.bool, device=device)
-
-    def body(self, steps: torch.Tensor) -> None:
-        a, b = self.a, self.b
-        b.copy_(a[:BIG])  # 16-byte aligned ends and size: 16 bytes a thread
-        a[1 : 1 + 1001].copy_(a[BIG + 7 : BIG + 7 + 1001])  # odd offsets and size: bytes
-        a[:BIG].add_(steps.to(torch.uint8) + 1)  # a kernel between the copies
-        a[BIG + 7 : BIG + 7 + 3].copy_(b[5:8])  # 3 bytes
-
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.a.clone(), self.b.clone()
-
-    def refill(self) -> None:
-        self.a.copy_(self.start.to(self.a.device))
-        self.b.zero_()
-        self.stop.zero_()
-
-
-@gpu
-@pytest.mark.usefixtures("clean_capture_state")
-@pytest.mark.parametrize("rewrite", [True, False], ids=["as_kernels", "as_memcpy"])
-def test_gpu_while_body_copies_run_as_kernels_bit_for_bit(
-    rewrite: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(CopyRewrite, "on", rewrite)
-    copier = Copier(cuda())
-    loop = DeviceLoop.capture(copier.body, stop=copier.stop, max_steps=MAX_STEPS, descriptor=KEY)
-    assert loop.kind is LoopKind.WHILE, loop.fallback_reason
-    run = loop._run
-    assert isinstance(run, _WhileRun)
-    assert isinstance(run.graph, CudaWhileGraph)
-    copies = run.graph.copies
-    assert copies.error == ""
-    if rewrite:  # every copy of the body is one run of device bytes
-        assert copies.kernels > 0
-        assert copies.kept == 0
-    else:
-        assert copies.kernels == 0
-    copier.refill()
-    steps = torch.zeros((), dtype=torch.int64, device=copier.a.device)
-    for _ in range(MAX_STEPS):
-        copier.body(steps)
-        steps += 1
-    want = copier.state()
-    copier.refill()
-    loop.launch()
-    torch.cuda.synchronize()
-    assert int(loop.steps_taken) == MAX_STEPS
-    for got, expected_part in zip(copier.state(), want, strict=True):
-        assert torch.equal(got, expected_part)

@@ -9,9 +9,6 @@ until the condition says stop::
         child graph: the body            a clone of torch's graph: its nodes, not its memory
         loop_next(handle, steps, ...)    steps += 1; handle = steps < limit && !stop
 
-In the body's clone, each device-to-device memcpy node is a ``loop_copy``
-kernel instead (``_copy_nodes``: why, and its switch).
-
 ``load_conditional`` imports cuda-bindings and compiles the condition kernels
 (NVRTC, once per device); whatever makes a WHILE loop impossible raises
 ``LoopUnavailableError`` with a ``LoopFallback`` reason. The protocols
@@ -34,14 +31,11 @@ from typing import Final, Protocol, SupportsInt, TypeVar, cast
 
 import torch
 
-from ._copy_nodes import COPY_KERNEL, CopyCounts, CopyRewrite, GraphEditing, KernelArg, copies_as_kernels
-
 #: The oldest driver (``cuDriverGetVersion``) whose WHILE nodes take a default launch value.
 MIN_DRIVER_VERSION: Final = 12040
 
 #: The condition kernels; ``{prelude}`` declares the handle type where NVRTC does not.
-_SOURCE: Final = (
-    r"""{prelude}
+_SOURCE: Final = r"""{prelude}
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
     cudaGraphConditionalHandle handle, unsigned int value);
 
@@ -58,8 +52,6 @@ extern "C" __global__ void loop_next(cudaGraphConditionalHandle handle, long lon
   cudaGraphSetConditional(handle, taken < limit[0] && !stopped ? 1u : 0u);
 }}
 """
-    + COPY_KERNEL
-)
 #: NVRTC of CUDA 12.4+ knows ``cudaGraphConditionalHandle``; older ones need the typedef.
 _PRELUDES: Final = ("", "typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;")
 
@@ -246,7 +238,6 @@ class _Kernels:
     module: object
     start: object
     next: object
-    copy: object
 
 
 def open_conditional(
@@ -336,8 +327,7 @@ def _load_kernels(driver: _Driver, image: bytes, device: int) -> _Kernels:
         module = _value("cuModuleLoadData", driver.cuModuleLoadData(image))
     start = _value("cuModuleGetFunction(loop_start)", driver.cuModuleGetFunction(module, b"loop_start"))
     next_ = _value("cuModuleGetFunction(loop_next)", driver.cuModuleGetFunction(module, b"loop_next"))
-    copy = _value("cuModuleGetFunction(loop_copy)", driver.cuModuleGetFunction(module, b"loop_copy"))
-    return _Kernels(ctx, module, start, next_, copy)
+    return _Kernels(ctx, module, start, next_)
 
 
 _layers: Final[dict[int, CudaConditional | LoopUnavailableError]] = {}
@@ -388,19 +378,16 @@ class CudaConditional:
         driver = self._driver
         graph = _value("cuGraphCreate", driver.cuGraphCreate(0))
         try:
-            copies = self._add_loop(graph, body, cells)
+            self._add_loop(graph, body, cells)
             graph_exec = _value("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
         except Exception as error:  # an error status, or bindings whose API differs
             raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
         finally:
             driver.cuGraphDestroy(graph)  # the conditional node's body graph goes with it
-        return CudaWhileGraph(driver, graph_exec, self._device, copies)
+        return CudaWhileGraph(driver, graph_exec, self._device)
 
-    def _add_loop(self, graph: object, body: RecordedGraph, cells: LoopCells) -> CopyCounts:
-        """``loop_start`` -> WHILE { the body as a child graph -> ``loop_next`` }, into ``graph``.
-
-        Returns what became of the body's memcpy nodes (``_copy_nodes``).
-        """
+    def _add_loop(self, graph: object, body: RecordedGraph, cells: LoopCells) -> None:
+        """``loop_start`` -> WHILE { the body as a child graph -> ``loop_next`` }, into ``graph``."""
         driver, kernels = self._driver, self._kernels
         start = self._kernel_node(graph, None, kernels.start, [ctypes.c_void_p(cells.steps.data_ptr())])
         # 1 at every launch (ASSIGN_DEFAULT): the body runs once before loop_next first decides.
@@ -421,9 +408,8 @@ class CudaConditional:
         child = _value(
             "cuGraphAddChildGraphNode", driver.cuGraphAddChildGraphNode(loop_body, None, 0, child_graph)
         )
-        copies = self._copies(child)
         stop = cells.stop
-        args: list[KernelArg] = [
+        args: list[ctypes.c_uint64 | ctypes.c_void_p | ctypes.c_int] = [
             ctypes.c_uint64(int(handle)),
             ctypes.c_void_p(cells.steps.data_ptr()),
             ctypes.c_void_p(cells.limit.data_ptr()),
@@ -431,44 +417,20 @@ class CudaConditional:
             ctypes.c_int(stop.element_size()),
         ]
         self._kernel_node(loop_body, [child], kernels.next, args)  # after every node of the body
-        return copies
-
-    def _copies(self, child: object) -> CopyCounts:
-        """The body clone's device memcpy nodes as ``loop_copy`` kernels (unless switched off)."""
-        if not CopyRewrite.on:
-            return CopyCounts()
-
-        def add(
-            graph: object,
-            deps: Sequence[object],
-            function: object,
-            blocks: int,
-            threads: int,
-            args: Sequence[KernelArg],
-        ) -> object:
-            return self._kernel_node(graph, deps, function, args, blocks=blocks, threads=threads)
-
-        try:
-            return copies_as_kernels(cast(GraphEditing, self._driver), child, self._kernels.copy, add)
-        except Exception as error:  # the body as recorded still runs: a copy rewritten so far is whole
-            return CopyCounts(error=_why(error))
 
     def _kernel_node(
         self,
         graph: object,
         deps: Sequence[object] | None,
         function: object,
-        args: Sequence[KernelArg],
-        *,
-        blocks: int = 1,
-        threads: int = 1,
+        args: Sequence[ctypes.c_uint64 | ctypes.c_void_p | ctypes.c_int],
     ) -> object:
-        """A launch of ``function(*args)`` on ``blocks`` x ``threads`` (default 1 x 1) after ``deps``."""
+        """A one-thread launch of ``function(*args)`` in ``graph`` after ``deps``."""
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(arg) for arg in args))
         params = self._driver.CUDA_KERNEL_NODE_PARAMS()
         params.func = function
-        params.gridDimX, params.gridDimY, params.gridDimZ = blocks, 1, 1
-        params.blockDimX, params.blockDimY, params.blockDimZ = threads, 1, 1
+        params.gridDimX = params.gridDimY = params.gridDimZ = 1
+        params.blockDimX = params.blockDimY = params.blockDimZ = 1
         params.sharedMemBytes = 0
         params.kernelParams = ctypes.addressof(pointers)  # void*[]: read (copied) by the call below
         count = 0 if deps is None else len(deps)
@@ -478,14 +440,12 @@ class CudaConditional:
 class CudaWhileGraph:
     """An instantiated loop graph (a ``WhileGraph``); the executable is destroyed with this object."""
 
-    __slots__ = ("__weakref__", "_device", "_driver", "_exec", "copies")
+    __slots__ = ("__weakref__", "_device", "_driver", "_exec")
 
-    def __init__(self, driver: _Driver, graph_exec: object, device: int, copies: CopyCounts) -> None:
+    def __init__(self, driver: _Driver, graph_exec: object, device: int) -> None:
         self._driver: Final = driver
         self._exec: Final = graph_exec
         self._device: Final = device
-        #: The body's memcpy nodes that run as ``loop_copy`` kernels, and those left as memcpy nodes.
-        self.copies: Final = copies
         # An executable destroyed while a launch is in flight is freed when that launch completes.
         weakref.finalize(self, _destroy_exec, driver, graph_exec)
 
