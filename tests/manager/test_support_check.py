@@ -562,8 +562,10 @@ def test_the_readme_example_runs_as_written() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _split_decode_check(backend: str, declare: GraphSupport, prefill: Prefill = "planned") -> SupportCheck:
-    """The check over ``SplitDecodeAttention`` in the one-layer model of ``test_paged_kernels``."""
+def _split_decode_check(
+    backend: str, declare: GraphSupport, prefill: Prefill = "planned", dtype: torch.dtype = torch.float32
+) -> SupportCheck:
+    """The check over ``SplitDecodeAttention`` in ``test_paged_kernels``' one-layer model, in ``dtype``."""
     from examples.paged.batch import paged_static_inputs
     from examples.paged.split_decode import SplitDecodeAttention
     from tests.manager.test_paged_kernels import _AttentionModel, _layout, random_step
@@ -574,8 +576,8 @@ def _split_decode_check(backend: str, declare: GraphSupport, prefill: Prefill = 
         layout, max_tokens=32, max_reqs=8, device=device, declare=declare, prefill=prefill
     )
     torch.manual_seed(0)
-    model = _AttentionModel(attention).to(device)
-    model.kv_cache = model.kv_cache.to(device)
+    model = _AttentionModel(attention).to(device, dtype)
+    model.kv_cache = model.kv_cache.to(device, dtype)
 
     def make(kind: BatchKind, num_tokens: int, num_reqs: int, g: torch.Generator) -> dict[str, torch.Tensor]:
         longest = num_tokens - num_reqs + 1 if kind is BatchKind.MIXED else num_tokens // num_reqs
@@ -619,10 +621,15 @@ def test_split_decode_over_declared_is_caught(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_split_decode_with_the_varlen_prefill_is_verified_always(backend: str) -> None:
-    """Its mixed batches take the varlen backend's path: every level holds, ``ALWAYS`` included."""
-    check = _split_decode_check(backend, ALWAYS, prefill="varlen")
+    """Its mixed batches take the varlen backend's path: every level holds, ``ALWAYS`` included.
+
+    On CUDA in bfloat16: ``varlen_attn`` computes in half precision there.
+    """
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    check = _split_decode_check(backend, ALWAYS, prefill="varlen", dtype=dtype)
     assert (check.declared, check.verified, check.overdeclared) == (ALWAYS, ALWAYS, False)
-    assert check.kind(BatchKind.MIXED).worst_error < 1e-4
+    # A replay runs eager's kernels on the same inputs; bfloat16 leaves room for its rounding only.
+    assert check.kind(BatchKind.MIXED).worst_error < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 def _altered(name: str, alter: Callable[[torch.Tensor], object]) -> Callable[..., dict[str, object]]:

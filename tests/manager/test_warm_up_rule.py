@@ -264,7 +264,12 @@ def test_a_recording_without_a_warm_up_that_fails_is_retried_after_its_warm_up(
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
     warm_ups = _rule().plan(plan, "per_class", ranks=False)
-    calls, capture = _capture_log(True, CaptureError("an autotune synchronized", plan[1].descriptor))
+    calls, capture = _capture_log(
+        True,
+        CaptureError(
+            "an autotune synchronized: operation not permitted when stream is capturing", plan[1].descriptor
+        ),
+    )
     assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
     assert calls == [False, True]
 
@@ -277,16 +282,22 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
     plan = _mixed_plan()
     warm_ups = _rule().plan(plan, "per_class", ranks=False)
     warmed, cold = plan[0], plan[1]
+    first_use = CaptureError("operation not permitted when stream is capturing", cold.descriptor)
+    wrapped_first_use = CaptureError("the recording failed", cold.descriptor)
+    wrapped_first_use.__cause__ = RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted")
     cases: list[tuple[PlannedGraph[torch.Tensor], Exception, list[bool]]] = [
         (warmed, CaptureError("the model failed", warmed.descriptor), [True]),
         (cold, CaptureDisabledError("disabled", cold.descriptor), [False]),
         (cold, ValueError("an output that cannot be cut"), [False]),
-        (cold, CaptureError("the model failed", cold.descriptor), [False, True]),  # the retry's error
+        (cold, CaptureError("the model failed", cold.descriptor), [False]),  # its own error: not a first use
+        (cold, CaptureError("CUDA out of memory", cold.descriptor), [False]),
+        (cold, first_use, [False, True]),  # the retry's error
+        (cold, wrapped_first_use, [False, True]),
     ]
     rule = _rule()
     rule.captured(cold.descriptor)  # a recapture: cold under "every_key" too, never retried
     recapture = rule.plan(plan, "per_class", ranks=False)
-    calls, capture = _capture_log(False, CaptureError("the model failed", cold.descriptor))
+    calls, capture = _capture_log(False, first_use)
     with pytest.raises(CaptureError):
         recapture.capture(cold, capture)  # type: ignore[arg-type]  # a stand-in capture
     assert calls == [False]

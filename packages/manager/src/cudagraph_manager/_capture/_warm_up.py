@@ -20,10 +20,13 @@ background capture already does: a recording pays a new size's host-side
 first use itself (library heuristics, views), and the class's warm-up made
 the rest (handles, workspaces, lazy state, compiles). Where a capture made
 dynamo compile, the class's next key warms up too (a compiled model
-specializes by size); a recording of a key not warmed up that fails is
-retried once after its warm-up. ``"auto"`` (the default) is ``"per_class"``
-while dynamo has compiled nothing in this process and there are no ranks,
-and turns to ``"every_key"`` for the rest of a capture once anything compiles.
+specializes by size); a recording of a key not warmed up that fails as a
+first use does inside a capture (a synchronization, a library handle:
+``first_use_failure``) is retried once after its warm-up; the model's own
+errors and an out-of-memory are raised at once, as under ``"every_key"``.
+``"auto"`` (the default) is ``"per_class"`` while dynamo has compiled
+nothing in this process and there are no ranks, and turns to
+``"every_key"`` for the rest of a capture once anything compiles.
 """
 
 from __future__ import annotations
@@ -73,6 +76,26 @@ class Capture(Protocol):
     def __call__(self, descriptor: BatchDescriptor, /, *, warm: bool) -> CapturedGraph: ...
 
 
+#: What a first use inside a recording raises (lower case): a synchronization or a library
+#: handle's creation that a stream capture refuses, where the warm-up would have made that use first.
+FIRST_USE_MARKS: Final = ("stream is capturing", "streamcapture", "stream capture", "not_initialized")
+
+
+def first_use_failure(error: CaptureError) -> bool:
+    """Whether ``error`` came from a first use a warm-up makes (not the model's own error, not memory).
+
+    Follows what it was raised from; a refusal (``CaptureDisabledError``) never is.
+    """
+    if isinstance(error, CaptureDisabledError):
+        return False
+    seen: BaseException | None = error
+    while seen is not None:
+        if any(mark in str(seen).lower() for mark in FIRST_USE_MARKS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class ForegroundWarmUps(Generic[OutputT]):
     """One ``capture()``'s warm-ups, decided key by key (``needs``) as the capture goes.
 
@@ -108,8 +131,8 @@ class ForegroundWarmUps(Generic[OutputT]):
             with self.watch(graph):
                 return capture(graph.descriptor, warm=warm)
         except CaptureError as error:
-            if warm or graph.descriptor not in self._every or isinstance(error, CaptureDisabledError):
-                raise  # only a key cold by the class rule is retried: "every_key" warms it
+            if warm or graph.descriptor not in self._every or not first_use_failure(error):
+                raise  # only a key cold by the class rule is retried ("every_key" warms it), for a first use
         with self.watch(graph):
             return capture(graph.descriptor, warm=True)
 
