@@ -31,7 +31,7 @@ code under test is unchanged. Three commands, each printing one JSON line:
   ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``: the second is a cold
   process with the libraries' on-disk caches warm. ``--warm-ups``: the
   first capture's ``ManagerOptions.warm_ups`` (``every_key``: before issue
-  40's per-class warm-ups; ``gpu_jobs/coldvarlen.sh`` runs both, one process each).
+  40's per-class warm-ups; compare the two in separate processes, alternating).
 """
 
 from __future__ import annotations
