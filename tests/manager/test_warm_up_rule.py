@@ -306,3 +306,17 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
         with pytest.raises(type(error)):
             warm_ups.capture(graph, capture)  # type: ignore[arg-type]  # a stand-in capture
         assert calls == expected
+
+
+def test_a_failure_chain_that_loops_is_read_once() -> None:
+    """A cause chain set by hand into a loop ends the walk: the model's error is not a first use."""
+    from cudagraph_capture import CaptureError
+    from cudagraph_manager._capture._warm_up import first_use_failure
+
+    error = CaptureError("the recording failed")
+    cause = RuntimeError("the model failed")
+    error.__cause__, cause.__cause__ = cause, error
+    assert not first_use_failure(error)
+    cause.__context__ = RuntimeError("operation not permitted when stream is capturing")
+    cause.__cause__ = None
+    assert first_use_failure(error)

@@ -88,12 +88,12 @@ def first_use_failure(error: CaptureError) -> bool:
     """
     if isinstance(error, CaptureDisabledError):
         return False
+    chain: list[BaseException] = []
     seen: BaseException | None = error
-    while seen is not None:
-        if any(mark in str(seen).lower() for mark in FIRST_USE_MARKS):
-            return True
+    while seen is not None and seen not in chain:  # a chain set by hand may loop
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    return False
+    return any(mark in str(link).lower() for link in chain for mark in FIRST_USE_MARKS)
 
 
 class ForegroundWarmUps(Generic[OutputT]):
@@ -104,7 +104,7 @@ class ForegroundWarmUps(Generic[OutputT]):
     mode's smallest). ``watch`` counts dynamo's compiles over one key's capture.
     """
 
-    __slots__ = ("_auto", "_chosen", "_every", "_hot", "per_class")
+    __slots__ = ("_auto", "_chosen", "_every", "_hot")
 
     def __init__(
         self, every: Sequence[BatchDescriptor], chosen: Sequence[BatchDescriptor], *, auto: bool
@@ -113,8 +113,11 @@ class ForegroundWarmUps(Generic[OutputT]):
         self._chosen = frozenset(chosen)
         self._auto: Final = auto
         self._hot: Final[set[WarmUpClass]] = set()  # classes whose last capture compiled
-        #: Whether some key of the plan records without its own warm-up (its failure is retried).
-        self.per_class = self._chosen != self._every
+
+    @property
+    def per_class(self) -> bool:
+        """Whether some key left records without its own warm-up (until ``"auto"`` sees a compile)."""
+        return self._chosen != self._every
 
     def needs(self, graph: PlannedGraph[OutputT]) -> bool:
         """Whether ``graph`` warms up before its recording."""
