@@ -47,10 +47,11 @@ setup: $(STAMP)  ## Create .venv: pinned dev tools, torch (see TORCH_INDEX_URL),
 typecheck: $(STAMP)  ## mypy --strict over the three src folders, examples/ and tests/, one run
 	$(VENV)/bin/mypy
 
-lint: $(STAMP)  ## ruff check
+lint: $(STAMP)  ## ruff check and ruff format --check
 	$(VENV)/bin/ruff check packages examples tests
+	$(VENV)/bin/ruff format --check packages examples tests
 
-test: typecheck  ## Type check, then the tests (GPU tests skip without CUDA)
+test: typecheck lint  ## Type check and lint, then the tests (GPU tests skip without CUDA)
 	$(VPY) -m pytest $(PYTEST_FLAGS)
 
 # Three pure-Python wheels need no torch: a venv of their own holds the dev

@@ -1,12 +1,10 @@
-"""The package code's shape, checked on its syntax trees: short functions, no private reads across modules.
+"""The package code's shape, checked on its syntax trees: the budgets past which code signals trouble.
 
 - No function or method of package code is longer than ``MAX_FUNCTION_LINES``
   or takes more than ``MAX_PARAMETERS`` (``self`` and ``cls`` not counted),
-  and no class is longer than ``MAX_CLASS_LINES``; the step
-  (``StepPath.run``) is at most ``MAX_STEP_LINES`` and the facade
-  ``CUDAGraphManager`` at most ``MAX_MANAGER_LINES``. The examples (the
-  repository's top-level ``examples/``) teach, in modules of at most
-  ``MAX_EXAMPLE_MODULE_LINES`` (docs/design.md, "Conventions").
+  and no class is longer than ``MAX_CLASS_LINES``. These are budgets, not
+  targets (docs/design.md, "Conventions"): past one, look again; below them,
+  nothing is split or squeezed to move a number.
 - A ``._name`` read names the private state of an object of the same module
   (a class defined there sets or declares it) or of torch (its private API,
   where no public one exists). Reading another module's private state couples
@@ -26,12 +24,9 @@ import pytest
 ROOT: Final = Path(__file__).resolve().parents[1]
 SOURCES: Final = sorted((ROOT / "packages").glob("*/src/**/*.py"))
 EXAMPLES: Final = sorted((ROOT / "examples").rglob("*.py"))
-MAX_FUNCTION_LINES: Final = 40
-MAX_PARAMETERS: Final = 6
-MAX_CLASS_LINES: Final = 250
-MAX_STEP_LINES: Final = 40
-MAX_MANAGER_LINES: Final = 200
-MAX_EXAMPLE_MODULE_LINES: Final = 300
+MAX_FUNCTION_LINES: Final = 60
+MAX_PARAMETERS: Final = 8
+MAX_CLASS_LINES: Final = 400
 #: Private names of torch objects read without a ``torch.`` prefix: (file name, attribute) -> why.
 TORCH_PRIVATE: Final = {
     ("_weights.py", "_parameters"): "nn.Module's own parameters, without the named_parameters() walk",
@@ -66,13 +61,6 @@ def test_no_function_or_class_of_package_code_is_longer_than_the_limit() -> None
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines or classes over {MAX_CLASS_LINES}: {long}"
 
 
-def test_no_example_module_is_longer_than_the_limit() -> None:
-    long = [
-        f"{path.relative_to(ROOT)} ({n} lines)"
-        for path in EXAMPLES
-        if (n := len(path.read_text().splitlines())) > MAX_EXAMPLE_MODULE_LINES
-    ]
-    assert not long, f"example modules over {MAX_EXAMPLE_MODULE_LINES} lines: {long}"
 
 
 def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -106,18 +94,6 @@ def test_the_parameter_count_leaves_out_self_and_counts_the_rest(source: str, ex
     assert isinstance(node, ast.FunctionDef)
     assert len(_parameters(node)) == expected
 
-
-def _class(module: str, name: str) -> ast.ClassDef:
-    tree = ast.parse((ROOT / "packages/manager/src/cudagraph_manager" / module).read_text())
-    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-
-
-def test_the_step_and_the_facade_stay_small() -> None:
-    path = _class("_step/_path.py", "StepPath")
-    step = next(n for n in path.body if isinstance(n, ast.FunctionDef) and n.name == "run")
-    assert _lines(step) <= MAX_STEP_LINES, _lines(step)
-    manager = _class("_manager.py", "CUDAGraphManager")
-    assert _lines(manager) <= MAX_MANAGER_LINES, _lines(manager)
 
 
 def _own_private_names(tree: ast.Module) -> set[str]:

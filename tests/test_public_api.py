@@ -1,9 +1,10 @@
 """The public API in tiers: a small top level per package, the rest in named tiers, one home per name.
 
 Like trio (``trio``, ``trio.lowlevel``, ``trio.testing``): what most users
-import is the packages' top level, at most ``MAX_TOP_LEVEL_NAMES`` names for
-the three together; the seams and helpers of engines built on them live in
-the tiers below. Every public name is documented in its package's README.
+import is the packages' top level; the seams and helpers of engines built on
+them live in the tiers below. No count of names is pinned: each public name
+has a reason, and the surface is reviewed, not budgeted by a test. Every
+public name is documented in its package's README.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Final
 import pytest
 
 ROOT: Final = Path(__file__).resolve().parents[1]
-MAX_TOP_LEVEL_NAMES: Final = 50
 #: Each package's public modules: its top level, then its tiers.
 PUBLIC: Final = {
     "cudagraph_dispatch": (
@@ -38,11 +38,6 @@ PUBLIC: Final = {
 def _names(module: str) -> list[str]:
     names: list[str] = importlib.import_module(module).__all__
     return names
-
-
-def test_the_top_levels_hold_at_most_the_limit() -> None:
-    counts = {package: len(_names(package)) for package in PUBLIC}
-    assert sum(counts.values()) <= MAX_TOP_LEVEL_NAMES, counts
 
 
 @pytest.mark.parametrize("package", sorted(PUBLIC))
