@@ -61,8 +61,6 @@ def test_no_function_or_class_of_package_code_is_longer_than_the_limit() -> None
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines or classes over {MAX_CLASS_LINES}: {long}"
 
 
-
-
 def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     """A function's parameters, ``self`` and ``cls`` left out; ``*args`` and ``**kwargs`` count one each."""
     args = node.args
@@ -93,7 +91,6 @@ def test_the_parameter_count_leaves_out_self_and_counts_the_rest(source: str, ex
     node = ast.parse(source).body[0]
     assert isinstance(node, ast.FunctionDef)
     assert len(_parameters(node)) == expected
-
 
 
 def _own_private_names(tree: ast.Module) -> set[str]:
