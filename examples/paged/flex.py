@@ -32,6 +32,7 @@ from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadat
 from .backend import EagerBreakAttention, per_forward
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, Validate
 from .flex_kernel import KEY_BLOCK, Q_TILE, paged_flex
+from .flex_kernel import compile_class as kernel_class
 from .gather import token_pages
 from .layout import PagedLayout, page_of_slot
 
@@ -186,6 +187,16 @@ class FlexPagedAttention(EagerBreakAttention):
 
     def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
         return FlexMetadata(self.buffers.views(shape), self.page_of_slot)
+
+    def compile_class(self, shape: BatchShape, /) -> object:
+        """The compiled kernel's code ``shape`` runs (``flex_kernel.compile_class``; eager: one class).
+
+        The manager warms one key per class up before recording the rest
+        (``ManagerOptions.warm_ups``): a compile inside a recording would break it.
+        """
+        if not self.compiled:
+            return None
+        return kernel_class(shape.num_tokens, shape.num_reqs, shape.query_len)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)

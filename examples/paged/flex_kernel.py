@@ -35,6 +35,39 @@ _KERNEL_OPTIONS: Final[dict[str, bool | int]] = {
 }
 #: How often the compiled FlexAttention may specialize (shapes, layouts) before dynamo gives up.
 _RECOMPILE_LIMIT: Final = 32
+#: Whether dynamo gives equal sizes one symbol (its default); off here (``paged_flex``). A switch
+#: for the benchmarks' A/B of the compile classes (``tests/benchmarks/defaults.py``), not an option.
+DUCK_SHAPE = False
+#: Queries of a packed step at which the compiled kernel's code changes (inductor's flex lowering
+#: guards on a query length under 128, where it would consider its decoding kernel).
+SHORT_QUERIES: Final = 128
+
+
+def compile_class(num_tokens: int, num_reqs: int, query_len: int | None) -> tuple[object, ...]:
+    """Which compiled code of ``paged_flex`` a step of these counts runs: steps of one class share it.
+
+    The compile marks every size dynamic and gives every dimension a symbol
+    of its own (no duck sizing, which made a size that happened to equal
+    another dimension, 16 queries and 16 heads, compile on its own). What
+    still specializes: a dimension of 1 (dynamo's 0/1 rule: one query, one
+    request row, one query tile), a packed step's query count under
+    ``SHORT_QUERIES`` (a guard of inductor's lowering), the layout (packed or
+    one row per request) and the queries per request. 2 tokens and the
+    multiples of the query tile (16) and of 128, which specialized before
+    duck sizing was turned off, are classes of their own too: a spare warm-up
+    costs an eager step, a class missed a compile inside a recording (which
+    the manager then records again after a warm-up).
+    """
+    if query_len is not None:  # one batch row per request: [R, heads, q, head_dim], q fixed per class
+        return ("uniform", query_len, min(num_reqs, 2), query_len <= Q_TILE)
+    return (
+        "packed",
+        min(num_tokens, 3),  # 1, 2, more
+        num_tokens <= Q_TILE,  # one query tile
+        num_tokens < SHORT_QUERIES,
+        num_tokens % Q_TILE == 0,
+        num_tokens % SHORT_QUERIES == 0,
+    )
 
 
 @functools.cache
@@ -70,9 +103,16 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
     compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
 
     def attend_compiled(*args: torch.Tensor) -> torch.Tensor:
-        # Up to 8 specializations are expected (packed or per request; 1, under 128 or more
-        # queries; one request or more), which meets dynamo's default limit of 8.
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        # A handful of specializations are expected (``compile_class``), near dynamo's default
+        # limit of 8. Each dimension gets a symbol of its own (no duck sizing): a size equal to
+        # another dimension's must not specialize (16 queries and 16 heads, 32 query tiles and
+        # 32 block-table columns did, each one more compile).
+        from torch.fx.experimental import _config as fx_config
+
+        with (
+            torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
+            fx_config.patch(use_duck_shape=DUCK_SHAPE),
+        ):
             return compiled_attend(*args)
 
     return attend_compiled

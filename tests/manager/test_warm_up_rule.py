@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_manager._batch import BatchShape
 from cudagraph_manager._capture._warm_up import WarmUpRule, smallest_of_modes
 from cudagraph_manager._graphs import PlannedGraph
 
@@ -72,8 +73,9 @@ def test_with_ranks_every_key_warms_up_whatever_was_warmed_before() -> None:
 
 
 def test_the_background_warms_each_modes_largest_not_warmed_before_and_its_smallest() -> None:
+    """Per class, as ``capture()``: here a class per mode, so each mode's largest (a first use) and smallest."""
     rule, plan = _rule(), _plan()
-    first = rule.background(plan)
+    first = rule.background(plan, "per_class")
     assert first.keys == (
         BatchDescriptor(64),
         BatchDescriptor(8),
@@ -82,13 +84,13 @@ def test_the_background_warms_each_modes_largest_not_warmed_before_and_its_small
     )
     assert first.skippable == SMALLEST
     rule.captured(BatchDescriptor(64))  # a wake: the largest has its compiles
-    again = rule.background(plan)
+    again = rule.background(plan, "per_class")
     assert again.keys == (BatchDescriptor(8), BatchDescriptor(16, 16, True), BatchDescriptor(1, 1, True))
 
 
 def test_a_mode_of_one_key_warms_it_as_its_largest_not_only_for_the_thread() -> None:
     plan = _keys(_Key(FULL, BatchDescriptor(4, 4, True)))
-    warm_ups = _rule().background(plan)
+    warm_ups = _rule().background(plan, "per_class")
     assert warm_ups.keys == (BatchDescriptor(4, 4, True),)
     assert warm_ups.skippable == frozenset()  # never skipped: it is also the mode's largest
 
@@ -320,3 +322,129 @@ def test_a_failure_chain_that_loops_is_read_once() -> None:
     cause.__context__ = RuntimeError("operation not permitted when stream is capturing")
     cause.__cause__ = None
     assert first_use_failure(error)
+
+
+# -- compile classes: the attention says which shapes share compiled code -------------------------
+
+
+class _Builder:
+    """A stand-in attention declaring compile classes: 1 token, up to 16, more."""
+
+    def compile_class(self, shape: BatchShape, /) -> object:
+        return min(shape.num_tokens, 2) if shape.num_tokens < 16 else "16+"
+
+
+class _ClassedKey(NamedTuple):
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor
+    builder: object
+    shape: BatchShape
+
+
+def _classed_plan() -> list[PlannedGraph[torch.Tensor]]:
+    """FULL mixed keys 64, 32, 16 | 8, 4, 2 | 1 (three compile classes), largest first."""
+    keys = [BatchDescriptor(n, n) for n in (64, 32, 16, 8, 4, 2, 1)]
+    builder = _Builder()
+    return cast(
+        list[PlannedGraph[torch.Tensor]],
+        [_ClassedKey(FULL, d, builder, BatchShape.of_key(FULL, d, d.num_tokens)) for d in keys],
+    )
+
+
+def test_a_declared_compile_class_is_part_of_the_warm_up_class() -> None:
+    from cudagraph_manager._capture._warm_up import declares_compile_classes, warm_up_class
+
+    plan = _classed_plan()
+    assert declares_compile_classes(plan)
+    assert not declares_compile_classes(_plan())  # stand-ins without an attention
+    assert len({warm_up_class(key) for key in plan}) == 3
+    assert _rule().per_class(plan) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
+
+
+@pytest.mark.parametrize("policy", ["auto", "per_class"])
+def test_with_declared_classes_a_compiled_model_warms_per_compile_class(
+    monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """dynamo compiled before: ``"auto"`` stays per class where the attention declares its classes."""
+    counter = _no_dynamo(monkeypatch, 3)
+    plan = _classed_plan()
+    warm_ups = _rule().plan(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
+    assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
+    with warm_ups.watch(plan[0], warm=True):
+        counter[0] += 1  # the class's first warm-up compiles its code: expected
+    assert not warm_ups.needs(plan[1])  # neither the next key of the class nor every key
+    with warm_ups.watch(plan[3], warm=True):
+        counter[0] += 1
+    assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
+
+
+def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class the declaration missed: the cold recording compiled, so it is recorded again, warmed up,
+    and the class's next key warms up too."""
+    counter = _no_dynamo(monkeypatch, 0)
+    plan = _classed_plan()
+    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    calls: list[bool] = []
+
+    def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
+        calls.append(warm)
+        if not warm:
+            counter[0] += 1  # a compile inside the recording
+        return ("captured", descriptor, warm)
+
+    assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor, True)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
+    assert calls == [False, True]
+    assert warm_ups.needs(plan[2])  # the class compiled where it should not have: its next key warms up
+    calls.clear()
+    assert warm_ups.capture(plan[4], capture) == ("captured", plan[4].descriptor, True)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
+    assert calls == [False, True]
+
+
+def test_a_recording_that_failed_while_compiling_is_retried_after_its_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model's own error is raised at once, unless dynamo compiled during the recording."""
+    from cudagraph_capture import CaptureError
+
+    counter = _no_dynamo(monkeypatch, 0)
+    plan = _classed_plan()
+    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    calls: list[bool] = []
+
+    def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
+        calls.append(warm)
+        if not warm:
+            counter[0] += 1
+            raise CaptureError("inductor failed inside the capture", descriptor)
+        return ("captured", descriptor)
+
+    assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
+    assert calls == [False, True]
+
+
+def test_the_background_follows_the_captures_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same keys as ``capture()``: per compile class, or every first use under ``"every_key"``;
+    a mode's smallest is skippable only where it warms up for the thread alone."""
+    _no_dynamo(monkeypatch, 3)
+    rule, plan = _rule(), _classed_plan()
+    per_class = rule.background(plan, "auto")
+    assert per_class.keys == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
+    assert per_class.skippable == frozenset()  # the smallest is its class's first use
+    every = rule.background(plan, "every_key")
+    assert every.keys == tuple(key.descriptor for key in plan)
+    assert every.skippable == frozenset()
+    for key in plan:
+        rule.captured(key.descriptor)
+    wake = rule.background(plan, "auto")
+    assert wake.keys == (BatchDescriptor(1, 1),)
+    assert wake.skippable == frozenset({BatchDescriptor(1, 1)})  # only for the thread's handles
+    assert rule.background(plan, "every_key") == wake
+
+
+def test_the_warmed_classes_are_those_of_keys_warmed_before() -> None:
+    from cudagraph_manager._capture._warm_up import warm_up_class
+
+    rule, plan = _rule(), _classed_plan()
+    assert rule.warmed_classes(plan) == frozenset()
+    rule.ran(BatchDescriptor(32, 32), 0.1)
+    assert rule.warmed_classes(plan) == {warm_up_class(plan[0])}

@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_capture.lowlevel import (
     GraphPool,
     capture_disabled_reason,
+    capture_stream,
     collector_paused,
     release_graph_memory,
 )
@@ -45,7 +48,10 @@ from ._lockstep import LockstepCapture
 from ._loops import LoopCapture
 from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
-from ._warm_up import WarmUpRule
+from ._warm_up import WarmUpRule, smallest_of_modes
+from ._worker import capture_worker
+
+_logger: Final = logging.getLogger("cudagraph_manager")
 
 
 class Capturer(Generic[OutputT]):
@@ -174,6 +180,8 @@ class Capturer(Generic[OutputT]):
                         ranks.all_or_none(key, attempt, functools.partial(self._table.drop, graph))
                     )
             records += self._capture_loops()
+            if ranks is None and device.type == "cuda":
+                self._warm_worker()
             if device.type == "cuda":
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
@@ -190,7 +198,7 @@ class Capturer(Generic[OutputT]):
         session: BackgroundCapture
         if ranks is None:
             session = BackgroundCapture(
-                keys, self._rule.background(pending), self, timings=self.background_timings
+                keys, self._rule.background(pending, self._policy), self, timings=self.background_timings
             )
         else:
             session = LockstepCapture(
@@ -240,6 +248,7 @@ class Capturer(Generic[OutputT]):
             self._options.gc_disable,
             self._rule.foreground(pending, ranks=ranks is not None),
             loops,
+            warmed_classes=self._rule.warmed_classes(list(self._table.graphs.values())),
         )
 
     def release(self) -> None:
@@ -261,6 +270,44 @@ class Capturer(Generic[OutputT]):
         """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
         self.weights.forget()  # no graph reads the model any more
         self._table.drop_all()
+
+    def _warm_worker(self) -> None:
+        """Warm the device's capture worker up for this manager once, so that a wake warms nothing up.
+
+        Each mode's smallest key, run on the worker's stream after this
+        thread's, this thread's stream after them; this thread waits (inside
+        ``capture()``, holding the step lock). A wake's background capture
+        then finds the thread's library handles and plans (the smallest
+        warm-ups it would queue ahead of its first step are skipped). Not
+        where the worker is busy (another session), nor twice.
+        """
+        device = self._parts.device
+        worker = capture_worker(device)
+        if self._rule.warmed_on(worker.thread):
+            return
+        graphs = [self._table.graphs[key] for key in smallest_of_modes(list(self._table.graphs.values()))]
+        serving = torch.cuda.current_stream(device)
+        own = capture_stream(device)
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def job() -> None:
+            try:
+                with torch.cuda.device(device), torch.cuda.stream(own), torch.no_grad():
+                    own.wait_stream(serving)  # after the captures this thread queued
+                    with self._parts.lock.background():  # the model's calls on the manager are refused
+                        for graph in graphs:
+                            warm_up(graph, self._engines[graph.mode], self._parts.buffers)
+                    self._rule.thread_warmed()
+            except BaseException as error:  # the wake warms up then, as without this
+                failed.append(error)
+
+        if not worker.try_run(job, self, done.set):
+            return
+        done.wait()
+        serving.wait_stream(own)  # the next step after the warm-ups, on the device
+        if failed:
+            _logger.debug("the capture worker's warm-up failed; a wake warms up", exc_info=failed[0])
 
     def _capture_loops(self) -> list[CapturedGraph]:
         """The decode loop of every captured loopable graph that has none yet."""

@@ -1,10 +1,17 @@
 """What ``capture()`` will cost the device, predicted before it runs (``estimate_memory()``).
 
-A few probe keys per mode are captured into a pool of their own and
-measured; ``extrapolate`` (pure) charges the keys not probed from them, and
-the warm-ups' eager blocks are measured once. Why this predicts a
-largest-first capture, and the figures: the manager README, "Memory before
-capture".
+Each mode's two largest keys are captured into a pool of their own and
+measured, block sizes apart (torch's allocator keeps blocks of up to 1 MiB
+in 2 MiB segments of their own, ``PoolUse``); ``predict_pool`` (pure) plays
+the rest of a largest-first capture on the pool they leave: each key's
+transients are the largest probe's scaled by its tokens, and what it keeps
+(its outputs, the tensors between its segments) stays, so the pool grows
+only where a key does not fit in what the larger keys left. The warm-ups'
+eager blocks are measured once. The rule before (``RULE = "probes"``): a
+few more probes spread over a mode's sizes, the keys between them charged
+what the smallest probed growth was (``pick_probes``, ``extrapolate``).
+Why this predicts a largest-first capture, and the figures: the manager
+README, "Memory before capture".
 """
 
 from __future__ import annotations
@@ -35,11 +42,27 @@ from .._memory._device import reserved_bytes
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
-from ._warm_up import WarmUps, smallest_of_modes
+from ._warm_up import WarmUpClass, WarmUps, smallest_of_modes, warm_up_class
 
-#: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``).
+#: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``): the old rule.
 PROBE_SHARE: Final = 0.08
 MIN_PROBES: Final = 2
+#: ``"predicted"``: each mode's two largest keys probed, the rest played on their pool
+#: (``predict_pool``); ``"probes"``: the rule before issue 49 (``pick_probes``, ``extrapolate``).
+#: A switch for the benchmarks' A/B (``tests/benchmarks/estimate_cost.py``), not an option.
+RULE = "predicted"
+#: The predicted rule's probes per mode: the largest key (the pool's first growth) and the next
+#: (a second graph into a pool often grows it once more).
+PREDICTED_PROBES: Final = 2
+#: torch's caching allocator: requests up to ``SMALL_BLOCK`` take blocks of ``SMALL_SEGMENT``
+#: segments; larger ones of ``LARGE_BUFFER`` segments below ``MIN_LARGE_ALLOC``, else segments
+#: rounded up to ``ROUND_LARGE``; every request is rounded up to ``MIN_BLOCK``.
+SMALL_BLOCK: Final = 1 << 20
+SMALL_SEGMENT: Final = 2 << 20
+LARGE_BUFFER: Final = 20 << 20
+MIN_LARGE_ALLOC: Final = 10 << 20
+ROUND_LARGE: Final = 2 << 20
+MIN_BLOCK: Final = 512
 
 _K = TypeVar("_K")  # a planned graph (tests pass stand-ins)
 
@@ -97,6 +120,70 @@ def extrapolate(measured: Sequence[tuple[int, int]], num_keys: int) -> tuple[int
     return pool, driver
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolUse:
+    """What one recording did to a pool, per block size: its growth and what it still holds after.
+
+    ``small_reserved``, ``large_reserved``: the growth of torch's reserved
+    memory in segments of small (up to 1 MiB) and large blocks;
+    ``small_kept``, ``large_kept``: the growth of its allocated memory once
+    the recording is done (outputs, tensors kept between segments). The rest
+    of the growth held the recording's transients.
+    """
+
+    small_reserved: int
+    large_reserved: int
+    small_kept: int
+    large_kept: int
+
+
+def predict_pool(probes: Sequence[tuple[int, PoolUse]], tokens: Sequence[int]) -> int:
+    """The pool growth of a largest-first capture's keys after its ``probes``, played on their pool.
+
+    ``probes``: ``(num_tokens, PoolUse)`` of the probed keys, largest first
+    (the first from an empty pool); ``tokens``: each key not probed, in plan
+    order. Per block size, each key's transients are the first probe's
+    (its growth less what it kept) scaled by the key's tokens, and what it
+    keeps the first probe's so scaled (rounded up to a block); where they do
+    not fit in the pool as the keys before left it, it grows by the missing
+    bytes in whole segments. Pure.
+    """
+    if not probes or not tokens:
+        return 0
+    first_tokens, first = probes[0]
+    grown = 0
+    for reserved_of, kept_of, segment in (
+        (lambda u: u.small_reserved, lambda u: u.small_kept, _small_segment),
+        (lambda u: u.large_reserved, lambda u: u.large_kept, _large_segment),
+    ):
+        reserved = sum(max(0, reserved_of(use)) for _, use in probes)
+        held = sum(max(0, kept_of(use)) for _, use in probes)
+        transient = max(0, reserved_of(first) - kept_of(first)) / max(1, first_tokens)
+        kept = max(0, kept_of(first)) / max(1, first_tokens)
+        start = reserved
+        for n in tokens:
+            need = held + math.ceil(transient * n)
+            if need > reserved:
+                reserved += segment(need - reserved)
+            held += _block(math.ceil(kept * n)) if kept else 0
+        grown += reserved - start
+    return grown
+
+
+def _block(size: int) -> int:
+    return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
+
+
+def _small_segment(missing: int) -> int:
+    return -(-missing // SMALL_SEGMENT) * SMALL_SEGMENT
+
+
+def _large_segment(missing: int) -> int:
+    if missing < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-missing // ROUND_LARGE) * ROUND_LARGE
+
+
 def estimate_memory(
     pending: Sequence[PlannedGraph[OutputT]],
     make_engine: ProbeEngines[OutputT],
@@ -104,10 +191,14 @@ def estimate_memory(
     gc_disable: bool,
     warm_ups: WarmUps,
     loops: LoopProbes[OutputT] | None = None,
+    warmed_classes: frozenset[WarmUpClass] = frozenset(),
 ) -> MemoryEstimate:
-    """Probe, measure and extrapolate; synchronizes the calling stream (``loops``: a group of their own).
+    """Probe, measure and predict; synchronizes the calling stream (``loops``: a group of their own).
 
-    ``warm_ups``: the capture's (the rule's). The probes' own pool is freed at the end.
+    ``warm_ups``: the capture's (the rule's); ``warmed_classes``: the warm-up
+    classes a key of which was warmed up before (a probe of another class
+    warms up first, as the capture would: nothing compiles inside a probe).
+    The probes' own pool is freed at the end.
     """
     start = time.perf_counter()
     check_capture_enabled(None)
@@ -119,11 +210,12 @@ def estimate_memory(
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
             warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
-            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept)
+            classes = set(warmed_classes) | {warm_up_class(graph) for graph, _ in largest}
+            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept, classes)
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
-            probes, pool_total, driver_total = _probe_groups(groups)
+            probes, pool_total, driver_total = _probe_groups(groups, device)
         finally:
             with capture_lock(device):  # freeing graphs edits torch's registry that captures edit
                 kept.clear()
@@ -170,12 +262,15 @@ def _probe_plan(
     buffers: StaticBuffers,
     smallest: frozenset[BatchDescriptor],
     kept: list[object],
+    classes: set[WarmUpClass],
 ) -> list[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]]:
     """Per mode: its graphs, and how to probe one of them (``_probe``)."""
     return [
         (
             graphs,
-            functools.partial(_probe, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest),
+            functools.partial(
+                _probe, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest, classes=classes
+            ),
         )
         for mode, graphs in grouped.items()
     ]
@@ -205,19 +300,56 @@ def measure_warm_ups(
 
 def _probe_groups(
     groups: Sequence[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]],
+    device: torch.device,
 ) -> tuple[list[CapturedGraph], int, int]:
-    """Each group's probes (``pick_probes``) recorded, and the ``(pool, driver)`` bytes extrapolated."""
+    """Each group's probes recorded, and the ``(pool, driver)`` bytes of all its keys (``RULE``).
+
+    ``"predicted"``: the group's ``PREDICTED_PROBES`` largest keys, the rest's pool
+    played on theirs (``predict_pool``), each charged their mean driver bytes;
+    ``"probes"``: ``pick_probes``, then ``extrapolate``.
+    """
     probes: list[CapturedGraph] = []
     pool_total = driver_total = 0
     for graphs, probe in groups:
-        measured = [probe(graph) for graph in pick_probes(graphs, _num_tokens)]
+        if RULE == "probes":
+            measured = [probe(graph) for graph in pick_probes(graphs, _num_tokens)]
+            group_pool, group_driver = extrapolate(
+                [(p.pool_bytes, p.driver_bytes) for p in measured], len(graphs)
+            )
+        else:
+            picked, rest = graphs[:PREDICTED_PROBES], graphs[PREDICTED_PROBES:]
+            uses: list[tuple[int, PoolUse]] = []
+            measured = []
+            for graph in picked:
+                before = _pool_stats(device)
+                measured.append(probe(graph))
+                uses.append((graph.num_tokens, _pool_use(before, _pool_stats(device))))
+            group_pool = sum(p.pool_bytes for p in measured) + predict_pool(uses, [g.num_tokens for g in rest])
+            group_driver = sum(p.driver_bytes for p in measured)
+            group_driver += len(rest) * (group_driver // len(measured))
         probes += measured
-        group_pool, group_driver = extrapolate(
-            [(p.pool_bytes, p.driver_bytes) for p in measured], len(graphs)
-        )
         pool_total += group_pool
         driver_total += group_driver
     return probes, pool_total, driver_total
+
+
+def _pool_stats(device: torch.device) -> tuple[int, int, int, int]:
+    """torch's reserved and allocated bytes in small and large blocks, on ``device``."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before CUDA is initialized
+    if not stats:
+        return 0, 0, 0, 0
+    reserved, allocated = stats["reserved_bytes"], stats["allocated_bytes"]
+    return (
+        int(reserved["small_pool"]["current"]),
+        int(reserved["large_pool"]["current"]),
+        int(allocated["small_pool"]["current"]),
+        int(allocated["large_pool"]["current"]),
+    )
+
+
+def _pool_use(before: tuple[int, int, int, int], after: tuple[int, int, int, int]) -> PoolUse:
+    small_reserved, large_reserved, small_kept, large_kept = (b - a for a, b in zip(before, after, strict=True))
+    return PoolUse(small_reserved, large_reserved, small_kept, large_kept)
 
 
 def _probe(
@@ -227,8 +359,10 @@ def _probe(
     buffers: StaticBuffers,
     kept: list[object],
     smallest: frozenset[BatchDescriptor],
+    classes: set[WarmUpClass],
 ) -> CapturedGraph:
-    """Record ``graph`` into ``kept``, warmed up first if in ``smallest`` (every capture warms them).
+    """Record ``graph`` into ``kept``, warmed up first if in ``smallest`` (every capture warms them)
+    or of a warm-up class not in ``classes`` (then added: its first use, a compile among them).
 
     ``smallest``: each mode's smallest key that ``measure_warm_ups`` did not
     warm already (it warms the first key of the mode that the capture warms:
@@ -237,7 +371,9 @@ def _probe(
     with ``kept``, or the pool stays reserved.
     """
     start = time.perf_counter()
-    warmed = graph.descriptor in smallest
+    cls = warm_up_class(graph)
+    warmed = graph.descriptor in smallest or cls not in classes
+    classes.add(cls)
     if warmed:
         warm_up(graph, engine, buffers)
     entry, captured = record(
