@@ -111,7 +111,7 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
 
         with (
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
-            fx_config.patch(use_duck_shape=DUCK_SHAPE),
+            fx_config.patch(use_duck_shape=DUCK_SHAPE),  # type: ignore[attr-defined]  # installed at import
         ):
             return compiled_attend(*args)
 

@@ -2,7 +2,9 @@
 
 ``python -m tests.benchmarks.report BENCH_JSON OUTDIR`` writes:
 
-- ``OUTDIR/bench.md``: one table per benchmark group with each entry's median,
+- ``OUTDIR/bench.md``: first the entries that name a target (``extra_info``
+  ``target``, ``figure``, ``figure_spread``, ``target_met``: each figure beside
+  its target), then one table per benchmark group with each entry's median,
   its median per step where the entry says how many steps one call ran
   (``extra_info["steps_per_call"]`` or ``extra_info["median_step_ms"]``), and
   its ratio against the group's baseline: the entry named by the entry's
@@ -185,6 +187,7 @@ def markdown(
         "Ratios are time over the baseline's time (below 1: faster); speedup is the inverse. "
         "Per-step times divide a call's median by the steps it ran between two device syncs."
     )
+    lines += targets_table(entries)
     for name, group in group_entries(entries).items():
         per_step = any(e.step_s is not None for e in group)
         extra = _extra_columns(group)
@@ -210,6 +213,27 @@ def markdown(
             row += [_format_value(entry.extra[key]) if key in entry.extra else "" for key in extra]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def targets_table(entries: Sequence[Entry]) -> list[str]:
+    """The entries that name a target (``extra_info``: ``target``, ``figure``, ``figure_spread``,
+    ``target_met``) as one table, each figure beside its target; no lines where none does."""
+    rows = [e for e in entries if isinstance(e.extra.get("target"), str) and _number(e.extra.get("figure"))]
+    if not rows:
+        return []
+    lines = ["", "## Targets", "", "| what | figure | spread | target | met |", "|---|---:|---|---|---|"]
+    for entry in rows:
+        figure = _number(entry.extra.get("figure"))
+        met = entry.extra.get("target_met")
+        cells = [
+            entry.label,
+            "" if figure is None else f"{figure:.3g}",
+            _format_value(entry.extra.get("figure_spread", "")),
+            _format_value(entry.extra["target"]),
+            "yes" if met is True else "no" if met is False else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def step_series(entries: Sequence[Entry]) -> dict[str, list[tuple[int, float]]]:

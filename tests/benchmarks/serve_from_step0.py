@@ -27,7 +27,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_manager import CUDAGraphManager
+from cudagraph_manager import CaptureReport, CUDAGraphManager
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
@@ -103,10 +103,14 @@ def main(run: str, setup_name: str) -> dict[str, object]:
         capture_s = ready_s = None
         retries = 0
         reasons_during: dict[str, int] = {}
+        phases: dict[str, float] = {}
         if manager is not None and run == "foreground":
-            capture_s = manager.capture(progress=False).seconds
+            report = manager.capture(progress=False)
+            capture_s = report.seconds
             ready_s = time.perf_counter() - start
+            phases = _phases(report)
         handle = manager.start_capture() if manager is not None and run == "background" else None
+        start_capture_s = time.perf_counter() - start
         after = 0
         while after < STEPS_AFTER:
             step_start = time.perf_counter()
@@ -117,6 +121,7 @@ def main(run: str, setup_name: str) -> dict[str, object]:
                 ready_s = now - start
                 report = handle.wait(0)
                 capture_s, retries = report.seconds, handle.retries
+                phases = _phases(report)
                 reasons_during = dict(manager.stats.eager_reasons)  # why steps ran eagerly meanwhile
                 assert handle.errors == (), handle.errors
             after += run == "eager" or ready_s is not None
@@ -134,6 +139,20 @@ def main(run: str, setup_name: str) -> dict[str, object]:
         "eager_reasons_during": reasons_during,
         "steady_eager_step_ms": statistics.median(steady[5:]),
         "graphs": 0 if manager is None else manager.num_captured,
+        # Where the time went: start_capture()'s host time (its warm-ups queued), the capture's phases.
+        "start_capture_s": start_capture_s if run == "background" else None,
+        "phases": phases,
+    }
+
+
+def _phases(report: CaptureReport) -> dict[str, float]:
+    """A capture's host seconds by phase (warm-ups, recordings, instantiations, the rest)."""
+    p = report.phases
+    return {
+        "warmup_s": p.warmup,
+        "recording_s": p.recording,
+        "instantiation_s": p.instantiation,
+        "rest_s": p.rest,
     }
 
 

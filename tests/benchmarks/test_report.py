@@ -215,3 +215,28 @@ def test_partial_results_of_a_module_with_a_failed_test_are_kept_and_flagged(tmp
     report = (out / MARKDOWN_NAME).read_text()
     assert f"- `{partial.stem}`: pytest exit status 1" in report
     assert "## decoder step, batch 1" in report
+
+
+def test_entries_with_a_target_are_listed_first_beside_their_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    target = {"figure": 3.5, "figure_spread": "3.2..3.9 (2 runs)", "target": "<= 4", "target_met": True}
+    document = {
+        "benchmarks": [
+            _bench("test_plain", "start-up", 1.0),
+            _bench("test_cold[flex]", "start-up", 2.0, {"label": "cold / floor, flex", **target}),
+            _bench("test_wake", "start-up", 1.0, {"figure": 5.0, "target": "<= 2 ms", "target_met": False}),
+        ]
+    }
+    out = tmp_path / "out"
+    assert main([str(_write(tmp_path, document)), str(out)]) == 0
+    md = (out / MARKDOWN_NAME).read_text()
+    headings = [line for line in md.splitlines() if line.startswith("## ")]
+    assert headings == ["## Targets", "## start-up"]
+    targets = md.split("## Targets\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in targets.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [[c.strip() for c in row.strip("|").split("|")] for row in rows] == [
+        ["cold / floor, flex", "3.5", "3.2..3.9 (2 runs)", "<= 4", "yes"],
+        ["test_wake", "5", "", "<= 2 ms", "no"],
+    ]

@@ -24,7 +24,16 @@ from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_capture.lowlevel import capture_disabled_reason
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._capture._estimate import MIN_PROBES, PROBE_SHARE, extrapolate, pick_probes
+from cudagraph_manager._capture._estimate import (
+    MIN_PROBES,
+    PREDICTED_PROBES,
+    PROBE_SHARE,
+    RULE,
+    PoolUse,
+    extrapolate,
+    pick_probes,
+    predict_pool,
+)
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
@@ -164,7 +173,8 @@ def test_a_disabled_capture_is_refused_by_the_estimate_too() -> None:
     estimate = manager.estimate_memory()  # the refusal left nothing behind: every key, the usual probes
     assert estimate.no_graphs is None
     assert estimate.num_graphs == len(keys)
-    assert [probe.descriptor for probe in estimate.probes] == pick_probes(keys, lambda key: key.num_tokens)
+    probed = keys[:PREDICTED_PROBES] if RULE == "predicted" else pick_probes(keys, lambda key: key.num_tokens)
+    assert [probe.descriptor for probe in estimate.probes] == probed
     assert estimate.total_bytes == estimate.warmup_bytes + estimate.pool_bytes + estimate.driver_bytes
     assert manager.num_captured == 0
 
@@ -220,3 +230,56 @@ def test_an_estimate_warms_each_key_up_once_at_most(monkeypatch: pytest.MonkeyPa
     with torch.no_grad():
         manager.estimate_memory()
     assert len(warmed) == len({id(graph) for graph in warmed}) == 2  # each mode's smallest, once
+
+
+# -- the predicted rule: two probes a mode, the rest played on their pool -------------------------
+
+
+def _use(small: int, large: int, small_kept: int = 0, large_kept: int = 0) -> PoolUse:
+    return PoolUse(small * MIB, large * MIB, small_kept * MIB, large_kept * MIB)
+
+
+def test_keys_that_fit_in_what_the_larger_ones_left_grow_nothing() -> None:
+    """A decoder's smaller keys: transients shrink faster than their kept outputs add up."""
+    probes = [(512, _use(32, 60, small_kept=1)), (504, _use(0, 0, small_kept=1))]
+    assert predict_pool(probes, [256, 64, 8, 1]) == 0
+
+
+def test_kept_outputs_past_the_room_grow_the_pool_in_whole_segments() -> None:
+    """Outputs of small blocks kept by every key, more than the first probe's transients left."""
+    probes = [(100, _use(2, 0, small_kept=1))]  # 1 MiB of transient room, 1 MiB kept per 100 tokens
+    grown = predict_pool(probes, [100, 100, 100])
+    assert grown % (2 * MIB) == 0
+    assert grown >= 2 * MIB  # three more MiB kept than the first segment's room
+    assert predict_pool(probes, []) == 0
+    assert predict_pool([], [100]) == 0
+
+
+def test_a_large_transient_that_does_not_fit_takes_a_large_segment() -> None:
+    """A large-block transient above the room left: one of torch's 20 MiB buffers (below 10 MiB asked)."""
+    probes = [(100, _use(0, 4, large_kept=2))]  # 2 MiB of transients, 2 MiB kept per 100 tokens
+    assert predict_pool(probes, [100]) == 0  # it fits what the probe left: 2 MiB kept, 2 MiB of room
+    assert predict_pool(probes, [100, 100]) == 20 * MIB
+
+
+def test_the_later_probes_bound_the_transients() -> None:
+    """A second probe that fit without growing shows the transients are at most the room it found."""
+    loose = [(100, _use(20, 0, small_kept=1))]
+    tight = [*loose, (99, _use(0, 0, small_kept=1))]
+    assert predict_pool(tight, [98, 97]) <= predict_pool(loose, [99, 98, 97])
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 64), st.integers(0, 64), st.integers(0, 8), st.integers(0, 8)), max_size=3
+    ),
+    st.lists(st.integers(1, 512), max_size=40),
+)
+def test_the_prediction_never_shrinks_the_pool_and_grows_with_more_keys(
+    uses: list[tuple[int, int, int, int]], tokens: list[int]
+) -> None:
+    probes = [(512 - i, _use(*use)) for i, use in enumerate(uses)]
+    grown = predict_pool(probes, sorted(tokens, reverse=True))
+    assert grown >= 0
+    assert grown % (2 * MIB) == 0
+    assert predict_pool(probes, sorted([*tokens, 1], reverse=True)) >= grown

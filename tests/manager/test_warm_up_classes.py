@@ -115,3 +115,56 @@ def test_reference_keys_recorded_without_a_warm_up_replay_as_eager(mode: CUDAGra
         return inputs, model(inputs["input_ids"], inputs["positions"], inputs["cache_rows"])
 
     _check_cold_keys_replay_as_eager(manager, report, step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_flex_compiles_per_class_and_never_inside_a_recording(
+    mode: CUDAGraphMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled FlexAttention under the default ``"auto"``: one warm-up per compile class it declares.
+
+    dynamo compiles during the classes' warm-ups only (none inside a
+    recording), fewer keys warm up than are captured, and every key
+    recorded cold replays as eager. The sizes reach past 128 queries, where
+    inductor's code for a packed step changes.
+    """
+    from cudagraph_manager._capture import _recording
+    from cudagraph_manager._compiled import dynamo_compiles
+
+    compiled_in_recordings: list[int] = []
+    real = _recording.record
+
+    def counted(graph: object, *args: object) -> object:
+        before = dynamo_compiles() or 0
+        try:
+            return real(graph, *args)  # type: ignore[arg-type]  # the planned graph and the rest, passed through
+        finally:
+            compiled_in_recordings.append((dynamo_compiles() or 0) - before)
+
+    monkeypatch.setattr(_recording, "record", counted)
+    config = PAGED_CONFIG
+    layout = PagedLayout.for_config(config, page_size=64)
+    torch.manual_seed(6)
+    model = PagedDecoder(config, layout=layout, backend="flex", device="cuda")
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        DispatchConfig(mode, CaptureSizes.default(160), max_num_seqs=config.max_num_seqs),
+        strict=True,
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
+    )
+    with torch.no_grad():
+        report = manager.capture(progress=False)
+    assert sum(compiled_in_recordings) == 0, compiled_in_recordings
+    assert len(compiled_in_recordings) == report.num_graphs  # each key recorded once: none again
+
+    def step(
+        key: BatchDescriptor, generator: torch.Generator
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        inputs = make_paged_inputs(
+            config, layout, key.num_tokens, uniform_decode=key.uniform, generator=generator, device="cuda"
+        )
+        return inputs, model.step(inputs, uniform_decode=key.uniform)
+
+    _check_cold_keys_replay_as_eager(manager, report, step)

@@ -73,7 +73,7 @@ def test_with_ranks_every_key_warms_up_whatever_was_warmed_before() -> None:
 
 
 def test_the_background_warms_each_modes_largest_not_warmed_before_and_its_smallest() -> None:
-    """Per class, as ``capture()``: here a class per mode, so each mode's largest (a first use) and smallest."""
+    """Per class, as ``capture()``: here a class per mode, so each mode's largest (first use) and smallest."""
     rule, plan = _rule(), _plan()
     first = rule.background(plan, "per_class")
     assert first.keys == (
@@ -371,14 +371,16 @@ def test_with_declared_classes_a_compiled_model_warms_per_compile_class(
     warm_ups = _rule().plan(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
     assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
     with warm_ups.watch(plan[0], warm=True):
-        counter[0] += 1  # the class's first warm-up compiles its code: expected
+        counter[0] = (counter[0] or 0) + 1  # the class's first warm-up compiles its code: expected
     assert not warm_ups.needs(plan[1])  # neither the next key of the class nor every key
     with warm_ups.watch(plan[3], warm=True):
-        counter[0] += 1
+        counter[0] = (counter[0] or 0) + 1
     assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
 
 
-def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A class the declaration missed: the cold recording compiled, so it is recorded again, warmed up,
     and the class's next key warms up too."""
     counter = _no_dynamo(monkeypatch, 0)
@@ -389,7 +391,7 @@ def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(monkeypat
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
         calls.append(warm)
         if not warm:
-            counter[0] += 1  # a compile inside the recording
+            counter[0] = (counter[0] or 0) + 1  # a compile inside the recording
         return ("captured", descriptor, warm)
 
     assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor, True)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
@@ -414,7 +416,7 @@ def test_a_recording_that_failed_while_compiling_is_retried_after_its_warm_up(
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
         calls.append(warm)
         if not warm:
-            counter[0] += 1
+            counter[0] = (counter[0] or 0) + 1
             raise CaptureError("inductor failed inside the capture", descriptor)
         return ("captured", descriptor)
 

@@ -136,6 +136,12 @@ class PoolUse:
     small_kept: int
     large_kept: int
 
+    def of(self, *, small: bool) -> tuple[int, int]:
+        """``(reserved, kept)`` of the small blocks, or of the large ones."""
+        if small:
+            return self.small_reserved, self.small_kept
+        return self.large_reserved, self.large_kept
+
 
 def predict_pool(probes: Sequence[tuple[int, PoolUse]], tokens: Sequence[int]) -> int:
     """The pool growth of a largest-first capture's keys after its ``probes``, played on their pool.
@@ -143,8 +149,9 @@ def predict_pool(probes: Sequence[tuple[int, PoolUse]], tokens: Sequence[int]) -
     ``probes``: ``(num_tokens, PoolUse)`` of the probed keys, largest first
     (the first from an empty pool); ``tokens``: each key not probed, in plan
     order. Per block size, each key's transients are the first probe's
-    (its growth less what it kept) scaled by the key's tokens, and what it
-    keeps the first probe's so scaled (rounded up to a block); where they do
+    (its growth less what it kept) per token times its tokens, at most what
+    the later probes' transients showed they fit in, and what it keeps the
+    most any probe kept per token (rounded up to a block); where they do
     not fit in the pool as the keys before left it, it grows by the missing
     bytes in whole segments. Pure.
     """
@@ -152,14 +159,18 @@ def predict_pool(probes: Sequence[tuple[int, PoolUse]], tokens: Sequence[int]) -
         return 0
     first_tokens, first = probes[0]
     grown = 0
-    for reserved_of, kept_of, segment in (
-        (lambda u: u.small_reserved, lambda u: u.small_kept, _small_segment),
-        (lambda u: u.large_reserved, lambda u: u.large_kept, _large_segment),
-    ):
-        reserved = sum(max(0, reserved_of(use)) for _, use in probes)
-        held = sum(max(0, kept_of(use)) for _, use in probes)
-        transient = max(0, reserved_of(first) - kept_of(first)) / max(1, first_tokens)
-        kept = max(0, kept_of(first)) / max(1, first_tokens)
+    for small, segment in ((True, _small_segment), (False, _large_segment)):
+        first_reserved, first_kept = first.of(small=small)
+        reserved = held = 0
+        transient = max(0, first_reserved - first_kept) / max(1, first_tokens)
+        kept = 0.0
+        for n, use in probes:  # each probe's transients fit in the pool the ones before left
+            use_reserved, use_kept = use.of(small=small)
+            reserved += max(0, use_reserved)
+            if held:
+                transient = min(transient, max(0, reserved - held) / max(1, n))
+            held += max(0, use_kept)
+            kept = max(kept, max(0, use_kept) / max(1, n))
         start = reserved
         for n in tokens:
             need = held + math.ceil(transient * n)
@@ -324,7 +335,9 @@ def _probe_groups(
                 before = _pool_stats(device)
                 measured.append(probe(graph))
                 uses.append((graph.num_tokens, _pool_use(before, _pool_stats(device))))
-            group_pool = sum(p.pool_bytes for p in measured) + predict_pool(uses, [g.num_tokens for g in rest])
+            group_pool = sum(p.pool_bytes for p in measured) + predict_pool(
+                uses, [g.num_tokens for g in rest]
+            )
             group_driver = sum(p.driver_bytes for p in measured)
             group_driver += len(rest) * (group_driver // len(measured))
         probes += measured
@@ -348,7 +361,9 @@ def _pool_stats(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def _pool_use(before: tuple[int, int, int, int], after: tuple[int, int, int, int]) -> PoolUse:
-    small_reserved, large_reserved, small_kept, large_kept = (b - a for a, b in zip(before, after, strict=True))
+    small_reserved, large_reserved, small_kept, large_kept = (
+        b - a for a, b in zip(before, after, strict=True)
+    )
     return PoolUse(small_reserved, large_reserved, small_kept, large_kept)
 
 

@@ -318,7 +318,7 @@ class WarmUpRule(Generic[OutputT]):
         return thread in self._threads
 
     def thread_warmed(self) -> None:
-        """This thread warmed the manager's keys up (each mode's smallest), their seconds reported elsewhere."""
+        """This thread warmed the manager's keys up (each mode's smallest); their seconds are not reported."""
         self._threads.add(threading.current_thread())
 
     def ran(self, descriptor: BatchDescriptor, seconds: float) -> None:
