@@ -13,9 +13,10 @@ them in its "Targets" table (``tests/benchmarks/report.py``).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import pytest
@@ -26,10 +27,26 @@ from tests.capture.test_lean_import_capture import fresh_json
 pytestmark = pytest.mark.gpu
 
 ROUNDS: Final = int(os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_ROUNDS", "2"))
+#: The rounds of ``start_capture()`` against ``capture()`` (``CUDAGRAPH_BENCH_DEFAULTS_SERVE_ROUNDS``).
+SERVE_ROUNDS: Final = int(os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_SERVE_ROUNDS", str(ROUNDS)))
 GROUP: Final = "issue 49: start-up, wake and estimate with the defaults, against their targets"
 #: Seconds a fresh process may take (``CUDAGRAPH_BENCH_DEFAULTS_TIMEOUT``; a GPU job gives less).
 TIMEOUT_S: Final = float(os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_TIMEOUT", "300"))
 DEFAULTS: Final = ("-m", "tests.benchmarks.defaults")
+
+
+@pytest.fixture(autouse=True)
+def _figures_logged(request: pytest.FixtureRequest, benchmark: BenchmarkFixture) -> Iterator[None]:
+    """Each benchmark's figures, appended as a JSON line to ``CUDAGRAPH_BENCH_DEFAULTS_LOG`` when set.
+
+    pytest-benchmark writes its JSON when the session ends; a GPU job that
+    may be cut short keeps each figure as it is measured.
+    """
+    yield
+    path = os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_LOG")
+    if path and benchmark.extra_info:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps({"name": request.node.name, **benchmark.extra_info}, default=str) + "\n")
 
 
 def alternated(variants: Sequence[Sequence[str]], rounds: int) -> list[list[dict[str, Any]]]:
@@ -106,7 +123,7 @@ def test_bench_start_capture_against_capture(benchmark: BenchmarkFixture, model:
         ("-m", "tests.benchmarks.serve_from_step0", run, model) for run in ("foreground", "background")
     ]
     benchmark.group = GROUP
-    benchmark.pedantic(lambda: runs.extend(alternated(variants, ROUNDS)), rounds=1)
+    benchmark.pedantic(lambda: runs.extend(alternated(variants, SERVE_ROUNDS)), rounds=1)
     foreground, background = runs
     ratios = [b["ready_s"] / f["capture_s"] for f, b in zip(foreground, background, strict=True)]
     figure = statistics.median(ratios)
