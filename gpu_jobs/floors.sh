@@ -3,17 +3,18 @@
 # user gets. One H200, system python3 (torch 2.11), no installs, from the repository root:
 #     OUT=/some/dir bash gpu_jobs/floors.sh
 # At most 410 s in all; each part has a time cap and is skipped when too little time is left.
-#   0. two untimed first processes, kept as diagnostics: cold flex on a machine whose inductor and
-#      Triton caches are empty (the rows after it find them warm, as a user's second start does), and
-#      cold varlen under cProfile (where the cold recordings lose their time: cold minus warm
-#      recapture, per function)                                                             <= 65 s
+#   0. an untimed first process, kept as a diagnostic: cold flex on a machine whose inductor and
+#      Triton caches are empty (the rows after it find them warm, as a user's second start does;
+#      the old variant's own compiles still find them empty)                                  <= 45 s
 #   1. the rows, as `make bench` measures them (tests/benchmarks/test_bench_defaults.py, fresh
-#      processes, the variants alternating): cold flex, new then old (2 processes); cold varlen,
-#      auto then every_key (2); start_capture() against capture() on the small decoder, 2 rounds
-#      ABBA (4); the wake, new and old (2); the estimate, six models, both rules ABBA (1). Each row's
-#      figures are appended to figures.jsonl as measured; then report.py's Targets table    <= 150 s
+#      processes, the variants alternating): cold flex, new then old (2 processes, ~25 s); cold
+#      varlen, auto then every_key (2, ~20 s); start_capture() against capture() on the small
+#      decoder, 2 rounds ABBA (4, ~35 s); the wake, new and old (2, ~25 s); the estimate, six models,
+#      both rules AB (1, ~60 s). Each row's figures are appended to figures.jsonl as measured; then
+#      report.py's Targets table                                                              <= 175 s
 #   2. the GPU tests of the start-up paths, serially (free memory is read: the card alone)    <= 185 s
-#   3. with the time left: cold varlen with CUDA_MODULE_LOADING=EAGER                         <= 25 s
+#   3. with the time left: cold varlen under cProfile (cold minus warm recapture, per function),
+#      and with CUDA_MODULE_LOADING=EAGER                                                     <= 40 s
 #   4. the compact table, last.
 # Files under $OUT/floors/ (8 at most): figures.jsonl, bench.json, bench.md, diag.jsonl, tests.txt,
 # log.txt, summary.txt.
@@ -50,12 +51,11 @@ diag() {  # label, cap, reserve, env and command...
   say "diag $label rc=$rc"
 }
 
-# 0. First processes (empty on-disk caches), kept as diagnostics.
+# 0. The first process (empty on-disk caches), kept as a diagnostic.
 diag flex-first-process 45 330 $PY -m tests.benchmarks.defaults cold --backend flex --page-size 128
-diag varlen-profile 20 320 $PY -m tests.benchmarks.defaults cold --backend varlen --page-size 16 --profile
 
-# 1. The rows (make bench's module), leaving >= 190 s for the tests and the table.
-T=$(cap 150 190)
+# 1. The rows (make bench's module), leaving >= 185 s for the tests and the table.
+T=$(cap 175 185)
 if [ "$T" -gt 60 ]; then
   timeout "$T" $PY -m pytest -p no:cacheprovider -q tests/benchmarks/test_bench_defaults.py --benchmark-only \
     -k "not reference" $(timeout_flag 110) --benchmark-json="$D/bench.json" >> "$LOG" 2>&1
@@ -85,8 +85,9 @@ run_tests 55 tests/manager/test_capture_worker.py tests/manager/test_background_
   tests/manager/test_kv_sizing.py
 rm -f "$D/tests.part"
 
-# 3. With the time left: is lazy module loading what cold varlen recordings pay?
-diag varlen-eager-loading 25 8 CUDA_MODULE_LOADING=EAGER $PY -m tests.benchmarks.defaults cold \
+# 3. With the time left: where cold varlen recordings lose their time; is it lazy module loading?
+diag varlen-profile 20 8 $PY -m tests.benchmarks.defaults cold --backend varlen --page-size 16 --profile
+diag varlen-eager-loading 20 8 CUDA_MODULE_LOADING=EAGER $PY -m tests.benchmarks.defaults cold \
   --backend varlen --page-size 16
 rm -f "$D/diag.part"
 

@@ -25,8 +25,8 @@ beside its target; ``gpu_jobs/floors.sh`` runs the same.
   for the manager) apart.
 - ``estimate [--cases A,B] [--rounds N]``: ``estimate_memory()`` in a warm
   process against the warm recapture it predicts, for the predicted rule (the
-  default) and the probes' rule before it, interleaved (ABBA): time over the
-  capture's and the error against the drop of free memory.
+  default) and the probes' rule before it, alternating (AB, then BA): time
+  over the capture's and the error against the drop of free memory.
 """
 
 from __future__ import annotations
@@ -430,9 +430,8 @@ def estimate(cases: list[str], rounds: int) -> dict[str, Any]:
             manager.estimate_memory()  # the warm-up cycle: nothing below pays for a first use
             manager.capture(progress=False)
             manager.release()
-            for index in range(rounds):
-                order = RULES if index % 2 == 0 else RULES[::-1]
-                for rule in (*order, *order[::-1]):
+            for index in range(rounds):  # AB, then BA: ABBA over two rounds
+                for rule in RULES if index % 2 == 0 else RULES[::-1]:
                     runs.append(_estimate_once(manager, rule))
         case: dict[str, Any] = {"graphs": sum(len(keys) for _, keys in manager.dispatcher.capture_plan())}
         for rule in RULES:
@@ -470,7 +469,7 @@ def main() -> None:
     w.add_argument("--old", action="store_true", help="no worker warm-up after the foreground capture")
     e = sub.add_parser("estimate")
     e.add_argument("--cases", default=",".join(CASES))
-    e.add_argument("--rounds", type=int, default=1)
+    e.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.command == "cold":
         result = cold(args.backend, args.page_size, args.old, args.warm_ups, args.profile)

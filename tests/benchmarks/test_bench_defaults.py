@@ -175,7 +175,7 @@ def test_bench_estimate_time(benchmark: BenchmarkFixture) -> None:
 
     runs: list[dict[str, Any]] = []
     chosen = os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_ESTIMATE_CASES", ",".join(CASES))
-    args = (*DEFAULTS, "estimate", "--rounds", str(max(1, ROUNDS // 2)), "--cases", chosen)
+    args = (*DEFAULTS, "estimate", "--rounds", str(ROUNDS), "--cases", chosen)
     benchmark.group = GROUP
     benchmark.pedantic(lambda: runs.append(fresh_json(*args, timeout=2 * TIMEOUT_S)), rounds=1)
     every: dict[str, Any] = runs[0]["cases"]
