@@ -11,7 +11,9 @@ here (a bug of the code under test, never a user error). ``fail`` makes the
 next calls of one name fail, as a driver that refuses.
 
 ``use_fake_vmm(monkeypatch, fake)`` makes every ``ReservedMemory`` (and
-``KVCacheMemory``) built on the CPU use it.
+``KVCacheMemory``) built on the CPU use it, and the free memory a
+``KVCacheMemory`` measures there the fake's capacity left (unlimited: none
+measured).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 from cudagraph_capture import _reserved
+from cudagraph_manager._memory import _kv
 
 
 class FakeVirtualMemory:
@@ -122,3 +125,11 @@ def use_fake_vmm(monkeypatch: pytest.MonkeyPatch, fake: FakeVirtualMemory) -> No
     real = _reserved.vmm_for
     cpu = torch.device("cpu")
     monkeypatch.setattr(_reserved, "vmm_for", lambda device: fake if device == cpu else real(device))
+    measure = _kv.backable_bytes
+
+    def backable(device: torch.device, *, release_cache: bool) -> int | None:
+        if device != cpu:
+            return measure(device, release_cache=release_cache)
+        return None if fake.capacity is None else fake.capacity - fake.used
+
+    monkeypatch.setattr(_kv, "backable_bytes", backable)

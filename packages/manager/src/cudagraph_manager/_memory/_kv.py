@@ -249,7 +249,9 @@ class KVCacheMemory:
                 self._units = self.max_units
                 self.limit.fill_(self._units)
             else:
-                free = free_bytes(self.device)
+                free = backable_bytes(self.device, release_cache=True)
+                if free is None:
+                    raise ValueError(f"margin_bytes: {self.device} does not say how much memory it has free")
                 if free < margin_bytes:
                     raise ValueError(
                         f"margin_bytes: the device has {free} bytes free, less than the margin of "
@@ -296,29 +298,34 @@ class KVCacheMemory:
             raise ValueError(f"{what}: this KVCacheMemory is closed")
 
     def _back_bytes(self, nbytes: int) -> None:
-        """Back the reservation's first ``nbytes``; zero what is new, move ``limit`` (first, on a shrink)."""
+        """Back the reservation's first ``nbytes``; zero the new units, move ``limit`` (first, on a shrink)."""
         memory = self.memory
-        before = memory.backed_bytes
         at_least = min(self.max_units, nbytes // self.unit_bytes)
         if at_least < self._units:  # steps queued from now on read the smaller limit, before the unmap
             self.limit.fill_(at_least)
+        first_new = self._units * self.unit_bytes  # a unit partly backed before is new too
         after = memory.back(nbytes)
         self._units = min(self.max_units, after // self.unit_bytes)
-        if after > before:
-            memory.view(torch.uint8, (after - before,), offset=before).zero_()
+        if after > first_new:
+            memory.view(torch.uint8, (after - first_new,), offset=first_new).zero_()
         self.limit.fill_(self._units)
 
 
-def free_bytes(device: torch.device) -> int:
-    """What the driver can give a cache on ``device`` now: free memory once torch's unused cache is back.
+def backable_bytes(device: torch.device, *, release_cache: bool) -> int | None:
+    """What the driver can give a cache on ``device`` now (``None`` off CUDA: unknown).
 
     ``cudaMemGetInfo`` counts torch's cached blocks (reserved, holding no
-    tensor) as used, and ``cuMemCreate`` cannot take them. ``empty_cache()``
-    gives back every cached segment that holds no tensor; a segment part of
-    which a tensor (or a live graph's pool) still uses stays torch's, and
-    its free blocks are neither counted free nor available to the cache.
+    tensor) as used, and ``cuMemCreate`` cannot take them. With
+    ``release_cache``, ``empty_cache()`` first gives back every cached
+    segment that holds no tensor; a segment part of which a tensor (or a live
+    graph's pool) still uses stays torch's, and its free blocks are neither
+    counted free nor available to the cache: the figure is exactly what the
+    driver can back.
     """
-    torch.cuda.empty_cache()
+    if device.type != "cuda":
+        return None
+    if release_cache:
+        torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info(device)[0])
 
 
@@ -326,12 +333,12 @@ def _check_room(memory: ReservedMemory, nbytes: int, name: str, what: str) -> No
     """``ValueError`` naming ``name`` where backing ``nbytes`` needs more memory than the device has free."""
     rounded = -(-nbytes // memory.granularity) * memory.granularity
     need = rounded - memory.backed_bytes
-    if need <= 0 or memory.device.type != "cuda":
+    if need <= 0:
         return
-    free = int(torch.cuda.mem_get_info(memory.device)[0])
-    if need > free:
-        free = free_bytes(memory.device)  # torch's cached blocks may make room
-    if need > free:
+    free = backable_bytes(memory.device, release_cache=False)
+    if free is not None and need > free:
+        free = backable_bytes(memory.device, release_cache=True)  # torch's cached blocks may make room
+    if free is not None and need > free:
         raise ValueError(
             f"{name}: {what} need {need} more bytes of device memory; {memory.device} has {free} free "
             "(nothing was backed)"
