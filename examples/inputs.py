@@ -129,12 +129,12 @@ def make_paged_inputs(
     page_size, width = layout.page_size, layout.pages_per_seq
     limit = min(config.max_seq_len, layout.max_seq_len)
     ends = [int(torch.randint(length, limit + 1, (), generator=g)) for length in lengths]  # seq_lens
-    pages = layout.num_pages if num_pages is None else num_pages
+    usable = layout.num_pages if num_pages is None else num_pages
     needed = sum(-(-end // page_size) for end in ends)
-    if needed > pages - 1:
-        raise ValueError(f"num_tokens: this step needs {needed} pages, the cache has {pages - 1}")
-    pool = (torch.randperm(pages - 1, generator=g) + 1).tolist()  # every page but scratch
-    table = torch.randint(1, pages, (len(lengths), width), generator=g, dtype=torch.int32)
+    if needed > usable - 1:
+        raise ValueError(f"num_tokens: this step needs {needed} pages, the cache has {usable - 1}")
+    pool = (torch.randperm(usable - 1, generator=g) + 1).tolist()  # every page but scratch
+    table = torch.randint(1, usable, (len(lengths), width), generator=g, dtype=torch.int32)
     positions: list[torch.Tensor] = []
     for r, (length, end) in enumerate(zip(lengths, ends, strict=True)):
         used = -(-end // page_size)

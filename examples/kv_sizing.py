@@ -66,7 +66,7 @@ Figures: TypeAlias = dict[str, float | int | str]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KvSizing:
-    """What the estimate-first start-up did: the estimate, the KV cache it allowed, the capture, what was left."""
+    """What the estimate-first start-up did: the estimate, the KV cache it allowed, the capture, the rest."""
 
     estimate: MemoryEstimate
     kv_units: int  # request rows, or pages of a paged cache (``kv_unit``)
@@ -146,7 +146,9 @@ def start_up_capture_first(
     The manager was built with ``ManagerOptions(kv_cache=...)``, the model over the same memory.
     """
     kv_cache = model.kv_cache
-    assert kv_cache is not None, "the model's cache is reserved memory (reserve_row_cache, reserve_paged_cache)"
+    assert kv_cache is not None, (
+        "the model's cache is reserved memory (reserve_row_cache, reserve_paged_cache)"
+    )
     if isinstance(model, PagedDecoder):
         model.warm_up(_largest(manager))  # FlexAttention's shape classes, as in the other order
     start = time.perf_counter()
@@ -186,7 +188,9 @@ def build(
         kv_cache = reserve_row_cache(decoder, device="cuda") if reserved else None
         model = ReferenceDecoder(decoder, device="cuda", kv_cache=kv_cache)
         options: ManagerOptions[torch.Tensor] = ManagerOptions(kv_cache=kv_cache)
-        return CUDAGraphManager(model.forward, static_inputs(decoder), config, strict=True, options=options), model
+        return CUDAGraphManager(
+            model.forward, static_inputs(decoder), config, strict=True, options=options
+        ), model
     kv_cache = reserve_paged_cache(decoder, page_size=PAGE_SIZE, device="cuda") if reserved else None
     model = PagedDecoder(decoder, backend=attention, device="cuda", kv_cache=kv_cache)
     options = ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend), kv_cache=kv_cache)
@@ -279,7 +283,9 @@ def side_by_side(model: str, attention: str, margin_mib: int) -> list[Figures]:
         rows.append(row)
     mib = 2**20
     print(f"{model}, {attention}: margin {margin_mib} MiB")
-    print(f"{'order':<9} {'KV GiB':>8} {'units':>8} {'left MiB':>9} {'over margin MiB':>16} {'start-up s':>11}")
+    print(
+        f"{'order':<9} {'KV GiB':>8} {'units':>8} {'left MiB':>9} {'over margin MiB':>16} {'start-up s':>11}"
+    )
     for row in rows:
         left = float(row["left_bytes"])
         print(

@@ -127,7 +127,7 @@ class ReferenceDecoder(nn.Module):
         else:
             if kv_cache.device != dev:
                 raise ValueError(f"kv_cache: on {kv_cache.device}, the model on {dev}")
-            # [rows, 2, max_seq_len, layers, heads, head_dim] -> each layer's [rows, 2, max_seq_len, heads, dim]
+            # [rows, 2, max_seq_len, layers, heads, head_dim] -> a layer's [rows, 2, max_seq_len, heads, dim]
             caches = [kv_cache.tensor[:, :, :, i] for i in range(config.num_layers)]
         self.caches: Final = LayerCaches(caches)
         self.register_buffer(
@@ -177,8 +177,8 @@ class ReferenceDecoder(nn.Module):
         capturing = cache_rows.is_cuda and torch.cuda.is_current_stream_capturing()
         if eager and not capturing and bool(outside.any()):
             raise ValueError(
-                f"cache_rows: rows {cache_rows[outside][:4].tolist()} are not backed: the KV cache backs rows "
-                f"[0, {int(limit)})"
+                f"cache_rows: rows {cache_rows[outside][:4].tolist()} are not backed: the KV cache backs "
+                f"rows [0, {int(limit)})"
             )
         return cache_rows.masked_fill(outside, self.config.scratch_row)
 

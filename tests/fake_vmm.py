@@ -70,7 +70,8 @@ class FakeVirtualMemory:
 
     def reserve(self, size: int) -> int:
         self._call("reserve")
-        assert size > 0 and size % self.granularity == 0, size
+        assert size > 0, size
+        assert size % self.granularity == 0, size
         buffer = ctypes.create_string_buffer(size + self.granularity)  # aligned as the driver aligns
         base = -(-ctypes.addressof(buffer) // self.granularity) * self.granularity
         self._buffers[base] = buffer
@@ -86,7 +87,8 @@ class FakeVirtualMemory:
 
     def create(self, size: int) -> object:
         self._call("create")
-        assert size > 0 and size % self.granularity == 0, size
+        assert size > 0, size
+        assert size % self.granularity == 0, size
         if self.capacity is not None and self.used + size > self.capacity:
             raise torch.OutOfMemoryError(f"cuMemCreate: the fake device is out of memory ({size} bytes)")
         handle = ("handle", next(self._ids))

@@ -214,7 +214,9 @@ class PagedBuffers:
             pad_rows(meta.block_table, inputs["block_table"], self.layout.scratch_page)
             if self.page_limit is not None:  # pages not backed read the scratch page (device ops)
                 table = meta.block_table
-                table.masked_fill_(table.lt(0).logical_or_(table >= self.page_limit), self.layout.scratch_page)
+                table.masked_fill_(
+                    table.lt(0).logical_or_(table >= self.page_limit), self.layout.scratch_page
+                )
             pad_rows(meta.positions, inputs["positions"], 0)
             # Each token's request, in range whatever the lengths (a device check may report them later).
             ends = torch.cumsum(inputs["query_lens"], 0, dtype=torch.int32)  # the dtype of _arange

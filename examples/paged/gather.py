@@ -118,7 +118,9 @@ class GatherPagedAttention(EagerBreakAttention):
         rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
         # A view where the cache is contiguous; a cache whose slots hold every layer gathers into strides
         # of its own order, which reshape copies once.
-        rows = rows.reshape(2, num_tokens, -1, heads, head_dim).transpose(2, 3)  # [2, T, heads, M * page, dim]
+        rows = rows.reshape(2, num_tokens, -1, heads, head_dim).transpose(
+            2, 3
+        )  # [2, T, heads, M * page, dim]
         result = F.scaled_dot_product_attention(q.unsqueeze(2), rows[0], rows[1], attn_mask=mask)
         out.copy_(result.squeeze(2))  # [T, heads, head_dim]
 

@@ -105,7 +105,9 @@ class PagedDecoder(nn.Module):
                 breakable=breakable,
                 page_limit=limit,
             )
-        elif limit is not None and getattr(getattr(backend, "buffers", None), "page_limit", None) is not limit:
+        elif (
+            limit is not None and getattr(getattr(backend, "buffers", None), "page_limit", None) is not limit
+        ):
             raise ValueError(
                 f"backend: {backend!r:.80} was not built with page_limit=kv_cache.limit: it would read "
                 "pages that are not backed"
@@ -302,7 +304,7 @@ class PagedDecoder(nn.Module):
 
 
 def paged_unit_shape(config: DecoderConfig, page_size: int) -> tuple[int, int, int, int, int]:
-    """One page of every layer, as ``reserve_paged_cache`` lays it out: ``[page_size, layers, 2, heads, dim]``.
+    """A page of every layer, as ``reserve_paged_cache`` lays it out: ``[page_size, layers, 2, heads, dim]``.
 
     Each slot holds every layer's key and value: a layer's cache
     ``[2, pages, page_size, heads, head_dim]`` is a view whose slots are

@@ -55,7 +55,9 @@ def gather_rows_until(flat: torch.Tensor, slots: torch.Tensor, total: torch.Tens
     """
     _, _, heads, head_dim = flat.shape
     if flat.stride(3) != 1 or flat.stride(2) != head_dim:
-        raise ValueError(f"flat: each slot's heads and head_dim must be contiguous, got strides {flat.stride()}")
+        raise ValueError(
+            f"flat: each slot's heads and head_dim must be contiguous, got strides {flat.stride()}"
+        )
     num_rows, row = slots.shape[0], heads * head_dim
     packed = torch.empty((2, num_rows, heads, head_dim), dtype=flat.dtype, device=flat.device)
     if num_rows == 0:

@@ -45,7 +45,8 @@ def test_a_plan_backs_exactly_in_few_power_of_two_mappings(granules: int, larges
     top = GRANULE << ((largest // GRANULE).bit_length() - 1)
     for size in sizes:
         multiple = size // GRANULE
-        assert size % GRANULE == 0 and multiple & (multiple - 1) == 0, size  # a power of two of granules
+        assert size % GRANULE == 0, size
+        assert multiple & (multiple - 1) == 0, size  # a power of two of granules
         assert size <= top
     assert sizes == sorted(sizes, reverse=True)  # largest first: a shrink drops the small ones
     assert len(sizes) <= granules * GRANULE // top + top.bit_length()
@@ -54,7 +55,10 @@ def test_a_plan_backs_exactly_in_few_power_of_two_mappings(granules: int, larges
 def test_ten_gib_is_ten_mappings_and_a_granule_exact_tail_one_more() -> None:
     granule = 2 << 20
     assert plan_mappings(10 << 30, granule) == [MAX_MAPPING_BYTES] * 10
-    assert plan_mappings((10 << 30) + 3 * granule, granule) == [MAX_MAPPING_BYTES] * 10 + [2 * granule, granule]
+    assert plan_mappings((10 << 30) + 3 * granule, granule) == [MAX_MAPPING_BYTES] * 10 + [
+        2 * granule,
+        granule,
+    ]
     with pytest.raises(ValueError, match="nbytes: 3 is not a multiple"):
         plan_mappings(3, granule)
 
@@ -67,16 +71,28 @@ def test_a_reservation_is_addresses_only_until_backed(fake: FakeVirtualMemory) -
     assert memory.fallback is None
     assert memory.size == 11 * GRANULE  # rounded up to the granularity
     assert memory.granularity == GRANULE
-    assert memory.backed_bytes == 0 and memory.mappings == () and fake.used == 0
+    assert memory.backed_bytes == 0
+    assert fake.used == 0
+    assert fake.mapped == {}
     assert memory.back(3 * GRANULE + 5) == 4 * GRANULE  # rounded up
-    assert memory.mappings == ((0, 4 * GRANULE),)
+    assert list(memory.mappings) == [(0, 4 * GRANULE)]
     assert memory.back(11 * GRANULE) == 11 * GRANULE
-    assert memory.mappings == ((0, 4 * GRANULE), (4 * GRANULE, 4 * GRANULE), (8 * GRANULE, 2 * GRANULE), (10 * GRANULE, GRANULE))
+    assert list(memory.mappings) == [
+        (0, 4 * GRANULE),
+        (4 * GRANULE, 4 * GRANULE),
+        (8 * GRANULE, 2 * GRANULE),
+        (10 * GRANULE, GRANULE),
+    ]
     assert fake.used == fake.mapped_bytes == memory.backed_bytes
-    assert fake.allowed[-1] == (list(fake.reserved)[0] + 4 * GRANULE, 7 * GRANULE)  # one call for the new ones
+    assert fake.allowed[-1] == (
+        next(iter(fake.reserved)) + 4 * GRANULE,
+        7 * GRANULE,
+    )  # one call for the new ones
 
 
-def test_a_shrink_ends_at_the_first_mapping_boundary_at_or_above_the_end_asked(fake: FakeVirtualMemory) -> None:
+def test_a_shrink_ends_at_the_first_mapping_boundary_at_or_above_the_end_asked(
+    fake: FakeVirtualMemory,
+) -> None:
     memory = ReservedMemory(16 * GRANULE, device="cpu")
     memory.back(4 * GRANULE)
     memory.back(11 * GRANULE)  # mappings: [0, 4), [4, 8), [8, 10), [10, 11)
@@ -84,15 +100,17 @@ def test_a_shrink_ends_at_the_first_mapping_boundary_at_or_above_the_end_asked(f
     assert memory.back(8 * GRANULE) == 8 * GRANULE
     assert memory.back(1) == 4 * GRANULE
     assert memory.back(0) == 0
-    assert fake.used == 0 and fake.mapped == {}
+    assert fake.used == 0
+    assert fake.mapped == {}
 
 
 def test_views_are_tensors_over_the_range_without_a_copy(fake: FakeVirtualMemory) -> None:
     memory = ReservedMemory(8 * GRANULE, device="cpu")
-    base = list(fake.reserved)[0]
+    base = next(iter(fake.reserved))
     whole = memory.view(torch.float32, (8 * GRANULE // 4,))
     part = memory.view(torch.int64, (2, 3), offset=GRANULE)
-    assert whole.data_ptr() == base and part.data_ptr() == base + GRANULE
+    assert whole.data_ptr() == base
+    assert part.data_ptr() == base + GRANULE
     memory.back(2 * GRANULE)
     part.copy_(torch.arange(6).view(2, 3))
     assert whole[GRANULE // 4 : GRANULE // 4 + 4].view(torch.int64).tolist() == [0, 1]
@@ -152,7 +170,8 @@ def test_out_of_memory_backs_nothing_and_is_torchs_error(fake: FakeVirtualMemory
     memory.back(4 * GRANULE)
     with pytest.raises(torch.OutOfMemoryError):
         memory.back(15 * GRANULE)  # 8 granules fit, then 2 more do not
-    assert memory.backed_bytes == 4 * GRANULE and fake.used == 4 * GRANULE
+    assert memory.backed_bytes == 4 * GRANULE
+    assert fake.used == 4 * GRANULE
 
 
 # -- close, lifetimes --
@@ -163,8 +182,10 @@ def test_close_gives_the_memory_back_and_the_addresses_with_the_last_view(fake: 
     view = memory.view(torch.uint8, (GRANULE,))
     memory.back(4 * GRANULE)
     memory.close()
-    assert memory.closed and memory.backed_bytes == 0
-    assert fake.used == 0 and fake.mapped == {}
+    assert memory.closed
+    assert memory.backed_bytes == 0
+    assert fake.used == 0
+    assert fake.mapped == {}
     assert fake.reserved, "a live view keeps the addresses reserved (it must never read another allocation)"
     del view
     gc.collect()
@@ -180,10 +201,13 @@ def test_a_reservation_dropped_without_close_gives_everything_back(fake: FakeVir
     memory.back(3 * GRANULE)
     del memory
     gc.collect()
-    assert fake.reserved and fake.used, "the view keeps it"
+    assert fake.reserved, "the view keeps it"
+    assert fake.used
     del view
     gc.collect()
-    assert fake.reserved == {} and fake.handles == {} and fake.mapped == {}
+    assert fake.reserved == {}
+    assert fake.handles == {}
+    assert fake.mapped == {}
 
 
 def test_a_wrapped_pointer_keeps_its_owner_until_the_last_tensor_goes() -> None:
@@ -194,7 +218,8 @@ def test_a_wrapped_pointer_keeps_its_owner_until_the_last_tensor_goes() -> None:
     gone = weakref.ref(owner)
     host = torch.arange(16, dtype=torch.uint8)
     tensor = wrap_pointer(host.data_ptr(), 16, torch.device("cpu"), owner)
-    assert tensor.data_ptr() == host.data_ptr() and tensor.tolist() == list(range(16))
+    assert tensor.data_ptr() == host.data_ptr()
+    assert tensor.tolist() == list(range(16))
     view = tensor[4:8]
     del owner, tensor
     gc.collect()
@@ -266,7 +291,8 @@ class BackingMachine(RuleBasedStateMachine):
     def bookkeeping_matches_the_driver(self) -> None:
         memory = self.memory
         backed = memory.backed_bytes
-        assert backed % GRANULE == 0 and 0 <= backed <= memory.size
+        assert backed % GRANULE == 0
+        assert 0 <= backed <= memory.size
         offsets = [offset for offset, _ in memory.mappings]
         ends = [offset + size for offset, size in memory.mappings]
         assert offsets == [0, *ends[:-1]][: len(offsets)], "the mappings tile a prefix"
@@ -277,7 +303,8 @@ class BackingMachine(RuleBasedStateMachine):
         self.memory.close()
         del self.words
         gc.collect()
-        assert self.fake.reserved == {} and self.fake.handles == {}
+        assert self.fake.reserved == {}
+        assert self.fake.handles == {}
         self.patch.undo()
 
 

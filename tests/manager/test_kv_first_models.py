@@ -17,7 +17,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig, set_forward_context
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CaptureSizes,
+    CUDAGraphMode,
+    DispatchConfig,
+    set_forward_context,
+)
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch
 from examples import DecoderConfig
@@ -72,7 +78,12 @@ def test_each_backends_eager_steps_over_reserved_memory_equal_ordinary_caches(ba
     with torch.no_grad():
         for num_tokens, uniform in ((5, False), (3, True), (9, False)):
             inputs = make_paged_inputs(
-                CONFIG, model.layout, num_tokens, uniform_decode=uniform, generator=generator, num_pages=kv.units
+                CONFIG,
+                model.layout,
+                num_tokens,
+                uniform_decode=uniform,
+                generator=generator,
+                num_pages=kv.units,
             )
             mine = model.step(inputs, uniform_decode=uniform)
             theirs = twin.step(inputs, uniform_decode=uniform)
@@ -86,16 +97,27 @@ def test_an_eager_step_naming_a_page_not_backed_is_refused_by_name() -> None:
     kv = model.kv_cache
     assert kv is not None
     inputs = make_paged_inputs(
-        CONFIG, model.layout, 4, uniform_decode=True, generator=torch.Generator().manual_seed(2), num_pages=kv.units
+        CONFIG,
+        model.layout,
+        4,
+        uniform_decode=True,
+        generator=torch.Generator().manual_seed(2),
+        num_pages=kv.units,
     )
     bad = dict(inputs)
     bad["block_table"] = inputs["block_table"].clone()
     bad["block_table"][1, 0] = kv.units  # the first page past the backed ones (the reservation has it)
-    with pytest.raises(ValueError, match=rf"block_table: used pages are in \[1, {kv.units}\) \(the pages backed\)"):
+    with pytest.raises(
+        ValueError, match=rf"block_table: used pages are in \[1, {kv.units}\) \(the pages backed\)"
+    ):
         model.step(bad, uniform_decode=True)
     config = DispatchConfig(CUDAGraphMode.FULL, CaptureSizes([1, 2, 4, 8]), max_num_seqs=CONFIG.max_num_seqs)
-    options = ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend), kv_cache=kv)
-    manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, device="cpu", options=options)
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(
+        attention=AttentionOptions(metadata_builder=model.backend), kv_cache=kv
+    )
+    manager = CUDAGraphManager(
+        model, paged_static_inputs(model.layout), config, device="cpu", options=options
+    )
     with pytest.raises(ValueError, match="block_table: used pages are in"):
         manager.run_batch(bad, uniform_decode=True)
     assert manager.stats.eager_steps == 0
@@ -124,7 +146,8 @@ def test_the_metadata_sends_pages_not_backed_to_the_scratch_page_on_the_device()
 
 def test_the_row_cache_over_reserved_memory_refuses_unbacked_rows_eagerly_and_clamps_them_in_graphs() -> None:
     kv = reserve_row_cache(CONFIG, max_rows=64, device="cpu")
-    assert kv.units >= CONFIG.max_num_seqs + 1 and kv.min_units == CONFIG.max_num_seqs + 1
+    assert kv.units >= CONFIG.max_num_seqs + 1
+    assert kv.min_units == CONFIG.max_num_seqs + 1
     assert kv.back(40) >= 40
     torch.manual_seed(0)
     model = ReferenceDecoder(CONFIG, device="cpu", kv_cache=kv)

@@ -49,14 +49,18 @@ def _consistent(kv: KVCacheMemory, fake: FakeVirtualMemory) -> None:
 def test_min_units_are_backed_and_zero_from_the_start(fake: FakeVirtualMemory) -> None:
     kv = _memory()
     assert kv.unit_bytes == 3 * 256 * 4
-    assert kv.tensor.shape == (64, *UNIT) and kv.tensor.dtype == torch.int32
+    assert kv.tensor.shape == (64, *UNIT)
+    assert kv.tensor.dtype == torch.int32
     assert kv.memory.backed_bytes == 2 * GRANULE  # 2 units of 3 KiB, rounded up to 8 KiB
     assert kv.units == 2  # 8 KiB hold 2 whole units
-    assert int(kv.limit) == 2 and kv.limit.dtype == torch.int64 and kv.limit.shape == ()
+    assert int(kv.limit) == 2
+    assert kv.limit.dtype == torch.int64
+    assert kv.limit.shape == ()
     assert not kv.tensor[:2].any()
     backing = kv.backing()
     assert (backing.units, backing.max_units, backing.mappings, backing.fallback) == (2, 64, 1, None)
-    assert backing.chunk_bytes == GRANULE and backing.reserved_bytes == kv.memory.size
+    assert backing.chunk_bytes == GRANULE
+    assert backing.reserved_bytes == kv.memory.size
     _consistent(kv, fake)
 
 
@@ -82,13 +86,15 @@ def test_a_shrink_needs_the_units_in_use_and_refuses_one_past_the_end(fake: Fake
     before = (kv.units, kv.memory.mappings)
     with pytest.raises(ValueError, match=r"in_use: shrinking from 40 to 10 units needs the ids"):
         kv.back(10)
-    with pytest.raises(ValueError, match=r"in_use: unit\(s\) \[12, 30\] in use lie at or past the new end 10"):
+    with pytest.raises(
+        ValueError, match=r"in_use: unit\(s\) \[12, 30\] in use lie at or past the new end 10"
+    ):
         kv.back(10, in_use=[1, 30, 12])
     with pytest.raises(ValueError, match=r"in_use: unit\(s\) \[10\] in use"):
         kv.back(10, in_use=torch.tensor([[3, 10]]))
     with pytest.raises(ValueError, match="in_use: expected unit ids"):
         kv.back(10, in_use=[1.5])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="in_use: expected unit ids .* a torch.float32 tensor"):
+    with pytest.raises(ValueError, match=r"in_use: expected unit ids .* a torch.float32 tensor"):
         kv.back(10, in_use=torch.ones(2))
     assert (kv.units, kv.memory.mappings) == before
     assert kv.back(10, in_use=torch.arange(10)) >= 10  # the mapping holding the end stays whole
@@ -122,7 +128,9 @@ def test_back_from_free_leaves_the_margin_to_within_a_chunk(fake: FakeVirtualMem
     left = fake.capacity - fake.used  # type: ignore[operator]
     assert margin <= left < margin + GRANULE
     assert units == kv.memory.backed_bytes // kv.unit_bytes
-    with pytest.raises(ValueError, match=r"margin_bytes: the device has \d+ bytes free, less than the margin"):
+    with pytest.raises(
+        ValueError, match=r"margin_bytes: the device has \d+ bytes free, less than the margin"
+    ):
         kv.back_from_free(left + 1)
     assert kv.back_from_free(0) >= units  # grows by what is left
     _consistent(kv, fake)
@@ -139,7 +147,9 @@ def test_close_and_what_it_refuses_afterwards(fake: FakeVirtualMemory) -> None:
     kv.back(20)
     kv.close()
     gc.collect()
-    assert kv.units == 0 and fake.used == 0 and fake.reserved == {}
+    assert kv.units == 0
+    assert fake.used == 0
+    assert fake.reserved == {}
     for what, call in (
         ("close", kv.close),
         ("back", lambda: kv.back(3)),
@@ -155,8 +165,10 @@ def test_without_virtual_memory_it_is_an_ordinary_allocation_and_says_so() -> No
     kv = KVCacheMemory(UNIT, torch.int32, max_units=1000, min_units=2, fallback_units=6, device="cpu")
     backing = kv.backing()
     assert backing.fallback == "the device is cpu, not CUDA"
-    assert kv.max_units == kv.units == 6 and kv.tensor.shape == (6, *UNIT)
-    assert kv.back(3, in_use=()) == 3 and int(kv.limit) == 3  # usable units only: the memory stays
+    assert kv.max_units == kv.units == 6
+    assert kv.tensor.shape == (6, *UNIT)
+    assert kv.back(3, in_use=()) == 3
+    assert int(kv.limit) == 3
     assert kv.memory.backed_bytes == 6 * kv.unit_bytes
     assert kv.drop() == 2
     assert kv.back_from_free(0) == 6
@@ -183,15 +195,19 @@ def test_the_manager_backs_drops_and_reports_its_kv_cache(fake: FakeVirtualMemor
     kv = _memory(max_units=1000)
     manager = _manager(kv)
     report = manager.capture()
-    assert report.kv_cache is not None and report.kv_cache.units == 2
+    assert report.kv_cache is not None
+    assert report.kv_cache.units == 2
     units = manager.back_kv_cache(margin_bytes=4 * GRANULE)
     stats = manager.stats
-    assert stats.kv_cache is not None and stats.kv_cache.units == units == kv.units
-    assert stats.kv_cache.seconds > 0 and stats.kv_cache.changes == 1
+    assert stats.kv_cache is not None
+    assert stats.kv_cache.units == units == kv.units
+    assert stats.kv_cache.seconds > 0
+    assert stats.kv_cache.changes == 1
     assert f"{units} of 1000 units backed" in str(stats)
     assert manager.back_kv_cache(units=10, in_use=[3]) >= 10
     assert manager.drop_kv_cache() == 2
-    assert manager.stats.kv_cache is not None and manager.stats.kv_cache.units == 2
+    assert manager.stats.kv_cache is not None
+    assert manager.stats.kv_cache.units == 2
 
 
 def test_the_managers_kv_calls_check_their_arguments(fake: FakeVirtualMemory) -> None:
@@ -207,11 +223,13 @@ def test_the_managers_kv_calls_check_their_arguments(fake: FakeVirtualMemory) ->
         manager.back_kv_cache(margin_bytes=-1)
     assert kv.units == 2
     bare = _manager(None)
-    with pytest.raises(RuntimeError, match=r"back_kv_cache: this manager was built without ManagerOptions\(kv"):
+    with pytest.raises(
+        RuntimeError, match=r"back_kv_cache: this manager was built without ManagerOptions\(kv"
+    ):
         bare.back_kv_cache(units=3)
     with pytest.raises(RuntimeError, match="drop_kv_cache: this manager was built without"):
         bare.drop_kv_cache()
-    with pytest.raises(ValueError, match="options.kv_cache: expected a KVCacheMemory or None, got 'x'"):
+    with pytest.raises(ValueError, match=r"options.kv_cache: expected a KVCacheMemory or None, got 'x'"):
         ManagerOptions(kv_cache="x")  # type: ignore[arg-type]
 
 
@@ -281,3 +299,21 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
 TestKVMachine = KVMachine.TestCase
+
+
+def test_the_readmes_start_up_in_the_new_order_runs_on_the_cpu_as_an_ordinary_allocation() -> None:
+    """The README's block as written, without CUDA: ``fallback_units`` pages, every step eager."""
+    from pathlib import Path
+
+    from tests.test_readmes import python_blocks
+
+    readme = Path(__file__).resolve().parents[2] / "packages/manager/README.md"
+    (block,) = [b for b in python_blocks(readme) if "back_kv_cache(margin_bytes" in b]
+    if torch.cuda.is_available():
+        pytest.skip("runs on a GPU in tests/manager/test_kv_first.py")
+    namespace: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(block, "packages/manager/README.md", "exec"), namespace)
+    kv = namespace["kv"]
+    assert isinstance(kv, KVCacheMemory)
+    assert namespace["pages"] == kv.units == 64
+    assert kv.backing().fallback == "the device is cpu, not CUDA"

@@ -22,7 +22,7 @@ made on a CUDA device; ``VirtualMemory`` types the calls made here (the fake
 of the tests implements it over host memory).
 """
 
-# ruff: noqa: N802, N815  (the protocols spell the CUDA API's names)
+# ruff: noqa: N802  (the protocols spell the CUDA API's names)
 
 from __future__ import annotations
 
@@ -407,10 +407,13 @@ _KDL_UINT: Final = 1
 _capsules: Final[dict[int, tuple[object, ...]]] = {}
 
 
-@_Deleter
-def _dlpack_deleter(address: int | None) -> None:
+def _let_go(address: int | None) -> None:
     """torch is done with a capsule's tensor: let go of what it kept alive."""
     _capsules.pop(address or 0, None)
+
+
+#: The capsules' deleter, a C function pointer alive as long as the module.
+_dlpack_deleter: Final = _Deleter(_let_go)
 
 
 def _from_dlpack(pointer: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:

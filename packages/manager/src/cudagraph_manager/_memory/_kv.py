@@ -132,7 +132,9 @@ class KVCacheMemory:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r:.80}")
         check_int("min_units", min_units, minimum=1)
-        fallback = min_units if fallback_units is None else check_int("fallback_units", fallback_units, minimum=1)
+        fallback = (
+            min_units if fallback_units is None else check_int("fallback_units", fallback_units, minimum=1)
+        )
         if fallback < min_units:
             raise ValueError(f"fallback_units: expected at least min_units={min_units}, got {fallback}")
         where = resolve_device(device)
@@ -177,7 +179,7 @@ class KVCacheMemory:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """``[max_units, *unit_shape]`` over the whole reservation, backed or not (the model's caches' base)."""
+        """``[max_units, *unit_shape]`` over the whole reservation, backed or not (the caches' base)."""
         tensor = self._tensor
         if tensor is None:
             raise ValueError("tensor: this KVCacheMemory is closed")
@@ -298,7 +300,7 @@ class KVCacheMemory:
             raise ValueError(f"{what}: this KVCacheMemory is closed")
 
     def _back_bytes(self, nbytes: int) -> None:
-        """Back the reservation's first ``nbytes``; zero the new units, move ``limit`` (first, on a shrink)."""
+        """Back the first ``nbytes``; zero the new units, move ``limit`` (first, on a shrink)."""
         memory = self.memory
         at_least = min(self.max_units, nbytes // self.unit_bytes)
         if at_least < self._units:  # steps queued from now on read the smaller limit, before the unmap
