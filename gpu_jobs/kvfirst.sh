@@ -80,7 +80,7 @@ for (config, order), r in sorted(starts.items()):
     cost_ms = (r["startup_s"] - r["capture_s"]) * 1e3
     other = starts.get((config, "estimate"))
     gained = "" if other is None else f"; KV cache {(r['kv_bytes'] - other['kv_bytes']) / 2**30:+.2f} GiB vs estimate first"
-    print(f"TARGET {config}: free - margin {over:.1f} MiB (< 2 MiB: {'MET' if 0 <= over < 2 else 'NOT MET'}); "
+    print(f"TARGET {config}: free - margin {over:+.1f} MiB (within 2 MiB: {'MET' if abs(over) < 2 else 'NOT MET'}); "
           f"start-up - capture {cost_ms:.1f} ms (<= 50: {'MET' if cost_ms <= 50 else 'NOT MET'}){gained}")
 for r in rows:
     if r.get("order") == "resize":
