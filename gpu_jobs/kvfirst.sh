@@ -12,9 +12,12 @@
 #   2. Benchmarks in fresh processes, as time allows (about 170 s; cut at the budget, the runs done
 #      kept): grow 10 GiB and a wake re-backing 10 GiB; then capture first vs estimate first on the
 #      five configurations (reference rows, gather, varlen, flex; the 8B-like shape last).
+#   KVFIRST_PART=tests or KVFIRST_PART=bench runs one part only (default: both, in that order), so a
+#   second run can give the benchmarks the whole budget if the first cut them short.
 set -u
 set -o pipefail
 OUT="${OUT:?set OUT}"
+PART="${KVFIRST_PART:-all}"
 DIR="$OUT/kvfirst"
 mkdir -p "$DIR"
 : > "$DIR/runs.jsonl"
@@ -30,19 +33,25 @@ step() { echo "[kvfirst] $(( $(date +%s) - start )) s: $*"; }
 # 1. The GPU tests: correctness first.
 TESTS="tests/capture/test_reserved_memory_gpu.py tests/manager/test_kv_first.py"
 TESTS="$TESTS tests/capture/test_reserved_memory.py tests/manager/test_kv_memory.py tests/manager/test_kv_first_models.py"
-step "GPU tests: $TESTS and test_bad_inputs -k 'kv or reserved'"
-timeout 200 $PY -m pytest -q -p no:cacheprovider -rfE --timeout 180 $TESTS \
-  > "$DIR/pytest.log" 2>&1
-tests_rc=$?
-timeout 30 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_bad_inputs.py -k "kv or reserved" \
-  > "$DIR/pytest_bad_inputs.log" 2>&1
-bad_rc=$?
-step "GPU tests exit $tests_rc ($(tail -1 "$DIR/pytest.log" | cut -c1-160)); bad inputs exit $bad_rc"
+tests_rc=-1
+bad_rc=-1
+if [ "$PART" != "bench" ]; then
+  step "GPU tests: $TESTS and test_bad_inputs -k 'kv or reserved'"
+  timeout 200 $PY -m pytest -q -p no:cacheprovider -rfE --timeout 180 $TESTS \
+    > "$DIR/pytest.log" 2>&1
+  tests_rc=$?
+  timeout 30 $PY -m pytest -q -p no:cacheprovider -rfE tests/test_bad_inputs.py -k "kv or reserved" \
+    > "$DIR/pytest_bad_inputs.log" 2>&1
+  bad_rc=$?
+  step "GPU tests exit $tests_rc ($(tail -1 "$DIR/pytest.log" | cut -c1-160)); bad inputs exit $bad_rc"
+fi
 
 # 2. Benchmarks, each run a fresh process, in one pytest while time is left (a run cut short by the
 #    budget loses only itself: each finished run is in runs.jsonl). Order: resize, then the five
 #    configurations in both orders, the 8B-like shape last.
-if [ "$(left)" -ge 30 ]; then
+if [ "$PART" = "tests" ]; then
+  step "benchmarks not run (KVFIRST_PART=tests)"
+elif [ "$(left)" -ge 30 ]; then
   step "benchmarks: $(left) s left"
   timeout "$(( $(left) - 2 ))" $PY -m pytest -q -p no:cacheprovider -rfE --benchmark-enable \
     --benchmark-json "$DIR/bench.json" tests/benchmarks/test_bench_kv_first.py > "$DIR/bench.log" 2>&1
@@ -59,8 +68,9 @@ rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 tests_rc, bad_rc = int(sys.argv[2]), int(sys.argv[3])
 MIB = 2**20
 print("=" * 100)
-print(f"GPU tests: {'PASSED' if tests_rc == 0 else f'FAILED (exit {tests_rc})'}; "
-      f"bad inputs: {'PASSED' if bad_rc == 0 else f'FAILED (exit {bad_rc})'} (logs: pytest*.log)")
+def verdict(rc):
+    return "not run" if rc == -1 else "PASSED" if rc == 0 else f"FAILED (exit {rc}; 124: cut at 200 s)"
+print(f"GPU tests: {verdict(tests_rc)}; bad inputs: {verdict(bad_rc)} (logs: pytest*.log)")
 print("config              order     KV GiB    units  free-margin MiB  capture s  start-up s  extra")
 starts = {}
 for r in rows:

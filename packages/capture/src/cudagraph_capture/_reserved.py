@@ -408,8 +408,9 @@ _capsules: Final[dict[int, tuple[object, ...]]] = {}
 
 
 def _let_go(address: int | None) -> None:
-    """torch is done with a capsule's tensor: let go of what it kept alive."""
-    _capsules.pop(address or 0, None)
+    """torch is done with a capsule's tensor: let go of what it kept alive (never raises: C calls it)."""
+    with contextlib.suppress(Exception):  # at interpreter exit the registry may be gone already
+        _capsules.pop(address or 0, None)
 
 
 #: The capsules' deleter, a C function pointer alive as long as the module.
