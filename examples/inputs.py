@@ -110,13 +110,16 @@ def make_paged_inputs(
     query_len: int = 1,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    num_pages: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random inputs of one step on a randomly paged cache (``PAGED_INPUT_NAMES``).
 
     Requests as ``make_step_inputs`` draws them (``query_len`` tokens each
     when ``uniform_decode``), each at a random place in its sequence, its
-    pages drawn without replacement from a shuffled pool; the block-table
-    entries past a request's length hold random pages, which the attention
+    pages drawn without replacement from a shuffled pool of pages 1 to
+    ``num_pages - 1`` (default: the layout's; a cache over reserved memory:
+    its pages backed, ``KVCacheMemory.units``); the block-table entries past
+    a request's length hold random pages of that pool, which the attention
     must ignore. Drawn on the CPU with ``generator``, then moved to ``device``.
     """
     g = generator
@@ -126,11 +129,12 @@ def make_paged_inputs(
     page_size, width = layout.page_size, layout.pages_per_seq
     limit = min(config.max_seq_len, layout.max_seq_len)
     ends = [int(torch.randint(length, limit + 1, (), generator=g)) for length in lengths]  # seq_lens
+    usable = layout.num_pages if num_pages is None else num_pages
     needed = sum(-(-end // page_size) for end in ends)
-    if needed > layout.num_pages - 1:
-        raise ValueError(f"num_tokens: this step needs {needed} pages, the cache has {layout.num_pages - 1}")
-    pool = (torch.randperm(layout.num_pages - 1, generator=g) + 1).tolist()  # every page but scratch
-    table = torch.randint(1, layout.num_pages, (len(lengths), width), generator=g, dtype=torch.int32)
+    if needed > usable - 1:
+        raise ValueError(f"num_tokens: this step needs {needed} pages, the cache has {usable - 1}")
+    pool = (torch.randperm(usable - 1, generator=g) + 1).tolist()  # every page but scratch
+    table = torch.randint(1, usable, (len(lengths), width), generator=g, dtype=torch.int32)
     positions: list[torch.Tensor] = []
     for r, (length, end) in enumerate(zip(lengths, ends, strict=True)):
         used = -(-end // page_size)

@@ -37,8 +37,9 @@ from typing import Final
 import torch
 from torch import Tensor, nn
 
+from cudagraph_dispatch import CUDAGraphMode, get_forward_context
 from cudagraph_dispatch.lowlevel import check_bool
-from cudagraph_manager import StaticInput
+from cudagraph_manager import KVCacheMemory, StaticInput
 
 from .body import DecoderBody, LayerCaches
 from .config import DecoderConfig
@@ -72,12 +73,22 @@ class ReferenceDecoder(nn.Module):
         attention: the op every layer calls (``AttentionOp``) instead;
             ``with_attention`` gives this model (its weights and caches)
             with another op.
+        kv_cache: the cache's memory reserved before the capture and backed
+            after (``reserve_row_cache``): every layer's cache is a view of
+            it, each row holding every layer's keys and values (a prefix of
+            the reservation is whole rows; ``max_units`` rows, the scratch
+            row ``max_num_seqs`` among the ``min_units`` always backed). A
+            row not backed is never read or written: the step's metadata
+            sends ``cache_rows`` outside ``[0, kv_cache.limit)`` to the
+            scratch row (on the device, no synchronization), and an eager
+            step naming one raises ``ValueError``.
 
     ``body`` holds the weights (``DecoderBody``, shared in kind with
     ``PagedDecoder``); ``caches[i]`` is layer ``i``'s KV cache,
     ``[max_num_seqs + 1, 2, max_seq_len, heads, head_dim]`` (per request
     row, its keys then its values; the last row is the padding scratch row),
-    filled with random values that stand for earlier context.
+    filled with random values that stand for earlier context (over reserved
+    memory: ``max_units`` rows, zeros).
     """
 
     key_positions: torch.Tensor
@@ -89,10 +100,13 @@ class ReferenceDecoder(nn.Module):
         device: torch.device | str | None = None,
         breakable: bool = True,
         attention: AttentionOp | None = None,
+        kv_cache: KVCacheMemory | None = None,
     ) -> None:
         given: object = config
         if not isinstance(given, DecoderConfig):
             raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
+        if kv_cache is not None:
+            _check_row_cache(config, kv_cache)
         check_bool("breakable", breakable)
         if attention is not None and not callable(attention):
             raise ValueError(
@@ -105,10 +119,17 @@ class ReferenceDecoder(nn.Module):
         self.attention: AttentionOp = attention
         self.body: Final = DecoderBody(config, device=device)
         dev = self.body.device
-        shape = (config.max_num_seqs + 1, 2, config.max_seq_len, config.num_heads, config.head_dim)
-        self.caches: Final = LayerCaches(
-            [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
-        )
+        #: The cache's reserved memory (``None``: ordinary tensors).
+        self.kv_cache: Final = kv_cache
+        if kv_cache is None:
+            shape = (config.max_num_seqs + 1, 2, config.max_seq_len, config.num_heads, config.head_dim)
+            caches = [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
+        else:
+            if kv_cache.device != dev:
+                raise ValueError(f"kv_cache: on {kv_cache.device}, the model on {dev}")
+            # [rows, 2, max_seq_len, layers, heads, head_dim] -> a layer's [rows, 2, max_seq_len, heads, dim]
+            caches = [kv_cache.tensor[:, :, :, i] for i in range(config.num_layers)]
+        self.caches: Final = LayerCaches(caches)
         self.register_buffer(
             "key_positions", torch.arange(config.max_seq_len, device=dev), persistent=False
         )  # [max_seq_len]
@@ -120,7 +141,14 @@ class ReferenceDecoder(nn.Module):
         return self.forward_with_metadata(input_ids, self.metadata(positions, cache_rows))
 
     def metadata(self, positions: torch.Tensor, cache_rows: torch.Tensor) -> AttentionMetadata:
-        """The attention metadata of the step at ``positions [T]`` in cache rows ``cache_rows [T]``."""
+        """The attention metadata of the step at ``positions [T]`` in cache rows ``cache_rows [T]``.
+
+        Over reserved memory, rows outside the rows backed go to the scratch
+        row (device ops); an eager step naming one raises ``ValueError``
+        first (one synchronization: eager steps only).
+        """
+        if self.kv_cache is not None:
+            cache_rows = self._backed_rows(cache_rows, self.kv_cache.limit)
         return build_attention_metadata(
             positions, cache_rows, self.key_positions, self.body.rotary, self.config.num_heads
         )
@@ -141,6 +169,18 @@ class ReferenceDecoder(nn.Module):
             attention(q, k, v, caches[index], rows, meta.key_index, meta.value_index, meta.mask, out)
 
         return self.body.run(input_ids, meta.cos, meta.sin, attend)
+
+    def _backed_rows(self, cache_rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        outside = cache_rows.lt(0).logical_or_(cache_rows >= limit)  # [T]
+        context = get_forward_context()
+        eager = context is None or context.runtime_mode is CUDAGraphMode.NONE
+        capturing = cache_rows.is_cuda and torch.cuda.is_current_stream_capturing()
+        if eager and not capturing and bool(outside.any()):
+            raise ValueError(
+                f"cache_rows: rows {cache_rows[outside][:4].tolist()} are not backed: the KV cache backs "
+                f"rows [0, {int(limit)})"
+            )
+        return cache_rows.masked_fill(outside, self.config.scratch_row)
 
     def step(self, inputs: dict[str, torch.Tensor], *, uniform_decode: bool = False) -> torch.Tensor:
         """``forward`` on a dict of step inputs (``examples.inputs.make_step_inputs``), typed.
@@ -176,6 +216,11 @@ class ReferenceDecoder(nn.Module):
         Call it before capturing: graphs read the caches at their addresses.
         """
         config = self.config
+        if self.kv_cache is not None:
+            raise ValueError(
+                f"num_rows: this model's cache is reserved memory of {self.kv_cache.max_units} rows; back "
+                "more or fewer of them (CUDAGraphManager.back_kv_cache) instead"
+            )
         given: object = num_rows
         if not isinstance(given, int) or isinstance(given, bool) or given < config.max_num_seqs + 1:
             raise ValueError(
@@ -186,6 +231,57 @@ class ReferenceDecoder(nn.Module):
         shape = (config.num_layers, num_rows, 2, config.max_seq_len, config.num_heads, config.head_dim)
         device = self.body.device
         self.caches.replace(lambda: torch.empty(shape, device=device, dtype=config.dtype).unbind(0))
+
+
+def row_unit_shape(config: DecoderConfig) -> tuple[int, int, int, int, int]:
+    """One request row of every layer, as ``reserve_row_cache`` lays it out: ``[2, seq, layers, heads, dim]``.
+
+    Each position holds every layer's key (or value): a layer's cache
+    ``[rows, 2, max_seq_len, heads, head_dim]`` is a view whose key and
+    value rows are evenly strided (``cached_attention`` flattens it), and a
+    prefix of the memory is whole rows.
+    """
+    return (2, config.max_seq_len, config.num_layers, config.num_heads, config.head_dim)
+
+
+def reserve_row_cache(
+    config: DecoderConfig,
+    *,
+    max_rows: int | None = None,
+    fallback_rows: int | None = None,
+    device: torch.device | str | None = None,
+) -> KVCacheMemory:
+    """A row cache's memory, reserved and not backed but for its ``max_num_seqs + 1`` first rows.
+
+    Those rows (a batch's requests, the scratch row) stay backed;
+    ``max_rows``: the reservation (default: as many rows as the device's
+    memory holds); ``fallback_rows``: the ordinary allocation where virtual
+    memory cannot be had (default: those first rows). For
+    ``ReferenceDecoder(config, kv_cache=...)`` and ``ManagerOptions(kv_cache=...)``.
+    """
+    return KVCacheMemory(
+        row_unit_shape(config),
+        config.dtype,
+        max_units=max_rows,
+        min_units=config.max_num_seqs + 1,
+        fallback_units=fallback_rows,
+        device=device,
+    )
+
+
+def _check_row_cache(config: DecoderConfig, kv_cache: object) -> None:
+    if not isinstance(kv_cache, KVCacheMemory):
+        raise ValueError(f"kv_cache: expected a KVCacheMemory or None, got {kv_cache!r:.80}")
+    if kv_cache.unit_shape != row_unit_shape(config) or kv_cache.dtype != config.dtype:
+        raise ValueError(
+            f"kv_cache: units of {list(kv_cache.unit_shape)} {kv_cache.dtype}, expected rows of "
+            f"{list(row_unit_shape(config))} {config.dtype} (reserve_row_cache)"
+        )
+    if kv_cache.min_units <= config.scratch_row:
+        raise ValueError(
+            f"kv_cache: {kv_cache.min_units} rows always backed, expected the scratch row "
+            f"{config.scratch_row} among them (min_units >= {config.scratch_row + 1})"
+        )
 
 
 def static_inputs(config: DecoderConfig) -> dict[str, StaticInput]:

@@ -45,6 +45,7 @@ from cudagraph_capture import (
     shared_pool,
 )
 from cudagraph_capture.lowlevel import (
+    ReservedMemory,
     capture_stream,
     check_capture_enabled,
     collector_paused,
@@ -64,7 +65,14 @@ from cudagraph_dispatch import (
 )
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, ManagerOptions, StaticInput, compile_for_capture
+from cudagraph_manager import (
+    CUDAGraphManager,
+    DecodeLoop,
+    KVCacheMemory,
+    ManagerOptions,
+    StaticInput,
+    compile_for_capture,
+)
 from cudagraph_manager.attention import AttentionOptions, pad_offsets, pad_rows
 from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
@@ -217,6 +225,53 @@ def _capture_with_progress(progress: object) -> object:
     manager = construct()()
     assert isinstance(manager, CUDAGraphManager)
     return manager.capture(progress=cast(bool, progress))
+
+
+def _reserved(size: int = 16) -> ReservedMemory:
+    """A reservation on the CPU: an ordinary allocation of ``size`` bytes (the fallback)."""
+    return ReservedMemory(size, device="cpu", fallback_size=size)
+
+
+def _closed_twice() -> object:
+    memory = _reserved()
+    memory.close()
+    memory.close()
+    raise AssertionError("closed twice")
+
+
+def _kv(device: str = "cpu") -> KVCacheMemory:
+    """A KV cache of 4 units of 4 floats, 2 of them always backed (on the CPU: an ordinary allocation)."""
+    return KVCacheMemory((4,), torch.float32, min_units=2, fallback_units=4, device=device)
+
+
+def _kv_closed_twice() -> object:
+    kv = _kv()
+    kv.close()
+    kv.close()
+    raise AssertionError("closed twice")
+
+
+def _more_than_free() -> object:
+    """Back every unit of a reservation as large as the device: more than it has free."""
+    kv = KVCacheMemory((1 << 20,), torch.uint8, device="cuda")
+    try:
+        return kv.back(kv.max_units)
+    finally:
+        assert kv.units == 1, "backed anyway"
+        kv.close()
+
+
+def _kv_on_another_device() -> object:
+    model = ToyModel(torch.device("cuda"))
+    config = config_for(M.FULL)
+    return CUDAGraphManager(model, INPUTS, config, device="cuda", options=ManagerOptions(kv_cache=_kv()))
+
+
+def _back_kv_cache(**kwargs: object) -> object:
+    manager = construct(fields={"kv_cache": _kv()})()
+    assert isinstance(manager, CUDAGraphManager)
+    back = cast(Callable[..., int], manager.back_kv_cache)  # arguments deliberately of any type
+    return back(**kwargs)
 
 
 def _int32(rows: int, device: str = "cpu") -> torch.Tensor:
@@ -695,6 +750,32 @@ BAD_INPUTS: Final = [
         r"device: expected a CUDA device, got 'cpu'",
     ),
     row("capture_stream-cpu", call(capture_stream, "cpu"), r"device: expected a CUDA device, got 'cpu'"),
+    # -- ReservedMemory (issue 48) --
+    row("reserved-size-zero", call(ReservedMemory, 0), r"^size: expected an integer >= 1, got 0$"),
+    row("reserved-size-bool", call(ReservedMemory, True), r"^size: expected an integer >= 1, got True$"),
+    row(
+        "reserved-fallback_size-negative",
+        call(ReservedMemory, 16, fallback_size=-1),
+        r"^fallback_size: expected an integer >= 0, got -1$",
+    ),
+    row("reserved-device-meta", call(ReservedMemory, 16, device="meta"), r"^device: .*'meta'$"),
+    row(
+        "reserved-view-past-the-reservation",
+        lambda: _reserved().view(torch.float32, (5,)),
+        r"^shape: \[5\] of torch.float32 from offset 0 ends at byte 20, past the reservation's 16$",
+    ),
+    row(
+        "reserved-view-offset-unaligned",
+        lambda: _reserved().view(torch.float32, (1,), offset=2),
+        r"^offset: 2 is not a multiple of torch.float32's 4 bytes$",
+    ),
+    row("reserved-view-dtype-string", lambda: _reserved().view("f4", (1,)), r"^dtype: .*'f4'$"),  # type: ignore[arg-type]
+    row(
+        "reserved-back-past-the-reservation",
+        lambda: _reserved().back(17),
+        r"^nbytes: 17 is more than the reservation's 16 bytes$",
+    ),
+    row("reserved-second-close", _closed_twice, r"^close: this ReservedMemory is closed$"),
     # == cudagraph_manager ==
     # -- CUDAGraphManager (on the CPU, with fake engines) --
     row("manager-model-int", construct(model=3), re.escape("model: expected a callable, got 3")),
@@ -957,6 +1038,80 @@ BAD_INPUTS: Final = [
         "manager-attention-none",
         construct(fields={"attention": None}),
         re.escape("options.attention: expected AttentionOptions, got None"),
+    ),
+    # -- KVCacheMemory, the manager's KV calls (issue 48) --
+    row(
+        "kv-unit_shape-zero",
+        call(KVCacheMemory, (0, 4), torch.float32),
+        r"^unit_shape: expected a sequence of integers >= 1, got \(0, 4\)$",
+    ),
+    row("kv-unit_shape-string", call(KVCacheMemory, "44", torch.float32), r"^unit_shape: .*'44'$"),
+    row(
+        "kv-dtype-string",
+        call(KVCacheMemory, (4,), "float32"),
+        r"^dtype: expected a torch.dtype, got 'float32'$",
+    ),
+    row(
+        "kv-min_units-zero",
+        call(KVCacheMemory, (4,), torch.float32, min_units=0),
+        r"^min_units: .*>= 1, got 0$",
+    ),
+    row(
+        "kv-max_units-below-min_units",
+        call(KVCacheMemory, (4,), torch.float32, max_units=1, min_units=2),
+        r"^max_units: expected an integer >= 2, got 1$",
+    ),
+    row(
+        "kv-fallback_units-below-min_units",
+        call(KVCacheMemory, (4,), torch.float32, min_units=3, fallback_units=2),
+        r"^fallback_units: expected at least min_units=3, got 2$",
+    ),
+    row("kv-back-past-max_units", lambda: _kv().back(5), r"^units: expected an integer <= 4, got 5$"),
+    row("kv-back-below-min_units", lambda: _kv().back(1), r"^units: expected an integer >= 2, got 1$"),
+    row(
+        "kv-shrink-without-in_use",
+        lambda: _kv().back(2),
+        r"^in_use: shrinking from 4 to 2 units needs the ids of the units in use \(in_use=\(\) where none",
+    ),
+    row(
+        "kv-shrink-under-live-units",
+        lambda: _kv().back(2, in_use=[0, 3]),
+        r"^in_use: unit\(s\) \[3\] in use lie at or past the new end 2: free them first",
+    ),
+    row("kv-in_use-string", lambda: call(_kv().back, 2, in_use="3")(), r"^in_use: expected unit ids .*'3'$"),
+    row(
+        "kv-margin-negative",
+        lambda: _kv().back_from_free(-1),
+        r"^margin_bytes: expected an integer >= 0, got -1$",
+    ),
+    row("kv-second-close", _kv_closed_twice, r"^close: this KVCacheMemory is closed$"),
+    row(
+        "kv-more-than-free",
+        _more_than_free,
+        r"^units: \d+ units need \d+ more bytes of device memory; cuda:\d+ has \d+ free \(nothing was",
+        pytest.mark.gpu,
+    ),
+    row(
+        "options-kv_cache-string",
+        call(ManagerOptions, kv_cache="kv"),
+        r"^options.kv_cache: expected a KVCacheMemory or None, got 'kv'$",
+    ),
+    row(
+        "manager-kv_cache-on-another-device",
+        _kv_on_another_device,
+        r"^options.kv_cache: its memory is on cpu, the manager's device is cuda:\d+$",
+        pytest.mark.gpu,
+    ),
+    row(
+        "back_kv_cache-both",
+        lambda: _back_kv_cache(margin_bytes=0, units=3),
+        r"^margin_bytes, units: expected one of them, got margin_bytes=0 and units=3$",
+    ),
+    row("back_kv_cache-neither", _back_kv_cache, r"^margin_bytes, units: expected one of them"),
+    row(
+        "back_kv_cache-units-bool",
+        lambda: _back_kv_cache(units=True),
+        r"^units: expected an integer >= 2, got True$",
     ),
     # -- AttentionOptions --
     row(

@@ -13,7 +13,8 @@ One module per concern:
   request (``PagedBuffers``' ``validate``).
 - ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends;
   ``backends``: ``make_backend`` (``BACKENDS`` by name).
-- ``model``: ``PagedDecoder``.
+- ``model``: ``PagedDecoder``, and ``reserve_paged_cache``: its cache's
+  memory reserved before the capture and backed after (``KVCacheMemory``).
 
 Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``tests.manager.oracles``).
 
@@ -41,6 +42,8 @@ from .layout import page_of_slot as page_of_slot
 from .model import BACKENDS as BACKENDS
 from .model import PagedDecoder as PagedDecoder
 from .model import make_backend as make_backend
+from .model import paged_unit_shape as paged_unit_shape
+from .model import reserve_paged_cache as reserve_paged_cache
 
 __all__ = [
     "BACKENDS",
@@ -59,5 +62,7 @@ __all__ = [
     "make_backend",
     "paged_static_inputs",
     "page_of_slot",
+    "paged_unit_shape",
+    "reserve_paged_cache",
     "tile_unions",
 ]

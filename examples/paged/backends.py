@@ -33,32 +33,55 @@ def make_backend(
     max_reqs: int,
     device: torch.device | str | None = None,
     breakable: bool = True,
+    page_limit: torch.Tensor | None = None,
 ) -> PagedBackend[object]:
     """The backend called ``name`` (``BACKENDS``), its metadata buffers sized for the largest batch.
 
     ``dtype`` is the model's (the gather's mask is in it); ``breakable``:
-    ``attend`` is an eager break. ``varlen`` and ``split_decode`` are
-    imported on first use (they need a recent torch on CUDA).
+    ``attend`` is an eager break; ``page_limit``: the pages backed of a
+    cache over reserved memory (``PagedBuffers``). ``varlen`` and
+    ``split_decode`` are imported on first use (they need a recent torch on CUDA).
     """
     if name == "flex":
         return FlexPagedAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+            layout,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            breakable=breakable,
+            page_limit=page_limit,
         )
     if name == "gather":
         return GatherPagedAttention(
-            layout, dtype, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+            layout,
+            dtype,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            breakable=breakable,
+            page_limit=page_limit,
         )
     if name == "varlen":
         from .varlen import VarlenPagedAttention
 
         return VarlenPagedAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+            layout,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            breakable=breakable,
+            page_limit=page_limit,
         )
     if name == "split_decode":
         from .split_decode import SplitDecodeAttention
 
         return SplitDecodeAttention(
-            layout, max_tokens=max_tokens, max_reqs=max_reqs, device=device, breakable=breakable
+            layout,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            breakable=breakable,
+            page_limit=page_limit,
         )
     raise ValueError(f"backend: expected one of {list(BACKENDS)} or a PagedBackend, got {name!r:.80}")
 

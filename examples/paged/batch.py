@@ -105,6 +105,13 @@ class PagedBuffers:
     ``"host"``: one synchronization on every path, an error at once (the
     seam's rule broken on graph paths: for debugging and the benchmark's
     baseline). ``False``: no check.
+
+    ``page_limit`` (a cache over reserved memory: ``KVCacheMemory.limit``,
+    ``[]`` on the device) is the count of pages backed: the checks refuse a
+    used page at or past it by name, and ``fill`` sends every block-table
+    entry outside ``[0, page_limit)`` to the scratch page (on the device, in
+    the step's stream order: no synchronization), so a step that names a
+    page not backed reads and writes the scratch page, never unbacked memory.
     """
 
     __slots__ = (
@@ -117,6 +124,7 @@ class PagedBuffers:
         "_views",
         "device_checks",
         "layout",
+        "page_limit",
         "validate",
     )
 
@@ -128,6 +136,7 @@ class PagedBuffers:
         device: torch.device | str | None,
         *,
         validate: Validate = True,
+        page_limit: torch.Tensor | None = None,
     ) -> None:
         if validate not in ("eager", "device", "host") and validate is not True and validate is not False:
             raise ValueError(
@@ -135,8 +144,10 @@ class PagedBuffers:
             )
         self.layout: Final = layout
         self.validate: Final[Validate] = "eager" if validate is True else validate
+        #: ``[]`` on the device: the pages backed (``None``: every page of the layout).
+        self.page_limit: Final = page_limit
         #: A graph path's checks, recorded on the device (``validate="device"``).
-        self.device_checks: Final = DeviceChecks(layout, device)
+        self.device_checks: Final = DeviceChecks(layout, device, page_limit)
         self._query_start_loc: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens: Final = torch.ones(max_reqs, dtype=torch.int32, device=device)
         self._block_table: Final = torch.full(
@@ -186,7 +197,7 @@ class PagedBuffers:
         validate = self.validate
         if validate and num_tokens:
             if validate == "host" or shape.mode is _NONE or self._req_ids.device.type == "cpu":
-                check_paged_batch(self.layout, batch, shape)  # one synchronization
+                check_paged_batch(self.layout, batch, shape, self.page_limit)  # one synchronization
             elif validate == "device":
                 self.device_checks.record(batch, shape)  # a graph path: no synchronization
         meta = self.views(shape)
@@ -201,6 +212,11 @@ class PagedBuffers:
         if num_reqs:
             pad_rows(meta.seq_lens, inputs["seq_lens"], 1)
             pad_rows(meta.block_table, inputs["block_table"], self.layout.scratch_page)
+            if self.page_limit is not None:  # pages not backed read the scratch page (device ops)
+                table = meta.block_table
+                table.masked_fill_(
+                    table.lt(0).logical_or_(table >= self.page_limit), self.layout.scratch_page
+                )
             pad_rows(meta.positions, inputs["positions"], 0)
             # Each token's request, in range whatever the lengths (a device check may report them later).
             ends = torch.cumsum(inputs["query_lens"], 0, dtype=torch.int32)  # the dtype of _arange

@@ -29,7 +29,7 @@ PROBLEMS: Final = (
         "block_table",
         "a request's used pages are real: page {scratch} is the scratch page that padding writes",
     ),
-    ("block_table", "used pages are in [1, {num_pages}): got a page out of range"),
+    ("block_table", "used pages are in [1, {num_pages}) (the pages backed): got a page out of range"),
     ("block_table", "a request's used pages are distinct: got a page named twice in one row"),
     (
         "positions",
@@ -45,12 +45,19 @@ PROBLEMS: Final = (
 )
 
 
-def paged_problems(layout: PagedLayout, batch: StepBatch, shape: BatchShape | None = None) -> torch.Tensor:
+def paged_problems(
+    layout: PagedLayout,
+    batch: StepBatch,
+    shape: BatchShape | None = None,
+    page_limit: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[len(PROBLEMS)]`` bool: which rules ``batch`` (1 token or more) breaks; device ops, no sync.
 
     ``shape``: the batch the forward runs as (its ``query_len``: every
-    request's, for a uniform batch). A batch without request rows for its
-    tokens is refused at once (its counts are on the host).
+    request's, for a uniform batch). ``page_limit``: ``[]`` on the device,
+    the pages backed (a cache over reserved memory); default: all of the
+    layout's. A batch without request rows for its tokens is refused at
+    once (its counts are on the host).
     """
     inputs, num_tokens = batch.inputs, batch.num_tokens
     query_lens, seq_lens = inputs["query_lens"].long(), inputs["seq_lens"].long()  # [R]
@@ -70,6 +77,7 @@ def paged_problems(layout: PagedLayout, batch: StepBatch, shape: BatchShape | No
     named = torch.where(used, table, -1 - columns[None, :]).sort(dim=1).values  # unused: distinct
     written = inputs["slot_mapping"].sort().values  # [T]
     query_len = shape.query_len if shape is not None else None
+    pages = layout.num_pages if page_limit is None else page_limit  # [] on the device: no sync
     return torch.stack(
         (
             (query_lens < 1).any(),
@@ -78,7 +86,7 @@ def paged_problems(layout: PagedLayout, batch: StepBatch, shape: BatchShape | No
             (seq_lens < query_lens).any(),
             (seq_lens > layout.max_seq_len).any(),
             (used & (table == layout.scratch_page)).any(),
-            (used & ((table < 0) | (table >= layout.num_pages))).any(),
+            (used & ((table < 0) | (table >= pages))).any(),
             (named[:, 1:] == named[:, :-1]).any(),
             (positions != expected).any(),
             (inputs["slot_mapping"] != slots).any(),
@@ -87,33 +95,45 @@ def paged_problems(layout: PagedLayout, batch: StepBatch, shape: BatchShape | No
     )
 
 
-def describe(layout: PagedLayout, problems: list[bool], num_tokens: object, query_len: object) -> str:
-    """The first broken rule of ``problems``, naming its input."""
+def describe(
+    layout: PagedLayout,
+    problems: list[bool],
+    num_tokens: object,
+    query_len: object,
+    num_pages: object = None,
+) -> str:
+    """The first broken rule of ``problems``, naming its input (``num_pages``: the pages backed)."""
     name, rule = PROBLEMS[problems.index(True)]
     text = rule.format(
         num_tokens=num_tokens,
         query_len=query_len,
         max_seq_len=layout.max_seq_len,
         scratch=layout.scratch_page,
-        num_pages=layout.num_pages,
+        num_pages=layout.num_pages if num_pages is None else num_pages,
     )
     return f"{name}: {text}"
 
 
-def check_paged_batch(layout: PagedLayout, batch: StepBatch, shape: BatchShape | None = None) -> None:
+def check_paged_batch(
+    layout: PagedLayout,
+    batch: StepBatch,
+    shape: BatchShape | None = None,
+    page_limit: torch.Tensor | None = None,
+) -> None:
     """``ValueError`` naming the first input of ``batch`` that no paged cache can serve (one host sync).
 
     The rules of ``PROBLEMS``: every request has tokens (``query_len`` each
     in a uniform ``shape``), and they add up to ``num_tokens``; its context
     holds them and fits the block table (``seq_lens``); the pages it uses
-    are real pages (not the scratch page, not past the cache), each named
-    once; each token's position and slot are where its request's block
-    table puts it, and no two tokens write one slot.
+    are real pages (not the scratch page, not past the pages backed:
+    ``page_limit``), each named once; each token's position and slot are
+    where its request's block table puts it, and no two tokens write one slot.
     """
-    problems = paged_problems(layout, batch, shape).tolist()  # the one synchronization
+    problems = paged_problems(layout, batch, shape, page_limit).tolist()  # the one synchronization
     if any(problems):
         query_len = shape.query_len if shape is not None else None
-        raise ValueError(describe(layout, problems, batch.num_tokens, query_len))
+        pages = layout.num_pages if page_limit is None else int(page_limit)
+        raise ValueError(describe(layout, problems, batch.num_tokens, query_len, pages))
 
 
 class DeviceChecks:
@@ -125,20 +145,24 @@ class DeviceChecks:
     naming the first broken rule, then clears it.
     """
 
-    __slots__ = ("_flags", "layout")
+    __slots__ = ("_flags", "layout", "page_limit")
 
-    def __init__(self, layout: PagedLayout, device: torch.device | str | None) -> None:
+    def __init__(
+        self, layout: PagedLayout, device: torch.device | str | None, page_limit: torch.Tensor | None = None
+    ) -> None:
         self.layout: Final = layout
+        self.page_limit: Final = page_limit
         self._flags: Final = torch.zeros(len(PROBLEMS), dtype=torch.bool, device=device)
 
     def record(self, batch: StepBatch, shape: BatchShape) -> None:
-        self._flags.logical_or_(paged_problems(self.layout, batch, shape))
+        self._flags.logical_or_(paged_problems(self.layout, batch, shape, self.page_limit))
 
     def check(self) -> None:
         problems = self._flags.tolist()
         if any(problems):
             self._flags.zero_()
-            detail = describe(self.layout, problems, "the step's count", "q")
+            pages = None if self.page_limit is None else "the pages backed"
+            detail = describe(self.layout, problems, "the step's count", "q", pages)
             raise ValueError(f"a step run on a graph since the last check: {detail}")
 
 

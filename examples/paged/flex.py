@@ -131,6 +131,8 @@ class FlexPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
+            memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class FlexPagedAttention(EagerBreakAttention):
         compile: bool | None = None,
         breakable: bool = True,
         validate: Validate = True,
+        page_limit: torch.Tensor | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         if compile is not None:
@@ -154,7 +157,12 @@ class FlexPagedAttention(EagerBreakAttention):
         )
         #: Metadata buffers of a layout, sized for the largest batch.
         self._new_buffers: Final = functools.partial(
-            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+            PagedBuffers,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            validate=validate,
+            page_limit=page_limit,
         )
         self.buffers = self._new_buffers(layout)
         #: Each slot's page (``page_of_slot``): the mask reads a key's page from it.

@@ -67,6 +67,8 @@ class GatherPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
+            memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class GatherPagedAttention(EagerBreakAttention):
         device: torch.device | str | None = None,
         breakable: bool = True,
         validate: Validate = True,
+        page_limit: torch.Tensor | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         #: The cache's paging (``resize`` changes its page count).
@@ -87,7 +90,12 @@ class GatherPagedAttention(EagerBreakAttention):
         self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="gather_sdpa")
         #: Metadata buffers of a layout, sized for the largest batch.
         self._new_buffers: Final = functools.partial(
-            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+            PagedBuffers,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            validate=validate,
+            page_limit=page_limit,
         )
         self.buffers = self._new_buffers(layout)
 
@@ -108,7 +116,11 @@ class GatherPagedAttention(EagerBreakAttention):
         pages, mask = per_forward(meta.derived, lambda: self._plan(meta.paged))
         num_tokens, heads, head_dim = q.shape
         rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
-        rows = rows.view(2, num_tokens, -1, heads, head_dim).transpose(2, 3)  # [2, T, heads, M * page, dim]
+        # A view where the cache is contiguous; a cache whose slots hold every layer gathers into strides
+        # of its own order, which reshape copies once.
+        rows = rows.reshape(2, num_tokens, -1, heads, head_dim).transpose(
+            2, 3
+        )  # [2, T, heads, M * page, dim]
         result = F.scaled_dot_product_attention(q.unsqueeze(2), rows[0], rows[1], attn_mask=mask)
         out.copy_(result.squeeze(2))  # [T, heads, head_dim]
 

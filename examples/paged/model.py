@@ -18,6 +18,7 @@ from torch import nn
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport
+from cudagraph_manager import KVCacheMemory
 from cudagraph_manager.attention import BatchShape, StepBatch, metadata_extra
 
 from ..body import DecoderBody, LayerCaches
@@ -52,9 +53,19 @@ class PagedDecoder(nn.Module):
         device: where the weights, caches and metadata live.
         breakable: a backend built by name splits PIECEWISE graphs at its
             attention; False records it inline in every capture.
+        kv_cache: the cache's memory reserved before the capture and backed
+            after (``reserve_paged_cache``): every layer's cache is a view of
+            it, each page holding every layer's keys and values (a prefix of
+            the reservation is whole pages), and the layout has its
+            ``max_units`` pages. A page not backed is never read or written:
+            the backend sends block-table entries at or past
+            ``kv_cache.limit`` to the scratch page, ``forward`` the slots past
+            it to the scratch slot (on the device, no synchronization), and
+            eager steps naming one raise ``ValueError``.
 
     ``graph_support()`` is the backend's support, which the manager resolves
-    its mode against. The caches start random (earlier context).
+    its mode against. The caches start random (earlier context); over
+    reserved memory, zeros.
     """
 
     def __init__(
@@ -65,11 +76,14 @@ class PagedDecoder(nn.Module):
         backend: str | PagedBackend[object] = "flex",
         device: torch.device | str | None = None,
         breakable: bool = True,
+        kv_cache: KVCacheMemory | None = None,
     ) -> None:
         given: object = config
         if not isinstance(given, DecoderConfig):
             raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
         check_bool("breakable", breakable)
+        if kv_cache is not None:
+            layout = _reserved_layout(config, layout, kv_cache)
         layout = PagedLayout.for_config(config) if layout is None else layout
         if not isinstance(layout, PagedLayout):
             raise ValueError(f"layout: expected a PagedLayout or None, got {layout!r:.80}")
@@ -77,6 +91,9 @@ class PagedDecoder(nn.Module):
         self.config: Final = config
         self.body: Final = DecoderBody(config, device=device)
         dev = self.body.device
+        #: The cache's reserved memory (``None``: ordinary tensors).
+        self.kv_cache: Final = kv_cache
+        limit = None if kv_cache is None else kv_cache.limit
         if isinstance(backend, str):
             backend = make_backend(
                 backend,
@@ -86,13 +103,26 @@ class PagedDecoder(nn.Module):
                 max_reqs=config.max_num_seqs,
                 device=dev,
                 breakable=breakable,
+                page_limit=limit,
+            )
+        elif (
+            limit is not None and getattr(getattr(backend, "buffers", None), "page_limit", None) is not limit
+        ):
+            raise ValueError(
+                f"backend: {backend!r:.80} was not built with page_limit=kv_cache.limit: it would read "
+                "pages that are not backed"
             )
         #: The attention backend: the metadata builder the manager calls, the op each layer calls.
         self.backend: PagedBackend[object] = check_backend(backend, layout)
-        shape = (2, layout.num_pages, layout.page_size, config.num_heads, config.head_dim)
-        self.caches: Final = LayerCaches(
-            [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
-        )
+        if kv_cache is None:
+            shape = (2, layout.num_pages, layout.page_size, config.num_heads, config.head_dim)
+            caches = [torch.randn(shape, device=dev, dtype=config.dtype) for _ in range(config.num_layers)]
+        else:
+            if kv_cache.device != dev:
+                raise ValueError(f"kv_cache: on {kv_cache.device}, the model on {dev}")
+            # [pages, page_size, layers, 2, heads, head_dim] -> each layer's [2, pages, page_size, heads, dim]
+            caches = [kv_cache.tensor[:, :, i].permute(2, 0, 1, 3, 4) for i in range(config.num_layers)]
+        self.caches: Final = LayerCaches(caches)
 
     @property
     def layout(self) -> PagedLayout:
@@ -122,6 +152,8 @@ class PagedDecoder(nn.Module):
         if input_ids.device.type == "cpu":  # free there; on a device a check would synchronize (the
             check_token_ids(input_ids, self.config.vocab_size)  # embedding's own bounds check asserts)
         backend, caches = self.backend, self.caches
+        if self.kv_cache is not None:  # a slot past the pages backed writes the scratch slot (device ops)
+            slot_mapping = _backed_slots(slot_mapping, self.kv_cache.limit, self.layout)
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
             backend.attend(q, k, v, caches[index], slot_mapping, out)
@@ -230,6 +262,11 @@ class PagedDecoder(nn.Module):
         """
         check_int("num_pages", num_pages, minimum=2)
         backend = self.backend
+        if self.kv_cache is not None:
+            raise ValueError(
+                f"num_pages: this model's cache is reserved memory of {self.kv_cache.max_units} pages; back "
+                "more or fewer of them (CUDAGraphManager.back_kv_cache) instead"
+            )
         if not isinstance(backend, ResizablePagedBackend):
             raise ValueError(
                 f"num_pages: this model's backend {backend!r:.80} cannot serve another page count "
@@ -264,6 +301,69 @@ class PagedDecoder(nn.Module):
         config, page_size = self.config, self.layout.page_size
         shape = (config.num_layers, 2, num_pages, page_size, config.num_heads, config.head_dim)
         return torch.empty(shape, device=self.body.device, dtype=config.dtype).unbind(0)
+
+
+def paged_unit_shape(config: DecoderConfig, page_size: int) -> tuple[int, int, int, int, int]:
+    """A page of every layer, as ``reserve_paged_cache`` lays it out: ``[page_size, layers, 2, heads, dim]``.
+
+    Each slot holds every layer's key and value: a layer's cache
+    ``[2, pages, page_size, heads, head_dim]`` is a view whose slots are
+    evenly strided, so the backends' slot views (``view(2, -1, heads,
+    head_dim)``) still hold, and a prefix of the memory is whole pages.
+    """
+    return (page_size, config.num_layers, 2, config.num_heads, config.head_dim)
+
+
+def reserve_paged_cache(
+    config: DecoderConfig,
+    *,
+    page_size: int = 128,
+    max_pages: int | None = None,
+    min_pages: int = 1,
+    fallback_pages: int | None = None,
+    device: torch.device | str | None = None,
+) -> KVCacheMemory:
+    """A paged cache's memory, reserved and not backed but for ``min_pages`` (the scratch page among them).
+
+    ``max_pages``: the reservation (default: as many pages as the device's
+    memory holds); ``fallback_pages``: the ordinary allocation where virtual
+    memory cannot be had (default: ``max(min_pages, 2)``). For
+    ``PagedDecoder(config, kv_cache=...)`` and ``ManagerOptions(kv_cache=...)``.
+    """
+    check_int("page_size", page_size, minimum=1)
+    return KVCacheMemory(
+        paged_unit_shape(config, page_size),
+        config.dtype,
+        max_units=max_pages,
+        min_units=min_pages,
+        fallback_units=max(min_pages, 2) if fallback_pages is None else fallback_pages,
+        device=device,
+    )
+
+
+def _reserved_layout(config: DecoderConfig, layout: PagedLayout | None, kv_cache: object) -> PagedLayout:
+    """The layout of a cache over ``kv_cache``: its pages, their size; ``ValueError`` where they disagree."""
+    if not isinstance(kv_cache, KVCacheMemory):
+        raise ValueError(f"kv_cache: expected a KVCacheMemory or None, got {kv_cache!r:.80}")
+    page_size = kv_cache.unit_shape[0]
+    if kv_cache.unit_shape != paged_unit_shape(config, page_size) or kv_cache.dtype != config.dtype:
+        raise ValueError(
+            f"kv_cache: units of {list(kv_cache.unit_shape)} {kv_cache.dtype}, expected pages of "
+            f"{list(paged_unit_shape(config, page_size))} {config.dtype} (reserve_paged_cache)"
+        )
+    if layout is None:
+        return PagedLayout.for_config(config, page_size=page_size, num_pages=kv_cache.max_units)
+    if (layout.page_size, layout.num_pages) != (page_size, kv_cache.max_units):
+        raise ValueError(
+            f"layout: {layout} disagrees with kv_cache's {kv_cache.max_units} pages of {page_size}"
+        )
+    return layout
+
+
+def _backed_slots(slot_mapping: torch.Tensor, limit: torch.Tensor, layout: PagedLayout) -> torch.Tensor:
+    """``slot_mapping [T]`` with every slot outside the pages backed (``limit``) sent to the scratch slot."""
+    outside = slot_mapping.lt(0).logical_or_(slot_mapping >= limit * layout.page_size)
+    return slot_mapping.masked_fill(outside, layout.scratch_slot)
 
 
 def _free_bytes(device: torch.device) -> int | None:

@@ -25,6 +25,7 @@ def _gather_kernel(  # type: ignore[no-untyped-def]  # Triton's kernel arguments
     slots,
     total,
     src_plane,
+    src_row,
     dst_plane,
     row: tl.constexpr,
     rows_per_program: tl.constexpr,
@@ -38,7 +39,7 @@ def _gather_kernel(  # type: ignore[no-untyped-def]  # Triton's kernel arguments
     rows = first + tl.arange(0, rows_per_program)
     live = rows < end
     slot = tl.load(slots + rows, mask=live, other=0)  # int64
-    source = src + plane * src_plane + slot[:, None] * row
+    source = src + plane * src_plane + slot[:, None] * src_row
     target = dst + plane * dst_plane + rows.to(tl.int64)[:, None] * row
     for start in range(0, row, cols):
         column = start + tl.arange(0, cols)
@@ -47,8 +48,16 @@ def _gather_kernel(  # type: ignore[no-untyped-def]  # Triton's kernel arguments
 
 
 def gather_rows_until(flat: torch.Tensor, slots: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """``flat [2, S, heads, head_dim]`` (contiguous) at ``slots [N]``, rows below ``total [1]`` only."""
-    _, num_slots, heads, head_dim = flat.shape
+    """``flat [2, S, heads, head_dim]`` at ``slots [N]``, rows below ``total [1]`` only.
+
+    Each slot's row (``heads, head_dim``) is contiguous; the planes and slots
+    may be strided (a cache whose slots hold every layer: ``KVCacheMemory``).
+    """
+    _, _, heads, head_dim = flat.shape
+    if flat.stride(3) != 1 or flat.stride(2) != head_dim:
+        raise ValueError(
+            f"flat: each slot's heads and head_dim must be contiguous, got strides {flat.stride()}"
+        )
     num_rows, row = slots.shape[0], heads * head_dim
     packed = torch.empty((2, num_rows, heads, head_dim), dtype=flat.dtype, device=flat.device)
     if num_rows == 0:
@@ -60,7 +69,8 @@ def gather_rows_until(flat: torch.Tensor, slots: torch.Tensor, total: torch.Tens
         packed,
         slots,
         total,
-        num_slots * row,
+        flat.stride(0),
+        flat.stride(1),
         num_rows * row,
         row=row,
         rows_per_program=_ROWS,

@@ -95,7 +95,7 @@ def split_decode_attention(
     table[:, :width] = block_table
     chunk = per_split * page_size  # keys per chunk
     pages = kv_cache[:, table].float()  # [2, R, S * C, page_size, heads, head_dim]
-    keys, values = pages.view(2, num_reqs, num_splits, chunk, heads, head_dim).unbind(0)  # [R, S, K, h, d]
+    keys, values = pages.reshape(2, num_reqs, num_splits, chunk, heads, head_dim).unbind(0)  # [R, S, K, h, d]
     scores = torch.einsum("rhd,rskhd->rhsk", q.float(), keys) * head_dim**-0.5  # [R, heads, S, K]
     position = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)  # [S, K]
     visible = position[None] < seq_lens[:, None, None]  # [R, S, K]
@@ -181,6 +181,8 @@ class SplitDecodeAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
+            memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
     """
 
     def __init__(
@@ -194,6 +196,7 @@ class SplitDecodeAttention(EagerBreakAttention):
         declare: GraphSupport = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         validate: Validate = True,
         prefill: Prefill = "varlen",
+        page_limit: torch.Tensor | None = None,
     ) -> None:
         if prefill not in _PREFILLS:
             raise ValueError(f"prefill: expected one of {list(_PREFILLS)}, got {prefill!r:.80}")
@@ -209,12 +212,13 @@ class SplitDecodeAttention(EagerBreakAttention):
                 device=device,
                 breakable=False,
                 validate=validate,
+                page_limit=page_limit,
             )
             if prefill == "varlen"
             else None
         )
         self.buffers: Final = (
-            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate, page_limit=page_limit)
             if self._prefill is None
             else self._prefill.buffers
         )

@@ -25,7 +25,7 @@ GRANULE: Final = 2 * MIB
 
 def run_kv_sizing(model: str, *flags: str) -> dict[str, float]:
     """The example in a fresh process; its figures."""
-    return fresh_json("-m", "examples.kv_sizing", model, *flags, "--json")
+    return fresh_json("-m", "examples.kv_sizing", model, "--order", "estimate", *flags, "--json")
 
 
 def check_kv_sizing(figures: dict[str, float]) -> None:

@@ -2,8 +2,9 @@
 
 Like ``trio.lowlevel``: the pieces the engines are made of (the device's
 capture lock and stream, the collector and cuBLAS rules around a capture, the
-pool's release, weak outputs, the capture switch's check), for a runner that
-builds its own engine on them. Most users need only ``cudagraph_capture``.
+pool's release, weak outputs, the capture switch's check, device memory
+reserved as addresses and backed later), for a runner that builds its own
+engine on them. Most users need only ``cudagraph_capture``.
 Importing it does not initialize CUDA.
 """
 
@@ -20,6 +21,7 @@ from ._pool import capture_lock as capture_lock
 from ._pool import capture_stream as capture_stream
 from ._pool import release_graph_memory as release_graph_memory
 from ._protocols import RecordSeconds as RecordSeconds
+from ._reserved import ReservedMemory as ReservedMemory
 from ._weakref import weak_ref_tensors as weak_ref_tensors
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "LoopFallback",
     "OutputGuard",
     "RecordSeconds",
+    "ReservedMemory",
     "capture_disabled_reason",
     "capture_lock",
     "capture_stream",

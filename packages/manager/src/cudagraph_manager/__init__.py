@@ -22,6 +22,8 @@ from ._decode_loop import LoopResult as LoopResult
 from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
+from ._memory._kv import KVCacheBacking as KVCacheBacking
+from ._memory._kv import KVCacheMemory as KVCacheMemory
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._options import ManagerOptions as ManagerOptions
 from ._reports._report import CapturedGraph as CapturedGraph
@@ -40,6 +42,8 @@ __all__ = [
     "CapturedGraph",
     "CompiledModel",
     "DecodeLoop",
+    "KVCacheBacking",
+    "KVCacheMemory",
     "LoopResult",
     "LoopState",
     "ManagerOptions",

@@ -87,6 +87,11 @@ def check_arguments(
         else None
     )
     _check_decode_loop(checked_options.decode_loop, config, checked, resolved)
+    kv_cache = checked_options.kv_cache
+    if kv_cache is not None and kv_cache.device != resolved:
+        raise ValueError(
+            f"options.kv_cache: its memory is on {kv_cache.device}, the manager's device is {resolved}"
+        )
     if strict and no_graphs is not None:
         raise ValueError(f"strict: {no_graphs}; pass strict=False to run every step eagerly")
     capture = CaptureOptions.given(checked_options.capture)

@@ -12,7 +12,7 @@ or, when the route names no captured graph, an eager step counted per reason.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from threading import get_ident
 from types import MappingProxyType
 from typing import Final, Generic
@@ -30,6 +30,7 @@ from ._capture._background import BackgroundCapture, check_keys_per_step
 from ._capture._capturer import Capturer, agree_plan
 from ._decode_loop import LoopResult
 from ._graphs import GraphTable
+from ._memory._kv import KVCacheMemory
 from ._options import ManagerOptions
 from ._parts import ManagerParts
 from ._protocols import OutputT
@@ -102,7 +103,9 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def stats(self) -> ManagerStats:
         """A snapshot of what the steps did since construction or ``reset_stats``."""
-        return self._parts.counts.snapshot(self._table.replays_by_size(), self._parts.resolution)
+        kv_cache = self._parts.kv_cache
+        backing = None if kv_cache is None else kv_cache.backing()
+        return self._parts.counts.snapshot(self._table.replays_by_size(), self._parts.resolution, backing)
 
     def reset_stats(self) -> None:
         self._table.reset_replays()
@@ -153,6 +156,56 @@ class CUDAGraphManager(Generic[OutputT]):
             if self._guard is not None:
                 self._guard.retire_all()
             self._capturer.release()  # stops a background capture first, gives the memory back last
+
+    # -- the KV cache (``ManagerOptions.kv_cache``) --
+
+    def back_kv_cache(
+        self,
+        *,
+        margin_bytes: int | None = None,
+        units: int | None = None,
+        in_use: Iterable[int] | torch.Tensor | None = None,
+    ) -> int:
+        """Back the KV cache's reservation; the units it backs now (what the engine may hand out).
+
+        ``margin_bytes``: grow it by the device's free memory beyond the
+        margin, measured now (after the capture: torch's unused cache given
+        back first), so that what stays free is the margin to within one
+        chunk. ``units``: back exactly that many (at least; growing needs the
+        memory free, shrinking the ids ``in_use``, none of them at or past
+        ``units``). One of the two. Refused while a background capture runs;
+        nothing changes where it raises. No graph is captured again.
+        """
+        kv_cache = self._kv_cache("back_kv_cache")
+        if (margin_bytes is None) == (units is None):
+            raise ValueError(
+                f"margin_bytes, units: expected one of them, got margin_bytes={margin_bytes!r:.40} and "
+                f"units={units!r:.40}"
+            )
+        with self._exclusive("back_kv_cache"):
+            if margin_bytes is not None:
+                if in_use is not None:
+                    raise ValueError("in_use: only a shrink (units=...) takes the units in use")
+                return kv_cache.back_from_free(margin_bytes)
+            assert units is not None
+            return kv_cache.back(units, in_use=in_use)
+
+    def drop_kv_cache(self) -> int:
+        """Give the KV cache's memory back but its ``min_units`` (a sleep that keeps the graphs).
+
+        What the cache held is gone; ``back_kv_cache`` backs it again (the
+        wake), and the graphs replay against it as before. Steps meanwhile
+        may name only the units still backed. Synchronizes the device.
+        """
+        kv_cache = self._kv_cache("drop_kv_cache")
+        with self._exclusive("drop_kv_cache"):
+            return kv_cache.drop()
+
+    def _kv_cache(self, what: str) -> KVCacheMemory:
+        kv_cache = self._parts.kv_cache
+        if kv_cache is None:
+            raise RuntimeError(f"{what}: this manager was built without ManagerOptions(kv_cache=...)")
+        return kv_cache
 
     def check_weights(self) -> None:
         """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced."""

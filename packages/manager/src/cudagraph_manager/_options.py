@@ -19,6 +19,7 @@ from cudagraph_dispatch.support import AttentionSupport
 
 from ._buffers._outputs import OutputRows, check_output_rows
 from ._decode_loop import DecodeLoop
+from ._memory._kv import KVCacheMemory
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
 
@@ -122,6 +123,11 @@ class ManagerOptions(Generic[OutputT]):
             ``"auto"`` (the default: ``"per_class"`` while dynamo has compiled
             nothing in the process and there are no ``ranks``, else
             ``"every_key"``).
+        kv_cache: the KV cache's reserved memory (``KVCacheMemory``), sized
+            after the capture: ``back_kv_cache`` backs it from the free
+            memory the capture left, grows or shrinks it, ``drop_kv_cache``
+            gives it back for a sleep that keeps the graphs; the capture
+            report and ``stats`` say how much of it is backed.
 
     Generic over the model's output type, which ``decode_loop``'s ``advance``
     takes: built inside the manager's call it is inferred; a variable holding
@@ -136,6 +142,7 @@ class ManagerOptions(Generic[OutputT]):
     attention: AttentionOptions = AttentionOptions()
     decode_loop: DecodeLoop[OutputT] | None = None
     warm_ups: WarmUpPolicy = "auto"
+    kv_cache: KVCacheMemory | None = None
 
     def __post_init__(self) -> None:
         _check_optional("options.capture", self.capture, CaptureOptions, "CaptureOptions or None")
@@ -160,6 +167,7 @@ class ManagerOptions(Generic[OutputT]):
             raise ValueError(
                 f"options.warm_ups: expected one of {WARM_UP_POLICIES}, got {self.warm_ups!r:.80}"
             )
+        _check_optional("options.kv_cache", self.kv_cache, KVCacheMemory, "a KVCacheMemory or None")
         if self.decode_loop is not None and self.ranks is not None:
             raise ValueError(
                 "options.decode_loop: ranks step together through run(); a loop would step alone"

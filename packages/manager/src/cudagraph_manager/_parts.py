@@ -24,6 +24,7 @@ from ._arguments import Arguments
 from ._buffers._buffers import StaticBuffers
 from ._buffers._outputs import LayoutCell
 from ._decode_loop import LoopBuffers
+from ._memory._kv import KVCacheMemory
 from ._protocols import AttentionMetadataBuilder, OutputT
 from ._reports._report import StepCounts
 from .ranks import RankAgreement
@@ -110,7 +111,7 @@ class ManagerParts(Generic[OutputT]):
     ``strict``: steps without a graph raise; ``ranks``: the ranks it steps
     with; ``builder``: the attention's metadata builder (``None``: the model
     builds its metadata itself); ``loop``: the decode loop's state, if any;
-    ``lock``: the step lock.
+    ``lock``: the step lock; ``kv_cache``: the KV cache's reserved memory, if any.
     """
 
     model: Callable[..., OutputT]
@@ -124,6 +125,7 @@ class ManagerParts(Generic[OutputT]):
     builder: AttentionMetadataBuilder[object] | None
     loop: LoopBuffers[OutputT] | None
     lock: StepLock
+    kv_cache: KVCacheMemory | None
 
     @classmethod
     def of(
@@ -153,6 +155,7 @@ class ManagerParts(Generic[OutputT]):
             checked.builder,
             loop,
             StepLock(),
+            checked.given.kv_cache,
         )
 
     @property

@@ -124,7 +124,8 @@ class Capturer(Generic[OutputT]):
     ) -> CaptureReport:
         """The phase's report; why nothing was captured is the manager's reason first."""
         parts = self._parts
-        return totals.report(graphs, parts.no_graphs or why, parts.resolution)
+        kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
+        return totals.report(graphs, parts.no_graphs or why, parts.resolution, kv_cache)
 
     def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None:
         """The background capture's warm-up of ``descriptor``, timed for its key's report.
@@ -163,7 +164,8 @@ class Capturer(Generic[OutputT]):
         """
         parts = self._parts
         if parts.no_graphs is not None:
-            return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution)
+            kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
+            return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution, kv_cache=kv_cache)
         plan = self._rule.plan(pending, self._policy, ranks=ranks is not None)
         device = parts.device
         records: list[CapturedGraph] = []

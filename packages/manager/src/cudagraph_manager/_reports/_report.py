@@ -10,6 +10,8 @@ from typing import Final
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
 from cudagraph_dispatch.support import ModeResolution
 
+from .._memory._kv import KVCacheBacking
+
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -91,6 +93,10 @@ class CaptureReport:
     capture, recompiles included: a compiled model compiles in its first
     warm-up; ``None`` when dynamo was never loaded. Dynamo's count is
     process-wide: a compile by another thread meanwhile counts too.
+    ``kv_cache``: how much of the KV cache's reservation was backed when the
+    capture ended (``ManagerOptions.kv_cache``; ``None`` without one): in
+    the capture-first order, ``min_units`` only, backed for good before any
+    warm-up wrote padding's K/V there.
     """
 
     graphs: tuple[CapturedGraph, ...]
@@ -100,6 +106,7 @@ class CaptureReport:
     compiles: int | None = None
     device_bytes: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
+    kv_cache: KVCacheBacking | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_graphs(self) -> int:
@@ -140,6 +147,8 @@ class CaptureReport:
             header += f"; {self.compiles} torch.compile graph(s) compiled"
         if self.resolution is not None and self.resolution.downgraded:
             header += f"\nmode {self.resolution}"
+        if self.kv_cache is not None:
+            header += f"\n{self.kv_cache}"
         rows = [_graph_row(g) for g in self.graphs]
         total = (
             "total",
@@ -256,6 +265,7 @@ class ManagerStats:
     loop_steps: int = 0
     host_loop_steps: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
+    kv_cache: KVCacheBacking | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_replays(self) -> int:
@@ -289,6 +299,7 @@ class ManagerStats:
                 if self.resolution is not None and self.resolution.downgraded
                 else ""
             )
+            + (f"; {self.kv_cache}" if self.kv_cache is not None else "")
         )
 
 
@@ -306,7 +317,10 @@ class StepCounts:
         self.host_loop_steps = 0
 
     def snapshot(
-        self, replays: Mapping[tuple[CUDAGraphMode, int], int], resolution: ModeResolution | None = None
+        self,
+        replays: Mapping[tuple[CUDAGraphMode, int], int],
+        resolution: ModeResolution | None = None,
+        kv_cache: KVCacheBacking | None = None,
     ) -> ManagerStats:
         eager = self.eager
         return ManagerStats(
@@ -320,6 +334,7 @@ class StepCounts:
             loop_steps=self.loop_steps,
             host_loop_steps=self.host_loop_steps,
             resolution=resolution,
+            kv_cache=kv_cache,
         )
 
     def replayed(self, padded_tokens: int, dummy: bool) -> None:

@@ -12,6 +12,7 @@ from cudagraph_dispatch.support import ModeResolution
 
 from .._compiled import compiles_since, dynamo_compiles
 from .._memory._device import free_bytes, reserved_bytes
+from .._memory._kv import KVCacheBacking
 from ._report import CapturedGraph, CaptureReport
 
 
@@ -32,12 +33,17 @@ class CaptureTotals:
         self._start: Final = time.perf_counter()
 
     def report(
-        self, graphs: Sequence[CapturedGraph], no_graphs: str | None, resolution: ModeResolution
+        self,
+        graphs: Sequence[CapturedGraph],
+        no_graphs: str | None,
+        resolution: ModeResolution,
+        kv_cache: KVCacheBacking | None = None,
     ) -> CaptureReport:
         """The phase's report: ``graphs`` and the totals since construction.
 
         ``no_graphs``: why nothing was captured (``None``: the graphs were);
-        ``resolution``: the mode the graphs follow.
+        ``resolution``: the mode the graphs follow; ``kv_cache``: how much of
+        the KV cache is backed now.
         """
         seconds = time.perf_counter() - self._start
         return CaptureReport(
@@ -48,4 +54,5 @@ class CaptureTotals:
             compiles_since(self._compiled),
             self._free - free_bytes(self._device),
             resolution,
+            kv_cache,
         )
