@@ -11,6 +11,7 @@ world of one rank over gloo, in this process.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from cudagraph_capture import CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context, set_forward_context
-from cudagraph_manager import CaptureReport, CapturedGraph, CUDAGraphManager, ManagerOptions
+from cudagraph_manager import CapturedGraph, CaptureReport, CUDAGraphManager, ManagerOptions, NoGraphError
 from cudagraph_manager._capture._lockstep import (
     EVERY_KEY,
     IDLE,
@@ -33,9 +34,19 @@ from cudagraph_manager._capture._together import Together
 from cudagraph_manager._reports._totals import CaptureTotals
 from cudagraph_manager.ranks import NUM_TOKENS_ACROSS_DP, RankAgreement, RanksDisagreeError
 from examples.ep.decoder import step_tokens
-from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
+from tests.manager.helpers import (
+    INPUTS,
+    TOL,
+    FakeEngines,
+    FirstRecordingGate,
+    ToyModel,
+    config_for,
+    make_batch,
+    rel_err,
+)
 
 _KEYS = [BatchDescriptor(n) for n in (8, 4, 2, 1)]  # a plan, largest first
+WAIT_S = 120.0
 _DIGEST = 0x1234
 
 
@@ -70,7 +81,9 @@ class _Jobs:
     def start_totals(self) -> CaptureTotals:
         return CaptureTotals(torch.device("cpu"))
 
-    def report(self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None) -> CaptureReport:
+    def report(
+        self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None
+    ) -> CaptureReport:
         return cast(CaptureReport, ("report", len(graphs), why))
 
     def pending_keys(self) -> list[BatchDescriptor]:
@@ -145,7 +158,8 @@ def test_stop_ends_here_now_and_everywhere_at_the_next_exchange() -> None:
     session = lockstep.start(keys_per_step=1)
     session.stop()
     assert session.done  # never a collective: wait() returns at once
-    assert session.wait() == ("report", 0, "stopped (stop() or release() here) with 4 keys left")
+    report: object = session.wait()  # the stand-in jobs' report
+    assert report == ("report", 0, "stopped (stop() or release() here) with 4 keys left")
     assert lockstep.field() == _field(STOPPED)
     again = lockstep.start(keys_per_step=1)  # a wake right after release(): joins after the announcement
     assert lockstep.stepped([lockstep.field(), _field(RUNNING, 2)]) is False
@@ -180,7 +194,8 @@ def test_wait_takes_steps_of_0_tokens_until_the_capture_ends() -> None:
     session = lockstep.start(keys_per_step=1)
     with pytest.raises(TimeoutError):
         session.wait(0)
-    assert session.wait() == ("report", 4, None)
+    report: object = session.wait()  # the stand-in jobs' report
+    assert report == ("report", 4, None)
     # The first step found the peer idle; the second captured every key left, in one turn.
     assert [LockstepField(*field).keys_per_turn for field in steps] == [EVERY_KEY, EVERY_KEY]
     assert jobs.captured == _KEYS
@@ -292,3 +307,31 @@ def test_the_expert_parallel_decoder_reads_the_agreed_counts_without_a_collectiv
         assert step_tokens(3, torch.device("cpu"), None) == 9
     with set_forward_context(CUDAGraphMode.NONE, BatchDescriptor(1), **{NUM_TOKENS_ACROSS_DP: (0, 4)}):
         assert step_tokens(1, torch.device("cpu"), None) == 4  # an idle rank's dummy row
+
+
+def test_a_strict_step_with_ranks_names_the_graph_that_is_not_captured(ranks: RankAgreement) -> None:
+    """The reason the same step gives without ranks (the planned graph), not the dispatcher's route."""
+    manager, _ = _manager(ranks, strict=True)
+    why = r"its FULL graph BatchDescriptor\(num_tokens=4, .*\) is not captured yet; call capture\(\) or"
+    with pytest.raises(NoGraphError, match=why):
+        manager.run_batch(make_batch(3, 2, torch.device("cpu"), seed=0))
+
+
+def test_the_eager_warning_says_which_capture_is_running(caplog: pytest.LogCaptureFixture) -> None:
+    """While a capture thread records, a step it has not captured yet says so (not "call capture()")."""
+    model = ToyModel(torch.device("cpu"))
+    gate = FirstRecordingGate(WAIT_S)
+    manager = gate.manager_on_cpu(model)
+    with caplog.at_level(logging.WARNING, logger="cudagraph_manager"):
+        handle = manager.start_capture()
+        try:
+            assert gate.entered.wait(WAIT_S)  # the largest key is being recorded
+            manager.run_batch(make_batch(3, 2, torch.device("cpu"), seed=0))
+        finally:
+            gate.open()
+            handle.wait(WAIT_S)
+    messages = [record.getMessage() for record in caplog.records]
+    (warning,) = [message for message in messages if "eagerly (not_captured)" in message]
+    assert (
+        "not captured yet: a background capture (start_capture()) is running and captures it next" in warning
+    )

@@ -212,15 +212,14 @@ class EagerSteps(Generic[OutputT]):
             return parts.no_graphs or "no CUDA graphs on this device"
         if reason is EagerReason.NOT_CAPTURED and graph is not None:
             what = f"its {graph.mode.name} graph {graph.descriptor} is not captured yet"
-            session = self._captures.running()
-            if session is None:
-                return f"{what}; call capture() or start_capture()"
             if self._captures.thread_capture() is not None:
                 return f"{what}: a background capture (start_capture()) is running and captures it next"
-            return (
-                f"{what}: a lockstep capture (start_capture() with ranks) is running; its steps capture "
-                "every rank's missing keys together, and the graphs switch in once every rank has them all"
-            )
+            if self._captures.running() is not None:
+                return (
+                    f"{what}: a lockstep capture (start_capture() with ranks) is running; the steps capture "
+                    "the keys any rank misses, and the graphs switch in once every rank has every key"
+                )
+            return f"{what}; call capture() or start_capture()"
         if reason is EagerReason.RELEASED:
             return "its graphs were released (release()); start_capture() or capture() brings them back"
         if reason is EagerReason.OTHER_RANK and parts.ranks is not None:

@@ -31,6 +31,7 @@ from cudagraph_dispatch import (
     StepRequest,
     agree_across_ranks,
 )
+from cudagraph_dispatch.lowlevel import NO_MODES
 
 from ._shared_table import SharedTable, shared_memory_supported
 
@@ -292,7 +293,7 @@ class StepRow(NamedTuple):
     @classmethod
     def decode(cls, ints: Sequence[int]) -> StepRow:
         num_tokens, uniform, loras, mask, can_replay, *field = ints
-        invalid = frozenset(mode for i, mode in enumerate(_MODES) if mask >> i & 1)
+        invalid = frozenset(mode for i, mode in enumerate(_MODES) if mask >> i & 1) if mask else NO_MODES
         return cls(num_tokens, bool(uniform), loras, invalid, bool(can_replay), tuple(field))
 
     def request(self) -> StepRequest:
