@@ -34,6 +34,7 @@ from cudagraph_capture import CaptureInvalidatedError
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions
 from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks._shared_table import shared_memory_supported
 from examples.config import DecoderConfig
 from examples.ep.decoder import ExpertParallelDecoder
 from examples.ep.moe import MoeConfig, MoeWeights
@@ -354,6 +355,8 @@ def combinations(args: Sequence[str]) -> Result:
     except RanksDisagreeError as disagreement:
         out["capture_after_clear"] = {"error": str(disagreement)}
 
+    if device.type == "cpu" and shared_memory_supported() is None:
+        out["shm_rows"] = _shared_table_rows(rank)
     tally = me.tally
     out.update(
         steps=tally.steps,
@@ -367,15 +370,14 @@ def combinations(args: Sequence[str]) -> Result:
     return out
 
 
-def shared_table(args: Sequence[str]) -> Result:
-    """The shm backend takes rows of any width, as gloo and NCCL do: its table grows in step on every rank."""
-    rank, _ = _setup("cpu")
+def _shared_table_rows(rank: int) -> dict[str, list[list[int]]]:
+    """The shm backend takes rows of any width, as gloo and NCCL do: its table grows on every rank alike."""
     ranks = RankAgreement(backend="shm", timeout=datetime.timedelta(seconds=60))
     rows = {width: ranks.exchange([rank * 1000 + i for i in range(width)]) for width in (3, 40, 9, 200, 1)}
-    return {"rows": {str(width): [list(row) for row in got] for width, got in rows.items()}}
+    return {str(width): [list(row) for row in got] for width, got in rows.items()}
 
 
 assert ranks_tier.NUM_TOKENS_ACROSS_DP == "num_tokens_across_dp"  # the name vLLM's models read
 
 if __name__ == "__main__":
-    rank_main({"combinations": combinations, "shared_table": shared_table})
+    rank_main({"combinations": combinations})

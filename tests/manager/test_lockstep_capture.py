@@ -312,7 +312,7 @@ def test_the_expert_parallel_decoder_reads_the_agreed_counts_without_a_collectiv
 def test_a_strict_step_with_ranks_names_the_graph_that_is_not_captured(ranks: RankAgreement) -> None:
     """The reason the same step gives without ranks (the planned graph), not the dispatcher's route."""
     manager, _ = _manager(ranks, strict=True)
-    why = r"its FULL graph BatchDescriptor\(num_tokens=4, .*\) is not captured yet; call capture\(\) or"
+    why = r"its FULL graph BatchDescriptor\(num_tokens=4, .*\) was not captured yet; call capture\(\) first"
     with pytest.raises(NoGraphError, match=why):
         manager.run_batch(make_batch(3, 2, torch.device("cpu"), seed=0))
 

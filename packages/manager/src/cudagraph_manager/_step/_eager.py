@@ -211,7 +211,7 @@ class EagerSteps(Generic[OutputT]):
         if reason is EagerReason.NO_CUDA:
             return parts.no_graphs or "no CUDA graphs on this device"
         if reason is EagerReason.NOT_CAPTURED and graph is not None:
-            what = f"its {graph.mode.name} graph {graph.descriptor} is not captured yet"
+            what = f"its {graph.mode.name} graph {graph.descriptor} was not captured yet"
             if self._captures.thread_capture() is not None:
                 return f"{what}: a background capture (start_capture()) is running and captures it next"
             if self._captures.running() is not None:
@@ -219,7 +219,7 @@ class EagerSteps(Generic[OutputT]):
                     f"{what}: a lockstep capture (start_capture() with ranks) is running; the steps capture "
                     "the keys any rank misses, and the graphs switch in once every rank has every key"
                 )
-            return f"{what}; call capture() or start_capture()"
+            return f"{what}; call capture() first"
         if reason is EagerReason.RELEASED:
             return "its graphs were released (release()); start_capture() or capture() brings them back"
         if reason is EagerReason.OTHER_RANK and parts.ranks is not None:
