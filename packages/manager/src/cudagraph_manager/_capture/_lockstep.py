@@ -211,7 +211,6 @@ class LockstepCapture:
     """
 
     __slots__ = (
-        "__weakref__",
         "_errors",
         "_finished",
         "_jobs",

@@ -50,10 +50,6 @@ class EagerSteps(Generic[OutputT]):
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
 
-    @property
-    def captures(self) -> CaptureState:
-        return self._captures
-
     def without_graph(
         self,
         batch: StepBatch,
