@@ -58,4 +58,4 @@ group races 30 tests/manager/test_background_races.py
 group capture 15 tests/capture/test_breakable.py tests/capture/test_record.py tests/capture/test_wrapper.py tests/capture/test_loop.py tests/test_bad_inputs.py
 
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
-cat "$SUMMARY"
+echo "logs and JUnit XML: $DIR (summary.txt)"

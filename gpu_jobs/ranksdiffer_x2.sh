@@ -51,4 +51,4 @@ group ranks 90 tests/manager/test_ranks.py tests/manager/test_lockstep_ranks.py 
 group ep_oracle 120 tests/manager/test_ep_moe.py -k "matches_the_oracle_on_two_gpus"
 
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
-cat "$SUMMARY"
+echo "logs and JUnit XML: $DIR (summary.txt)"
