@@ -59,6 +59,7 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     DispatchConfig,
     RankRequest,
+    StepRequest,
     agree_across_ranks,
     get_forward_context,
     set_forward_context,
@@ -213,6 +214,21 @@ def _advance_of_four(outputs: object, inputs: object, state: object, extra: obje
 
 def _advance_of_keywords(*, outputs: object, inputs: object, state: object) -> None:
     """An advance whose arguments are keywords only (a loop passes them by position)."""
+
+
+def _lockstep_wait_for(timeout: object) -> object:
+    """``wait(timeout)`` of a lockstep capture (ranks: an agreement's stand-in), refused before its steps."""
+    ranks = object.__new__(RankAgreement)  # never reached: the timeout is checked first
+    options: ManagerOptions[torch.Tensor] = ManagerOptions(engine_factory=FakeEngines(), ranks=ranks)
+    manager = CUDAGraphManager(ToyModel(CPU), INPUTS, config_for(M.FULL), device="cpu", options=options)
+    return manager.start_capture().wait(cast(float, timeout))
+
+
+def _step_field(field: object) -> object:
+    """``RankAgreement.route_step(field=...)`` of an agreement's stand-in: checked before the exchange."""
+    ranks = object.__new__(RankAgreement)
+    request = StepRequest(3)
+    return ranks.route_step(DISPATCHER, request, can_replay=True, field=cast(tuple[int, ...], field))
 
 
 def _exchange(row: object) -> object:
@@ -1253,6 +1269,10 @@ BAD_INPUTS: Final = [
     row("background-wait-string", call(_wait_for, "1"), r"timeout: .* got '1'"),
     row("background-wait-bool", call(_wait_for, True), r"timeout: .* got True"),
     row("background-wait-nan", call(_wait_for, float("nan")), r"timeout: .* got nan"),
+    # Issue 54: a lockstep capture's wait() checks its timeout (honoured between its steps) first.
+    row("lockstep-wait-negative", call(_lockstep_wait_for, -1), r"timeout: expected None or a number .* -1"),
+    row("lockstep-wait-bool", call(_lockstep_wait_for, True), r"timeout: .* got True"),
+    row("ranks-step-field-too-wide", call(_step_field, (0,) * 5), r"^field: at most 4 ints, got 5"),
     # Issue 41: start_capture() with ranks captures keys_per_step keys a step; checked on every manager.
     row("background-keys-per-step-zero", call(_start_with, 0), r"keys_per_step: expected an int >= 1, got 0"),
     row("background-keys-per-step-float", call(_start_with, 1.0), r"keys_per_step: .* got 1\.0"),

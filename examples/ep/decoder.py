@@ -13,7 +13,7 @@ graph it is the key the ranks agreed on (``ManagerOptions(ranks=...)``: the
 manager pads every rank to the same key, and an idle rank replays it on pad
 values). An eager step runs each rank on its own rows (and an idle rank on
 one padding row), so ``forward`` first takes the largest count over the
-group (``num_tokens_across_dp``, which the manager's eager steps carry in
+group (``NUM_TOKENS_ACROSS_DP``, which the manager's eager steps carry in
 the forward context: no collective; one small all-reduce and a host read
 where there is none, in a warm-up) and pads its inputs to it with the static inputs'
 pad values. Padding rows attend in the scratch cache row and are never
@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import Tensor, nn
 
 from cudagraph_dispatch import CUDAGraphMode, get_forward_context
+from cudagraph_manager.ranks import NUM_TOKENS_ACROSS_DP
 
 from ..body import rms_norm
 from ..reference import ReferenceDecoder
@@ -47,7 +48,7 @@ def step_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup 
     """The step's ``T`` on every rank: ``num_tokens`` inside a graph (the agreed key), else the group's max.
 
     Eager: the largest of the counts the manager's agreement exchanged this
-    step (``extra["num_tokens_across_dp"]`` of an eager step's context); else
+    step (``extra[NUM_TOKENS_ACROSS_DP]`` of an eager step's context); else
     (a warm-up, no manager) one all-reduce of the count on ``device`` and a
     host read. Every rank of ``group`` runs an eager step together (the
     agreement sends all ranks to eager at once).
@@ -56,7 +57,7 @@ def step_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup 
     graph = context is not None and context.runtime_mode is not CUDAGraphMode.NONE
     if graph or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return num_tokens
-    counts = None if context is None else context.extra.get("num_tokens_across_dp")
+    counts = None if context is None else context.extra.get(NUM_TOKENS_ACROSS_DP)
     if isinstance(counts, tuple) and counts:  # the manager's eager step: the agreed counts, no exchange
         return max(num_tokens, *(int(n) for n in counts))
     count = torch.tensor([num_tokens], device=device)

@@ -27,7 +27,7 @@ if os.environ.get("CUDAGRAPH_TEST_BLOCK_NUMPY"):  # as a clean install with a CP
 import torch
 import torch.distributed as dist
 
-from cudagraph_capture import set_capture_enabled
+from cudagraph_capture import CaptureInvalidatedError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
@@ -255,12 +255,13 @@ def capture_faults(args: Sequence[str]) -> Result:
 def _lockstep_capture(model: ToyModel, device: torch.device, ranks: RankAgreement, rank: int) -> Result:
     """``start_capture()`` with ranks: started at step 1 on rank 0 and step 3 on rank 1, two keys a step.
 
-    Rank 1's model fails its second recording: both ranks drop that key and
-    try it again. Every step's output is compared with eager. Then a
-    release, and a second start whose ``wait()`` (a collective) captures
-    every key at once.
+    Rank 1's second recording is invalidated: both ranks drop that key and
+    try it again (an invalidated capture is worth a retry, on every rank
+    alike). Every step's output is compared with eager. Then a release, and
+    a second start whose ``wait()`` (steps of 0 tokens on every rank)
+    captures every key at once.
     """
-    failing = _FailingOnce(model, fail=rank == 1, at_capture=2)
+    failing = _FailingOnce(model, fail=rank == 1, at_capture=2, invalidated=True)
     manager = CUDAGraphManager(
         failing,
         INPUTS,
@@ -296,12 +297,17 @@ def _lockstep_capture(model: ToyModel, device: torch.device, ranks: RankAgreemen
 
 
 class _FailingOnce:
-    """``model``, raising once in the ``at_capture``-th capture where ``fail`` (the warm-up runs pass)."""
+    """``model``, raising once in the ``at_capture``-th capture where ``fail`` (the warm-up runs pass).
 
-    def __init__(self, model: ToyModel, *, fail: bool, at_capture: int) -> None:
+    ``invalidated``: as CUDA invalidating the capture (``CaptureInvalidatedError``: tried again), else
+    the model's own error.
+    """
+
+    def __init__(self, model: ToyModel, *, fail: bool, at_capture: int, invalidated: bool = False) -> None:
         self.model = model
         self.fail = fail
         self.at_capture = at_capture
+        self.invalidated = invalidated
         self.captures = 0
 
     def __call__(self, **inputs: torch.Tensor) -> torch.Tensor:
@@ -313,6 +319,8 @@ class _FailingOnce:
             self.captures += 1
             if self.captures == self.at_capture:
                 self.fail = False
+                if self.invalidated:
+                    raise CaptureInvalidatedError("planted invalidated capture on this rank")
                 raise RuntimeError("planted capture failure on this rank")
         return out
 

@@ -98,13 +98,6 @@ def _check_background(run: RankRun, *, steps: int) -> None:
     assert routes & {"FULL", "PIECEWISE"}, routes
 
 
-def test_expert_parallel_decoder_under_background_capture_on_cpu(tmp_path: Path) -> None:
-    """gloo, fake engines: ``start_capture()`` on each rank at its own step; the ranks capture in lockstep."""
-    run = _spawn(tmp_path, "cpu", "FULL_AND_PIECEWISE", "2", "exact", "24", "gloo", "bg")
-    _check(run, steps=24, drops=False)
-    _check_background(run, steps=24)
-
-
 def test_expert_parallel_decoder_matches_the_oracle_on_cpu(tmp_path: Path) -> None:
     """gloo, fake engines, FULL_AND_PIECEWISE, top-2, capacity factor 1: graphs, eager, dummy, drops."""
     run = _spawn(tmp_path, "cpu", "FULL_AND_PIECEWISE", "2", "1.0", "24", "gloo", "1")

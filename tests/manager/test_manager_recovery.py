@@ -11,7 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_capture import CaptureError, CUDAGraphWrapper, eager_break_during_capture
+from cudagraph_capture import (
+    CaptureError,
+    CaptureInvalidatedError,
+    CUDAGraphWrapper,
+    eager_break_during_capture,
+)
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -50,11 +55,15 @@ class _SyncsOnce(nn.Module):
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE], ids=lambda m: m.name)
 def test_capture_can_be_retried_after_an_invalidated_capture(mode: CUDAGraphMode) -> None:
-    """A capture that CUDA invalidated names its key; a second capture() then captures everything."""
+    """A capture that CUDA invalidated names its key; a second capture() then captures everything.
+
+    Its type says so (``CaptureInvalidatedError``: worth a retry), raised from the sync's own error.
+    """
     model = _SyncsOnce()
     manager = CUDAGraphManager(model, INPUTS, _config(mode))
-    with pytest.raises(CaptureError, match="num_tokens=8"):  # largest first
+    with pytest.raises(CaptureInvalidatedError, match="num_tokens=8") as raised:  # largest first
         manager.capture()
+    assert raised.value.__cause__ is not None
     assert manager.num_captured == 0
     probe = torch.randn(5, DIM, device="cuda")
     assert torch.equal(manager.run(x=probe), probe * model.w)  # still usable: runs eagerly

@@ -25,7 +25,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cudagraph_capture import CaptureDisabledError, CaptureError
+from cudagraph_capture import CaptureDisabledError, CaptureError, CaptureInvalidatedError
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,
@@ -80,6 +80,10 @@ class _PlantedCaptureError(CaptureError):
     """The capture failure the machine planted through ``on_capture``."""
 
 
+class _PlantedInvalidationError(CaptureInvalidatedError):
+    """The invalidated capture the machine planted in a background capture (tried again)."""
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Drives one manager through captures, clears and steps; checks it against a plain record."""
 
@@ -98,6 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # The engines' on_capture hook: the machine's capture switch and a planted failure.
         self.capture_enabled = True
         self.fail_at: int | None = None  # fail the capture with this index in the current capture()
+        self.in_background = False  # the planted failure is an invalidated capture (a retry mends it)
         self.captures_in_call = 0
         # The stats the manager should report.
         self.replays: Counter[tuple[CUDAGraphMode, int]] = Counter()
@@ -146,7 +151,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not self.capture_enabled:
             raise CaptureDisabledError("capture is disabled (the machine's switch)")
         if index == self.fail_at:
-            raise _PlantedCaptureError(f"planted failure at capture #{index} of this call")
+            planted = _PlantedInvalidationError if self.in_background else _PlantedCaptureError
+            raise planted(f"planted failure at capture #{index} of this call")
 
     def _pending(self) -> list[BatchDescriptor]:
         """The keys a capture() should capture now, in the plan's order."""
@@ -217,7 +223,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """start_capture(), waited for: the pending keys in plan order, a failed recording tried again.
 
         With the machine's capture switch off every recording fails: each key
-        is tried three times and given up, and stays pending. Nothing is
+        is given up at once (a refusal: no retry), and stays pending. Nothing is
         served meanwhile, so no miss reorders the keys.
         """
         pending = self._pending()
@@ -226,11 +232,12 @@ class ManagerMachine(RuleBasedStateMachine):
         for mode in dict.fromkeys(self.modes[key] for key in pending):
             of_mode = [key for key in pending if self.modes[key] is mode]
             self.warmed.update({of_mode[0], of_mode[-1]})
+        self.in_background = True
         try:
             handle = self.manager.start_capture()
             report = handle.wait(60)
         finally:
-            self.fail_at = None
+            self.fail_at, self.in_background = None, False
         self.model.calls.clear()
         if not pending:
             event("background: nothing pending")
@@ -248,7 +255,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert report.num_graphs == 0
             assert len(handle.errors) == len(pending)
             assert all(isinstance(error, CaptureDisabledError) for error in handle.errors)
-            assert handle.retries == 2 * len(pending)
+            assert handle.retries == 0  # a refusal: no retry mends it
         assert handle.progress == (len(pending), len(pending))
 
     @rule()

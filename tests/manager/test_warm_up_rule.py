@@ -261,38 +261,42 @@ def _capture_log(fail_cold: bool, error: Exception) -> tuple[list[bool], object]
 def test_a_recording_without_a_warm_up_that_fails_is_retried_after_its_warm_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cudagraph_capture import CaptureError
+    from cudagraph_capture import CaptureInvalidatedError
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
     warm_ups = _rule().plan(plan, "per_class", ranks=False)
     calls, capture = _capture_log(
-        True,
-        CaptureError(
-            "an autotune synchronized: operation not permitted when stream is capturing", plan[1].descriptor
-        ),
+        True, CaptureInvalidatedError("an autotune synchronized inside the capture", plan[1].descriptor)
     )
     assert warm_ups.capture(plan[1], capture) == ("captured", plan[1].descriptor)  # type: ignore[arg-type,comparison-overlap]  # a stand-in capture
     assert calls == [False, True]
 
 
 def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not after a warm-up, not a refusal (capture disabled), not the output's check; a retry's own raises."""
-    from cudagraph_capture import CaptureDisabledError, CaptureError
+    """Not after a warm-up, not a refusal (capture disabled), not the output's check; a retry's own raises.
+
+    Decided on the types along the cause chain: the text says nothing.
+    """
+    from cudagraph_capture import CaptureDisabledError, CaptureError, CaptureInvalidatedError
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
     warm_ups = _rule().plan(plan, "per_class", ranks=False)
     warmed, cold = plan[0], plan[1]
-    first_use = CaptureError("operation not permitted when stream is capturing", cold.descriptor)
+    first_use = CaptureInvalidatedError("a synchronization inside the capture", cold.descriptor)
     wrapped_first_use = CaptureError("the recording failed", cold.descriptor)
-    wrapped_first_use.__cause__ = RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted")
+    wrapped_first_use.__cause__ = CaptureInvalidatedError("CUDA invalidated the capture")
+    out_of_memory = CaptureError("the recording failed", cold.descriptor)
+    out_of_memory.__cause__ = torch.OutOfMemoryError("out of memory")
+    out_of_memory.__cause__.__context__ = CaptureInvalidatedError("CUDA invalidated the capture")
     cases: list[tuple[PlannedGraph[torch.Tensor], Exception, list[bool]]] = [
-        (warmed, CaptureError("the model failed", warmed.descriptor), [True]),
+        (warmed, CaptureInvalidatedError("invalidated", warmed.descriptor), [True]),
         (cold, CaptureDisabledError("disabled", cold.descriptor), [False]),
         (cold, ValueError("an output that cannot be cut"), [False]),
-        (cold, CaptureError("the model failed", cold.descriptor), [False]),  # its own error: not a first use
-        (cold, CaptureError("CUDA out of memory", cold.descriptor), [False]),
+        (cold, CaptureError("the model failed", cold.descriptor), [False]),  # its own error
+        (cold, CaptureError("operation not permitted when stream is capturing", cold.descriptor), [False]),
+        (cold, out_of_memory, [False]),  # an out-of-memory anywhere in the chain: never
         (cold, first_use, [False, True]),  # the retry's error
         (cold, wrapped_first_use, [False, True]),
     ]
@@ -311,17 +315,17 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
 
 
 def test_a_failure_chain_that_loops_is_read_once() -> None:
-    """A cause chain set by hand into a loop ends the walk: the model's error is not a first use."""
-    from cudagraph_capture import CaptureError
-    from cudagraph_manager._capture._warm_up import first_use_failure
+    """A cause chain set by hand into a loop ends the walk: the model's error is not worth a retry."""
+    from cudagraph_capture import CaptureError, CaptureInvalidatedError
+    from cudagraph_manager._capture._retry import worth_retrying
 
     error = CaptureError("the recording failed")
     cause = RuntimeError("the model failed")
     error.__cause__, cause.__cause__ = cause, error
-    assert not first_use_failure(error)
-    cause.__context__ = RuntimeError("operation not permitted when stream is capturing")
+    assert not worth_retrying(error)
+    cause.__context__ = CaptureInvalidatedError("CUDA invalidated the capture")
     cause.__cause__ = None
-    assert first_use_failure(error)
+    assert worth_retrying(error)
 
 
 # -- compile classes: the attention says which shapes share compiled code -------------------------

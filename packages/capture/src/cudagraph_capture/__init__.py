@@ -16,6 +16,7 @@ from ._enabled import capture_enabled as capture_enabled
 from ._enabled import set_capture_enabled as set_capture_enabled
 from ._errors import CaptureDisabledError as CaptureDisabledError
 from ._errors import CaptureError as CaptureError
+from ._errors import CaptureInvalidatedError as CaptureInvalidatedError
 from ._loop import DeviceLoop as DeviceLoop
 from ._loop import LoopKind as LoopKind
 from ._loop import LoopPolicy as LoopPolicy
@@ -35,6 +36,7 @@ __all__ = [
     "CUDAGraphWrapper",
     "CaptureDisabledError",
     "CaptureError",
+    "CaptureInvalidatedError",
     "CaptureOptions",
     "DeviceLoop",
     "GraphEngine",

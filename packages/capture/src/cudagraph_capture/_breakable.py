@@ -23,7 +23,7 @@ from cudagraph_dispatch.lowlevel import check_bool
 
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError
+from ._errors import CaptureError, invalidated_capture
 from ._gc import collect_before_capture
 from ._pool import GraphPool, capture_stream, check_pool, check_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment, instantiate_segment, new_graph
@@ -49,7 +49,9 @@ class BreakableCUDAGraphCapture:
     One capture may be active per thread (``current()``); nesting raises
     ``RuntimeError``. All segments share one pool and one capture stream. An
     exception in the body ends the capture, discards its segments and clears
-    the thread's active capture. Segments that captured no work are dropped.
+    the thread's active capture; where CUDA had invalidated the capture, a
+    ``CaptureInvalidatedError`` is raised from it. Segments that captured no
+    work are dropped.
     """
 
     __slots__ = (
@@ -161,8 +163,10 @@ class BreakableCUDAGraphCapture:
             if self._graph is not None:
                 if failed:
                     assert self._pool is not None
-                    abort_segment(self._graph, self._pool)
+                    invalidated = abort_segment(self._graph, self._pool)
                     self._graph = None
+                    if invalidated and isinstance(exc, Exception):  # the same capture may succeed again
+                        raise invalidated_capture("BreakableCUDAGraphCapture", exc, self._descriptor) from exc
                 else:
                     self._end()
         except BaseException:

@@ -24,6 +24,19 @@ class CaptureDisabledError(CaptureError):
     """A capture was attempted after ``set_capture_enabled(False)``."""
 
 
+class CaptureInvalidatedError(CaptureError):
+    """CUDA invalidated the stream capture: the same capture may succeed when tried again.
+
+    An operation a capture refuses ran while it recorded: a synchronization
+    or a library handle's creation on the capturing thread (a first use a
+    warm-up makes), or a device-wide synchronization on another thread. The
+    engines raise it where CUDA refused to end the capture, ``from`` the
+    error the work raised, if any; a failure of the work itself while the
+    capture stayed valid (the model's own error, an out-of-memory) is a plain
+    ``CaptureError``.
+    """
+
+
 def capture_failure(engine: str, error: Exception, descriptor: BatchDescriptor | None) -> CaptureError:
     """The ``CaptureError`` an engine raises ``from error``, naming the error's type and ``descriptor``.
 
@@ -32,6 +45,15 @@ def capture_failure(engine: str, error: Exception, descriptor: BatchDescriptor |
     through the traceback until a garbage collection.
     """
     return CaptureError(f"{engine}: capture failed with {type(error).__name__}: {error}", descriptor)
+
+
+def invalidated_capture(
+    engine: str, error: Exception, descriptor: BatchDescriptor | None
+) -> CaptureInvalidatedError:
+    """The ``CaptureInvalidatedError`` an engine raises ``from error`` where CUDA invalidated the capture."""
+    return CaptureInvalidatedError(
+        f"{engine}: CUDA invalidated the capture; the work raised {type(error).__name__}: {error}", descriptor
+    )
 
 
 def note_interrupt(error: BaseException, engine: str, what: str, descriptor: BatchDescriptor | None) -> None:

@@ -36,7 +36,7 @@ from ._conditional import (
     load_conditional,
 )
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, capture_failure, note_interrupt
+from ._errors import CaptureError, capture_failure, invalidated_capture, note_interrupt
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import capture_lock, capture_stream, shared_pool
@@ -181,6 +181,10 @@ class TorchGraphs:
                 begin_segment(graph, self.pool)  # the capture's GEMMs take their workspace from the pool
                 try:
                     work()
+                except Exception as error:
+                    if abort_segment(graph, self.pool):
+                        raise invalidated_capture("DeviceLoop", error, self.descriptor) from error
+                    raise
                 except BaseException:
                     abort_segment(graph, self.pool)
                     raise

@@ -27,7 +27,7 @@ from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
 from ._enabled import check_capture_enabled
-from ._errors import CaptureError, capture_failure, note_interrupt
+from ._errors import CaptureError, capture_failure, invalidated_capture, note_interrupt
 from ._gc import collect_before_capture
 from ._options import CaptureOptions
 from ._pool import GraphPool, capture_lock, capture_stream, shared_pool
@@ -244,6 +244,10 @@ class MonolithicRecorder(GraphRecorder[R]):
                 begin_segment(graph, pool)
                 try:
                     output = run()
+                except Exception as error:
+                    if abort_segment(graph, pool):
+                        raise invalidated_capture(self.name, error, key) from error
+                    raise
                 except BaseException:
                     abort_segment(graph, pool)
                     raise

@@ -22,7 +22,7 @@ import torch
 from cudagraph_dispatch import BatchDescriptor
 
 from ._cublas import drop_cublas_workspaces as drop_cublas_workspaces  # patched by a negative control
-from ._errors import CaptureError
+from ._errors import CaptureError, CaptureInvalidatedError
 from ._pool import GraphPool, retire_shared_pool
 
 # Only this thread's unsafe CUDA calls invalidate its capture: a server's other
@@ -100,7 +100,9 @@ def end_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool, descriptor: BatchD
                     "(torch.cuda.current_stream().wait_stream(side_stream)) first",
                     descriptor,
                 ) from error
-            raise CaptureError(f"ending the CUDA graph capture failed: {error}", descriptor) from error
+            raise CaptureInvalidatedError(
+                f"ending the CUDA graph capture failed: {error}", descriptor
+            ) from error
     drop_cublas_workspaces()  # eager GEMMs from now on get a workspace outside the pool
     empty = False
     for warning in caught:
@@ -111,17 +113,22 @@ def end_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool, descriptor: BatchD
     return not empty
 
 
-def abort_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> None:
-    """End a capture that an exception interrupted, keeping that exception primary."""
+def abort_segment(graph: torch.cuda.CUDAGraph, pool: GraphPool) -> bool:
+    """End a capture that an exception interrupted; whether CUDA had invalidated it.
+
+    The caller raises that exception (``CaptureInvalidatedError`` from it where
+    the capture was invalidated: the same capture may succeed when tried again).
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             graph.capture_end()
         except RuntimeError:
-            # The capture was invalidated (the original error says why).
-            repair_failed_capture(pool)
+            repair_failed_capture(pool)  # CUDA refused to end it: the capture was invalidated
+            return True
         finally:
             drop_cublas_workspaces()
+    return False
 
 
 def repair_failed_capture(pool: GraphPool) -> None:

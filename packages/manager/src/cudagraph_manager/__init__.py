@@ -14,7 +14,6 @@ the reference decoder and the demo live in the repository's ``examples/``.
 from ._buffers._outputs import OutputRows as OutputRows
 from ._buffers._static import Rows as Rows
 from ._buffers._static import StaticInput as StaticInput
-from ._capture._background import BackgroundCapture as BackgroundCapture
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
 from ._decode_loop import DecodeLoop as DecodeLoop
@@ -26,6 +25,7 @@ from ._memory._kv import KVCacheBacking as KVCacheBacking
 from ._memory._kv import KVCacheMemory as KVCacheMemory
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._options import ManagerOptions as ManagerOptions
+from ._protocols import BackgroundCapture as BackgroundCapture
 from ._reports._report import CapturedGraph as CapturedGraph
 from ._reports._report import CapturePhases as CapturePhases
 from ._reports._report import CaptureReport as CaptureReport

@@ -12,6 +12,7 @@ or, when the route names no captured graph, an eager step counted per reason.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from threading import get_ident
 from types import MappingProxyType
@@ -26,14 +27,15 @@ from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
 
 from ._arguments import check_arguments
 from ._buffers._static import StaticInput
-from ._capture._background import BackgroundCapture, check_keys_per_step
-from ._capture._capturer import Capturer, agree_plan
+from ._capture._background import check_keys_per_step
+from ._capture._capturer import Capturer
+from ._capture._together import keys_to_capture
 from ._decode_loop import LoopResult
 from ._graphs import GraphTable
 from ._memory._kv import KVCacheMemory
 from ._options import ManagerOptions
 from ._parts import ManagerParts
-from ._protocols import OutputT
+from ._protocols import BackgroundCapture, OutputT
 from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate
 from ._step._eager import EagerSteps
 from ._step._loop import LoopSteps
@@ -64,11 +66,12 @@ class CUDAGraphManager(Generic[OutputT]):
         checked = check_arguments(model, inputs, config, device, strict, options)
         parts = self._parts = ManagerParts.of(model, checked, strict)
         self._table: Final = GraphTable[OutputT](parts.dispatcher, parts.buffers, parts.builder)
-        self._capturer: Final = Capturer(parts, self._table, checked)
+        self._capturer: Final = Capturer(parts, self._table, checked, weakref.WeakMethod(self._idle_step))
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
         self._guard: Final = _output_guard() if checked.given.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)
-        self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard)
+        hook = self._capturer.lockstep  # with ranks: the lockstep capture's field and turns, every step
+        self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard, hook)
         loop = parts.loop
         steps = None if loop is None else LoopSteps(parts, loop, self._table, self._path, self._capturer)
         self._loops: Final = steps
@@ -116,28 +119,31 @@ class CUDAGraphManager(Generic[OutputT]):
     def capture(self, *, progress: bool | None = None) -> CaptureReport:
         """Capture the plan's pending keys (PIECEWISE, then FULL, largest first); synchronizes once.
 
-        ``progress``: a tqdm bar (default: when stderr is a terminal). With ranks, a collective.
-        Raises ``CaptureError`` naming the key; the keys before it stay captured.
+        ``progress``: a tqdm bar (default: when stderr is a terminal). With ranks, a collective that
+        captures the keys any rank misses, on every rank. Raises ``CaptureError`` naming the key; the
+        keys before it stay captured.
         """
         if progress is not None:
             check_bool("progress", progress)
         with self._exclusive("capture"):
-            pending = self._table.pending()
-            self._capturer.begin(pending)
-            agree_plan(self._parts.ranks, pending, self._parts.no_graphs)
-            return self._capturer.foreground(pending, self._parts.ranks, progress)
+            parts = self._parts
+            keys = keys_to_capture(parts.ranks, self._table, parts.no_graphs)
+            self._capturer.begin(keys)
+            return self._capturer.foreground(keys, parts.ranks, progress)
 
     def estimate_memory(self) -> MemoryEstimate:
         """What ``capture()`` of the pending keys will cost the device, from probes; synchronizes."""
         with self._exclusive("estimate_memory"):
-            agree_plan(self._parts.ranks, self._table.pending(), self._parts.no_graphs)
-            return self._capturer.estimate(self._parts.ranks)
+            parts = self._parts
+            keys = keys_to_capture(parts.ranks, self._table, parts.no_graphs)
+            return self._capturer.estimate(keys, parts.ranks)
 
     def start_capture(self, *, keys_per_step: int = 1) -> BackgroundCapture:
         """Capture the pending keys in a thread while ``run()`` keeps serving; call it on the serving stream.
 
         A key's steps run eagerly as ``not_captured`` until its capture (allowed when ``strict``).
-        With ranks: the steps capture ``keys_per_step`` keys each, every rank alike (no thread; design.md).
+        With ranks: the steps capture ``keys_per_step`` keys each, every rank the keys any rank misses
+        (no thread; docs/design.md, "With ranks").
         """
         check_keys_per_step(keys_per_step, self._parts.ranks is not None)
         with self._exclusive("start_capture"):
@@ -210,6 +216,11 @@ class CUDAGraphManager(Generic[OutputT]):
     def check_weights(self) -> None:
         """Raise ``WeightsReplacedError`` if a tensor the captured graphs read was replaced."""
         self._weights.check()
+
+    def _idle_step(self) -> None:
+        """A step of 0 tokens on this rank (a lockstep capture's ``wait()``): its exchange, and its turn."""
+        with self._lock.held("wait"):
+            self._path.idle_step()
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:

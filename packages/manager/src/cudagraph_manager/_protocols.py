@@ -5,7 +5,9 @@ the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
 hands back a ``GraphEntry`` the manager keeps): the default factory is
 ``cudagraph_capture.graph_engine`` (its recorders, directly), and a test (or
 another engine) can pass its own. ``CaptureJobs`` is what a background capture
-asks of the manager's captures, ``CaptureState`` what a step without a graph asks.
+asks of the manager's captures, ``CaptureState`` what a step without a graph
+asks, ``StepHook`` what a step with ranks calls around its exchange, and
+``BackgroundCapture`` the handle ``start_capture()`` returns.
 """
 
 from __future__ import annotations
@@ -109,23 +111,59 @@ class CaptureJobs(Protocol):
     def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...
 
 
+class BackgroundCapture(Protocol):
+    """The handle ``start_capture()`` returns: a capture beside the serving steps, and its report.
+
+    Two sessions keep it: ``ThreadCapture`` (a thread records while
+    ``run()`` serves) and, with ranks, ``LockstepCapture`` (the serving
+    steps capture, every rank the same keys together). ``done``: it ended;
+    ``progress``: ``(keys finished, keys planned)`` (captured or given up
+    on); ``errors``: the error of each key given up on (and of a failed
+    warm-up); ``retries``: failed tries that were tried again (the capture
+    was invalidated); ``wait(timeout)``: the ``CaptureReport`` once done
+    (``TimeoutError`` if ``timeout`` seconds pass first); ``stop()``: record
+    no further key.
+    """
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def progress(self) -> tuple[int, int]: ...
+
+    @property
+    def errors(self) -> tuple[BaseException, ...]: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    def wait(self, timeout: float | None = None) -> CaptureReport: ...
+
+    def stop(self) -> None: ...
+
+
 class RunningCapture(Protocol):
-    """What a step asks of a running background capture: a key it missed, then that it was served."""
+    """What a step asks of a capture thread: a key it missed (captured next), then that it was served."""
 
     def missed(self, descriptor: BatchDescriptor, /) -> None: ...
 
     def served(self) -> None: ...
 
 
-class LockstepTurns(Protocol):
-    """What a step with ranks asks of a lockstep capture: its agreement field, and its turn."""
+class StepHook(Protocol):
+    """What a step with ranks takes at construction: a field for its exchange, and what follows the exchange.
 
-    @property
-    def token(self) -> int: ...
+    The lockstep capture's (``_capture/_lockstep.Lockstep``): ``field()`` is
+    this rank's opaque field of the step's row (``RankAgreement.route_step``);
+    ``stepped(fields)`` gets every rank's, by rank, right after the exchange
+    and before the step runs (where the capture takes its turn), and says
+    whether the exchange saw every rank's capture running: strict mode then
+    runs the step's eager forward, on every rank alike.
+    """
 
-    def turn(self) -> None: ...
+    def field(self) -> tuple[int, ...]: ...
 
-    def stepped(self) -> None: ...
+    def stepped(self, fields: Sequence[tuple[int, ...]], /) -> bool: ...
 
 
 class CaptureState(Protocol):
@@ -133,13 +171,13 @@ class CaptureState(Protocol):
 
     ``released``: ``release()`` freed the graphs and no capture started
     since; ``running()``: the background capture still running, if one is
-    (a step it misses is captured next); ``lockstep()``: the lockstep
-    capture still running (with ranks), whose turns the steps take.
+    (a thread's, or with ranks the lockstep one); ``thread_capture()``: the
+    capture thread's still running, which a step's miss reorders.
     """
 
     @property
     def released(self) -> bool: ...
 
-    def running(self) -> RunningCapture | None: ...
+    def running(self) -> BackgroundCapture | None: ...
 
-    def lockstep(self) -> LockstepTurns | None: ...
+    def thread_capture(self) -> RunningCapture | None: ...

@@ -1,9 +1,10 @@
 """Capture in a thread beside the serving steps: graphs switch in as they become ready.
 
-``CUDAGraphManager.start_capture()`` returns a ``BackgroundCapture``: one
-object that owns everything the capture needs (its stream, the event that
-orders its warm-ups with the serving stream, the keys steps missed, its
-retries, its garbage-collection policy) and reports on it. It runs on the
+``CUDAGraphManager.start_capture()`` returns a ``ThreadCapture`` without
+ranks (a ``BackgroundCapture`` handle): one object that owns everything the
+capture needs (its stream, the event that orders its warm-ups with the
+serving stream, the keys steps missed, its retries, its garbage-collection
+policy) and reports on it. It runs on the
 device's capture worker (``_worker``), or on a thread of its own where the
 worker is busy. How it stays out of the serving steps' way, and what the
 serving thread must not do meanwhile: docs/design.md, "Background capture".
@@ -29,14 +30,12 @@ from cudagraph_dispatch import BatchDescriptor
 from .._protocols import CaptureJobs
 from .._reports._report import CapturedGraph, CaptureReport
 from .._reports._totals import CaptureTotals
+from ._retry import RETRIES, worth_retrying
 from ._warm_up import WarmUps
 from ._worker import run_capture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
-#: More tries of a key whose capture failed (a device-wide sync on another thread
-#: invalidates a capture; a model error fails every try).
-RETRIES: Final = 2
 #: Keys recent steps ran eagerly for, remembered to capture them first.
 MISSES_KEPT: Final = 64
 
@@ -122,8 +121,8 @@ class FirstStep:
             time.sleep(timings.poll_s)  # polled, not synchronized: the wait stays bounded
 
 
-class BackgroundCapture:
-    """A capture running beside the serving steps: progress, errors, and its report when done.
+class ThreadCapture:
+    """A capture running in a thread beside the serving steps: progress, errors, and its report when done.
 
     ``done`` says whether the thread finished; ``progress`` is ``(keys
     finished, keys planned)`` (captured or given up on); ``errors`` holds the
@@ -340,7 +339,7 @@ class BackgroundCapture:
             try:
                 record = self._record(key)
             except Exception as error:  # a model's error, an invalidated capture: never the whole loop
-                if attempt < RETRIES:
+                if attempt < RETRIES and worth_retrying(error):
                     with self._lock:
                         self._retries += 1
                     _logger.warning("background capture of %s failed, trying again: %s", key, error)
@@ -354,7 +353,7 @@ class BackgroundCapture:
             return
 
     def _record(self, key: BatchDescriptor) -> CapturedGraph:
-        """One try of ``key``'s capture (a lockstep capture's is every rank's)."""
+        """One try of ``key``'s capture."""
         return self._jobs.capture(key)
 
     def _gave_up(self, error: BaseException) -> None:

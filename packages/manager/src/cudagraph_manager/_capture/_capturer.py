@@ -1,4 +1,4 @@
-"""A manager's captures: in the foreground, in a background thread, or probed for an estimate.
+"""A manager's captures: in the foreground, in a background thread, in lockstep with ranks, or probed.
 
 Each planned graph is warmed up where the warm-up rule (and ``capture()``'s
 policy, ``ManagerOptions.warm_ups``) says, recorded
@@ -27,7 +27,6 @@ import torch
 from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_capture.lowlevel import (
     GraphPool,
-    capture_disabled_reason,
     capture_stream,
     collector_paused,
     release_graph_memory,
@@ -38,16 +37,17 @@ from .._arguments import Arguments
 from .._graphs import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
-from .._protocols import GraphEngineFactory, OutputT
+from .._protocols import BackgroundCapture, GraphEngineFactory, OutputT
 from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
 from .._reports._totals import CaptureTotals
 from ..ranks import RankAgreement
-from ._background import BackgroundCapture, BackgroundTimings
+from ._background import BackgroundTimings, ThreadCapture
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._lockstep import LockstepCapture
+from ._lockstep import Lockstep, LockstepCapture
 from ._loops import LoopCapture
 from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
+from ._together import Together, on_every_rank, plan_digest, planned, why_not_capture
 from ._warm_up import WarmUpRule, smallest_of_modes
 from ._worker import capture_worker
 
@@ -55,11 +55,12 @@ _logger: Final = logging.getLogger("cudagraph_manager")
 
 
 class Capturer(Generic[OutputT]):
-    """A manager's captures of its graph table's pending graphs; the background capture's ``CaptureJobs``.
+    """A manager's captures of its graph table's pending graphs; the capture sessions' ``CaptureJobs``.
 
     Holds one engine per mode, the warm-up rule, the decode loops' capture,
-    the last background capture (weakly: the session holds this object) and
-    whether the graphs were released.
+    the last capture thread (weakly: the session holds this object), with
+    ranks the lockstep capture's part (``lockstep``, the step path's hook),
+    and whether the graphs were released.
     """
 
     __slots__ = (
@@ -74,13 +75,19 @@ class Capturer(Generic[OutputT]):
         "_session",
         "_table",
         "background_timings",
+        "lockstep",
         "released",
         "weights",
     )
 
     def __init__(
-        self, parts: ManagerParts[OutputT], table: GraphTable[OutputT], checked: Arguments[OutputT]
+        self,
+        parts: ManagerParts[OutputT],
+        table: GraphTable[OutputT],
+        checked: Arguments[OutputT],
+        idle_step: Callable[[], Callable[[], None] | None],
     ) -> None:
+        """``idle_step``: the manager's step of 0 tokens (a lockstep ``wait()`` takes them), held weakly."""
         self._parts: Final = parts
         self._policy: Final = checked.given.warm_ups  # capture()'s warm-ups
         self._table: Final = table
@@ -98,10 +105,17 @@ class Capturer(Generic[OutputT]):
         self._loops: Final = None if parts.loop is None else LoopCapture(parts, parts.loop, table)
         #: How a background capture waits for the first step (tests set their own).
         self.background_timings = BackgroundTimings()
-        # The last background capture, weakly: it holds this object (its jobs), and a strong
+        # The last capture thread, weakly: it holds this object (its jobs), and a strong
         # reference back would keep the graphs alive after the manager goes, until a collection.
         # While it runs, its thread holds it.
-        self._session: Callable[[], BackgroundCapture | None] | None = None
+        self._session: Callable[[], ThreadCapture | None] | None = None
+        ranks = parts.ranks
+        #: With ranks: the lockstep protocol's part of this rank (``start_capture()``; the steps' hook).
+        self.lockstep: Final = (
+            None
+            if ranks is None
+            else Lockstep(ranks, self, list(table.graphs), plan_digest(planned(table)), idle_step)
+        )
         self.released = False  # release() freed the graphs, and no capture started since
         #: The addresses of the model's parameters and buffers that its graphs read.
         self.weights: Final = WeightWatch(watched_module(parts.model))
@@ -158,9 +172,10 @@ class Capturer(Generic[OutputT]):
     def foreground(
         self, pending: Sequence[PlannedGraph[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
-        """Capture ``pending`` in order on this thread (each key kept by every rank, or by none).
+        """Capture ``pending`` in order on this thread (with ranks, every rank's keys: ``_together``).
 
-        A key is warmed up where the warm-up rule says (``WarmUpRule.plan``).
+        A key is warmed up where the warm-up rule says (``WarmUpRule.plan``);
+        with ranks every key, each kept by every rank or by none.
         """
         parts = self._parts
         if parts.no_graphs is not None:
@@ -173,14 +188,14 @@ class Capturer(Generic[OutputT]):
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
             totals = self.start_totals()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
-                key = graph.descriptor
-                attempt = functools.partial(plan.capture, graph, self._capture)
                 if ranks is None:
-                    records.append(attempt())
-                else:
-                    records.append(
-                        ranks.all_or_none(key, attempt, functools.partial(self._table.drop, graph))
-                    )
+                    records.append(plan.capture(graph, self._capture))
+                    continue
+                together = self._together(ranks, graph)
+                if together.error is not None:
+                    raise together.error
+                assert together.record is not None
+                records.append(together.record)
             records += self._capture_loops()
             if ranks is None and device.type == "cuda":
                 self._warm_worker()
@@ -192,50 +207,65 @@ class Capturer(Generic[OutputT]):
 
     def background(
         self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
-    ) -> BackgroundCapture:
+    ) -> ThreadCapture | LockstepCapture:
         """Start capturing ``pending`` in a thread (``_background``; returns once it warmed up), or,
         with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``_lockstep``)."""
+        if self.lockstep is not None:
+            return self.lockstep.start(keys_per_step)
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
-        ranks = self._parts.ranks
-        session: BackgroundCapture
-        if ranks is None:
-            session = BackgroundCapture(
-                keys, self._rule.background(pending, self._policy), self, timings=self.background_timings
-            )
-        else:
-            session = LockstepCapture(
-                keys,
-                self,
-                ranks=ranks,
-                capture_one=functools.partial(self._lockstep_capture, ranks),
-                step_lock=self._parts.lock,
-                keys_per_step=keys_per_step,
-            )
-        self._session = weakref.ref(session) if ranks is None else (lambda: session)  # lockstep: held
+        session = ThreadCapture(keys, self._rule.background(pending, self._policy), self, timings=self.background_timings)
+        self._session = weakref.ref(session)
         session.start()
         return session
 
     def running(self) -> BackgroundCapture | None:
-        """The background capture still running, if one is."""
+        """The background capture still running, if one is (a thread's, or the lockstep one)."""
+        thread = self.thread_capture()
+        if thread is not None:
+            return thread
+        return None if self.lockstep is None else self.lockstep.session
+
+    def thread_capture(self) -> ThreadCapture | None:
+        """The capture thread still running, if one is."""
         session = None if self._session is None else self._session()
         return session if session is not None and not session.done else None
 
-    def lockstep(self) -> LockstepCapture | None:
-        """The lockstep capture (with ranks) running, if one is (held: no thread keeps it alive)."""
-        session = self.running()
-        return session if isinstance(session, LockstepCapture) else None
+    # -- the lockstep capture's seam (``LockstepJobs``) --
 
-    def _lockstep_capture(self, ranks: RankAgreement, key: BatchDescriptor) -> CapturedGraph:
-        """``key`` warmed up and recorded on the serving thread, kept by every rank or by none."""
+    def pending_keys(self) -> list[BatchDescriptor]:
+        """The keys without a graph, in plan order (none where nothing can be captured)."""
+        if self._parts.no_graphs is not None:
+            return []
+        return [graph.descriptor for graph in self._table.pending()]
+
+    def why_not_capture(self) -> str | None:
+        """Why this rank cannot capture now (no graphs, or captures turned off); ``None``: it can."""
+        return why_not_capture(self._parts.no_graphs)
+
+    def capture_together(self, key: BatchDescriptor) -> Together:
+        """``key`` warmed up and recorded on the serving thread with every rank, kept by all or by none."""
+        ranks = self._parts.ranks
+        assert ranks is not None
         device = self._parts.device
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        undo = functools.partial(self._table.drop, self._table.graphs[key])
         with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
-            return ranks.all_or_none(key, functools.partial(self._capture, key, warm=True), undo)
+            return self._together(ranks, self._table.graphs[key])
 
-    def estimate(self, ranks: RankAgreement | None) -> MemoryEstimate:
-        """What capturing the pending keys will cost the device (``_estimate``); synchronizes."""
-        pending = self._table.pending()
+    def _together(self, ranks: RankAgreement, graph: PlannedGraph[OutputT]) -> Together:
+        """``graph`` captured on every rank (``_together.on_every_rank``); a graph this rank held is dropped
+        and recorded again with the others: only a recording meets a recording's collectives."""
+
+        def attempt() -> CapturedGraph:
+            if graph.entry is not None:
+                self._table.drop(graph)
+            return self._capture(graph.descriptor, warm=True)
+
+        return on_every_rank(ranks, graph.descriptor, attempt, functools.partial(self._table.drop, graph))
+
+    def estimate(
+        self, pending: Sequence[PlannedGraph[OutputT]], ranks: RankAgreement | None
+    ) -> MemoryEstimate:
+        """What capturing ``pending`` costs the device (``_estimate``); synchronizes."""
         loops = self._loop_probes()
         parts = self._parts
         device = parts.device
@@ -257,7 +287,9 @@ class Capturer(Generic[OutputT]):
         """Stop a background capture, free every graph, give the graph memory back to the device.
 
         Steps run eagerly as released until a capture starts; the memory goes
-        back last, so the graphs are released even if that raises.
+        back last, so the graphs are released even if that raises. A lockstep
+        capture ends here at once (its ``wait()`` exchanges nothing then): the
+        other ranks' end at the next step's exchange.
         """
         session = self.running()
         if session is not None:
@@ -377,12 +409,3 @@ def _has_signature(factory: object) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def agree_plan(
-    ranks: RankAgreement | None, pending: Sequence[PlannedGraph[OutputT]], no_graphs: str | None
-) -> None:
-    """With ``ranks``: every rank captures (or probes) the same keys, or all raise before any."""
-    if ranks is not None:
-        why = no_graphs or capture_disabled_reason()
-        ranks.agree_plan([(graph.mode, graph.descriptor) for graph in pending], no_graphs=why)

@@ -21,9 +21,10 @@ first use itself (library heuristics, views), and the class's warm-up made
 the rest (handles, workspaces, lazy state, compiles). Where a capture made
 dynamo compile, the class's next key warms up too (a compiled model
 specializes by size); a recording of a key not warmed up that fails as a
-first use does inside a capture (a synchronization, a library handle:
-``first_use_failure``) is retried once after its warm-up; the model's own
-errors and an out-of-memory are raised at once, as under ``"every_key"``.
+first use does inside a capture (a synchronization, a library handle: CUDA
+invalidates the capture, ``_retry.worth_retrying``) is retried once after its
+warm-up; the model's own errors and an out-of-memory are raised at once, as
+under ``"every_key"``.
 ``"auto"`` (the default) is ``"per_class"`` while dynamo has compiled
 nothing in this process and there are no ranks, and turns to
 ``"every_key"`` for the rest of a capture once anything compiles, unless
@@ -45,7 +46,7 @@ import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Final, Generic, Protocol, TypeAlias
 
-from cudagraph_capture import CaptureDisabledError, CaptureError
+from cudagraph_capture import CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._compiled import dynamo_compiles
@@ -53,6 +54,7 @@ from .._graphs import PlannedGraph, by_mode
 from .._options import WarmUpPolicy
 from .._protocols import OutputT
 from .._reports._report import CapturedGraph
+from ._retry import worth_retrying
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -100,26 +102,6 @@ class Capture(Protocol):
     """A capturer's capture of one key: ``capture(descriptor, warm=...)``."""
 
     def __call__(self, descriptor: BatchDescriptor, /, *, warm: bool) -> CapturedGraph: ...
-
-
-#: What a first use inside a recording raises (lower case): a synchronization or a library
-#: handle's creation that a stream capture refuses, where the warm-up would have made that use first.
-FIRST_USE_MARKS: Final = ("stream is capturing", "streamcapture", "stream capture", "not_initialized")
-
-
-def first_use_failure(error: CaptureError) -> bool:
-    """Whether ``error`` came from a first use a warm-up makes (not the model's own error, not memory).
-
-    Follows what it was raised from; a refusal (``CaptureDisabledError``) never is.
-    """
-    if isinstance(error, CaptureDisabledError):
-        return False
-    chain: list[BaseException] = []
-    seen: BaseException | None = error
-    while seen is not None and seen not in chain:  # a chain set by hand may loop
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return any(mark in str(link).lower() for link in chain for mark in FIRST_USE_MARKS)
 
 
 class Compiles:
@@ -182,7 +164,7 @@ class ForegroundWarmUps(Generic[OutputT]):
                 captured = capture(graph.descriptor, warm=warm)
         except CaptureError as error:
             cold = not warm and graph.descriptor in self._every  # cold by the class rule
-            if not cold or not (seen.compiled or first_use_failure(error)):
+            if not cold or not (seen.compiled or worth_retrying(error)):
                 raise  # "every_key" warms it; the model's own error, an out-of-memory: raised at once
         else:
             if warm or not seen.compiled:

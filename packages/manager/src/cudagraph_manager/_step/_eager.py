@@ -15,7 +15,14 @@ from typing import Final, Generic, cast
 
 import torch
 
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason, Route, set_forward_context
+from cudagraph_dispatch import (
+    BatchDescriptor,
+    CUDAGraphMode,
+    Dispatch,
+    EagerReason,
+    Route,
+    set_forward_context,
+)
 
 from .._attention._seam import metadata_extra
 from .._batch import BatchShape, StepBatch
@@ -23,12 +30,10 @@ from .._errors import NoGraphError
 from .._graphs import PlannedGraph
 from .._parts import ManagerParts
 from .._protocols import CaptureState, OutputT
-from ..ranks._agreement import CAPTURE_STOPPED
+from ..ranks import NUM_TOKENS_ACROSS_DP
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE
-#: The eager forward context's extra that carries every rank's token count (with ranks).
-NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
 
 
 class EagerSteps(Generic[OutputT]):
@@ -45,39 +50,43 @@ class EagerSteps(Generic[OutputT]):
         self._captures: Final = captures
         self._logged: Final[set[EagerReason]] = set()
 
-    @property
-    def captures(self) -> CaptureState:
-        return self._captures
-
     def without_graph(
-        self, batch: StepBatch, route: Route, graph: PlannedGraph[OutputT] | None, dummy: bool
+        self,
+        batch: StepBatch,
+        route: Route,
+        graph: PlannedGraph[OutputT] | None,
+        dummy: bool,
+        everywhere: bool = False,
     ) -> OutputT:
         """A step that replays nothing: an idle rank's part, or an eager step for its reason.
 
         A route without a graph is its own reason; a planned graph without an
         entry is ``not_captured``, or ``no_cuda`` where nothing can be
-        captured, or ``released``; a key missed while a background capture
-        runs is reported to it (captured next) and allowed in strict mode, as
-        are the eager steps of every rank while a lockstep capture runs.
+        captured, or ``released``; a key missed while a capture thread runs
+        is reported to it (captured next) and allowed in strict mode.
+        ``graph``: the planned graph of this rank's batch (with ranks, the
+        agreed route may run another step: it names the reason only).
         ``dummy``: an idle rank runs a dummy step along with the others'.
+        ``everywhere``: the step's exchange saw every rank's lockstep capture
+        running; strict mode then runs it (the allowance comes from the
+        exchange, so every rank runs or every rank raises).
         """
         if batch.num_tokens == 0:  # an idle step (EMPTY_BATCH), or an idle rank's part in the others'
-            return self.dummy_step() if dummy else self.idle(batch)
+            return self.dummy_step(everywhere) if dummy else self.idle(batch)
         reason = route if isinstance(route, EagerReason) else EagerReason.NOT_CAPTURED
         if reason is EagerReason.NOT_CAPTURED:
             if self._parts.no_graphs is not None:  # the ranks' route says "not captured" for it too
                 reason = EagerReason.NO_CUDA
             elif self._captures.released:
                 reason = EagerReason.RELEASED
-            elif graph is not None and (session := self._captures.running()) is not None:
+            elif graph is not None and (session := self._captures.thread_capture()) is not None:
                 session.missed(graph.descriptor)  # captured next; the first recording waits for served()
                 try:
                     return self.run(batch, reason, graph, allowed=True)
                 finally:
                     session.served()
-        # With ranks, every step runs eagerly while every rank's lockstep capture runs (strict too): the
-        # allowance comes from the step's exchange, so every rank runs or every rank raises.
-        return self.run(batch, reason, graph, allowed=self._lockstep_everywhere())
+        padded = graph if isinstance(route, Dispatch) else None  # no CUDA: the step the route's graph is
+        return self.run(batch, reason, graph, allowed=everywhere, padded=padded)
 
     def run(
         self,
@@ -86,8 +95,12 @@ class EagerSteps(Generic[OutputT]):
         graph: PlannedGraph[OutputT] | None,
         *,
         allowed: bool = False,
+        padded: PlannedGraph[OutputT] | None = None,
     ) -> OutputT:
-        """The model run eagerly for ``reason`` (``graph``: the planned graph the step would replay).
+        """The model run eagerly for ``reason`` (``graph``: the planned graph of the batch, for the reason).
+
+        ``padded``: without CUDA, the graph whose step runs eagerly on the
+        padded buffers (the route's; with ranks, never: each rank its batch).
 
         Raises:
             NoGraphError: in strict mode, unless ``allowed`` (its key is
@@ -96,8 +109,8 @@ class EagerSteps(Generic[OutputT]):
         parts = self._parts
         if parts.strict and not allowed:
             raise NoGraphError(batch.num_tokens, self._why(reason, graph, batch))
-        if reason is EagerReason.NO_CUDA and graph is not None:
-            out = self._padded(batch, graph)
+        if reason is EagerReason.NO_CUDA and padded is not None:
+            out = self._padded(batch, padded)
         else:  # the batch as it is: an attention may lay out a uniform batch per request
             with torch.no_grad(), self._context(batch.eager_descriptor(), batch, batch.eager_shape()):
                 out = parts.model(**batch.inputs)
@@ -133,24 +146,19 @@ class EagerSteps(Generic[OutputT]):
         self._parts.counts.idle()
         return cast(OutputT, layout.empty())
 
-    def dummy_step(self) -> OutputT:
+    def dummy_step(self, everywhere: bool = False) -> OutputT:
         """An idle rank's part in an eager step of the others: the model once on one padding row.
 
         Outputs with 0 rows; counted in ``stats.dummy_steps``; strict raises
-        (as every rank does), unless every rank's lockstep capture runs.
+        (as every rank does), unless the step's exchange saw every rank's
+        lockstep capture running (``everywhere``).
         """
         parts = self._parts
-        if parts.strict and not self._lockstep_everywhere():
+        if parts.strict and not everywhere:
             raise NoGraphError(0, f"the other ranks of the {_world_size(parts)} run this step eagerly")
         out = self._padding_row()
         parts.counts.dummy()
         return out
-
-    def _lockstep_everywhere(self) -> bool:
-        """Whether this step's exchange saw a lockstep capture running on every rank (strict allows it)."""
-        ranks = self._parts.ranks
-        tokens = () if ranks is None else ranks.capture_tokens  # () before any exchange: not allowed
-        return bool(tokens) and all(tokens) and CAPTURE_STOPPED not in tokens
 
     def _padding_row(self) -> OutputT:
         """The model on one padding row (the static buffers' pad values), its outputs cut to 0 rows."""
@@ -181,8 +189,8 @@ class EagerSteps(Generic[OutputT]):
     ) -> set_forward_context:
         """The eager forward's context: NONE, its key, the attention's metadata of ``batch`` as ``shape``.
 
-        With ranks, ``extra["num_tokens_across_dp"]``: every rank's token
-        count in this step's exchange, by rank (vLLM's field of the same name).
+        With ranks, ``extra[NUM_TOKENS_ACROSS_DP]`` (``"num_tokens_across_dp"``,
+        vLLM's name): every rank's token count in this step's exchange, by rank.
         """
         parts = self._parts
         builder, ranks = parts.builder, parts.ranks
@@ -199,9 +207,15 @@ class EagerSteps(Generic[OutputT]):
         if reason is EagerReason.NO_CUDA:
             return parts.no_graphs or "no CUDA graphs on this device"
         if reason is EagerReason.NOT_CAPTURED and graph is not None:
-            return (
-                f"its {graph.mode.name} graph {graph.descriptor} was not captured yet; call capture() first"
-            )
+            what = f"its {graph.mode.name} graph {graph.descriptor} was not captured yet"
+            if self._captures.thread_capture() is not None:
+                return f"{what}: a background capture (start_capture()) is running and captures it next"
+            if self._captures.running() is not None:
+                return (
+                    f"{what}: a lockstep capture (start_capture() with ranks) is running; the steps capture "
+                    "the keys any rank misses, and the graphs switch in once every rank has every key"
+                )
+            return f"{what}; call capture() first"
         if reason is EagerReason.RELEASED:
             return "its graphs were released (release()); start_capture() or capture() brings them back"
         if reason is EagerReason.OTHER_RANK and parts.ranks is not None:

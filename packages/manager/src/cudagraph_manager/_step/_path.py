@@ -15,13 +15,13 @@ import torch
 
 from cudagraph_capture.lowlevel import OutputGuard
 from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route, StepRequest
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR, NO_MODES
 
 from .._batch import StepBatch
 from .._graphs import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch
 from .._parts import ManagerParts
-from .._protocols import OutputT
+from .._protocols import OutputT, StepHook
 from ..ranks import RankAgreement
 from ._eager import EagerSteps
 
@@ -35,6 +35,7 @@ class StepPath(Generic[OutputT]):
         "_dispatcher",
         "_graphs",
         "_guard",
+        "_hook",
         "_layout",
         "_ranks",
         "_table",
@@ -49,7 +50,9 @@ class StepPath(Generic[OutputT]):
         eager: EagerSteps[OutputT],
         weights: WeightWatch,
         guard: OutputGuard | None,
+        hook: StepHook | None = None,
     ) -> None:
+        """``hook``: with ranks, what each step's exchange carries and what follows it (the lockstep's)."""
         self._buffers: Final = parts.buffers
         self._dispatcher: Final = parts.dispatcher
         self._counts: Final = parts.counts
@@ -59,6 +62,7 @@ class StepPath(Generic[OutputT]):
         self._graphs: Final = table.graphs  # the one look-up per step
         self._weights: Final = weights
         self._guard: Final = guard
+        self._hook: Final = hook
         self.eager: Final = eager
 
     def run(
@@ -71,14 +75,17 @@ class StepPath(Generic[OutputT]):
         """One step: check -> route -> build -> copy in -> replay -> count and cut; or an eager step."""
         num_tokens, num_reqs, grad = self._buffers.check(inputs, uniform_decode, loras)
         if self._ranks is not None:  # one exchange: every rank takes the same route
-            route, dummy = self._agreed_route(StepRequest(num_tokens, uniform_decode, loras, invalid))
+            request = StepRequest(num_tokens, uniform_decode, loras, invalid)
+            route, dummy, own, everywhere = self._agreed_route(request)
         else:  # 0 tokens route to EMPTY_BATCH: an idle step
-            route, dummy = self._dispatcher.route(num_tokens, uniform_decode, loras, invalid), False
+            route = own = self._dispatcher.route(num_tokens, uniform_decode, loras, invalid)
+            dummy = everywhere = False
         graph = self._graphs[route.descriptor] if isinstance(route, Dispatch) else None
         entry = None if graph is None else graph.entry  # read once: a background capture may store it
         if graph is None or entry is None:  # the step's value is built off the replay's path only
             batch = StepBatch(num_tokens, num_reqs, inputs, uniform_decode, loras, invalid, grad)
-            return self.eager.without_graph(batch, route, graph, dummy)
+            planned = self._graphs[own.descriptor] if isinstance(own, Dispatch) else None  # for its reason
+            return self.eager.without_graph(batch, route, planned, dummy, everywhere)
         if self._weights.needs_check():  # a tensor the graphs read was assigned, or the model moved
             self._weights.check()  # WeightsReplacedError names it, before a buffer is touched
         context = graph.context
@@ -111,18 +118,20 @@ class StepPath(Generic[OutputT]):
         if self._weights.needs_check():
             self._weights.check()
 
-    def _agreed_route(self, request: StepRequest) -> tuple[Route, bool]:
-        """The route every rank takes (one exchange), and whether this rank runs a dummy step along."""
-        assert self._ranks is not None
-        lockstep = self.eager.captures.lockstep()  # a capture with ranks takes its turns here
-        if lockstep is None:
-            return self._ranks.route_step(self._dispatcher, request, can_replay=self._table.all_captured)
-        route = self._ranks.route_step(
-            self._dispatcher,
-            request,
-            can_replay=self._table.all_captured,
-            capturing=lockstep.token,
-            turn=lockstep.turn,
-        )
-        lockstep.stepped()  # a stopped capture ends at the step boundary
-        return route
+    def idle_step(self) -> None:
+        """A step of 0 tokens (with ranks: its exchange; this rank's dummy step where others have tokens)."""
+        self.run(self._buffers.views(0, 0), False, 0, NO_MODES)
+
+    def _agreed_route(self, request: StepRequest) -> tuple[Route, bool, Route, bool]:
+        """The route every rank takes (one exchange), whether this rank runs a dummy step along, its own
+        route, and whether strict mode runs an eager step (every rank's lockstep capture was running).
+
+        The hook's field rides on the exchange; its turn (a lockstep capture's keys) follows it, before
+        the step, whose route was agreed on the graphs as they were.
+        """
+        ranks, hook = self._ranks, self._hook
+        assert ranks is not None
+        field = () if hook is None else hook.field()
+        step = ranks.route_step(self._dispatcher, request, can_replay=self._table.all_captured, field=field)
+        everywhere = hook is not None and hook.stepped(step.fields)
+        return step.route, step.dummy, step.own, everywhere

@@ -2,23 +2,24 @@
 
 ``RankAgreement`` is the group those ranks agree over (docs/design.md,
 "Ranks", says why they must). Each exchange is one all-reduce of a
-``[world_size, fields]`` int64 table in which every rank fills its own row
+``[world_size, width]`` int64 table in which every rank fills its own row
 (the layout of vLLM's ``coordinate_batch_across_dp``), so every rank reads
-every rank's values and computes the same answer locally.
+every rank's values and computes the same answer locally. A step's row is a
+``StepRow``, read by name: the request, whether the rank can replay, and an
+opaque field of ``FIELD_WIDTH`` ints for whoever drives the steps (the
+manager's lockstep capture), so a step's rows have one shape on every rank,
+whatever each carries. Nothing here knows what a capture is.
 """
 
 from __future__ import annotations
 
 import datetime
-import sys
-import zlib
-from collections.abc import Callable, Sequence
-from typing import Final, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Final, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from cudagraph_capture import CaptureError
 from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import (
     BatchDescriptor,
@@ -30,16 +31,19 @@ from cudagraph_dispatch import (
     StepRequest,
     agree_across_ranks,
 )
+from cudagraph_dispatch.lowlevel import NO_MODES
 
 from ._shared_table import SharedTable, shared_memory_supported
 
 Backend = Literal["gloo", "nccl", "shm"]
-T = TypeVar("T")
+
+#: The forward context's extra (``get_forward_context().extra[NUM_TOKENS_ACROSS_DP]``) of an eager
+#: step with ranks: every rank's token count in the step's exchange, by rank (vLLM's name).
+NUM_TOKENS_ACROSS_DP: Final = "num_tokens_across_dp"
+#: Ints of a step row's opaque field (``route_step(field=...)``): shorter fields are padded with 0.
+FIELD_WIDTH: Final = 4
 
 _NONE: Final = CUDAGraphMode.NONE
-#: A lockstep capture's agreement field once ``stop()`` was called on its rank (a digest is never 1):
-#: every rank's capture ends at that step.
-CAPTURE_STOPPED: Final = 1
 _MODES: Final = tuple(CUDAGraphMode)
 _BACKENDS: Final[tuple[str, ...]] = ("gloo", "nccl", "shm")
 _DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)  # torch's default for gloo groups
@@ -102,7 +106,6 @@ class RankAgreement:
         # nccl: per table size, a pinned host table and its device twin, reused by every exchange.
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._counts: tuple[int, ...] = ()  # every rank's tokens in the last step's exchange
-        self._tokens: tuple[int, ...] = ()  # every rank's lockstep capture field in the last step's exchange
         self._table: Final = (
             SharedTable(group, self._rank, self._world_size, (timeout or _DEFAULT_TIMEOUT).total_seconds())
             if chosen == "shm"
@@ -132,20 +135,17 @@ class RankAgreement:
         """Every rank's token count in the last step's exchange, by rank (``()`` before the first step)."""
         return self._counts
 
-    @property
-    def capture_tokens(self) -> tuple[int, ...]:
-        """Every rank's lockstep capture field in the last step's exchange (0, a digest, CAPTURE_STOPPED)."""
-        return self._tokens
-
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
         """Every rank's ``row`` (ints, the same length on every rank), by rank: one all-reduce.
 
         A collective: every rank of the group calls it, in the same order as
-        its other exchanges. Synchronizes with the exchange (a CPU wait for
-        gloo, a device-to-host copy for nccl). A row that is not a list or
-        tuple of ints of the int64 range (``bool`` is no int here) raises
-        ``ValueError`` naming it, on the calling rank, before the exchange
-        (its peers then wait until the timeout).
+        its other exchanges, with a row of the same width (any width, on
+        every backend: the shared-memory table grows, in step on every rank,
+        the first time a wider row comes). Synchronizes with the exchange (a
+        CPU wait for gloo, a device-to-host copy for nccl). A row that is not
+        a list or tuple of ints of the int64 range (``bool`` is no int here)
+        raises ``ValueError`` naming it, on the calling rank, before the
+        exchange (its peers then wait until the timeout).
         """
         _check_row(row)
         if self._table is not None:
@@ -207,16 +207,7 @@ class RankAgreement:
         replay (``can_replay=False``: its graphs are not all captured), idle
         ranks included: they would replay the agreed graph too.
         """
-        return self._agreed(dispatcher, request, can_replay, 0)[0]
-
-    def _agreed(
-        self, dispatcher: CUDAGraphDispatcher, request: StepRequest, can_replay: bool, capturing: int
-    ) -> tuple[Dispatch, bool]:
-        """``agree_step``'s decision, and whether every rank captures this step (``_capture_together``)."""
-        rows = self.exchange(_row(request, can_replay, capturing))
-        self._counts = tuple(row[0] for row in rows)
-        self._tokens = tuple(row[5] for row in rows)
-        return _decided(dispatcher, rows), _capture_together(self._tokens)
+        return _decided(dispatcher, self._exchanged(StepRow.of(request, can_replay, ())))
 
     def route_step(
         self,
@@ -224,144 +215,110 @@ class RankAgreement:
         request: StepRequest,
         *,
         can_replay: bool,
-        capturing: int = 0,
-        turn: Callable[[], object] | None = None,
-    ) -> tuple[Route, bool]:
-        """This rank's route for a step every rank runs alike (one exchange), and whether it is a dummy step.
+        field: Sequence[int] = (),
+    ) -> StepRoute:
+        """This rank's route for a step every rank runs alike (one exchange), and what the exchange held.
 
         The route is the agreed graph, or why this rank runs eagerly (another
         rank had no graph: ``OTHER_RANK``; ``EMPTY_BATCH`` for a rank with 0
-        tokens; this rank's own reason otherwise). A dummy step (``True``) is
-        the step of a rank with 0 tokens that must still run because other
-        ranks have tokens: it replays the agreed graph on pad values, or, when
-        the others run eagerly, runs the model on one padding row so their
+        tokens; this rank's own reason otherwise). A dummy step is the step
+        of a rank with 0 tokens that must still run because other ranks have
+        tokens: it replays the agreed graph on pad values, or, when the
+        others run eagerly, runs the model on one padding row so their
         collectives meet it (``stats.dummy_steps``). Only when every rank is
         idle does none call the model.
 
-        ``capturing``, ``turn``: a lockstep capture's (``start_capture()``
-        with ranks) digest of its keys left (0: none), and its turn, called
-        once every rank carries the same digest, before the step (its route
-        agreed on the graphs as they were).
+        ``field``: at most ``FIELD_WIDTH`` ints this rank's row carries for
+        whoever drives the steps (padded with 0: every rank's row has one
+        shape); ``StepRoute.fields`` holds every rank's, by rank, unread here.
         """
         # This rank's own route first: it checks the step's arguments before the exchange.
         r = request
         own = dispatcher.route(r.num_tokens, r.uniform_decode, r.num_active_loras, r.invalid_modes)
-        agreed, together = self._agreed(dispatcher, request, can_replay, capturing)
-        if together and turn is not None:
-            turn()
+        rows = self._exchanged(StepRow.of(request, can_replay, field))
+        agreed = _decided(dispatcher, rows)
+        fields = tuple(row.field for row in rows)
         idle = request.num_tokens == 0
         if agreed.mode is not _NONE:
-            return agreed, idle
+            return StepRoute(agreed, idle, own, fields)
         if idle:
-            return EagerReason.EMPTY_BATCH, agreed.descriptor.num_tokens > 0
+            return StepRoute(EagerReason.EMPTY_BATCH, agreed.descriptor.num_tokens > 0, own, fields)
         if isinstance(own, Dispatch):  # this rank had a graph
-            return (EagerReason.OTHER_RANK if can_replay else EagerReason.NOT_CAPTURED), False
-        return own, False
+            reason = EagerReason.OTHER_RANK if can_replay else EagerReason.NOT_CAPTURED
+            return StepRoute(reason, False, own, fields)
+        return StepRoute(own, False, own, fields)
 
-    def all_or_none(self, key: BatchDescriptor, attempt: Callable[[], T], undo: Callable[[], None]) -> T:
-        """``attempt()`` (the capture of ``key``) on every rank, kept only if every rank succeeded.
-
-        One exchange.
-
-        An exception (not a ``KeyboardInterrupt``) is held until the ranks
-        have compared notes, so a failure on one rank never leaves the others
-        waiting in their next collective; then the failed rank raises its own
-        error and the others ``undo()`` and raise a ``CaptureError`` naming it.
-        """
-        error: Exception | None = None
-        result: T | None = None
-        try:
-            result = attempt()
-        except Exception as exc:
-            error = exc
-        failed = self.failed_ranks(error is not None)
-        if error is not None:
-            if sys.version_info >= (3, 11):
-                error.add_note(f"rank {self._rank} of {self._world_size}: every rank dropped this key")
-            raise error
-        if failed:
-            undo()  # the graphs of all ranks stay the same set
-            raise CaptureError(
-                f"rank(s) {failed} of {self._world_size} failed to capture this key, so rank "
-                f"{self._rank} dropped it too; their errors say why",
-                key,
-            )
-        return result  # type: ignore[return-value]  # set: attempt() returned without raising
-
-    def agree_plan(
-        self, plan: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], *, no_graphs: str | None
-    ) -> None:
-        """Raise ``RanksDisagreeError`` on every rank unless all would capture ``plan``, in order.
-
-        ``no_graphs`` is why this rank captures nothing, or ``None`` when it
-        captures; ranks that all capture nothing (no CUDA anywhere) agree.
-        One exchange of a digest of the plan, its length and that flag.
-        """
-        digest = zlib.crc32(repr([(m.name, d) for m, d in plan]).encode())
-        _check_plans(self.exchange((digest, len(plan), int(no_graphs is None))), self._rank, no_graphs)
-
-    def failed_ranks(self, failed: bool) -> list[int]:
-        """The ranks (one exchange) that report ``failed=True``: every rank learns the same list."""
-        return [r for r, (bad,) in enumerate(self.exchange((int(failed),))) if bad]
+    def _exchanged(self, row: StepRow) -> list[StepRow]:
+        """Every rank's step row (one exchange); keeps every rank's token count for the eager forward."""
+        rows = [StepRow.decode(ints) for ints in self.exchange(row.encode())]
+        self._counts = tuple(row.num_tokens for row in rows)
+        return rows
 
     def __repr__(self) -> str:
         return f"RankAgreement(rank={self._rank}, world_size={self._world_size}, backend={self._backend!r})"
 
 
-def _check_plans(rows: Sequence[tuple[int, ...]], rank: int, no_graphs: str | None) -> None:
-    """``agree_plan``'s verdict over every rank's (digest, length, can capture): ``RanksDisagreeError``."""
-    if len({ok for *_, ok in rows}) > 1:
-        without = [r for r, (*_, ok) in enumerate(rows) if not ok]
-        mine = f"; here (rank {rank}): {no_graphs}" if no_graphs is not None else ""
-        raise RanksDisagreeError(
-            "whether to capture",
-            ["cannot capture" if not ok else "can capture" for *_, ok in rows],
-            f": rank(s) {without} cannot capture CUDA graphs{mine}",
-        )
-    if len({(d, n) for d, n, _ in rows}) > 1:
-        raise RanksDisagreeError(
-            "the capture plan",
-            [f"{n} keys, digest {d:#010x}" for d, n, _ in rows],
-            "; every rank must build its manager with the same config and capture the same keys",
-        )
+class StepRow(NamedTuple):
+    """One rank's row of a step's exchange, by name: its request, whether it can replay, an opaque field.
 
-
-def _row(request: StepRequest, can_replay: bool, capturing: int) -> tuple[int, ...]:
-    """A rank's row of a step's exchange: its request, whether it can replay, its capture's digest (or 0)."""
-    mask = 0
-    for mode in request.invalid_modes:
-        mask |= 1 << _MODES.index(mode)
-    num_tokens, loras = request.num_tokens, request.num_active_loras
-    return (num_tokens, int(request.uniform_decode), loras, mask, int(can_replay), capturing)
-
-
-def _decided(dispatcher: CUDAGraphDispatcher, rows: Sequence[tuple[int, ...]]) -> Dispatch:
-    """``agree_step``'s decision from every rank's row: eager on all (unpadded) unless all can replay."""
-    if not all(row[4] for row in rows):
-        return Dispatch(_NONE, BatchDescriptor(max(row[0] for row in rows)))
-    requests = [
-        StepRequest(n, bool(u), loras, frozenset(m for i, m in enumerate(_MODES) if bits >> i & 1))
-        for n, u, loras, bits, *_ in rows
-    ]
-    return agree_across_ranks(dispatcher, requests)
-
-
-def _capture_together(tokens: Sequence[int]) -> bool:
-    """Whether every rank captures this step: each rank's lockstep token nonzero, and all equal.
-
-    ``capturing``: 0, or the digest of the keys this rank's lockstep capture
-    has left. Raises ``RanksDisagreeError`` (on every rank alike) where every
-    rank captures but the keys they have left differ (plans built differently).
+    ``can_replay``: every graph of the rank is captured. ``field``:
+    ``FIELD_WIDTH`` ints for whoever drives the steps (the manager's
+    lockstep capture), which the agreement carries and never reads.
+    Exchanged as ``5 + FIELD_WIDTH`` ints, the invalid modes as a bit mask.
     """
-    if not all(tokens) or CAPTURE_STOPPED in tokens:
-        return False
-    if len(set(tokens)) > 1:
-        raise RanksDisagreeError(
-            "the keys left to capture",
-            [f"digest {t:#x}" for t in tokens],
-            "; every rank must build its manager with the same config and start_capture() the same keys",
-        )
-    return True
+
+    num_tokens: int
+    uniform_decode: bool
+    num_active_loras: int
+    invalid_modes: frozenset[CUDAGraphMode]
+    can_replay: bool
+    field: tuple[int, ...]
+
+    @classmethod
+    def of(cls, request: StepRequest, can_replay: bool, field: Sequence[int]) -> StepRow:
+        """``request``'s row, its ``field`` padded to ``FIELD_WIDTH`` (``ValueError`` if it is longer)."""
+        if len(field) > FIELD_WIDTH:
+            raise ValueError(f"field: at most {FIELD_WIDTH} ints, got {len(field)}: {tuple(field)!r:.80}")
+        padded = (*field, *(0,) * (FIELD_WIDTH - len(field)))
+        r = request
+        return cls(r.num_tokens, r.uniform_decode, r.num_active_loras, r.invalid_modes, can_replay, padded)
+
+    def encode(self) -> tuple[int, ...]:
+        mask = 0
+        for mode in self.invalid_modes:
+            mask |= 1 << _MODES.index(mode)
+        head = (self.num_tokens, int(self.uniform_decode), self.num_active_loras, mask, int(self.can_replay))
+        return (*head, *self.field)
+
+    @classmethod
+    def decode(cls, ints: Sequence[int]) -> StepRow:
+        num_tokens, uniform, loras, mask, can_replay, *field = ints
+        invalid = frozenset(mode for i, mode in enumerate(_MODES) if mask >> i & 1) if mask else NO_MODES
+        return cls(num_tokens, bool(uniform), loras, invalid, bool(can_replay), tuple(field))
+
+    def request(self) -> StepRequest:
+        return StepRequest(self.num_tokens, self.uniform_decode, self.num_active_loras, self.invalid_modes)
+
+
+class StepRoute(NamedTuple):
+    """What ``route_step`` returns: this rank's route, whether it is a dummy step, and the exchange's fields.
+
+    ``own``: the route this rank would take alone (its planned graph, where
+    it has one: what an eager step's reason names); ``fields``: every
+    rank's opaque field in this step's exchange, by rank.
+    """
+
+    route: Route
+    dummy: bool
+    own: Route
+    fields: tuple[tuple[int, ...], ...]
+
+
+def _decided(dispatcher: CUDAGraphDispatcher, rows: Sequence[StepRow]) -> Dispatch:
+    """``agree_step``'s decision from every rank's row: eager on all (unpadded) unless all can replay."""
+    if not all(row.can_replay for row in rows):
+        return Dispatch(_NONE, BatchDescriptor(max(row.num_tokens for row in rows)))
+    return agree_across_ranks(dispatcher, [row.request() for row in rows])
 
 
 def _agreement_group(

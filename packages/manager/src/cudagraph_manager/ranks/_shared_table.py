@@ -3,8 +3,10 @@
 Each exchange is one round: every rank writes its row and then the round's
 sequence number into its own cell, then waits until every other cell shows
 that number, and reads the rows. Two copies of the table alternate by the
-round's parity. Offered on x86-64 only (docs/design.md, "Ranks", says why
-this is safe there and not elsewhere).
+round's parity. A row wider than the cells makes every rank map a wider
+table first (the ranks exchange rows of one width, so they all grow in the
+same round). Offered on x86-64 only (docs/design.md, "Ranks", says why this
+is safe there and not elsewhere).
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-#: Ints one row may hold, and a rank's cell: a sequence number, then the row.
-MAX_WIDTH: Final = 8
-_CELL: Final = struct.Struct(f"<q{MAX_WIDTH}q")
+#: Ints a row of the first table may hold (a step's row has 9); a wider row grows the table.
+FIRST_WIDTH: Final = 16
 _SEQ: Final = struct.Struct("<q")
 _X86: Final = frozenset({"x86_64", "amd64", "x64"})
 _SPINS_BEFORE_YIELD: Final = 2000
@@ -102,7 +103,10 @@ def _map_file(path: str, size: int, rank: int) -> tuple[mmap.mmap | None, str]:
 
 
 class SharedTable:
-    """One ``[world_size, MAX_WIDTH]`` int64 table per round, in a file mapped by every rank of one host."""
+    """One ``[world_size, width]`` int64 table per round, in a file mapped by every rank of one host.
+
+    ``width`` starts at ``FIRST_WIDTH`` and grows to the widest row exchanged.
+    """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float) -> None:
         """Collective over ``group`` (gloo): rank 0 makes the file, every rank maps it, rank 0 unlinks it.
@@ -115,7 +119,18 @@ class SharedTable:
         hosts = gather_texts(platform.node(), rank, world_size, group)
         if len(set(hosts)) > 1:
             raise ValueError(f"backend: 'shm' needs every rank on one host; the ranks run on {hosts}")
-        size = 2 * world_size * _CELL.size
+        self._group: Final = group
+        self._rank: Final = rank
+        self._world_size: Final = world_size
+        self._timeout_s: Final = timeout_s
+        self._round = 0
+        self._width = FIRST_WIDTH
+        self._map = self._mapped(FIRST_WIDTH, "set up")
+
+    def _mapped(self, width: int, what: str) -> mmap.mmap:
+        """A new zeroed table of ``width`` ints a row, mapped by every rank (collective); else ValueError."""
+        rank, world_size, group = self._rank, self._world_size, self._group
+        size = 2 * world_size * _SEQ.size * (1 + width)
         path, problem = _file_of_rank_0(size, rank, world_size, group)
         mapped, problem = _map_file(path, size, rank) if not problem else (None, problem)
         problems = gather_texts(problem, rank, world_size, group)  # also: every rank has mapped it
@@ -125,24 +140,25 @@ class SharedTable:
         if failed or mapped is None:
             if mapped is not None:
                 mapped.close()
-            raise ValueError(f"backend: the shared-memory table could not be set up: {'; '.join(failed)}")
-        self._map: Final = mapped
-        self._rank: Final = rank
-        self._world_size: Final = world_size
-        self._timeout_s: Final = timeout_s
-        self._round = 0
+            raise ValueError(f"backend: the shared-memory table could not be {what}: {'; '.join(failed)}")
+        return mapped
 
     def _offset(self, parity: int, rank: int) -> int:
-        return (parity * self._world_size + rank) * _CELL.size
+        return (parity * self._world_size + rank) * _SEQ.size * (1 + self._width)
 
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every rank's ``row`` (at most ``MAX_WIDTH`` ints), by rank; waits for the slowest rank.
+        """Every rank's ``row`` (any width, the same on every rank), by rank; waits for the slowest rank.
 
-        ``TimeoutError`` naming the missing ranks after ``timeout_s``.
+        A row wider than the table maps a wider one first, on every rank in
+        this round (a collective over the group). ``TimeoutError`` naming the
+        missing ranks after ``timeout_s``.
         """
         width = len(row)
-        if width > MAX_WIDTH:
-            raise ValueError(f"row: the shared-memory exchange takes at most {MAX_WIDTH} ints, got {width}")
+        if width > self._width:
+            # Every rank finished reading the last round before it joins this: the old table is unread.
+            grown = self._mapped(max(width, 2 * self._width), "grown")
+            self._map.close()
+            self._map, self._width = grown, max(width, 2 * self._width)
         self._round += 1
         parity = self._round & 1
         mine = self._offset(parity, self._rank)
