@@ -130,6 +130,8 @@ class FlexPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class FlexPagedAttention(EagerBreakAttention):
         compile: bool | None = None,
         breakable: bool = True,
         validate: Validate = True,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         if compile is not None:
@@ -153,7 +156,12 @@ class FlexPagedAttention(EagerBreakAttention):
         )
         #: Metadata buffers of a layout, sized for the largest batch.
         self._new_buffers: Final = functools.partial(
-            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+            PagedBuffers,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            validate=validate,
+            vocab_size=vocab_size,
         )
         self.buffers = self._new_buffers(layout)
         #: Each slot's page (``page_of_slot``): the mask reads a key's page from it.

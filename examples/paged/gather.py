@@ -67,6 +67,8 @@ class GatherPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class GatherPagedAttention(EagerBreakAttention):
         device: torch.device | str | None = None,
         breakable: bool = True,
         validate: Validate = True,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         #: The cache's paging (``resize`` changes its page count).
@@ -87,7 +90,12 @@ class GatherPagedAttention(EagerBreakAttention):
         self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name="gather_sdpa")
         #: Metadata buffers of a layout, sized for the largest batch.
         self._new_buffers: Final = functools.partial(
-            PagedBuffers, max_tokens=max_tokens, max_reqs=max_reqs, device=device, validate=validate
+            PagedBuffers,
+            max_tokens=max_tokens,
+            max_reqs=max_reqs,
+            device=device,
+            validate=validate,
+            vocab_size=vocab_size,
         )
         self.buffers = self._new_buffers(layout)
 

@@ -181,6 +181,8 @@ class SplitDecodeAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -194,6 +196,7 @@ class SplitDecodeAttention(EagerBreakAttention):
         declare: GraphSupport = GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         validate: Validate = True,
         prefill: Prefill = "varlen",
+        vocab_size: int | None = None,
     ) -> None:
         if prefill not in _PREFILLS:
             raise ValueError(f"prefill: expected one of {list(_PREFILLS)}, got {prefill!r:.80}")
@@ -209,12 +212,13 @@ class SplitDecodeAttention(EagerBreakAttention):
                 device=device,
                 breakable=False,
                 validate=validate,
+                vocab_size=vocab_size,
             )
             if prefill == "varlen"
             else None
         )
         self.buffers: Final = (
-            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate, vocab_size=vocab_size)
             if self._prefill is None
             else self._prefill.buffers
         )

@@ -66,6 +66,8 @@ class VarlenPagedAttention(EagerBreakAttention):
             leaves a graph path's unchecked; ``"device"`` also records a graph path's on the
             device, no synchronization (``check_steps``); ``"host"`` synchronizes once on every
             path; ``False`` does not check.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -78,13 +80,16 @@ class VarlenPagedAttention(EagerBreakAttention):
         breakable: bool = True,
         paged: bool | None = None,
         validate: Validate = True,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         self.layout: Final = layout
         self.paged: Final = _choose_paged(paged, layout, device)
         name = "varlen_paged" if self.paged else "varlen_gathered"
         self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name=name)
-        self.buffers: Final = PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate)
+        self.buffers: Final = PagedBuffers(
+            layout, max_tokens, max_reqs, device, validate=validate, vocab_size=vocab_size
+        )
         self._cu_seq_q: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self._real: Final = torch.zeros(max_tokens, 1, 1, dtype=torch.bool, device=device)
         self._zero: Final = torch.zeros((), device=device)  # the padding rows' value

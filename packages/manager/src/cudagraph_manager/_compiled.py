@@ -87,6 +87,11 @@ def compile_for_capture(
     """
     if not callable(model):
         raise ValueError(f"model: expected a callable, got {model!r:.80}")
+    if isinstance(model, type):
+        raise ValueError(
+            f"model: expected the model to compile (an instance or a function), got the class "
+            f"{model.__name__}; pass an instance ({model.__name__}(...))"
+        )
     checked = check_inputs_spec(inputs)
     _check_mode(mode, backend)
     check_bool("fullgraph", fullgraph)
@@ -115,6 +120,14 @@ def _check_mode(mode: object, backend: object) -> None:
         raise ValueError(f"mode: expected one of {GRAPHLESS_MODES}, got {mode!r}")
     if backend != _INDUCTOR and mode != "default":
         raise ValueError(f"mode: {mode!r} is an inductor mode, but backend is {backend!r}")
+    if backend != _INDUCTOR:
+        from torch._dynamo import list_backends  # only where another backend is named: dynamo loads here
+
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(
+                f"backend: expected a torch.compile backend ({', '.join(sorted(known))}), got {backend!r}"
+            )
 
 
 def dynamo_compiles() -> int | None:
