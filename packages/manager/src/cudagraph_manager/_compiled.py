@@ -41,7 +41,9 @@ class CompiledModel(Generic[R]):
     ``"tokens"`` or ``"reqs"``) dynamic, then calls the compiled model. The
     first call compiles; a call with another row count reuses that compile,
     except a row count of 1, which dynamo specializes (a second compile).
-    ``model`` is the callable as given, uncompiled.
+    ``model`` is the callable as given, uncompiled. Made by
+    ``compile_for_capture``; one built by hand has its arguments checked
+    (``ValueError`` naming them).
     """
 
     __slots__ = ("_batched", "_mark", "compiled", "model")
@@ -49,6 +51,12 @@ class CompiledModel(Generic[R]):
     def __init__(self, model: Callable[..., R], compiled: Callable[..., R], batched: tuple[str, ...]) -> None:
         from torch._dynamo import maybe_mark_dynamic  # loaded by torch.compile already
 
+        for name, value in (("model", model), ("compiled", compiled)):
+            if not callable(value):
+                raise ValueError(f"{name}: expected a callable, got {value!r:.80}")
+        given: object = batched
+        if not isinstance(given, tuple) or not all(isinstance(n, str) for n in given):
+            raise ValueError(f"batched: expected a tuple of input names, got {given!r:.80}")
         self.model: Final = model
         self.compiled: Final = compiled
         self._batched: Final = batched

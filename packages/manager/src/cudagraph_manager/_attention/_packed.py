@@ -63,9 +63,9 @@ class PackedMetadata:
             shown = (
                 f"shape {tuple(offsets.shape)} of {offsets.dtype}"
                 if isinstance(offsets, torch.Tensor)
-                else offsets
+                else f"{offsets!r:.80}"
             )
-            raise ValueError(f"offsets: expected a 1-D int32 tensor (cu_seqlens), got {shown!r:.80}")
+            raise ValueError(f"offsets: expected a 1-D int32 tensor (cu_seqlens), got {shown}")
         if offsets.shape[0] < 2:
             raise ValueError(
                 f"offsets: expected 2 rows at least (0, then the padded total), got {offsets.shape[0]}"
@@ -242,11 +242,9 @@ def _check_batch(name: str, batch: StepBatch, shape: BatchShape) -> None:
         shown = (
             f"shape {tuple(lengths.shape)} of {lengths.dtype}"
             if isinstance(lengths, torch.Tensor)
-            else lengths
+            else f"{lengths!r:.80}"
         )
-        raise ValueError(
-            f"{name}: expected the {num_reqs} items' lengths, a 1-D integer tensor, got {shown!r:.80}"
-        )
+        raise ValueError(f"{name}: expected the {num_reqs} items' lengths, a 1-D integer tensor, got {shown}")
     values = lengths.tolist()
     if min(values) < 1 or sum(values) != num_tokens:
         raise ValueError(f"{name}: expected lengths >= 1 summing to the {num_tokens} tokens, got {values}")
