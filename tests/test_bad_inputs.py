@@ -37,6 +37,7 @@ from torch import nn
 from cudagraph_capture import (
     BreakableCUDAGraphCapture,
     BreakableCUDAGraphWrapper,
+    CaptureError,
     CaptureOptions,
     CUDAGraphWrapper,
     DeviceLoop,
@@ -71,7 +72,14 @@ from cudagraph_dispatch import (
 from cudagraph_dispatch.budgets import Pack, TokenBudgets
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, ManagerOptions, StaticInput, compile_for_capture
+from cudagraph_manager import (
+    CompiledModel,
+    CUDAGraphManager,
+    DecodeLoop,
+    ManagerOptions,
+    StaticInput,
+    compile_for_capture,
+)
 from cudagraph_manager.attention import (
     AttentionOptions,
     BatchKind,
@@ -678,7 +686,27 @@ ROUND_THREE: Final = [
             ("ints", [1, 2], r"\[1, 2\]"),
         )
     ),
+    row(
+        "capture_error-message-int",
+        call(CaptureError, 3),
+        r"^message: expected the error's message \(a str\), got 3$",
+    ),
+    row(
+        "capture_error-descriptor-int",
+        call(CaptureError, "failed", 8),
+        r"^descriptor: expected None or a BatchDescriptor, got 8$",
+    ),
     # == cudagraph_manager ==
+    row(
+        "compiled_model-model-int",
+        call(CompiledModel, 3, _identity, ()),
+        r"^model: expected a callable, got 3$",
+    ),
+    row(
+        "compiled_model-batched-list",
+        call(CompiledModel, _identity, _identity, ["x"]),
+        r"^batched: expected a tuple of input names, got \['x'\]$",
+    ),
     # -- options: a class where an instance goes, values no run can use --
     row(
         "attention-metadata_builder-class",
@@ -2712,3 +2740,20 @@ def test_ep_moe_refuses_bad_arguments_before_any_rank_starts(capsys: pytest.Capt
         err = capsys.readouterr().err
         assert re.search(pattern, err), (argv, err)
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "descriptor",
+    [
+        lambda: BatchDescriptor(4, 2, has_lora=True, num_active_loras=3),
+        lambda: BatchDescriptor(1, 1, uniform=True, has_lora=True, num_active_loras=4),
+        lambda: BatchDescriptor(8, has_lora=True, num_active_loras=16),
+    ],
+    ids=["4-tokens-2-reqs-3-adapters", "1-token-uniform-4-adapters", "relaxed-8-tokens-16-adapters"],
+)
+def test_a_keys_adapter_count_is_a_capacity_not_refused(descriptor: Callable[[], BatchDescriptor]) -> None:
+    """Issue 51 asked: a key naming more adapters than requests is a graph of a LoRA case (a capacity, like
+    its padded tokens: vLLM keys every size with every case), valid by design (docs/design.md, "Keys")."""
+    key = descriptor()
+    assert key.has_lora
+    assert key.num_active_loras > (key.num_reqs or key.num_tokens)  # more adapters than its requests
