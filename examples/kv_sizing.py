@@ -26,6 +26,7 @@ from typing import Final
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, MemoryEstimate
 from cudagraph_manager.attention import AttentionOptions
 from examples.config import DecoderConfig
@@ -71,7 +72,15 @@ def start_up(
 
     The eager step of the largest size comes first, as an engine profiles
     its peak activations: the kernels' first loads are then not the graphs'.
+    A bad argument raises ``ValueError`` naming it, before anything runs.
     """
+    given: object = manager
+    if not isinstance(given, CUDAGraphManager):
+        raise ValueError(f"manager: expected a CUDAGraphManager, got {manager!r:.80}")
+    given_model: object = model
+    if not isinstance(given_model, (ReferenceDecoder, PagedDecoder)):
+        raise ValueError(f"model: expected a ReferenceDecoder or a PagedDecoder, got {model!r:.80}")
+    check_int("margin_bytes", margin_bytes, minimum=0)
     config = model.config
     largest = max(key.num_tokens for _, keys in manager.dispatcher.capture_plan() for key in keys)
     if isinstance(model, PagedDecoder):

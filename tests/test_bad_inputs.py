@@ -103,6 +103,7 @@ from examples.ep.moe import ExpertParallelMoE, MoeConfig, MoeWeights
 from examples.inputs import make_paged_inputs, make_step_inputs, request_lengths
 from examples.paged import PagedBuffers, PagedDecoder, PagedLayout, make_backend, paged_static_inputs
 from examples.reference import ReferenceDecoder, static_inputs
+from examples.tensor_parallel import TensorParallelDecoder, check_shards
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
@@ -429,6 +430,20 @@ def _capture_with(entry: Callable[[object], object]) -> Callable[[], object]:
             raise
 
     return run
+
+
+def compile_decoder(model: ReferenceDecoder) -> object:
+    """``examples.compiled.compile_decoder``, imported on call (it registers a custom op)."""
+    from examples.compiled import compile_decoder as compile_it
+
+    return compile_it(model)
+
+
+def kv_sizing_start_up(manager: object, model: ReferenceDecoder, margin_bytes: int) -> object:
+    """``examples.kv_sizing.start_up``, imported on call; its checks come before any device is used."""
+    from examples.kv_sizing import start_up
+
+    return start_up(cast("CUDAGraphManager[torch.Tensor]", manager), model, margin_bytes)
 
 
 _MOE: Final = MoeConfig(num_experts=4, expert_size=8)
@@ -1311,6 +1326,31 @@ ROUND_THREE: Final = [
         "request_lengths-query_len-zero",
         call(request_lengths, DecoderConfig.small(), 4, uniform_decode=True, query_len=0),
         r"^query_len: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "tensor_parallel-full-none",
+        call(lambda: TensorParallelDecoder(cast(ReferenceDecoder, None))),
+        r"^full: expected a ReferenceDecoder, got None$",
+    ),
+    row(
+        "check_shards-world_size-zero",
+        call(check_shards, DecoderConfig.small(), 0),
+        r"^world_size: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "check_shards-config-none",
+        call(check_shards, None, 2),
+        r"^config: expected a DecoderConfig, got None$",
+    ),
+    row(
+        "compile_decoder-model-none",
+        call(lambda: compile_decoder(cast(ReferenceDecoder, None))),
+        r"^model: expected a ReferenceDecoder, got None$",
+    ),
+    row(
+        "kv_sizing-start_up-margin-negative",
+        call(lambda: kv_sizing_start_up(construct()(), ReferenceDecoder(DecoderConfig.small()), -1)),
+        r"^margin_bytes: expected an integer >= 0, got -1$",
     ),
     row(
         "make_paged_inputs-layout-none",
