@@ -136,7 +136,7 @@ class DecoderBody(nn.Module):
 
     def __init__(self, config: DecoderConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        dev = None if device is None else _device(device)
+        dev = model_device(device)
         self.config: Final = config
         self.embed = nn.Parameter(
             torch.randn((config.vocab_size, config.hidden_size), device=dev, dtype=config.dtype) * _EMBED_STD
@@ -209,10 +209,16 @@ class LayerCaches(nn.Module):
             setattr(self, name, cache)
 
 
-def _device(device: torch.device | str) -> torch.device:
-    """``device`` as a ``torch.device``; a CUDA one that does not exist here is named (``ValueError``)."""
-    try:
-        given = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from error
-    return resolve_device(device) if given.type == "cuda" else given  # meta stays meta (a shape's probe)
+def model_device(device: torch.device | str | int | None) -> torch.device | None:
+    """Where an example model's weights go: ``device`` resolved (``None``: torch's default device).
+
+    A CUDA device or the CPU, as a manager's (``resolve_device``: a CUDA
+    device that does not exist here, ``mps`` or ``cpu:1`` raise
+    ``ValueError`` naming ``device``), or ``meta`` (a shape's probe, no data).
+    """
+    if device is None:
+        return None
+    given: object = device
+    if given == "meta" or (isinstance(given, torch.device) and given.type == "meta"):
+        return torch.device("meta")
+    return resolve_device(device)

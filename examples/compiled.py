@@ -46,6 +46,9 @@ def compile_decoder(model: ReferenceDecoder, *, mode: str = "default") -> Compil
     steps of one token (see ``compile_for_capture``); the compile happens on
     the first call, which a manager's ``capture()`` makes.
     """
+    given: object = model
+    if not isinstance(given, ReferenceDecoder):
+        raise ValueError(f"model: expected a ReferenceDecoder, got {model!r:.80}")
     return compile_for_capture(
         model.with_attention(compiled_cached_attention), static_inputs(model.config), mode=mode
     )

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 import torch
 
 from cudagraph_dispatch.lowlevel import check_int
+
+#: The largest value of a size or count of an example model's config: far above any model's
+#: (a vocabulary of 128k, 128 layers), low enough that a typo (2**40) is named here, not met as an
+#: allocation that fails inside torch.
+MAX_FIELD: Final = 2**20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -15,7 +21,8 @@ class DecoderConfig:
 
     The defaults are the benchmark model: 8 layers, d=1024, 16 heads of 64,
     bf16, a KV cache for 256 requests of up to 256 tokens (plus one scratch
-    row for padding). ``small()`` is a float32 model for CPU tests.
+    row for padding). ``small()`` is a float32 model for CPU tests. Each
+    field is checked (``ValueError`` naming it): sizes from 1 to ``MAX_FIELD``.
     """
 
     num_layers: int = 8
@@ -37,7 +44,7 @@ class DecoderConfig:
             "max_num_seqs",
             "max_seq_len",
         ):
-            check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1, maximum=MAX_FIELD)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: must divide hidden_size={self.hidden_size}, got {self.num_heads!r}")
         if self.head_dim % 2:

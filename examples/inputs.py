@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from cudagraph_dispatch.lowlevel import check_bool, check_int
+
+from .body import model_device
 from .config import DecoderConfig
 from .paged import PagedLayout
 
@@ -33,6 +36,7 @@ def make_step_inputs(
     or single decode tokens; each request has its own row and consecutive
     positions. Drawn on the CPU with ``generator``, then moved to ``device``.
     """
+    device = _check_device_and_generator(device, generator)
     g = generator
     lengths = request_lengths(config, num_tokens, uniform_decode=uniform_decode, generator=g)
 
@@ -66,10 +70,17 @@ def request_lengths(
 
     ``uniform_decode``: ``query_len`` each. Otherwise the first request is a
     prefill chunk of at least 2 tokens (when ``num_tokens >= 2``), the others
-    chunks or single decode tokens, at most ``max_seq_len`` each.
+    chunks or single decode tokens, at most ``max_seq_len`` each. A bad
+    argument raises ``ValueError`` naming it.
     """
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
+    given: object = config
+    if not isinstance(given, DecoderConfig):
+        raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
+    check_int("num_tokens", num_tokens, minimum=1)
+    check_bool("uniform_decode", uniform_decode)
+    check_int("query_len", query_len, minimum=1, maximum=config.max_seq_len)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {generator!r:.80}")
     limit = config.max_num_seqs * (query_len if uniform_decode else config.max_seq_len)
     if num_tokens > limit:
         raise ValueError(f"num_tokens: at most {limit} fit the KV cache here, got {num_tokens!r}")
@@ -122,6 +133,10 @@ def make_paged_inputs(
     a request's length hold random pages of that pool, which the attention
     must ignore. Drawn on the CPU with ``generator``, then moved to ``device``.
     """
+    given: object = layout
+    if not isinstance(given, PagedLayout):
+        raise ValueError(f"layout: expected a PagedLayout, got {layout!r:.80}")
+    device = _check_device_and_generator(device, generator)
     g = generator
     lengths = request_lengths(
         config, num_tokens, uniform_decode=uniform_decode, query_len=query_len, generator=g
@@ -153,3 +168,12 @@ def make_paged_inputs(
         "seq_lens": torch.tensor(ends, dtype=torch.int32).to(device),  # [R]
         "block_table": table.to(device),  # [R, pages_per_seq]
     }
+
+
+def _check_device_and_generator(
+    device: torch.device | str | None, generator: torch.Generator | None
+) -> torch.device | None:
+    """``device`` resolved (``ValueError`` naming it, or ``generator``, before anything is drawn)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator or None, got {generator!r:.80}")
+    return model_device(device)

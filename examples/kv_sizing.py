@@ -38,6 +38,7 @@ from typing import Final, TypeAlias
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
+from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_manager import (
     CaptureReport,
     CUDAGraphManager,
@@ -118,7 +119,15 @@ def start_up(
 
     The eager step of the largest size comes first, as an engine profiles
     its peak activations: the kernels' first loads are then not the graphs'.
+    A bad argument raises ``ValueError`` naming it, before anything runs.
     """
+    given: object = manager
+    if not isinstance(given, CUDAGraphManager):
+        raise ValueError(f"manager: expected a CUDAGraphManager, got {manager!r:.80}")
+    given_model: object = model
+    if not isinstance(given_model, (ReferenceDecoder, PagedDecoder)):
+        raise ValueError(f"model: expected a ReferenceDecoder or a PagedDecoder, got {model!r:.80}")
+    check_int("margin_bytes", margin_bytes, minimum=0)
     config = model.config
     largest = _largest(manager)
     if isinstance(model, PagedDecoder):

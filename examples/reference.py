@@ -290,6 +290,9 @@ def static_inputs(config: DecoderConfig) -> dict[str, StaticInput]:
     Padding rows get token 0 at position 0 in the scratch cache row, so they
     never write into (or read from) a real request's cache.
     """
+    given: object = config
+    if not isinstance(given, DecoderConfig):
+        raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
     return {
         "input_ids": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),
         "positions": StaticInput(shape=(), dtype=torch.int64, rows="tokens", pad_value=0),

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 
+from cudagraph_dispatch.lowlevel import check_int
+
 from .body import DecoderLayer, rms_norm, rotate
 from .config import DecoderConfig
 from .reference import ReferenceDecoder
@@ -31,7 +33,11 @@ from .reference_attention import AttentionMetadata, AttentionOp, build_attention
 
 
 def check_shards(config: DecoderConfig, world_size: int) -> None:
-    """``ValueError`` unless the heads and the MLP's width divide over ``world_size`` ranks."""
+    """``ValueError`` unless the heads and the MLP's width divide over ``world_size`` ranks (an int >= 1)."""
+    given: object = config
+    if not isinstance(given, DecoderConfig):
+        raise ValueError(f"config: expected a DecoderConfig, got {config!r:.80}")
+    check_int("world_size", world_size, minimum=1)
     for name, value in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
         if value % world_size:
             raise ValueError(f"config.{name}={value} does not divide over {world_size} ranks")
@@ -108,6 +114,11 @@ class TensorParallelDecoder(nn.Module):
     rotary: torch.Tensor
 
     def __init__(self, full: ReferenceDecoder, group: dist.ProcessGroup | None = None) -> None:
+        given: object = full
+        if not isinstance(given, ReferenceDecoder):
+            raise ValueError(f"full: expected a ReferenceDecoder, got {full!r:.80}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"group: expected a torch.distributed.ProcessGroup or None, got {group!r:.80}")
         super().__init__()
         config = full.config
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)

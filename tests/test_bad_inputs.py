@@ -23,6 +23,8 @@ reason elsewhere. A new bad input is a new row here.
 from __future__ import annotations
 
 import datetime
+import functools
+import math
 import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -35,22 +37,27 @@ from torch import nn
 from cudagraph_capture import (
     BreakableCUDAGraphCapture,
     BreakableCUDAGraphWrapper,
+    CaptureError,
     CaptureOptions,
     CUDAGraphWrapper,
+    DeviceLoop,
     LoopKind,
     LoopPolicy,
     capture_enabled,
     eager_break_during_capture,
+    graph_engine,
     set_capture_enabled,
     shared_pool,
 )
 from cudagraph_capture.lowlevel import (
+    RecordSeconds,
     ReservedMemory,
     capture_stream,
     check_capture_enabled,
     collector_paused,
     release_graph_memory,
     resolve_device,
+    weak_ref_tensors,
 )
 from cudagraph_dispatch import (
     BatchDescriptor,
@@ -64,9 +71,11 @@ from cudagraph_dispatch import (
     get_forward_context,
     set_forward_context,
 )
+from cudagraph_dispatch.budgets import Pack, TokenBudgets
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import (
+    CompiledModel,
     CUDAGraphManager,
     DecodeLoop,
     KVCacheMemory,
@@ -74,11 +83,30 @@ from cudagraph_manager import (
     StaticInput,
     compile_for_capture,
 )
-from cudagraph_manager.attention import AttentionOptions, pad_offsets, pad_rows
+from cudagraph_manager.attention import (
+    AttentionOptions,
+    BatchKind,
+    BatchShape,
+    PackedMetadata,
+    PackedMetadataBuilder,
+    StepBatch,
+    SupportCheckOptions,
+    check_attention_support,
+    metadata_extra,
+    pad_offsets,
+    pad_rows,
+)
+from cudagraph_manager.lowlevel import GraphEngineFactory
 from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
 from examples.demo import main as demo_main
-from examples.reference import ReferenceDecoder
+from examples.encoder import EncoderConfig, EncoderRunner, ViTEncoder, encoder_static_inputs, random_items
+from examples.ep.decoder import ExpertParallelDecoder
+from examples.ep.moe import ExpertParallelMoE, MoeConfig, MoeWeights
+from examples.inputs import make_paged_inputs, make_step_inputs, request_lengths
+from examples.paged import PagedBuffers, PagedDecoder, PagedLayout, make_backend, paged_static_inputs
+from examples.reference import ReferenceDecoder, static_inputs
+from examples.tensor_parallel import TensorParallelDecoder, check_shards
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
@@ -296,6 +324,1105 @@ def _int32(rows: int, device: str = "cpu") -> torch.Tensor:
 
 def _int32s(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# Issue 51 (misuse, round three): the newer APIs (budgets, the encoder, expert
+# parallelism, options, the tiers' helpers) and the examples' entry points.
+# A call on an object that exists already is wrapped in ``unchanged``: its
+# state (buffers, views, counters) must be as it was when the call refuses.
+# ---------------------------------------------------------------------------
+
+
+def _copied(value: object) -> object:
+    """``value`` with every tensor in it cloned (a snapshot of state to compare later)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(_copied(v) for v in value)
+    return value
+
+
+def _assert_same(before: object, after: object, where: str = "state") -> None:
+    if isinstance(before, torch.Tensor):
+        assert isinstance(after, torch.Tensor), f"{where} changed"
+        assert torch.equal(before, after), f"{where} changed"
+    elif isinstance(before, dict):
+        assert isinstance(after, Mapping), f"{where} changed"
+        assert set(before) == set(after), f"{where} changed"
+        for key, value in before.items():
+            _assert_same(value, after[key], f"{where}[{key!r}]")
+    elif isinstance(before, tuple):
+        assert isinstance(after, (tuple, list)), f"{where} changed"
+        assert len(before) == len(after), f"{where} changed"
+        for i, (b, a) in enumerate(zip(before, after, strict=True)):
+            _assert_same(b, a, f"{where}[{i}]")
+    else:
+        assert before == after, f"{where} changed: {before!r} -> {after!r}"
+
+
+def unchanged(state: Callable[[], object], thunk: Callable[[], object]) -> Callable[[], object]:
+    """``thunk``, deferred; where it raises ``ValueError``, ``state()`` must be what it was before."""
+
+    def run() -> object:
+        before = _copied(state())
+        try:
+            return thunk()
+        except ValueError:
+            _assert_same(before, _copied(state()))
+            raise
+
+    return run
+
+
+class _Builder:
+    """A minimal ``AttentionMetadataBuilder`` (its metadata: the shape), for the seam's rows."""
+
+    support = AttentionSupport(GraphSupport.ALWAYS, name="shape")
+
+    def build(self, batch: StepBatch, shape: BatchShape, /) -> BatchShape:
+        return shape
+
+    def build_for_capture(self, shape: BatchShape, /) -> BatchShape:
+        return shape
+
+
+class _MetaBuilder(_Builder):
+    """A builder whose buffers live on ``meta``: not the CPU manager's device."""
+
+    device = torch.device("meta")
+
+
+def _make_kind(kind: BatchKind, num_tokens: int, num_reqs: int, generator: torch.Generator) -> object:
+    return make_batch(num_tokens, num_reqs, CPU, seed=0)
+
+
+_BUDGETS: Final = TokenBudgets([16, 32, 64], max_items=4)
+
+
+@functools.cache
+def _packed() -> PackedMetadataBuilder:
+    """A CPU builder with one graph shape's view made (16 tokens, 4 items)."""
+    builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
+    builder.build_for_capture(BatchShape(16, 4, None, M.FULL))
+    return builder
+
+
+def _packed_views() -> object:
+    meta = _packed().build_for_capture(BatchShape(16, 4, None, M.FULL))
+    return meta.offsets
+
+
+def _packed_build(batch: object, shape: object) -> Callable[[], object]:
+    builder = _packed()
+    return unchanged(_packed_views, call(builder.build, batch, shape))
+
+
+def _write_offsets(lengths: object) -> Callable[[], object]:
+    meta = _packed().build_for_capture(BatchShape(16, 4, None, M.FULL))
+    return unchanged(lambda: meta.offsets, call(meta.write_offsets, lengths))
+
+
+def _lengths(*values: int, dtype: torch.dtype = torch.int32) -> dict[str, torch.Tensor]:
+    return {"item_lens": torch.tensor(values, dtype=dtype)}
+
+
+@functools.cache
+def _runner() -> EncoderRunner:
+    """The small encoder's runner on the CPU (every pack eager), one valid batch run."""
+    runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cpu")
+    runner.encode(_items(5, 9))
+    return runner
+
+
+def _items(*lengths: int) -> list[torch.Tensor]:
+    return random_items(EncoderConfig.small(), lengths, torch.Generator().manual_seed(0), "cpu")
+
+
+def _runner_state() -> object:
+    """The runner's manager: its static buffers, and every counter of its steps."""
+    manager = _runner().manager
+    return dict(manager.static_buffers), repr(manager.stats)
+
+
+def _encode(items: object) -> Callable[[], object]:
+    return unchanged(_runner_state, lambda: _runner().encode(cast(list[torch.Tensor], items)))
+
+
+def _run_encoder(item_lens: torch.Tensor) -> Callable[[], object]:
+    """The runner's manager run on 8 patches with these item lengths (a CPU step: eager)."""
+    patches = torch.randn(8, EncoderConfig.small().patch_dim)
+    return unchanged(_runner_state, lambda: _runner().manager.run(patches=patches, item_lens=item_lens))
+
+
+def _entry_engine(entry: Callable[[object], object]) -> GraphEngineFactory:
+    """An engine factory whose ``record`` returns ``entry(model output)``: no ``GraphEntry``."""
+
+    class Engine:
+        def __init__(self, model: Callable[..., object], mode: object, options: object) -> None:
+            self.model = model
+
+        def warm_up(self, key: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> None:
+            pass
+
+        def record(self, key: BatchDescriptor, inputs: Mapping[str, torch.Tensor], /) -> object:
+            return entry(self.model(**inputs))
+
+    return cast(GraphEngineFactory, Engine)
+
+
+class _Entry:
+    def __init__(self, output: object, seconds: object, *, replay: bool = True) -> None:
+        self.output = output
+        self.seconds = seconds
+        if replay:
+            self.replay = lambda: None
+
+
+def _capture_with(entry: Callable[[object], object]) -> Callable[[], object]:
+    """``capture()`` over engines whose entries are ``entry``'s: refused, nothing kept, the next step runs."""
+
+    def run() -> object:
+        manager = construct(fields={"engine_factory": _entry_engine(entry)})()
+        assert isinstance(manager, CUDAGraphManager)
+        try:
+            return manager.capture(progress=False)
+        except ValueError:
+            assert manager.num_captured == 0
+            assert manager.run_batch(make_batch(5, 3, CPU, seed=1)).shape == (5, DIM)  # eagerly: not captured
+            raise
+
+    return run
+
+
+def compile_decoder(model: ReferenceDecoder) -> object:
+    """``examples.compiled.compile_decoder``, imported on call (it registers a custom op)."""
+    from examples.compiled import compile_decoder as compile_it
+
+    return compile_it(model)
+
+
+def kv_sizing_start_up(manager: object, model: ReferenceDecoder, margin_bytes: int) -> object:
+    """``examples.kv_sizing.start_up``, imported on call; its checks come before any device is used."""
+    from examples.kv_sizing import start_up
+
+    return start_up(cast("CUDAGraphManager[torch.Tensor]", manager), model, margin_bytes)
+
+
+_MOE: Final = MoeConfig(num_experts=4, expert_size=8)
+
+
+@functools.cache
+def _moe_weights() -> MoeWeights:
+    return MoeWeights(_MOE, num_layers=2, hidden_size=16, vocab_size=32, device=None, dtype=torch.float32)
+
+
+@functools.cache
+def _paged() -> tuple[PagedDecoder, CUDAGraphManager[torch.Tensor], dict[str, torch.Tensor]]:
+    """A paged decoder (gather) on the CPU, its manager after one valid step, and that step's inputs."""
+    config = DecoderConfig.small()
+    layout = PagedLayout.for_config(config, page_size=8)
+    model = PagedDecoder(config, layout=layout, backend="gather")
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([8, 16]), max_num_seqs=16),
+        device="cpu",
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
+    )
+    step = make_paged_inputs(
+        config, layout, 3, uniform_decode=False, generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        manager.run_batch(step)
+    return model, manager, step
+
+
+def _paged_state() -> object:
+    _, manager, _ = _paged()
+    return dict(manager.static_buffers), repr(manager.stats)
+
+
+def _paged_run_with_token(token: int) -> Callable[[], object]:
+    """The paged manager's step with its first token id replaced: refused before a buffer is written."""
+
+    def run() -> object:
+        _, manager, step = _paged()
+        bad = {name: t.clone() for name, t in step.items()}
+        bad["input_ids"][0] = token
+        with torch.no_grad():
+            return manager.run_batch(bad)
+
+    return unchanged(_paged_state, run)
+
+
+def _cuda() -> torch.device:
+    """The current CUDA device (a GPU row's: its thunk runs only where one exists)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _encode_cpu_items_on_cuda() -> object:
+    """A CUDA runner given items on the CPU: refused naming the item, before its manager's buffers change."""
+    runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cuda")
+    state = lambda: dict(runner.manager.static_buffers)  # noqa: E731
+    return unchanged(state, lambda: runner.encode(_items(5)))()
+
+
+def _write_cpu_lengths_on_cuda() -> object:
+    meta = PackedMetadataBuilder(_BUDGETS, device="cuda").build_for_capture(BatchShape(16, 2, None, M.FULL))
+    return unchanged(lambda: meta.offsets, lambda: meta.write_offsets(_int32s(3, 5)))()
+
+
+def _paged_cuda_eager_step_with_token(token: int) -> object:
+    """On a GPU: a step above the largest size (eager), a bad token id: refused before a buffer is written."""
+    config = DecoderConfig.small()
+    layout = PagedLayout.for_config(config, page_size=8)
+    model = PagedDecoder(config, layout=layout, backend="gather", device="cuda")
+    manager = CUDAGraphManager(
+        model,
+        paged_static_inputs(layout),
+        DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([8, 16]), max_num_seqs=16),
+        device="cuda",
+        options=ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend)),
+    )
+    step = make_paged_inputs(
+        config, layout, 20, uniform_decode=False, generator=torch.Generator().manual_seed(1), device="cuda"
+    )
+    step["input_ids"][0] = token
+    state = lambda: (dict(manager.static_buffers), repr(manager.stats))  # noqa: E731
+    with torch.no_grad():
+        return unchanged(state, lambda: manager.run_batch(step))()
+
+
+ROUND_THREE_GPU: Final = [
+    row(
+        "manager-on-cuda-builder-on-cpu",
+        call(
+            lambda: construct(
+                model=ToyModel(_cuda()),
+                device="cuda",
+                fields={
+                    "attention": AttentionOptions(
+                        metadata_builder=PackedMetadataBuilder(_BUDGETS, device="cpu")
+                    )
+                },
+                watch_factory=False,
+            )()
+        ),
+        r"^options\.attention\.metadata_builder: its buffers are on cpu, "
+        r"but the manager's device is cuda:\d+; ",
+        pytest.mark.gpu,
+    ),
+    row(
+        "vit-device-cpu-builder-on-cuda",
+        call(
+            lambda: ViTEncoder(
+                EncoderConfig.small(), PackedMetadataBuilder(_BUDGETS, device="cuda"), device="cpu"
+            )
+        ),
+        r"^device: 'cpu', but the builder's offsets are on cuda:\d+: ",
+        pytest.mark.gpu,
+    ),
+    row(
+        "encoder-items-on-cpu-runner-on-cuda",
+        _encode_cpu_items_on_cuda,
+        r"^items\[0\]: expected torch\.float32 on cuda:\d+, got torch\.float32 on cpu$",
+        pytest.mark.gpu,
+    ),
+    row(
+        "packed-write_offsets-cpu-lengths-cuda-offsets",
+        _write_cpu_lengths_on_cuda,
+        r"^lengths: on cpu, but the offsets are on cuda:\d+$",
+        pytest.mark.gpu,
+    ),
+    row(
+        "moe_weights-device-cuda-7-missing",
+        call(
+            MoeWeights,
+            _MOE,
+            num_layers=1,
+            hidden_size=16,
+            vocab_size=32,
+            device="cuda:7",
+            dtype=torch.float32,
+        ),
+        r"^device: 'cuda:7' does not exist",
+        *NO_CUDA_7,
+    ),
+    row(
+        "paged-cuda-eager-step-input_ids-vocab",
+        call(_paged_cuda_eager_step_with_token, 512),
+        r"^input_ids: expected token ids in \[0, 512\), got \[512\]$",
+        pytest.mark.gpu,
+    ),
+]
+
+
+ROUND_THREE: Final = [
+    # == cudagraph_dispatch ==
+    # -- lowlevel: the shared checks name their own bad arguments --
+    row(
+        "check_int-minimum-none",
+        call(check_int, "size", 3, minimum=None),
+        r"^minimum: expected an integer, got None$",
+    ),
+    row(
+        "check_int-maximum-string",
+        call(check_int, "size", 3, minimum=0, maximum="9"),
+        r"^maximum: .*, got '9'$",
+    ),
+    row(
+        "check_int-field-int",
+        call(check_int, 3, "x", minimum=0),
+        r"^field: .* name \(a non-empty str\), got 3$",
+    ),
+    row("check_bool-field-none", call(check_bool, None, "x"), r"^field: .*, got None$"),
+    # -- budgets --
+    row(
+        "budgets-2**40",
+        call(TokenBudgets, [64, 2**40]),
+        r"^budgets\[1\]: expected an integer <= 1048576, got 1099511627776$",
+    ),
+    *(
+        row(
+            f"budget_for-{label}",
+            call(_BUDGETS.budget_for, value),
+            rf"^tokens: expected an integer >= 0, got {shown}$",
+        )
+        for label, value, shown in (
+            ("negative", -1, "-1"),
+            ("float", 1.5, r"1\.5"),
+            ("none", None, "None"),
+            ("bool", True, "True"),
+        )
+    ),
+    row(
+        "pack-tokens-above-budget",
+        call(Pack, 16, (0,), 32),
+        r"^tokens: a pack's 32 tokens exceed its budget 16$",
+    ),
+    row("pack-items-int", call(Pack, 16, 3, 8), r"^items: expected a tuple of item indices .*, got 3$"),
+    row("pack-budget-string", call(Pack, "16", (0,), 8), r"^budget: expected an integer >= 1, got '16'$"),
+    row("pack-tokens-negative", call(Pack, 16, (0,), -1), r"^tokens: expected an integer >= 1, got -1$"),
+    # == cudagraph_capture ==
+    row(
+        "options-warmup_runs-2**40",
+        call(CaptureOptions, warmup_runs=2**40),
+        r"^warmup_runs: expected an integer <= 100, got 1099511627776$",
+    ),
+    row(
+        "loop_policy-unroll-2**40",
+        call(LoopPolicy, unroll=2**40),
+        r"^unroll: expected an integer <= 1024, got 1099511627776$",
+    ),
+    row(
+        "device_loop-max_steps-2**64",
+        call(DeviceLoop.capture, lambda steps: None, stop=torch.zeros((), dtype=torch.bool), max_steps=2**64),
+        r"^max_steps: expected an integer <= 9223372036854775807, got 18446744073709551616$",
+    ),
+    row(  # checked before the flag's device (a CPU flag is refused next)
+        "device_loop-options-dict",
+        call(
+            DeviceLoop.capture,
+            lambda steps: None,
+            stop=torch.zeros((), dtype=torch.bool),
+            max_steps=4,
+            options={},
+        ),
+        r"^options: expected CaptureOptions or None, got \{\}$",
+    ),
+    *(
+        row(
+            f"{name}-runnable-class",
+            thunk,
+            r"^runnable: expected the callable to capture .*got the class ToyModel; ",
+        )
+        for name, thunk in (
+            ("graph_engine", call(graph_engine, ToyModel, M.FULL)),
+            ("wrapper", call(CUDAGraphWrapper, ToyModel, M.FULL)),
+            ("breakable-wrapper", call(BreakableCUDAGraphWrapper, ToyModel)),
+        )
+    ),
+    row("eager_break-class", call(eager_break_during_capture, ToyModel), r"^fn: .*got the class ToyModel$"),
+    row(
+        "record_seconds-negative",
+        call(RecordSeconds, -1.0, 0.0),
+        r"^recording: expected seconds, .*got -1\.0$",
+    ),
+    row("record_seconds-nan", call(RecordSeconds, 0.0, math.nan), r"^instantiation: .*got nan$"),
+    row("record_seconds-string", call(RecordSeconds, "1", 0.0), r"^recording: .*got '1'$"),
+    *(
+        row(
+            f"weak_ref_tensors-{label}",
+            call(weak_ref_tensors, value),
+            rf"^obj: expected a tensor or a pytree .*got {shown}$",
+        )
+        for label, value, shown in (
+            ("int", 5, "5"),
+            ("string", "abc", "'abc'"),
+            ("none", None, "None"),
+            ("ints", [1, 2], r"\[1, 2\]"),
+        )
+    ),
+    row(
+        "capture_error-message-int",
+        call(CaptureError, 3),
+        r"^message: expected the error's message \(a str\), got 3$",
+    ),
+    row(
+        "capture_error-descriptor-int",
+        call(CaptureError, "failed", 8),
+        r"^descriptor: expected None or a BatchDescriptor, got 8$",
+    ),
+    # == cudagraph_manager ==
+    row(
+        "compiled_model-model-int",
+        call(CompiledModel, 3, _identity, ()),
+        r"^model: expected a callable, got 3$",
+    ),
+    row(
+        "compiled_model-batched-list",
+        call(CompiledModel, _identity, _identity, ["x"]),
+        r"^batched: expected a tuple of input names, got \['x'\]$",
+    ),
+    # -- options: a class where an instance goes, values no run can use --
+    row(
+        "attention-metadata_builder-class",
+        call(AttentionOptions, metadata_builder=_Builder),
+        r"^attention\.metadata_builder: expected an AttentionMetadataBuilder instance, "
+        r"got the class _Builder; ",
+    ),
+    row(
+        "support_check-builder-class",
+        call(check_attention_support, ToyModel(CPU), INPUTS, _Builder, _make_kind),
+        r"^builder: expected an AttentionMetadataBuilder instance, got the class _Builder",
+    ),
+    *(
+        row(
+            f"support_check-{field}-{label}",
+            call(SupportCheckOptions, **{field: value}),
+            rf"^options\.{field}: .*got {shown}$",
+        )
+        for field, label, value, shown in (
+            ("seed", "2**64", 2**64, "18446744073709551616"),
+            ("seed", "below-int64", -(2**63) - 1, "-9223372036854775809"),
+            ("max_num_seqs", "2**40", 2**40, "1099511627776"),
+            ("trials", "2**40", 2**40, "1099511627776"),
+            ("query_len", "2**40", 2**40, "1099511627776"),
+        )
+    ),
+    row(
+        "static-shape-2**64",
+        call(StaticInput, shape=(4, 2**64)),
+        r"^shape: a dim above 2\*\*63 - 1 .*got \(4, 18446744073709551616\)$",
+    ),
+    row(
+        "compile-model-class",
+        call(compile_for_capture, ToyModel, INPUTS),
+        r"^model: expected the model to compile .*got the class ToyModel; ",
+    ),
+    row(
+        "compile-backend-unknown",
+        call(compile_for_capture, _identity, INPUTS, backend="no_such_backend"),
+        r"^backend: expected a torch\.compile backend \(.*eager.*\), got 'no_such_backend'$",
+    ),
+    row(
+        "manager-builder-on-another-device",
+        construct(
+            fields={"attention": AttentionOptions(metadata_builder=_MetaBuilder())}, watch_factory=False
+        ),
+        r"^options\.attention\.metadata_builder: its buffers are on meta, but the manager's device is cpu; ",
+    ),
+    *(
+        row(
+            f"manager-engine-entry-{label}",
+            _capture_with(entry),
+            rf"^options\.engine_factory: the FULL engine's record\(\) returned .*; it lacks {lacks}$",
+        )
+        for label, entry, lacks in (
+            ("none", lambda out: None, r"replay\(\), output, seconds, .*"),
+            (
+                "seconds-none",
+                lambda out: _Entry(out, None),
+                r"seconds, a RecordSeconds\(recording, instantiation\) of finite seconds >= 0",
+            ),
+            ("seconds-tuple", lambda out: _Entry(out, (0.1, 0.0)), r"seconds, .*"),
+            ("no-replay", lambda out: _Entry(out, RecordSeconds(0.0, 0.0), replay=False), r"replay\(\)"),
+        )
+    ),
+    # -- the attention tier's values --
+    *(
+        row(f"batch_shape-{label}", call(BatchShape, *args), pattern)
+        for label, args, pattern in (
+            ("negative-tokens", (-1, 0, None, M.NONE), r"^num_tokens: expected an integer >= 0, got -1$"),
+            ("string-tokens", ("4", 1, None, M.NONE), r"^num_tokens: .*got '4'$"),
+            ("reqs-above-tokens", (4, 8, None, M.NONE), r"^num_reqs: expected an integer <= 4, got 8$"),
+            ("query_len-zero", (4, 2, 0, M.NONE), r"^query_len: expected an integer >= 1, got 0$"),
+            (
+                "query_len-mismatch",
+                (4, 2, 3, M.FULL),
+                r"^query_len: 2 requests of 3 tokens are not the shape's 4 tokens$",
+            ),
+            ("mode-string", (4, 2, None, "FULL"), r"^mode: expected a runtime CUDAGraphMode .*got 'FULL'$"),
+            ("mode-config", (4, 2, None, M.FULL_AND_PIECEWISE), r"^mode: .*FULL_AND_PIECEWISE"),
+        )
+    ),
+    *(
+        row(
+            f"metadata_extra-builder-{label}",
+            call(metadata_extra, value, BatchShape(1, 1, None, M.NONE)),
+            rf"^builder: expected an AttentionMetadataBuilder.*{shown}",
+        )
+        for label, value, shown in (
+            ("int", 3, "got 3, which lacks"),
+            ("none", None, "got None$"),
+            ("class", _Builder, "got the class _Builder"),
+        )
+    ),
+    # -- PackedMetadataBuilder: devices, its input's name, shapes, batches, the offsets --
+    *(
+        row(
+            f"packed_builder-device-{label}",
+            call(PackedMetadataBuilder, _BUDGETS, device=device),
+            pattern,
+            *marks,
+        )
+        for label, device, pattern, marks in (
+            (
+                "cuda-7-without-cuda",
+                "cuda:7",
+                r"^device: 'cuda:7' is a CUDA device, but CUDA is not available here$",
+                (NO_CUDA,),
+            ),
+            (
+                "cuda-7-missing",
+                "cuda:7",
+                r"^device: 'cuda:7' does not exist; this machine has \d+ CUDA device",
+                NO_CUDA_7,
+            ),
+            (
+                "int-without-cuda",
+                0,
+                r"^device: 0 is a CUDA device, but CUDA is not available here$",
+                (NO_CUDA,),
+            ),
+            ("mps", "mps", r"^device: expected a CUDA device or the CPU, got 'mps'$", ()),
+            ("meta", "meta", r"^device: expected a CUDA device or the CPU, got 'meta'$", ()),
+            ("cpu-1", "cpu:1", r"^device: the CPU is one device, .*got 'cpu:1'$", ()),
+        )
+    ),
+    row(
+        "packed_builder-lengths-not-an-identifier",
+        call(PackedMetadataBuilder, _BUDGETS, lengths="item lens"),
+        r"^lengths: expected an input name \(an identifier.*got 'item lens'$",
+    ),
+    row(
+        "packed_builder-budgets-config",
+        call(PackedMetadataBuilder, _BUDGETS.config()),
+        r"^budgets: expected TokenBudgets, got DispatchConfig\(",
+    ),
+    row(
+        "packed-build_for_capture-none",
+        lambda: _packed().build_for_capture(cast(BatchShape, None)),
+        r"^shape: expected a BatchShape, got None$",
+    ),
+    row(
+        "packed-build-shape-tuple",
+        _packed_build(StepBatch(8, 2, _lengths(3, 5)), (16, 4)),
+        r"^shape: expected a BatchShape, got \(16, 4\)$",
+    ),
+    row(
+        "packed-build-batch-list",
+        _packed_build([8, 2], BatchShape(16, 4, None, M.FULL)),
+        r"^batch: expected a StepBatch, got \[8, 2\]$",
+    ),
+    *(
+        row(f"packed-build-eager-{label}", _packed_build(batch, BatchShape(8, 2, None, M.NONE)), pattern)
+        for label, batch, pattern in (
+            (
+                "sum-past-tokens",
+                StepBatch(8, 2, _lengths(5, 7)),
+                r"^item_lens: expected lengths >= 1 summing to the 8 tokens, got \[5, 7\]$",
+            ),
+            (
+                "sum-short",
+                StepBatch(8, 2, _lengths(2, 2)),
+                r"^item_lens: .*summing to the 8 tokens, got \[2, 2\]$",
+            ),
+            ("zero-length", StepBatch(8, 2, _lengths(0, 8)), r"^item_lens: .*got \[0, 8\]$"),
+            (
+                "float-lengths",
+                StepBatch(8, 2, _lengths(4, 4, dtype=torch.float32)),
+                r"^item_lens: expected the 2 items' lengths, a 1-D integer tensor, "
+                r"got shape \(2,\) of torch\.float32$",
+            ),
+            (
+                "one-row-for-two",
+                StepBatch(8, 2, _lengths(8)),
+                r"^item_lens: expected the 2 items' lengths.*shape \(1,\)",
+            ),
+            ("no-lengths", StepBatch(8, 2, {}), r"^item_lens: the step has no input of the items' lengths$"),
+            (
+                "more-items-than-the-shape",
+                StepBatch(8, 3, _lengths(3, 3, 2)),
+                r"^batch: 8 tokens of 3 items do not fit the shape's 8 tokens of 2 items$",
+            ),
+        )
+    ),
+    row(
+        "packed-build-validate-graph-shape",
+        call(
+            PackedMetadataBuilder(_BUDGETS, device="cpu", validate=True).build,
+            StepBatch(4, 2, _lengths(3, 5)),
+            BatchShape(16, 2, None, M.FULL),
+        ),
+        r"^item_lens: expected lengths >= 1 summing to the 4 tokens, got \[3, 5\]$",
+    ),
+    *(
+        row(f"packed-write_offsets-{label}", _write_offsets(value), pattern)
+        for label, value, pattern in (
+            ("list", [3, 5, 0, 0], r"^lengths: expected a tensor of the items' lengths, got \[3, 5, 0, 0\]$"),
+            ("float", torch.ones(4), r"^lengths: expected integer item lengths, got torch\.float32$"),
+            (
+                "bool",
+                torch.ones(4, dtype=torch.bool),
+                r"^lengths: expected integer item lengths, got torch\.bool$",
+            ),
+            (
+                "meta",
+                torch.ones(4, dtype=torch.int32, device="meta"),
+                r"^lengths: on meta, but the offsets are on cpu$",
+            ),
+        )
+    ),
+    *(
+        row(f"packed_metadata-{label}", call(PackedMetadata, *args), pattern)
+        for label, args, pattern in (
+            (
+                "offsets-list",
+                ([0, 3], 16, 16),
+                r"^offsets: expected a 1-D int32 tensor \(cu_seqlens\), got \[0, 3\]$",
+            ),
+            (
+                "offsets-one-row",
+                (torch.zeros(1, dtype=torch.int32), 16, 16),
+                r"^offsets: expected 2 rows at least",
+            ),
+            (
+                "max_seqlen-negative",
+                (torch.zeros(4, dtype=torch.int32), -1, 16),
+                r"^max_seqlen: expected an integer >= 0, got -1$",
+            ),
+            ("num_tokens-string", (torch.zeros(4, dtype=torch.int32), 16, "16"), r"^num_tokens: .*got '16'$"),
+        )
+    ),
+    # -- ranks: timeouts torch cannot count (checked before any process group is looked for) --
+    *(
+        row(
+            f"ranks-timeout-{label}",
+            call(RankAgreement, timeout=value),
+            rf"^timeout: expected a positive datetime\.timedelta of 1 ms to 365 days .*got {shown}$",
+        )
+        for label, value, shown in (
+            ("max", datetime.timedelta.max, r"datetime\.timedelta\(days=999999999, .*"),
+            ("a-million-days", datetime.timedelta(days=10**6), r"datetime\.timedelta\(days=1000000\)"),
+            ("a-microsecond", datetime.timedelta(microseconds=1), r"datetime\.timedelta\(microseconds=1\)"),
+        )
+    ),
+    # == examples ==
+    # -- the encoder --
+    *(
+        row(f"encoder_config-{label}", call(EncoderConfig, **fields), pattern)
+        for label, fields, pattern in (
+            ("heads-not-dividing", {"hidden": 64, "heads": 5}, r"^heads: must divide hidden=64, got 5$"),
+            (
+                "hidden-2**40",
+                {"hidden": 2**40},
+                r"^hidden: expected an integer <= 1048576, got 1099511627776$",
+            ),
+            ("patch_dim-zero", {"patch_dim": 0}, r"^patch_dim: expected an integer >= 1, got 0$"),
+            ("layers-float", {"layers": 2.0}, r"^layers: .*got 2\.0$"),
+            (
+                "dtype-int",
+                {"dtype": torch.int32},
+                r"^dtype: expected a floating torch\.dtype, got torch\.int32$",
+            ),
+        )
+    ),
+    row(
+        "vit-config-none",
+        call(ViTEncoder, None, PackedMetadataBuilder(_BUDGETS, device="cpu")),
+        r"^config: expected an EncoderConfig, got None$",
+    ),
+    row(
+        "vit-builder-budgets",
+        call(ViTEncoder, EncoderConfig.small(), _BUDGETS),
+        r"^builder: expected a PackedMetadataBuilder, got TokenBudgets\(",
+    ),
+    row(
+        "vit-device-other-than-the-builders",
+        call(ViTEncoder, EncoderConfig.small(), PackedMetadataBuilder(_BUDGETS, device="cpu"), device="meta"),
+        r"^device: 'meta', but the builder's offsets are on cpu: ",
+    ),
+    row(
+        "vit-device-mps",
+        call(ViTEncoder, EncoderConfig.small(), PackedMetadataBuilder(_BUDGETS, device="cpu"), device="mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    *(
+        row(
+            f"encoder_runner-device-{label}",
+            call(EncoderRunner, EncoderConfig.small(), _BUDGETS, device=device),
+            pattern,
+            *marks,
+        )
+        for label, device, pattern, marks in (
+            (
+                "cuda-7-without-cuda",
+                "cuda:7",
+                r"^device: 'cuda:7' is a CUDA device, but CUDA is not available here$",
+                (NO_CUDA,),
+            ),
+            ("cuda-7-missing", "cuda:7", r"^device: 'cuda:7' does not exist", NO_CUDA_7),
+            (
+                "int-without-cuda",
+                0,
+                r"^device: 0 is a CUDA device, but CUDA is not available here$",
+                (NO_CUDA,),
+            ),
+            ("mps", "mps", r"^device: expected a CUDA device or the CPU, got 'mps'$", ()),
+        )
+    ),
+    row(
+        "encoder_runner-budgets-list",
+        call(EncoderRunner, EncoderConfig.small(), [16, 64], device="cpu"),
+        r"^budgets: expected TokenBudgets, got \[16, 64\]$",
+    ),
+    row(
+        "encoder_runner-config-none",
+        call(EncoderRunner, None, _BUDGETS, device="cpu"),
+        r"^config: expected an EncoderConfig, got None$",
+    ),
+    row(
+        "encoder_runner-strict-string",
+        call(EncoderRunner, EncoderConfig.small(), _BUDGETS, device="cpu", strict="yes"),
+        r"^strict: expected True or False, got 'yes'$",
+    ),
+    *(
+        row(f"encode-{label}", _encode(items), pattern)
+        for label, items, pattern in (
+            ("none", None, r"^items: expected a list or tuple of \[patches, patch_dim\] tensors, got None$"),
+            ("a-tensor", torch.zeros(3, 48), r"^items: expected a list or tuple .*got tensor\("),
+            (
+                "wrong-width",
+                [torch.zeros(3, 49)],
+                r"^items\[0\]: expected \[patches, 48\], got shape \(3, 49\)$",
+            ),
+            (
+                "wrong-dtype",
+                [torch.zeros(3, 48, dtype=torch.float64)],
+                r"^items\[0\]: expected torch\.float32 on cpu, got torch\.float64 on cpu$",
+            ),
+            (
+                "empty-item",
+                [torch.zeros(3, 48), torch.zeros(0, 48)],
+                r"^items\[1\]: expected \[patches, 48\], got shape \(0, 48\)$",
+            ),
+            (
+                "above-the-largest-budget",
+                [torch.zeros(65, 48)],
+                r"^items\[0\]: an item of 65 patches exceeds the largest budget 64; ",
+            ),
+            ("not-a-tensor", [[0.0] * 48], r"^items\[0\]: expected a tensor \[patches, 48\], got \[0\.0, "),
+        )
+    ),
+    row(
+        "encode_alone-1d",
+        call(lambda item: _runner().encode_alone(item), torch.zeros(48)),
+        r"^item: expected \[patches, 48\], got shape \(48,\)$",
+    ),
+    row(
+        "eager_forward-lens-list",
+        call(lambda: _runner().eager_forward(torch.zeros(8, 48), cast(torch.Tensor, [4, 4]))),
+        r"^lens: expected a 1-D tensor of the items' lengths on cpu, got \[4, 4\]$",
+    ),
+    row(
+        "eager_forward-lens-sum-past",
+        call(lambda: _runner().eager_forward(torch.zeros(8, 48), _int32s(5, 7))),
+        r"^item_lens: expected lengths >= 1 summing to the 8 tokens, got \[5, 7\]$",
+    ),
+    # The runner's default builder checks an eager step's lengths (issue 51: they ran, clamped, before).
+    row(
+        "encoder-run-item_lens-sum-past",
+        _run_encoder(_int32s(5, 7)),
+        r"^item_lens: expected lengths >= 1 summing to the 8 tokens, got \[5, 7\]$",
+    ),
+    row("encoder-run-item_lens-zero", _run_encoder(_int32s(0, 8)), r"^item_lens: .*got \[0, 8\]$"),
+    row(
+        "random_items-lengths-negative",
+        call(random_items, EncoderConfig.small(), [3, -1], torch.Generator(), "cpu"),
+        r"^lengths\[1\]: expected an integer >= 1, got -1$",
+    ),
+    row(
+        "random_items-generator-none",
+        call(random_items, EncoderConfig.small(), [3], None, "cpu"),
+        r"^generator: expected a torch\.Generator, got None$",
+    ),
+    row(
+        "random_items-device-mps",
+        call(random_items, EncoderConfig.small(), [3], torch.Generator(), "mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    row(
+        "encoder_static_inputs-none",
+        call(encoder_static_inputs, None),
+        r"^config: expected an EncoderConfig, got None$",
+    ),
+    # -- expert parallelism --
+    *(
+        row(
+            f"moe_config-capacity_factor-{label}",
+            call(MoeConfig, capacity_factor=value),
+            rf"^capacity_factor: expected None or a finite number > 0, got {shown}$",
+        )
+        for label, value, shown in (
+            ("inf", math.inf, "inf"),
+            ("nan", math.nan, "nan"),
+            ("zero", 0.0, r"0\.0"),
+        )
+    ),
+    row(
+        "moe_config-num_experts-2**40",
+        call(MoeConfig, num_experts=2**40),
+        r"^num_experts: expected an integer <= 1048576, got 1099511627776$",
+    ),
+    row(
+        "moe-capacity-negative-tokens",
+        call(MoeConfig(capacity_factor=1.0).capacity, -8, 2),
+        r"^num_tokens: expected an integer >= 0, got -8$",
+    ),
+    row(
+        "moe-capacity-exact-negative-tokens",
+        call(MoeConfig().capacity, -8, 2),
+        r"^num_tokens: expected an integer >= 0, got -8$",
+    ),
+    row(
+        "moe-capacity-zero-ranks",
+        call(MoeConfig(capacity_factor=1.0).capacity, 8, 0),
+        r"^world_size: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "moe-capacity-ranks-not-sharing",
+        call(MoeConfig().capacity, 8, 3),
+        r"^world_size: 3 ranks cannot share num_experts=8 experts evenly$",
+    ),
+    row("moe-capacity-float-tokens", call(MoeConfig().capacity, 8.0, 2), r"^num_tokens: .*got 8\.0$"),
+    row(
+        "moe-buffer_bytes-hidden-zero",
+        call(MoeConfig().buffer_bytes, 8, 2, 0, 4),
+        r"^hidden_size: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "moe_weights-num_layers-zero",
+        call(MoeWeights, _MOE, num_layers=0, hidden_size=16, vocab_size=32, device=None, dtype=torch.float32),
+        r"^num_layers: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "moe_weights-dtype-int",
+        call(MoeWeights, _MOE, num_layers=1, hidden_size=16, vocab_size=32, device=None, dtype=torch.int64),
+        r"^dtype: expected a floating torch\.dtype, got torch\.int64$",
+    ),
+    row(
+        "moe_weights-device-mps",
+        call(
+            MoeWeights, _MOE, num_layers=1, hidden_size=16, vocab_size=32, device="mps", dtype=torch.float32
+        ),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    row(  # before any collective: no process group is needed to be told
+        "moe-layer-past-the-weights",
+        call(lambda: ExpertParallelMoE(_moe_weights(), 2, _MOE, None)),
+        r"^layer: expected an integer <= 1, got 2$",
+    ),
+    row(
+        "moe-config-other-experts",
+        call(lambda: ExpertParallelMoE(_moe_weights(), 0, MoeConfig(), None)),
+        r"^config: num_experts=8, but the weights hold 4 experts$",
+    ),
+    row(
+        "ep_decoder-weights-other-layers",
+        call(lambda: ExpertParallelDecoder(ReferenceDecoder(DecoderConfig.small()), _moe_weights(), _MOE)),
+        r"^weights: 2 layers of hidden size 16, but the decoder has 2 of 128$",
+    ),
+    # -- the paged example --
+    row(
+        "paged_layout-page_size-2**40",
+        call(PagedLayout, 2**40, 4, 2),
+        r"^page_size: expected an integer <= 1048576, got 1099511627776$",
+    ),
+    row(
+        "paged_layout-num_pages-2**31",
+        call(PagedLayout, 16, 2**31, 2),
+        r"^num_pages: expected an integer <= 2147483647, got 2147483648$",
+    ),
+    row(
+        "paged_buffers-layout-none",
+        call(PagedBuffers, None, 8, 4, "cpu"),
+        r"^layout: expected a PagedLayout, got None$",
+    ),
+    row(
+        "paged_buffers-max_tokens-2**40",
+        call(PagedBuffers, PagedLayout(8, 4, 2), 2**40, 4, "cpu"),
+        r"^max_tokens: expected an integer <= 2147483646, got 1099511627776$",
+    ),
+    row(
+        "paged_buffers-max_reqs-string",
+        call(PagedBuffers, PagedLayout(8, 4, 2), 8, "4", "cpu"),
+        r"^max_reqs: .*got '4'$",
+    ),
+    row(
+        "paged_buffers-device-mps",
+        call(PagedBuffers, PagedLayout(8, 4, 2), 8, 4, "mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    row(
+        "paged_buffers-device-cuda-7",
+        call(PagedBuffers, PagedLayout(8, 4, 2), 8, 4, "cuda:7"),
+        r"^device: 'cuda:7' is a CUDA device, but CUDA is not available here$",
+        NO_CUDA,
+    ),
+    row(
+        "make_backend-dtype-string",
+        call(make_backend, "gather", PagedLayout(8, 4, 2), "float32", max_tokens=8, max_reqs=4),
+        r"^dtype: expected the model's floating torch\.dtype, got 'float32'$",
+    ),
+    row(
+        "make_backend-layout-none",
+        call(make_backend, "gather", None, torch.float32, max_tokens=8, max_reqs=4),
+        r"^layout: expected a PagedLayout, got None$",
+    ),
+    row(
+        "make_backend-device-cpu-1",
+        call(
+            make_backend,
+            "gather",
+            PagedLayout(8, 4, 2),
+            torch.float32,
+            max_tokens=8,
+            max_reqs=4,
+            device="cpu:1",
+        ),
+        r"^device: the CPU is one device",
+    ),
+    row(
+        "paged-warm_up-2**40",
+        call(lambda: _paged()[0].warm_up(2**40)),
+        r"^max_tokens: expected an integer <= 1024, got 1099511627776$",
+    ),
+    row(
+        "paged-warm_up-query_len-above",
+        call(lambda: _paged()[0].warm_up(8, query_len=16)),
+        r"^query_len: expected an integer <= 8, got 16$",
+    ),
+    row(
+        "paged-step-none",
+        call(lambda: _paged()[0].step(cast(dict[str, torch.Tensor], None))),
+        r"^inputs: expected a mapping of \['input_ids', .*got None$",
+    ),
+    row(
+        "paged-step-missing",
+        call(lambda: _paged()[0].step({"input_ids": torch.zeros(1, dtype=torch.int64)})),
+        r"^inputs: expected a mapping of \['input_ids', ",
+    ),
+    row(
+        "paged-step-uniform_decode-int",
+        call(lambda: _paged()[0].step(_paged()[2], uniform_decode=cast(bool, 0))),
+        r"^uniform_decode: expected True or False, got 0$",
+    ),
+    # Issue 51: checked in forward, after the step was copied into the static buffers; now in build.
+    *(
+        row(
+            f"paged-run-input_ids-{label}",
+            _paged_run_with_token(token),
+            rf"^input_ids: expected token ids in \[0, 512\), got \[{token}\]$",
+        )
+        for label, token in (("vocab", 512), ("negative", -1), ("2**40", 2**40))
+    ),
+    # -- the reference decoder and the random inputs --
+    row(
+        "decoder_config-hidden_size-2**40",
+        call(DecoderConfig, hidden_size=2**40),
+        r"^hidden_size: expected an integer <= 1048576, got 1099511627776$",
+    ),
+    row(
+        "reference-device-mps",
+        call(ReferenceDecoder, DecoderConfig.small(), device="mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    row(
+        "reference-device-cpu-1",
+        call(ReferenceDecoder, DecoderConfig.small(), device="cpu:1"),
+        r"^device: the CPU is one device",
+    ),
+    row("static_inputs-none", call(static_inputs, None), r"^config: expected a DecoderConfig, got None$"),
+    row(
+        "make_step_inputs-num_tokens-string",
+        call(make_step_inputs, DecoderConfig.small(), "4", uniform_decode=False),
+        r"^num_tokens: .*got '4'$",
+    ),
+    row(
+        "make_step_inputs-uniform_decode-int",
+        call(make_step_inputs, DecoderConfig.small(), 4, uniform_decode=1),
+        r"^uniform_decode: expected True or False, got 1$",
+    ),
+    row(
+        "make_step_inputs-device-mps",
+        call(make_step_inputs, DecoderConfig.small(), 4, uniform_decode=False, device="mps"),
+        r"^device: expected a CUDA device or the CPU, got 'mps'$",
+    ),
+    row(
+        "make_step_inputs-generator-int",
+        call(make_step_inputs, DecoderConfig.small(), 4, uniform_decode=False, generator=3),
+        r"^generator: expected a torch\.Generator or None, got 3$",
+    ),
+    row(
+        "request_lengths-query_len-zero",
+        call(request_lengths, DecoderConfig.small(), 4, uniform_decode=True, query_len=0),
+        r"^query_len: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "tensor_parallel-full-none",
+        call(lambda: TensorParallelDecoder(cast(ReferenceDecoder, None))),
+        r"^full: expected a ReferenceDecoder, got None$",
+    ),
+    row(
+        "check_shards-world_size-zero",
+        call(check_shards, DecoderConfig.small(), 0),
+        r"^world_size: expected an integer >= 1, got 0$",
+    ),
+    row(
+        "check_shards-config-none",
+        call(check_shards, None, 2),
+        r"^config: expected a DecoderConfig, got None$",
+    ),
+    row(
+        "compile_decoder-model-none",
+        call(lambda: compile_decoder(cast(ReferenceDecoder, None))),
+        r"^model: expected a ReferenceDecoder, got None$",
+    ),
+    row(
+        "kv_sizing-start_up-margin-negative",
+        call(lambda: kv_sizing_start_up(construct()(), ReferenceDecoder(DecoderConfig.small()), -1)),
+        r"^margin_bytes: expected an integer >= 0, got -1$",
+    ),
+    row(
+        "make_paged_inputs-layout-none",
+        call(make_paged_inputs, DecoderConfig.small(), None, 4, uniform_decode=False),
+        r"^layout: expected a PagedLayout, got None$",
+    ),
+]
 
 
 BAD_INPUTS: Final = [
@@ -1507,6 +2634,8 @@ BAD_INPUTS: Final = [
             ),
         )
     ),
+    *ROUND_THREE,
+    *ROUND_THREE_GPU,
 ]
 
 
@@ -1799,3 +2928,41 @@ def test_several_gpus_refuses_a_world_size_its_decoder_cannot_shard(
     err = capsys.readouterr().err
     assert "--world-size 3: config.num_heads=4 does not divide over 3 ranks" in err
     assert "Traceback" not in err
+
+
+def test_ep_moe_refuses_bad_arguments_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 51: an infinite capacity factor started both ranks, which failed deep in the first MoE step."""
+    from examples.ep_moe import main as ep_moe_main
+
+    for argv, pattern in (
+        (
+            ["--capacity-factor", "inf"],
+            r"--capacity-factor: capacity_factor: expected None or a finite number > 0, got inf",
+        ),
+        (["--capacity-factor", "nan"], r"--capacity-factor: .*got nan"),
+        (["--capacity-factor", "0"], r"--capacity-factor: .*got 0\.0"),
+        (["--steps", "0"], r"--steps: expected an integer >= 1, got 0"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            ep_moe_main(argv)
+        assert done.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (argv, err)
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "descriptor",
+    [
+        lambda: BatchDescriptor(4, 2, has_lora=True, num_active_loras=3),
+        lambda: BatchDescriptor(1, 1, uniform=True, has_lora=True, num_active_loras=4),
+        lambda: BatchDescriptor(8, has_lora=True, num_active_loras=16),
+    ],
+    ids=["4-tokens-2-reqs-3-adapters", "1-token-uniform-4-adapters", "relaxed-8-tokens-16-adapters"],
+)
+def test_a_keys_adapter_count_is_a_capacity_not_refused(descriptor: Callable[[], BatchDescriptor]) -> None:
+    """Issue 51 asked: a key naming more adapters than requests is a graph of a LoRA case (a capacity, like
+    its padded tokens: vLLM keys every size with every case), valid by design (docs/design.md, "Keys")."""
+    key = descriptor()
+    assert key.has_lora
+    assert key.num_active_loras > (key.num_reqs or key.num_tokens)  # more adapters than its requests

@@ -5,8 +5,9 @@
   block-diagonal mask), reading its offsets through the attention seam.
 - ``runner``: ``EncoderRunner`` (the encoder, a ``PackedMetadataBuilder`` and
   one ``CUDAGraphManager`` of ``TokenBudgets.config()``): pack, run, cut per item.
-- ``demo``: ``python -m examples.encoder.demo`` captures the budgets, encodes
-  random mixes and checks each item against the item run alone.
+- the benchmark ``python -m tests.benchmarks.encoder_throughput`` (GPU)
+  captures the budgets, encodes random mixes and times them against eager;
+  ``tests/manager/test_encoder.py`` checks each item against the item run alone.
 
     budgets = TokenBudgets.default(8192, max_items=8)
     runner = EncoderRunner(EncoderConfig(), budgets)

@@ -28,7 +28,11 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
 from torch.nn.attention import varlen
 
+from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_manager.attention import PackedMetadata, PackedMetadataBuilder, attention_metadata
+
+from ..body import model_device
+from ..config import MAX_FIELD
 
 Kernel = Literal["varlen", "masked"]
 #: The dtypes ``varlen_attn`` computes in.
@@ -41,6 +45,8 @@ class EncoderConfig:
 
     ``max_positions``: the position table's rows (patches per item, at
     most; padding rows past it reuse the last). ``small()`` is a CPU-sized one.
+    Checked when built (``ValueError`` naming the field): sizes from 1 to
+    ``MAX_FIELD``, ``heads`` dividing ``hidden``, a floating ``dtype``.
     """
 
     patch_dim: int = 588  # 3 x 14 x 14 pixels
@@ -50,6 +56,15 @@ class EncoderConfig:
     mlp_ratio: int = 4
     max_positions: int = 1024
     dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("patch_dim", "hidden", "heads", "layers", "mlp_ratio", "max_positions"):
+            check_int(name, getattr(self, name), minimum=1, maximum=MAX_FIELD)
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: must divide hidden={self.hidden}, got {self.heads}")
+        dtype: object = self.dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
 
     @classmethod
     def small(cls) -> EncoderConfig:
@@ -135,9 +150,12 @@ class ViTEncoder(nn.Module):
 
     Arguments:
         config: the sizes and dtype.
-        builder: the seam's builder whose metadata the attention reads.
+        builder: the seam's builder whose metadata the attention reads (its
+            offsets on the weights' device).
         kernel: ``"varlen"`` or ``"masked"`` (``None``: varlen where it runs).
-        device: where the weights live.
+        device: where the weights live (default: the builder's device).
+
+    A bad argument raises ``ValueError`` naming it, before any weight is made.
     """
 
     def __init__(
@@ -148,8 +166,19 @@ class ViTEncoder(nn.Module):
         kernel: Kernel | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        given: object = config
+        if not isinstance(given, EncoderConfig):
+            raise ValueError(f"config: expected an EncoderConfig, got {config!r:.80}")
+        given_builder: object = builder
+        if not isinstance(given_builder, PackedMetadataBuilder):
+            raise ValueError(f"builder: expected a PackedMetadataBuilder, got {builder!r:.80}")
+        where = model_device(device) or builder.device
+        if where != builder.device:
+            raise ValueError(
+                f"device: {device!r}, but the builder's offsets are on {builder.device}: the attention "
+                "reads them with the weights' tensors; build both on one device"
+            )
         super().__init__()
-        where = torch.device(device) if device is not None else torch.empty(0).device
         dtype = config.dtype
         self.config: Final = config
         self.builder: Final = builder

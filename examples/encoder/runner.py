@@ -15,8 +15,10 @@ from typing import Final
 
 import torch
 
+from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
 from cudagraph_dispatch.budgets import Pack, TokenBudgets
+from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 from cudagraph_manager.attention import (
     AttentionOptions,
@@ -26,11 +28,16 @@ from cudagraph_manager.attention import (
     metadata_extra,
 )
 
+from ..body import model_device
+from ..config import MAX_FIELD
 from .model import EncoderConfig, Kernel, ViTEncoder
 
 
 def encoder_static_inputs(config: EncoderConfig) -> dict[str, StaticInput]:
     """The manager's inputs: every patch (rows follow the tokens), each item's patch count (the requests)."""
+    given: object = config
+    if not isinstance(given, EncoderConfig):
+        raise ValueError(f"config: expected an EncoderConfig, got {config!r:.80}")
     return {
         "patches": StaticInput((config.patch_dim,), dtype=config.dtype),
         "item_lens": StaticInput(dtype=torch.int32, rows="reqs", pad_value=0),
@@ -44,8 +51,12 @@ class EncoderRunner:
         config: the encoder's sizes.
         budgets: the graphs' budgets and the most items per pack.
         kernel: the attention kernel (``None``: varlen where it runs).
-        device: the device (``None``: CUDA where available, else the CPU).
+        device: the device (``None``: the current CUDA device where there is
+            one, else the CPU).
         strict: the manager's ``strict`` (every pack replays a graph).
+
+    A bad argument raises ``ValueError`` naming it, before anything is built;
+    so do bad items (``items[i]``), before a pack runs.
     """
 
     def __init__(
@@ -57,7 +68,13 @@ class EncoderRunner:
         device: torch.device | str | None = None,
         strict: bool = False,
     ) -> None:
-        where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        encoder_static_inputs(config)  # checks config
+        given: object = budgets
+        if not isinstance(given, TokenBudgets):
+            raise ValueError(f"budgets: expected TokenBudgets, got {budgets!r:.80}")
+        check_bool("strict", strict)
+        where = resolve_device(device)
+        self.config: Final = config
         self.budgets: Final = budgets
         self.builder: Final = PackedMetadataBuilder(budgets, lengths="item_lens", device=where)
         self.model: Final = ViTEncoder(config, self.builder, kernel=kernel, device=where).eval()
@@ -75,13 +92,38 @@ class EncoderRunner:
         )
 
     def pack(self, items: Sequence[torch.Tensor]) -> tuple[Pack, ...]:
-        """The packs of ``items`` (``ValueError`` names an item above the largest budget)."""
+        """The packs of ``items``: ``ValueError`` naming a bad one (``items[i]``: one too long too)."""
+        given: object = items
+        if not isinstance(given, (list, tuple)):
+            raise ValueError(
+                f"items: expected a list or tuple of [patches, patch_dim] tensors, got {given!r:.80}"
+            )
+        for i, item in enumerate(given):
+            self._check_item(f"items[{i}]", item)
         return self.budgets.pack([item.shape[0] for item in items])
+
+    def _check_item(self, name: str, item: object) -> None:
+        """``ValueError`` naming ``name`` unless ``item`` is one item, ``[n, patch_dim]``."""
+        config = self.config
+        if not isinstance(item, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor [patches, {config.patch_dim}], got {item!r:.80}")
+        if item.dim() != 2 or item.shape[1] != config.patch_dim or item.shape[0] < 1:
+            raise ValueError(f"{name}: expected [patches, {config.patch_dim}], got shape {tuple(item.shape)}")
+        if item.shape[0] > self.budgets.max:
+            raise ValueError(
+                f"{name}: an item of {item.shape[0]} patches exceeds the largest budget {self.budgets.max}; "
+                "add a larger budget or split the item"
+            )
+        if item.dtype != config.dtype or item.device != self.device:
+            raise ValueError(
+                f"{name}: expected {config.dtype} on {self.device}, got {item.dtype} on {item.device}"
+            )
 
     def encode(self, items: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each item's output ``[patches, hidden]``: its packs replayed (or eager), cut per item."""
+        packs = self.pack(items)  # checks the items first
         outputs: list[torch.Tensor | None] = [None] * len(items)
-        for pack in self.pack(items):
+        for pack in packs:
             patches, lens = self._packed(items, pack)
             out = self.manager.run(patches=patches, item_lens=lens)
             # The output aliases graph memory until the next run: one copy, then a view per item.
@@ -92,8 +134,9 @@ class EncoderRunner:
 
     def encode_eager(self, items: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``encode`` without the manager: the same packs run eagerly, unpadded."""
+        packs = self.pack(items)  # checks the items first
         outputs: list[torch.Tensor | None] = [None] * len(items)
-        for pack in self.pack(items):
+        for pack in packs:
             patches, lens = self._packed(items, pack)
             pieces = torch.split(self.eager_forward(patches, lens), [items[i].shape[0] for i in pack.items])
             for i, piece in zip(pack.items, pieces, strict=True):
@@ -102,11 +145,22 @@ class EncoderRunner:
 
     def encode_alone(self, item: torch.Tensor) -> torch.Tensor:
         """One item run alone, eagerly: ``[patches, hidden]``."""
+        self._check_item("item", item)
         lens = torch.tensor([item.shape[0]], dtype=torch.int32, device=self.device)
         return self.eager_forward(item, lens)
 
     def eager_forward(self, patches: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """The model on one pack, eagerly, with the builder's metadata of the real pack."""
+        """The model on one pack, eagerly, with the builder's metadata of the real pack.
+
+        ``patches [T, patch_dim]``, ``lens [items]`` (integers, each >= 1,
+        summing to ``T``): a bad one raises ``ValueError`` naming it.
+        """
+        self._check_item("patches", patches)
+        given: object = lens
+        if not isinstance(given, torch.Tensor) or given.dim() != 1 or given.device != self.device:
+            raise ValueError(
+                f"lens: expected a 1-D tensor of the items' lengths on {self.device}, got {given!r:.80}"
+            )
         num_tokens, num_items = patches.shape[0], lens.shape[0]
         batch = StepBatch(num_tokens, num_items, {"item_lens": lens})
         meta = self.builder.build(batch, BatchShape.eager(num_tokens, num_items, False))
@@ -129,7 +183,16 @@ def random_items(
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     """Random items of these patch counts, ``[n, patch_dim]`` each, drawn on the CPU from ``generator``."""
+    encoder_static_inputs(config)  # checks config
+    given: object = lengths
+    if not isinstance(given, (list, tuple, range)):
+        raise ValueError(f"lengths: expected a sequence of patch counts, got {given!r:.80}")
+    for i, n in enumerate(given):
+        check_int(f"lengths[{i}]", n, minimum=1, maximum=MAX_FIELD)
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator, got {generator!r:.80}")
+    where = model_device(device)
     return [
-        torch.randn(n, config.patch_dim, generator=generator).to(device=device, dtype=config.dtype)
+        torch.randn(n, config.patch_dim, generator=generator).to(device=where, dtype=config.dtype)
         for n in lengths
     ]

@@ -83,6 +83,7 @@ class ExpertParallelDecoder(nn.Module):
         config: MoeConfig,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        _check_parts(full, weights)
         super().__init__()
         self.full: Final = full
         self.group: Final = group
@@ -125,3 +126,18 @@ class ExpertParallelDecoder(nn.Module):
         A host read: call it off the step path (a report, a log line).
         """
         return int(sum(moe.dropped for moe in self.moe_layers).item())  # type: ignore[union-attr]
+
+
+def _check_parts(full: object, weights: object) -> None:
+    """``ValueError`` naming ``full`` or ``weights`` unless the experts' weights fit the decoder's layers."""
+    if not isinstance(full, ReferenceDecoder):
+        raise ValueError(f"full: expected a ReferenceDecoder, got {full!r:.80}")
+    if not isinstance(weights, MoeWeights):
+        raise ValueError(f"weights: expected MoeWeights, got {weights!r:.80}")
+    config = full.config
+    layers, hidden = weights.gate_up.shape[0], weights.gate_up.shape[2]
+    if (layers, hidden) != (config.num_layers, config.hidden_size):
+        raise ValueError(
+            f"weights: {layers} layers of hidden size {hidden}, but the decoder has {config.num_layers} "
+            f"of {config.hidden_size}"
+        )

@@ -44,6 +44,9 @@ from torch import Tensor, nn
 
 from cudagraph_dispatch.lowlevel import check_int
 
+from ..body import model_device
+from ..config import MAX_FIELD
+
 #: The bound on a router logit's learned part (see ``MoeWeights``): below half the bias's gap of 1.
 ROUTER_BOUND: Final = 0.25
 
@@ -53,7 +56,8 @@ class MoeConfig:
     """The MoE layers' shape: ``num_experts`` SiLU-gated experts of width ``expert_size``, top ``top_k``.
 
     ``capacity_factor``: ``None`` (exact capacity, nothing dropped) or a
-    positive number (see the module's "Capacity").
+    finite number > 0 (see the module's "Capacity"). Checked when built
+    (``ValueError`` naming the field): sizes from 1 to ``MAX_FIELD``.
     """
 
     num_experts: int = 8
@@ -62,26 +66,42 @@ class MoeConfig:
     capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("num_experts", self.num_experts, minimum=1)
+        check_int("num_experts", self.num_experts, minimum=1, maximum=MAX_FIELD)
         check_int("top_k", self.top_k, minimum=1)
-        check_int("expert_size", self.expert_size, minimum=1)
+        check_int("expert_size", self.expert_size, minimum=1, maximum=MAX_FIELD)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k: at most num_experts={self.num_experts}, got {self.top_k}")
         factor: object = self.capacity_factor
         if factor is not None and (
-            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf
         ):
-            raise ValueError(f"capacity_factor: expected None or a number > 0, got {factor!r}")
+            raise ValueError(f"capacity_factor: expected None or a finite number > 0, got {factor!r}")
 
     def capacity(self, num_tokens: int, world_size: int) -> int:
-        """Slots per peer ``C`` for a step of ``num_tokens`` (the padded key): exact, or the factor's."""
+        """Slots per peer ``C`` for a step of ``num_tokens`` (the padded key): exact, or the factor's.
+
+        ``num_tokens >= 0``; ``world_size``, the ranks the experts are shared
+        over, divides ``num_experts`` (``ValueError`` naming either).
+        """
+        self.check_step(num_tokens, world_size)
         exact = num_tokens * self.top_k
         if self.capacity_factor is None:
             return exact
         return max(1, min(exact, math.ceil(self.capacity_factor * exact / world_size)))
 
+    def check_step(self, num_tokens: object, world_size: object) -> None:
+        """``ValueError`` naming ``num_tokens`` (< 0) or ``world_size`` (< 1, or not dividing the experts)."""
+        check_int("num_tokens", num_tokens, minimum=0)
+        world = check_int("world_size", world_size, minimum=1)
+        if self.num_experts % world:
+            raise ValueError(
+                f"world_size: {world} ranks cannot share num_experts={self.num_experts} experts evenly"
+            )
+
     def buffer_bytes(self, num_tokens: int, world_size: int, hidden_size: int, itemsize: int) -> int:
         """The bytes of one layer's exchange buffers at ``num_tokens``: four ``[W, C, d]``, two ``[W, C]``."""
+        check_int("hidden_size", hidden_size, minimum=1)
+        check_int("itemsize", itemsize, minimum=1)
         slots = world_size * self.capacity(num_tokens, world_size)
         return slots * (4 * hidden_size * itemsize + 2 * 8)
 
@@ -97,7 +117,8 @@ class MoeWeights(nn.Module):
     logit by at most ``ROUTER_BOUND``: the top-k set never flips on a
     rounding difference, and a test can compare two implementations token by
     token. The weights of the chosen experts still follow ``h``. An engine's
-    router is the same code without the bias.
+    router is the same code without the bias. A bad argument raises
+    ``ValueError`` naming it, before anything is allocated.
     """
 
     def __init__(
@@ -110,6 +131,19 @@ class MoeWeights(nn.Module):
         device: torch.device | None,
         dtype: torch.dtype,
     ) -> None:
+        given: object = config
+        if not isinstance(given, MoeConfig):
+            raise ValueError(f"config: expected a MoeConfig, got {config!r:.80}")
+        for name, value in (
+            ("num_layers", num_layers),
+            ("hidden_size", hidden_size),
+            ("vocab_size", vocab_size),
+        ):
+            check_int(name, value, minimum=1, maximum=MAX_FIELD)
+        given_dtype: object = dtype
+        if not isinstance(given_dtype, torch.dtype) or not given_dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r:.80}")
+        device = model_device(device)
         super().__init__()
         layers, e, d, f = num_layers, config.num_experts, hidden_size, config.expert_size
         router = torch.randn(layers, d, e, device=device, dtype=torch.float64)
@@ -157,6 +191,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(
         self, weights: MoeWeights, layer: int, config: MoeConfig, group: dist.ProcessGroup | None
     ) -> None:
+        _check_layer(weights, layer, config)
         super().__init__()
         self.group: Final = group
         self.world_size: Final = dist.get_world_size(group)
@@ -206,3 +241,15 @@ class ExpertParallelMoE(nn.Module):
         dist.all_to_all_single(back[:trash], out, group=self.group)
         rows = back[index].view(num_tokens, k, d)  # a dropped pair reads the zero row
         return torch.bmm(weights.unsqueeze(1), rows).squeeze(1)  # [T, d]
+
+
+def _check_layer(weights: object, layer: object, config: object) -> None:
+    """``ExpertParallelMoE``'s arguments: ``ValueError`` naming the first bad one (before any collective)."""
+    if not isinstance(weights, MoeWeights):
+        raise ValueError(f"weights: expected MoeWeights, got {weights!r:.80}")
+    if not isinstance(config, MoeConfig):
+        raise ValueError(f"config: expected a MoeConfig, got {config!r:.80}")
+    layers, experts = weights.gate_up.shape[0], weights.gate_up.shape[1]
+    if experts != config.num_experts:
+        raise ValueError(f"config: num_experts={config.num_experts}, but the weights hold {experts} experts")
+    check_int("layer", layer, minimum=0, maximum=layers - 1)

@@ -13,7 +13,9 @@ import torch
 
 from cudagraph_dispatch.support import AttentionSupport
 
+from ..body import model_device
 from .backend import PagedBackend
+from .batch import check_buffers
 from .flex import FlexPagedAttention
 from .gather import GatherPagedAttention
 from .layout import PagedLayout
@@ -34,14 +36,25 @@ def make_backend(
     device: torch.device | str | None = None,
     breakable: bool = True,
     page_limit: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> PagedBackend[object]:
     """The backend called ``name`` (``BACKENDS``), its metadata buffers sized for the largest batch.
 
     ``dtype`` is the model's (the gather's mask is in it); ``breakable``:
     ``attend`` is an eager break; ``page_limit``: the pages backed of a
-    cache over reserved memory (``PagedBuffers``). ``varlen`` and
-    ``split_decode`` are imported on first use (they need a recent torch on CUDA).
+    cache over reserved memory (``PagedBuffers``); ``vocab_size``: the
+    model's, whose token ids the backend checks where it checks a step.
+    ``varlen`` and ``split_decode`` are imported on first use (they need a
+    recent torch on CUDA). A bad argument raises ``ValueError`` naming it,
+    before anything is allocated.
     """
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)} or a PagedBackend, got {name!r:.80}")
+    given_dtype: object = dtype
+    if not isinstance(given_dtype, torch.dtype) or not given_dtype.is_floating_point:
+        raise ValueError(f"dtype: expected the model's floating torch.dtype, got {dtype!r:.80}")
+    check_buffers(layout, max_tokens, max_reqs, vocab_size)
+    device = model_device(device)
     if name == "flex":
         return FlexPagedAttention(
             layout,
@@ -50,6 +63,7 @@ def make_backend(
             device=device,
             breakable=breakable,
             page_limit=page_limit,
+            vocab_size=vocab_size,
         )
     if name == "gather":
         return GatherPagedAttention(
@@ -60,6 +74,7 @@ def make_backend(
             device=device,
             breakable=breakable,
             page_limit=page_limit,
+            vocab_size=vocab_size,
         )
     if name == "varlen":
         from .varlen import VarlenPagedAttention
@@ -71,19 +86,20 @@ def make_backend(
             device=device,
             breakable=breakable,
             page_limit=page_limit,
+            vocab_size=vocab_size,
         )
-    if name == "split_decode":
-        from .split_decode import SplitDecodeAttention
+    # split_decode, the last of BACKENDS
+    from .split_decode import SplitDecodeAttention
 
-        return SplitDecodeAttention(
-            layout,
-            max_tokens=max_tokens,
-            max_reqs=max_reqs,
-            device=device,
-            breakable=breakable,
-            page_limit=page_limit,
-        )
-    raise ValueError(f"backend: expected one of {list(BACKENDS)} or a PagedBackend, got {name!r:.80}")
+    return SplitDecodeAttention(
+        layout,
+        max_tokens=max_tokens,
+        max_reqs=max_reqs,
+        device=device,
+        breakable=breakable,
+        page_limit=page_limit,
+        vocab_size=vocab_size,
+    )
 
 
 def check_backend(backend: object, layout: PagedLayout) -> PagedBackend[object]:

@@ -20,10 +20,13 @@ from typing import Final, Literal, TypeAlias
 import torch
 
 from cudagraph_dispatch import CUDAGraphMode
+from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_manager import StaticInput
 from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_rows
 
-from .checks import DeviceChecks
+from ..body import model_device
+from ..config import MAX_FIELD
+from .checks import DeviceChecks, check_token_ids
 from .checks import check_paged_batch as check_paged_batch
 from .layout import PagedLayout
 
@@ -62,6 +65,16 @@ def paged_static_inputs(layout: PagedLayout) -> dict[str, StaticInput]:
             shape=(layout.pages_per_seq,), dtype=torch.int32, rows="reqs", pad_value=layout.scratch_page
         ),
     }
+
+
+def check_buffers(layout: object, max_tokens: object, max_reqs: object, vocab_size: object) -> None:
+    """The sizes of a backend's ``PagedBuffers``: ``ValueError`` naming the first bad one."""
+    if not isinstance(layout, PagedLayout):
+        raise ValueError(f"layout: expected a PagedLayout, got {layout!r:.80}")
+    check_int("max_tokens", max_tokens, minimum=1, maximum=2**31 - 2)  # the int32 offsets hold it
+    check_int("max_reqs", max_reqs, minimum=1, maximum=MAX_FIELD)
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, minimum=1, maximum=MAX_FIELD)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,7 +117,10 @@ class PagedBuffers:
     more host time than a small step's replay: ``docs/benchmarks.md``).
     ``"host"``: one synchronization on every path, an error at once (the
     seam's rule broken on graph paths: for debugging and the benchmark's
-    baseline). ``False``: no check.
+    baseline). ``False``: no check. ``vocab_size``: the model's vocabulary;
+    where a step is checked on the host, its ``input_ids`` are too (before
+    the manager copies them into its buffers: the model's own check would
+    come after).
 
     ``page_limit`` (a cache over reserved memory: ``KVCacheMemory.limit``,
     ``[]`` on the device) is the count of pages backed: the checks refuse a
@@ -126,6 +142,7 @@ class PagedBuffers:
         "layout",
         "page_limit",
         "validate",
+        "vocab_size",
     )
 
     def __init__(
@@ -137,12 +154,16 @@ class PagedBuffers:
         *,
         validate: Validate = True,
         page_limit: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        check_buffers(layout, max_tokens, max_reqs, vocab_size)
         if validate not in ("eager", "device", "host") and validate is not True and validate is not False:
             raise ValueError(
                 f"validate: expected 'eager', 'device', 'host', True or False, got {validate!r:.80}"
             )
+        device = model_device(device)
         self.layout: Final = layout
+        self.vocab_size: Final = vocab_size
         self.validate: Final[Validate] = "eager" if validate is True else validate
         #: ``[]`` on the device: the pages backed (``None``: every page of the layout).
         self.page_limit: Final = page_limit
@@ -198,6 +219,8 @@ class PagedBuffers:
         if validate and num_tokens:
             if validate == "host" or shape.mode is _NONE or self._req_ids.device.type == "cpu":
                 check_paged_batch(self.layout, batch, shape, self.page_limit)  # one synchronization
+                if self.vocab_size is not None:
+                    check_token_ids(inputs["input_ids"], self.vocab_size)
             elif validate == "device":
                 self.device_checks.record(batch, shape)  # a graph path: no synchronization
         meta = self.views(shape)

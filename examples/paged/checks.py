@@ -45,6 +45,10 @@ PROBLEMS: Final = (
 )
 
 
+#: The inputs a paged step's checks read.
+_BATCH_INPUTS: Final = ("positions", "slot_mapping", "query_lens", "seq_lens", "block_table")
+
+
 def paged_problems(
     layout: PagedLayout,
     batch: StepBatch,
@@ -60,6 +64,11 @@ def paged_problems(
     once (its counts are on the host).
     """
     inputs, num_tokens = batch.inputs, batch.num_tokens
+    missing = [name for name in _BATCH_INPUTS if not isinstance(inputs.get(name), torch.Tensor)]
+    if missing:
+        raise ValueError(
+            f"{missing[0]}: the step has no such tensor (a paged step has {list(_BATCH_INPUTS)})"
+        )
     query_lens, seq_lens = inputs["query_lens"].long(), inputs["seq_lens"].long()  # [R]
     table, positions = inputs["block_table"].long(), inputs["positions"]  # [R, M], [T]
     num_reqs, width = table.shape

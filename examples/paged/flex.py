@@ -133,6 +133,8 @@ class FlexPagedAttention(EagerBreakAttention):
             path; ``False`` does not check.
         page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
             memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -146,6 +148,7 @@ class FlexPagedAttention(EagerBreakAttention):
         breakable: bool = True,
         validate: Validate = True,
         page_limit: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         if compile is not None:
@@ -163,6 +166,7 @@ class FlexPagedAttention(EagerBreakAttention):
             device=device,
             validate=validate,
             page_limit=page_limit,
+            vocab_size=vocab_size,
         )
         self.buffers = self._new_buffers(layout)
         #: Each slot's page (``page_of_slot``): the mask reads a key's page from it.

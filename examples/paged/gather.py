@@ -69,6 +69,8 @@ class GatherPagedAttention(EagerBreakAttention):
             path; ``False`` does not check.
         page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
             memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class GatherPagedAttention(EagerBreakAttention):
         breakable: bool = True,
         validate: Validate = True,
         page_limit: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         #: The cache's paging (``resize`` changes its page count).
@@ -96,6 +99,7 @@ class GatherPagedAttention(EagerBreakAttention):
             device=device,
             validate=validate,
             page_limit=page_limit,
+            vocab_size=vocab_size,
         )
         self.buffers = self._new_buffers(layout)
 

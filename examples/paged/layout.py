@@ -10,11 +10,16 @@ no request owns it.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Protocol
+from typing import ClassVar, Final, Protocol
 
 import torch
 
 from cudagraph_dispatch.lowlevel import check_int
+
+from ..config import MAX_FIELD
+
+#: The largest page index the block table (int32) holds: a cache's most pages.
+_INT32_MAX: Final = 2**31 - 1
 
 
 class SequenceLimits(Protocol):
@@ -34,6 +39,9 @@ class PagedLayout:
     ``num_pages`` includes the scratch page (page 0) that padding uses, so
     padding's values do not depend on how many pages the cache has;
     ``pages_per_seq`` is the block table's width, enough for ``max_seq_len``.
+    Checked (``ValueError`` naming the field): ``page_size`` and
+    ``pages_per_seq`` from 1 to ``MAX_FIELD``, ``num_pages`` from 2 to what the
+    int32 block table holds.
     """
 
     page_size: int
@@ -44,8 +52,8 @@ class PagedLayout:
     scratch_page: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "pages_per_seq"):
-            check_int(name, getattr(self, name), minimum=1)
+        for name, most in (("page_size", MAX_FIELD), ("num_pages", _INT32_MAX), ("pages_per_seq", MAX_FIELD)):
+            check_int(name, getattr(self, name), minimum=1, maximum=most)
         if self.num_pages < 2:
             raise ValueError(
                 f"num_pages: expected at least one page besides the scratch page, got {self.num_pages}"

@@ -10,6 +10,7 @@ calls. ``make_backend`` builds a backend by name (``BACKENDS``).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Final
 
 import torch
@@ -41,9 +42,11 @@ class PagedDecoder(nn.Module):
     from the forward context: run it through a ``CUDAGraphManager`` built
     with ``AttentionOptions(metadata_builder=model.backend)``, or with ``step``.
     A bad step raises ``ValueError`` naming the input: on the CPU and on
-    eager steps at once (``input_ids`` outside the vocabulary on the CPU
-    only: on a device, torch's bounds check in the embedding asserts); on a
-    graph path of a device at ``check_steps()`` (the backend's checks).
+    eager steps at once, from the backend's ``build``, before the manager
+    copies the step into its buffers (``input_ids`` outside the vocabulary
+    too, by a backend built by name; a backend given checks them in
+    ``forward``, on the CPU); on a graph path of a device at
+    ``check_steps()`` (the backend's checks).
 
     Arguments:
         config: the shapes (``DecoderConfig``).
@@ -104,6 +107,7 @@ class PagedDecoder(nn.Module):
                 device=dev,
                 breakable=breakable,
                 page_limit=limit,
+                vocab_size=config.vocab_size,
             )
         elif (
             limit is not None and getattr(getattr(backend, "buffers", None), "page_limit", None) is not limit
@@ -166,7 +170,16 @@ class PagedDecoder(nn.Module):
 
         ``uniform_decode``: every request has the same number of tokens (the
         backend may lay the batch out per request), as ``run`` is told it.
+        A bad argument raises ``ValueError`` naming it.
         """
+        given: object = inputs
+        if not isinstance(given, Mapping) or any(
+            not isinstance(given.get(name), torch.Tensor) for name in PAGED_INPUT_NAMES
+        ):
+            raise ValueError(
+                f"inputs: expected a mapping of {list(PAGED_INPUT_NAMES)} to tensors, got {given!r:.80}"
+            )
+        check_bool("uniform_decode", uniform_decode)
         num_tokens, num_reqs = inputs["input_ids"].shape[0], inputs["query_lens"].shape[0]
         if uniform_decode and (num_reqs == 0 or num_tokens % num_reqs):
             raise ValueError(
@@ -215,10 +228,12 @@ class PagedDecoder(nn.Module):
         (packed or per request): one step of each, up to ``max_tokens``
         tokens, compiles them all before memory is profiled, estimated or
         captured, so none compiles later inside a capture. Only the scratch
-        page is written.
+        page is written. ``max_tokens`` is at most the largest batch the
+        backend built by name holds (``max_num_seqs * max_seq_len``).
         """
-        check_int("max_tokens", max_tokens, minimum=1)
-        check_int("query_len", query_len, minimum=1)
+        largest = self.config.max_num_seqs * self.layout.max_seq_len
+        check_int("max_tokens", max_tokens, minimum=1, maximum=largest)
+        check_int("query_len", query_len, minimum=1, maximum=max_tokens)
         max_reqs = min(self.config.max_num_seqs, max_tokens // query_len)
         packed = sorted({n for n in (1, 2, 16, 17, max_tokens) if n <= max_tokens})
         uniform = sorted({r for r in (1, 2, 16, 17, max_reqs) if 1 <= r <= max_reqs})

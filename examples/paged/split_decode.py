@@ -183,6 +183,8 @@ class SplitDecodeAttention(EagerBreakAttention):
             path; ``False`` does not check.
         page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
             memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class SplitDecodeAttention(EagerBreakAttention):
         validate: Validate = True,
         prefill: Prefill = "varlen",
         page_limit: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if prefill not in _PREFILLS:
             raise ValueError(f"prefill: expected one of {list(_PREFILLS)}, got {prefill!r:.80}")
@@ -213,12 +216,21 @@ class SplitDecodeAttention(EagerBreakAttention):
                 breakable=False,
                 validate=validate,
                 page_limit=page_limit,
+                vocab_size=vocab_size,
             )
             if prefill == "varlen"
             else None
         )
         self.buffers: Final = (
-            PagedBuffers(layout, max_tokens, max_reqs, device, validate=validate, page_limit=page_limit)
+            PagedBuffers(
+                layout,
+                max_tokens,
+                max_reqs,
+                device,
+                validate=validate,
+                page_limit=page_limit,
+                vocab_size=vocab_size,
+            )
             if self._prefill is None
             else self._prefill.buffers
         )

@@ -68,6 +68,8 @@ class VarlenPagedAttention(EagerBreakAttention):
             path; ``False`` does not check.
         page_limit: the pages backed (``KVCacheMemory.limit``) of a cache over reserved
             memory: a block-table entry outside ``[0, page_limit)`` reads the scratch page.
+        vocab_size: the model's vocabulary: where a step is checked on the host, its
+            ``input_ids`` are too (``PagedBuffers``; ``None``: not).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class VarlenPagedAttention(EagerBreakAttention):
         paged: bool | None = None,
         validate: Validate = True,
         page_limit: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         super().__init__(breakable=breakable)
         self.layout: Final = layout
@@ -88,7 +91,13 @@ class VarlenPagedAttention(EagerBreakAttention):
         name = "varlen_paged" if self.paged else "varlen_gathered"
         self.support: Final = AttentionSupport(GraphSupport.ALWAYS, piecewise=breakable, name=name)
         self.buffers: Final = PagedBuffers(
-            layout, max_tokens, max_reqs, device, validate=validate, page_limit=page_limit
+            layout,
+            max_tokens,
+            max_reqs,
+            device,
+            validate=validate,
+            page_limit=page_limit,
+            vocab_size=vocab_size,
         )
         self._cu_seq_q: Final = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
         self._real: Final = torch.zeros(max_tokens, 1, 1, dtype=torch.bool, device=device)

@@ -189,7 +189,7 @@ def test_an_item_above_the_largest_budget_is_an_error_naming_it() -> None:
     runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cpu")
     items = random_items(runner.model.config, [4, 129], torch.Generator().manual_seed(0), "cpu")
     with pytest.raises(
-        ValueError, match=r"lengths\[1\]: an item of 129 tokens exceeds the largest budget 128"
+        ValueError, match=r"^items\[1\]: an item of 129 patches exceeds the largest budget 128"
     ):
         runner.encode(items)
 

@@ -27,7 +27,7 @@ from ._errors import CaptureError, invalidated_capture
 from ._gc import collect_before_capture
 from ._pool import GraphPool, capture_stream, check_pool, check_stream, shared_pool
 from ._segment import THREAD, abort_segment, begin_segment, end_segment, instantiate_segment, new_graph
-from ._weakref import contains_cuda_tensor, weak_ref_tensors
+from ._weakref import contains_cuda_tensor, weak_ref_tree
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -187,7 +187,7 @@ class BreakableCUDAGraphCapture:
         if THREAD.breakable is not self or self._graph is None:
             raise RuntimeError("add_eager: this capture is not active in this thread")
         self._end()
-        recorded = functools.partial(fn, *weak_ref_tensors(args), **weak_ref_tensors(kwargs))
+        recorded = functools.partial(fn, *weak_ref_tree(args), **weak_ref_tree(kwargs))
         if not self._execute:
             self._tail.append(recorded)
             self._num_breaks += 1
@@ -279,8 +279,11 @@ def eager_break_during_capture(fn: Callable[P, R]) -> Callable[P, R]:
     is then captured into the graph), it is an ordinary call. ``fn`` must
     write into caller-provided buffers and return no CUDA tensor.
     """
-    if not callable(fn):
-        raise ValueError(f"fn: expected a callable to make a break point, got {fn!r}")
+    given: object = fn  # checked at run time: callers may not be typed
+    if not callable(given):
+        raise ValueError(f"fn: expected a callable to make a break point, got {given!r}")
+    if isinstance(given, type):  # calling it makes an object: a break writes into buffers it is given
+        raise ValueError(f"fn: expected a function to make a break point, got the class {given.__name__}")
 
     @functools.wraps(fn)
     def breakable(*args: P.args, **kwargs: P.kwargs) -> R:

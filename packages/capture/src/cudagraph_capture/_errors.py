@@ -14,6 +14,11 @@ class CaptureError(RuntimeError):
     """
 
     def __init__(self, message: str, descriptor: BatchDescriptor | None = None) -> None:
+        given: object = message  # an engine of the caller's raises these too: checked at run time
+        if not isinstance(given, str):
+            raise ValueError(f"message: expected the error's message (a str), got {given!r:.80}")
+        if descriptor is not None and not isinstance(descriptor, BatchDescriptor):
+            raise ValueError(f"descriptor: expected None or a BatchDescriptor, got {descriptor!r:.80}")
         if descriptor is not None:
             message = f"{message} [descriptor: {descriptor}]"
         super().__init__(message)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from ._weakref import weak_ref_tensors
+from ._weakref import weak_ref_tree
 
 
 class OutputGuard:
@@ -66,6 +66,6 @@ class OutputGuard:
 
     def hand_out(self, output: object) -> object:
         """``output`` with every tensor on a storage of its own, remembered for the next ``retire``."""
-        fresh = weak_ref_tensors(output)
+        fresh = weak_ref_tree(output)
         self._live.extend(t for t in pytree.tree_leaves(fresh) if isinstance(t, torch.Tensor))
         return fresh

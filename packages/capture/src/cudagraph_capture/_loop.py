@@ -57,6 +57,12 @@ class LoopKind(enum.Enum):
     HOST_LOOP = "host_loop"  # a launch per iteration, the stop flag read back after each
 
 
+#: The most iterations one unrolled graph records (``LoopPolicy.unroll``): each is a copy of the body.
+MAX_UNROLL: Final = 1024
+#: The most iterations a loop may be captured for: its step counter and limit are int64 on the device.
+_MAX_STEPS: Final = 2**63 - 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoopPolicy:
     """Which kind a ``DeviceLoop`` runs as.
@@ -64,7 +70,8 @@ class LoopPolicy:
     ``kind``: ``None`` picks ``WHILE``, falling back where it cannot be
     built; a kind forces it (a forced ``WHILE`` that cannot be built makes the
     capture raise ``CaptureError``). ``unroll``: iterations per launch of the
-    ``UNROLLED`` fallback; 1 makes the fallback ``HOST_LOOP`` (a forced
+    ``UNROLLED`` fallback, at most ``MAX_UNROLL`` (its graph records the body
+    that many times); 1 makes the fallback ``HOST_LOOP`` (a forced
     ``UNROLLED`` takes 2 or more). A bad field raises ``ValueError`` naming it.
     """
 
@@ -75,7 +82,7 @@ class LoopPolicy:
         given: object = self.kind  # checked at run time: callers may not be typed
         if given is not None and not isinstance(given, LoopKind):
             raise ValueError(f"kind: expected a LoopKind or None, got {given!r}")
-        check_int("unroll", self.unroll, minimum=1)
+        check_int("unroll", self.unroll, minimum=1, maximum=MAX_UNROLL)
         if given is LoopKind.UNROLLED and self.unroll == 1:  # it would run, and say, UNROLLED as HOST_LOOP
             raise ValueError(
                 "unroll: LoopKind.UNROLLED launches graphs of 2 or more iterations "
@@ -110,7 +117,7 @@ class LoopSpec:
                 else stop
             )
             raise ValueError(f"stop: expected a one-element bool or int32 tensor, got {shown!r}")
-        limit = check_int("max_steps", max_steps, minimum=1)
+        limit = check_int("max_steps", max_steps, minimum=1, maximum=_MAX_STEPS)
         if not isinstance(policy, LoopPolicy):
             raise ValueError(f"policy: expected a LoopPolicy, got {policy!r}")
         if descriptor is not None and not isinstance(descriptor, BatchDescriptor):
@@ -300,9 +307,10 @@ class DeviceLoop:
         a failed capture raises ``CaptureError`` naming ``descriptor``.
         """
         spec = LoopSpec.checked(body, stop, max_steps, policy, descriptor)
+        checked = CaptureOptions.given(options)  # every argument checked before the device is
         if not spec.stop.is_cuda:
             raise ValueError(f"stop: expected a CUDA tensor, got one on {spec.stop.device}")
-        graphs = TorchGraphs(CaptureOptions.given(options), _capture_device(spec), spec.descriptor)
+        graphs = TorchGraphs(checked, _capture_device(spec), spec.descriptor)
         return build_loop(spec, graphs, load_conditional)
 
     @property

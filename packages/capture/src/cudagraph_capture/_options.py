@@ -11,6 +11,9 @@ from cudagraph_dispatch.lowlevel import check_bool, check_int
 
 from ._pool import GraphPool, check_pool, check_stream
 
+#: The most eager runs ``CaptureOptions.warmup_runs`` asks for before each capture.
+MAX_WARMUP_RUNS: Final = 100
+
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class CaptureOptions:
@@ -36,7 +39,8 @@ class CaptureOptions:
     - ``warmup_runs``: eager runs on the capture stream before each capture,
       under a NONE forward context, so that lazy initialization (cuBLAS
       handles and workspaces, compiled kernels) happens outside the capture.
-      Set 0 when the caller has already warmed up this shape.
+      Set 0 when the caller has already warmed up this shape; at most
+      ``MAX_WARMUP_RUNS`` (a larger count is a typo, not a warm-up).
     """
 
     weak_ref_output: bool = True
@@ -50,7 +54,7 @@ class CaptureOptions:
         check_bool("weak_ref_output", self.weak_ref_output)
         check_bool("gc_disable", self.gc_disable)
         check_bool("check_input_addresses", self.check_input_addresses)
-        check_int("warmup_runs", self.warmup_runs, minimum=0)
+        check_int("warmup_runs", self.warmup_runs, minimum=0, maximum=MAX_WARMUP_RUNS)
         check_pool("pool", self.pool)
         check_stream("stream", self.stream)
 

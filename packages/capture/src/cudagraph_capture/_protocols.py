@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
@@ -20,10 +21,17 @@ class RecordSeconds:
     ``recording``: from the capture's start to its end (the model's calls,
     the segments' eager breaks included); ``instantiation``: building the
     executables (``cudaGraphInstantiate``), which a replay otherwise pays.
+    Each is a finite number >= 0 (``ValueError`` naming the field).
     """
 
     recording: float
     instantiation: float
+
+    def __post_init__(self) -> None:
+        for name in ("recording", "instantiation"):
+            value: object = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ValueError(f"{name}: expected seconds, a finite number >= 0, got {value!r}")
 
 
 class GraphEntry(Protocol[R_co]):

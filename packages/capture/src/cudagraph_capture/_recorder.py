@@ -41,7 +41,7 @@ from ._segment import (
     new_graph,
     on_side_stream,
 )
-from ._weakref import weak_ref_tensors
+from ._weakref import weak_ref_tree
 
 R = TypeVar("R")
 
@@ -113,8 +113,14 @@ class GraphRecorder(Generic[R]):
     def __init__(
         self, runnable: Callable[..., R], mode: CUDAGraphMode, options: CaptureOptions | None, name: str
     ) -> None:
-        if not callable(runnable):
-            raise ValueError(f"runnable: expected a callable, got {runnable!r}")
+        given: object = runnable  # checked at run time: callers may not be typed
+        if not callable(given):
+            raise ValueError(f"runnable: expected a callable, got {given!r}")
+        if isinstance(given, type):
+            raise ValueError(
+                f"runnable: expected the callable to capture (an instance or a function), got the class "
+                f"{given.__name__}; pass an instance ({given.__name__}(...))"
+            )
         self.name: Final = name
         self.runnable: Final = runnable
         self.mode: Final = mode
@@ -180,8 +186,8 @@ class GraphRecorder(Generic[R]):
         if execute and not self.EXECUTES:
             owner.replay()
         addresses = addresses_of(args, kwargs) if self.options.check_input_addresses else None
-        kept = weak_ref_tensors(output) if self.options.weak_ref_output else output
-        seconds = RecordSeconds(recorded_s - instantiation, instantiation)
+        kept = weak_ref_tree(output) if self.options.weak_ref_output else output
+        seconds = RecordSeconds(max(recorded_s - instantiation, 0.0), instantiation)
         return Entry(owner, owner.replay, kept, addresses, seconds), output
 
     def _ready(self, descriptor: BatchDescriptor) -> tuple[int, GraphPool]:

@@ -34,7 +34,21 @@ def _leaf(x: object) -> object:
 
 
 def weak_ref_tensors(obj: T) -> T:
-    """``obj`` with every CUDA tensor in it (tuples, lists, dicts) replaced by an alias."""
+    """``obj`` with every CUDA tensor in it (tuples, lists, dicts) replaced by an alias.
+
+    ``obj`` holds a tensor at least (else ``ValueError`` naming ``obj``:
+    there is nothing to alias); its other leaves, and tensors on other
+    devices, come back as they are.
+    """
+    if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(obj)):
+        raise ValueError(
+            f"obj: expected a tensor or a pytree (tuple, list, dict) holding tensors, got {obj!r:.80}"
+        )
+    return weak_ref_tree(obj)
+
+
+def weak_ref_tree(obj: T) -> T:
+    """``weak_ref_tensors`` for our own callers: any pytree, tensors in it or not (an eager break's args)."""
     result: T = pytree.tree_map(_leaf, obj)
     return result
 

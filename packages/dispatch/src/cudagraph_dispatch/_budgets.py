@@ -26,17 +26,36 @@ DEFAULT_MIN_BUDGET: Final = 64
 _INTS: Final = frozenset({int})
 
 
-class Pack(NamedTuple):
+class _PackFields(NamedTuple):
+    budget: int
+    items: tuple[int, ...]
+    tokens: int
+
+
+class Pack(_PackFields):
     """One forward of packed items: the budget it pads to, the items it holds, and their tokens.
 
     ``items`` are indices into the lengths given to ``TokenBudgets.pack``,
     ascending (the order their tokens are concatenated in); ``tokens`` is
     their total, at most ``budget``, which is the smallest budget holding it.
+    A ``NamedTuple`` whose fields are checked when one is built by hand
+    (``ValueError`` naming the field: a pack holds its tokens, so its
+    padding is never negative); ``pack`` builds its own unchecked.
     """
 
-    budget: int
-    items: tuple[int, ...]
-    tokens: int
+    __slots__ = ()
+
+    def __new__(cls, budget: int, items: tuple[int, ...], tokens: int) -> Pack:
+        check_int("budget", budget, minimum=1)
+        given: object = items
+        if not isinstance(given, tuple) or any(
+            not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in given
+        ):
+            raise ValueError(f"items: expected a tuple of item indices (ints >= 0), got {items!r:.80}")
+        check_int("tokens", tokens, minimum=len(items))
+        if tokens > budget:
+            raise ValueError(f"tokens: a pack's {tokens} tokens exceed its budget {budget}")
+        return super().__new__(cls, budget, items, tokens)
 
     @property
     def padding(self) -> int:
@@ -66,7 +85,9 @@ class TokenBudgets:
         given = list(check_items("budgets", budgets, "integers"))
         if not given:
             raise ValueError(f"budgets: expected at least one budget, got {budgets!r:.80}")
-        sizes = CaptureSizes([check_int(f"budgets[{i}]", b, minimum=1) for i, b in enumerate(given)])
+        sizes = CaptureSizes(
+            [check_int(f"budgets[{i}]", b, minimum=1, maximum=MAX_CAPTURE_SIZE) for i, b in enumerate(given)]
+        )
         bound = sizes.max if max_items is None else check_int("max_items", max_items, minimum=1)
         self._sizes: Final = sizes
         self._max_items: Final = min(bound, sizes.max)  # a pack never holds more items than tokens
@@ -103,7 +124,7 @@ class TokenBudgets:
 
     def budget_for(self, tokens: int) -> int | None:
         """The smallest budget holding ``tokens``; ``None`` above the largest."""
-        return self._sizes.pad(tokens)
+        return self._sizes.pad(check_int("tokens", tokens, minimum=0))
 
     def pack(self, lengths: Sequence[int]) -> tuple[Pack, ...]:
         """Items of these lengths (tokens each) assigned to budgets: the packs, in the order to run them.
@@ -123,9 +144,9 @@ class TokenBudgets:
             if not n:
                 return ()
             items = self._orders[n] if n < len(self._orders) else tuple(range(n))
-            return (Pack(self._ladder[bisect_left(self._ladder, total)], items, total),)
+            return (_pack(self._ladder[bisect_left(self._ladder, total)], items, total),)
         return tuple(
-            Pack(self._sizes.pad(tokens) or 0, tuple(sorted(items)), tokens)
+            _pack(self._sizes.pad(tokens) or 0, tuple(sorted(items)), tokens)
             for tokens, items in _first_fit_decreasing(lens, self._sizes.max, self._max_items)
         )
 
@@ -141,6 +162,11 @@ class TokenBudgets:
 
     def __repr__(self) -> str:
         return f"TokenBudgets({list(self._sizes.sizes)}, max_items={self._max_items})"
+
+
+def _pack(budget: int, items: tuple[int, ...], tokens: int) -> Pack:
+    """A ``Pack`` that ``pack`` made from checked lengths: built without ``Pack``'s checks (hot path)."""
+    return tuple.__new__(Pack, (budget, items, tokens))
 
 
 def _checked_lengths(lengths: Sequence[int], largest: int) -> list[int]:

@@ -20,10 +20,14 @@ def check_int(field: str, value: object, *, minimum: int, maximum: int | None = 
     ``bool`` is rejected (``True`` is not a count); subclasses of ``int``
     (an ``IntEnum``) are accepted. ``maximum=None``: no upper bound.
     """
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{field}: expected an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{field}: expected an integer <= {maximum}, got {value!r}")
+    try:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{_name(field)}: expected an integer >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"{_name(field)}: expected an integer <= {maximum}, got {value!r}")
+    except TypeError:  # the bounds themselves are no integers: the caller's own arguments are wrong
+        _check_bounds(minimum, maximum)
+        raise
     return value
 
 
@@ -34,8 +38,26 @@ def check_bool(field: str, value: object) -> bool:
     value: ``"no"`` is truthy.
     """
     if value is not True and value is not False:
-        raise ValueError(f"{field}: expected True or False, got {value!r}")
+        raise ValueError(f"{_name(field)}: expected True or False, got {value!r}")
     return value
+
+
+def _name(field: object) -> str:
+    """``field``, the name an error starts with; a ``ValueError`` naming ``field`` if it is no name.
+
+    Runs only where a check fails: the checks cost nothing more where they pass.
+    """
+    if not isinstance(field, str) or not field:
+        raise ValueError(f"field: expected the checked argument's name (a non-empty str), got {field!r}")
+    return field
+
+
+def _check_bounds(minimum: object, maximum: object) -> None:
+    """``ValueError`` naming ``minimum`` or ``maximum`` (``check_int``'s own) where it is no integer."""
+    if not isinstance(minimum, int) or isinstance(minimum, bool):
+        raise ValueError(f"minimum: expected an integer, got {minimum!r}")
+    if maximum is not None and (not isinstance(maximum, int) or isinstance(maximum, bool)):
+        raise ValueError(f"maximum: expected an integer or None, got {maximum!r}")
 
 
 def check_items(field: str, value: object, what: str) -> Iterable[object]:

@@ -22,6 +22,8 @@ class ForwardContext(NamedTuple):
     ``extra`` holds whatever else the engine passes to its layers (attention
     metadata, slot mappings); it is read-only. A named tuple rather than a
     dataclass: one is built per step, and a tuple builds several times faster.
+    Unchecked on purpose: ``set_forward_context`` builds it from the
+    arguments it checks; a context is read, never taken from a caller.
     """
 
     runtime_mode: CUDAGraphMode

@@ -29,6 +29,8 @@ class Dispatch(NamedTuple):
     """A dispatch decision: run ``mode`` with the graph keyed ``descriptor``.
 
     For ``NONE`` the descriptor carries the real, unpadded token count.
+    Unchecked on purpose: a ``NamedTuple`` the dispatcher builds from its own
+    tables on every step; nothing of ours takes one from a caller.
     """
 
     mode: CUDAGraphMode

@@ -80,6 +80,7 @@ def check_arguments(
     rows = check_output_rows(checked_options.output_rows)
     _check_request_counts(checked, rows, builder)
     resolved = _check_model(model, checked, resolve_device(device))
+    _check_builder_device(builder, resolved)
     factory = checked_options.engine_factory
     no_graphs = (
         f"CUDA graphs need a CUDA device, and the manager's device is {resolved}"
@@ -155,6 +156,20 @@ def _model_device(model: object, device: torch.device) -> torch.device:
             f"device is {device}; move the model there (model.to(device)) or pass device={str(first)!r}"
         )
     return device
+
+
+def _check_builder_device(builder: object, device: torch.device) -> None:
+    """A builder that says where its buffers live (a ``device``) has them on the manager's device.
+
+    Else ``ValueError`` naming it: its metadata would meet the static buffers
+    in torch's cross-device error, inside the first step or capture.
+    """
+    where = getattr(builder, "device", None)
+    if isinstance(where, torch.device) and where != device:
+        raise ValueError(
+            f"options.attention.metadata_builder: its buffers are on {where}, but the manager's device is "
+            f"{device}; build it with device={str(device)!r}"
+        )
 
 
 def _given_options(options: ManagerOptions[OutputT] | None) -> ManagerOptions[OutputT]:

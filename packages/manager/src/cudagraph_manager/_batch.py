@@ -18,7 +18,7 @@ from typing import Final, NamedTuple
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
-from cudagraph_dispatch.lowlevel import NO_MODES
+from cudagraph_dispatch.lowlevel import NO_MODES, check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,12 +31,30 @@ class BatchShape:
     ``query_len``: every request has this many tokens (a uniform key or a
     uniform eager batch); ``None`` for a mixed batch. A FULL graph bakes
     the host values its metadata holds: they may depend on the shape only.
+    Its fields are checked when it is built (``ValueError`` naming the
+    field): the manager builds a graph's shape once, an eager step's per step.
     """
 
     num_tokens: int
     num_reqs: int
     query_len: int | None
     mode: CUDAGraphMode
+
+    def __post_init__(self) -> None:
+        num_tokens = check_int("num_tokens", self.num_tokens, minimum=0)
+        num_reqs = check_int("num_reqs", self.num_reqs, minimum=0, maximum=num_tokens)
+        mode: object = self.mode
+        if not isinstance(mode, CUDAGraphMode) or not mode.is_runtime_mode():
+            raise ValueError(
+                f"mode: expected a runtime CUDAGraphMode (NONE, PIECEWISE or FULL), got {mode!r}"
+            )
+        if self.query_len is not None:
+            query_len = check_int("query_len", self.query_len, minimum=1)
+            if query_len * num_reqs != num_tokens:
+                raise ValueError(
+                    f"query_len: {num_reqs} requests of {query_len} tokens are not the shape's "
+                    f"{num_tokens} tokens"
+                )
 
     @property
     def uniform(self) -> bool:
@@ -63,6 +81,11 @@ class StepBatch(NamedTuple):
     ``num_active_loras`` and ``invalid_modes`` are ``run()``'s arguments;
     ``requires_grad``: some input requires grad. A warm-up builds for
     ``StepBatch.padding()``: 0 tokens, no inputs, every row padding.
+
+    Unchecked on purpose: a ``NamedTuple`` the manager builds per step (with
+    a builder, per replay) from inputs it has checked. Code that takes one
+    from a caller checks it there (``PackedMetadataBuilder.build``, the
+    paged example's backends).
     """
 
     num_tokens: int

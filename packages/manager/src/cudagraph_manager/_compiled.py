@@ -41,7 +41,9 @@ class CompiledModel(Generic[R]):
     ``"tokens"`` or ``"reqs"``) dynamic, then calls the compiled model. The
     first call compiles; a call with another row count reuses that compile,
     except a row count of 1, which dynamo specializes (a second compile).
-    ``model`` is the callable as given, uncompiled.
+    ``model`` is the callable as given, uncompiled. Made by
+    ``compile_for_capture``; one built by hand has its arguments checked
+    (``ValueError`` naming them).
     """
 
     __slots__ = ("_batched", "_mark", "compiled", "model")
@@ -49,6 +51,12 @@ class CompiledModel(Generic[R]):
     def __init__(self, model: Callable[..., R], compiled: Callable[..., R], batched: tuple[str, ...]) -> None:
         from torch._dynamo import maybe_mark_dynamic  # loaded by torch.compile already
 
+        for name, value in (("model", model), ("compiled", compiled)):
+            if not callable(value):
+                raise ValueError(f"{name}: expected a callable, got {value!r:.80}")
+        given: object = batched
+        if not isinstance(given, tuple) or not all(isinstance(n, str) for n in given):
+            raise ValueError(f"batched: expected a tuple of input names, got {given!r:.80}")
         self.model: Final = model
         self.compiled: Final = compiled
         self._batched: Final = batched
@@ -87,6 +95,11 @@ def compile_for_capture(
     """
     if not callable(model):
         raise ValueError(f"model: expected a callable, got {model!r:.80}")
+    if isinstance(model, type):
+        raise ValueError(
+            f"model: expected the model to compile (an instance or a function), got the class "
+            f"{model.__name__}; pass an instance ({model.__name__}(...))"
+        )
     checked = check_inputs_spec(inputs)
     _check_mode(mode, backend)
     check_bool("fullgraph", fullgraph)
@@ -115,6 +128,14 @@ def _check_mode(mode: object, backend: object) -> None:
         raise ValueError(f"mode: expected one of {GRAPHLESS_MODES}, got {mode!r}")
     if backend != _INDUCTOR and mode != "default":
         raise ValueError(f"mode: {mode!r} is an inductor mode, but backend is {backend!r}")
+    if backend != _INDUCTOR:
+        from torch._dynamo import list_backends  # only where another backend is named: dynamo loads here
+
+        known = list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(
+                f"backend: expected a torch.compile backend ({', '.join(sorted(known))}), got {backend!r}"
+            )
 
 
 def dynamo_compiles() -> int | None:

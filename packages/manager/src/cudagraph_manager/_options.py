@@ -17,6 +17,7 @@ from cudagraph_capture import CaptureOptions
 from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport
 
+from ._attention._seam import check_builder
 from ._buffers._outputs import OutputRows, check_output_rows
 from ._decode_loop import DecodeLoop
 from ._memory._kv import KVCacheMemory
@@ -26,25 +27,6 @@ from .ranks import RankAgreement
 #: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_capture._warm_up`` says each).
 WarmUpPolicy: TypeAlias = Literal["auto", "every_key", "per_class"]
 WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_class")
-
-
-def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
-    """``builder`` if it is ``None`` or has the protocol's members; else ``ValueError`` naming ``name``."""
-    if builder is None:
-        return None
-    lacks = [
-        f"{member}()"
-        for member in ("build", "build_for_capture")
-        if not callable(getattr(builder, member, None))
-    ]
-    if not isinstance(getattr(builder, "support", None), AttentionSupport):
-        lacks.append("a support of type AttentionSupport")
-    if lacks:
-        raise ValueError(
-            f"{name}: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
-            f"which lacks {', '.join(lacks)}"
-        )
-    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
 
 
 def _check_engine_factory(factory: object) -> None:

@@ -27,15 +27,15 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_dispatch.lowlevel import check_int
+from cudagraph_dispatch.lowlevel import MAX_CAPTURE_SIZE, MAX_NUM_SEQS, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
-from ._attention._seam import metadata_extra
+from ._attention._seam import check_builder, metadata_extra
 from ._batch import BatchShape, StepBatch
 from ._buffers._outputs import OutputRows
 from ._buffers._static import StaticInput
 from ._manager import CUDAGraphManager
-from ._options import AttentionOptions, ManagerOptions, check_builder
+from ._options import AttentionOptions, ManagerOptions
 from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
 
 
@@ -64,6 +64,11 @@ _PROMISED_BY: Final = {
 MakeBatch: TypeAlias = Callable[[BatchKind, int, int, torch.Generator], Mapping[str, torch.Tensor]]
 
 DEFAULT_SIZES: Final = (1, 2, 4, 8, 16)
+#: The most random batches ``SupportCheckOptions.trials`` asks for per graph (each is a replay and an
+#: eager run): a larger count is a typo, not a check.
+MAX_TRIALS: Final = 10_000
+#: The seeds ``torch.Generator.manual_seed`` takes: ``SupportCheckOptions.seed``.
+_SEEDS: Final = (-(2**63), 2**64 - 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,15 +177,20 @@ class SupportCheckOptions:
 
     def __post_init__(self) -> None:
         _capture_sizes(self.sizes)
-        for name, value, least in (
-            ("max_num_seqs", self.max_num_seqs, 1),
-            ("query_len", self.query_len, 2),
-            ("trials", self.trials, 1),
+        for name, value, least, most in (
+            ("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS),
+            ("query_len", self.query_len, 2, MAX_CAPTURE_SIZE),
+            ("trials", self.trials, 1, MAX_TRIALS),
         ):
-            check_int(f"options.{name}", value, minimum=least)
+            check_int(f"options.{name}", value, minimum=least, maximum=most)
         seed: object = self.seed
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"options.seed: expected an integer, got {seed!r}")
+        if not _SEEDS[0] <= seed <= _SEEDS[1]:
+            raise ValueError(
+                f"options.seed: expected an integer in [-2**63, 2**64 - 1] (a torch.Generator's seed), "
+                f"got {seed!r}"
+            )
         rtol: object = self.rtol
         if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not 0.0 < rtol < math.inf:
             raise ValueError(f"options.rtol: expected a finite number > 0, got {rtol!r}")

@@ -22,9 +22,10 @@ from typing import Final
 
 import torch
 
+from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.budgets import TokenBudgets
-from cudagraph_dispatch.lowlevel import check_bool
+from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 from .._batch import BatchShape, StepBatch
@@ -56,6 +57,22 @@ class PackedMetadata:
     num_tokens: int
     ledger: _Ledger = dataclasses.field(default_factory=_Ledger, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        offsets: object = self.offsets
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype != torch.int32:
+            shown = (
+                f"shape {tuple(offsets.shape)} of {offsets.dtype}"
+                if isinstance(offsets, torch.Tensor)
+                else f"{offsets!r:.80}"
+            )
+            raise ValueError(f"offsets: expected a 1-D int32 tensor (cu_seqlens), got {shown}")
+        if offsets.shape[0] < 2:
+            raise ValueError(
+                f"offsets: expected 2 rows at least (0, then the padded total), got {offsets.shape[0]}"
+            )
+        check_int("max_seqlen", self.max_seqlen, minimum=0)
+        check_int("num_tokens", self.num_tokens, minimum=0)
+
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """The offsets, ``RuntimeError`` unless this forward wrote them (in Python: eager steps, captures)."""
@@ -73,14 +90,23 @@ class PackedMetadata:
         them): the cumsum of ``lengths`` into rows 1 to ``num_reqs``, clamped
         to the padded total (so stale or nonzero padding rows never pass
         it), and the padded total in the last row (row 0 stays 0). Returns
-        ``cu_seqlens``; ``ValueError`` if ``lengths`` has not ``num_reqs`` rows.
+        ``cu_seqlens``; ``ValueError`` naming ``lengths`` unless it is a tensor
+        of ``num_reqs`` integers on the offsets' device (checked in Python: a
+        replay runs none of this).
         """
         offsets = self.offsets
+        given: object = lengths
+        if not isinstance(given, torch.Tensor):
+            raise ValueError(f"lengths: expected a tensor of the items' lengths, got {given!r:.80}")
         if lengths.dim() != 1 or lengths.shape[0] + 2 != offsets.shape[0]:
             raise ValueError(
                 f"lengths: expected {offsets.shape[0] - 2} item lengths (the shape's items), "
                 f"got shape {tuple(lengths.shape)}"
             )
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths: expected integer item lengths, got {lengths.dtype}")
+        if lengths.device != offsets.device:
+            raise ValueError(f"lengths: on {lengths.device}, but the offsets are on {offsets.device}")
         ends = offsets[1:-1]
         torch.cumsum(lengths, 0, dtype=torch.int32, out=ends)
         ends.clamp_(max=self.num_tokens)
@@ -96,15 +122,21 @@ class PackedMetadataBuilder:
         budgets: the graphs' ``TokenBudgets``; the offsets buffer is sized
             once for its ``max_items`` (``max_items + 2`` rows).
         lengths: the name of the step's input holding each item's tokens
-            (``[num_items]`` integers, ``rows="reqs"``).
-        device: where the buffer lives (the manager's device).
-        validate: check each real batch's lengths on the host (one
-            synchronization): each at least 1, their sum the step's tokens.
+            (``[num_items]`` integers, ``rows="reqs"``): an identifier.
+        device: where the buffer lives, the manager's device (default: the
+            current CUDA device, else the CPU, as the manager's); a CUDA
+            device or the CPU.
+        validate: also check the batches of graph paths on the host (one
+            synchronization each). Without it, the batches that run no graph
+            (eager steps: every step without CUDA) are checked, at once: the
+            lengths a 1-D integer tensor of the batch's items, each at least
+            1, summing to the step's tokens.
 
     ``build`` writes nothing: it returns the shape's view of the buffer (the
     same one per graph shape), which the forward fills with
     ``PackedMetadata.write_offsets``. Its ``support`` is ``ALWAYS``: every
-    host value depends on the shape alone.
+    host value depends on the shape alone. Bad arguments raise
+    ``ValueError`` naming them, before anything is kept.
     """
 
     support: Final = AttentionSupport(GraphSupport.ALWAYS, name="packed")
@@ -119,19 +151,26 @@ class PackedMetadataBuilder:
     ) -> None:
         given: object = budgets
         if not isinstance(given, TokenBudgets):
-            raise ValueError(f"budgets: expected TokenBudgets, got {given!r}")
+            raise ValueError(f"budgets: expected TokenBudgets, got {given!r:.80}")
         given_name: object = lengths
-        if not isinstance(given_name, str) or not given_name:
-            raise ValueError(f"lengths: expected an input name, got {lengths!r}")
+        if not isinstance(given_name, str) or not given_name.isidentifier():
+            raise ValueError(
+                f"lengths: expected an input name (an identifier, as the manager's inputs), got {lengths!r}"
+            )
         self.budgets: Final = budgets
         self.lengths: Final = lengths
         self.validate: Final = check_bool("validate", validate)
-        self._offsets: Final = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=device)
+        #: Where the offsets live: the manager's device (``CUDAGraphManager`` checks it).
+        self.device: Final = resolve_device(device)
+        self._offsets: Final = torch.zeros(budgets.max_items + 2, dtype=torch.int32, device=self.device)
         self._views: Final[dict[tuple[int, int], PackedMetadata]] = {}
         self._ledger: Final = _Ledger()
 
     def build_for_capture(self, shape: BatchShape, /) -> PackedMetadata:
         """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape."""
+        given: object = shape
+        if not isinstance(given, BatchShape):
+            raise ValueError(f"shape: expected a BatchShape, got {given!r:.80}")
         self._ledger.written = False  # the forward that follows writes the offsets
         key = (shape.num_tokens, shape.num_reqs)
         meta = self._views.get(key)
@@ -147,22 +186,65 @@ class PackedMetadataBuilder:
         return meta
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> PackedMetadata:
-        """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets)."""
+        """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets).
+
+        A replay's is one look-up; an eager step's (with ``validate``, every
+        step's) batch is checked first: ``ValueError`` naming the lengths
+        input, ``batch`` or ``shape``.
+        """
         self._ledger.written = False
-        meta = self._views.get((shape.num_tokens, shape.num_reqs))  # a graph's shape: one look-up
+        try:
+            meta = self._views.get((shape.num_tokens, shape.num_reqs))  # a graph's shape: one look-up
+            num_reqs, inputs = batch.num_reqs, batch.inputs
+        except AttributeError:  # callers may not be typed: say which argument
+            raise _not_a_batch(batch, shape) from None
+        check = self.validate or shape.mode is CUDAGraphMode.NONE  # an eager step (on a CPU: every step)
+        if check:
+            _check_batch(self.lengths, batch, shape)
         if meta is None:
             meta = self.build_for_capture(shape)  # checks the shape's item count
-        if batch.num_reqs:
-            lengths = batch.inputs.get(self.lengths)
-            if lengths is None:
-                raise ValueError(f"{self.lengths}: the step has no input of the items' lengths")
-            if self.validate:
-                _check_lengths(self.lengths, lengths, batch.num_tokens)
+        if num_reqs and not check and inputs.get(self.lengths) is None:
+            raise ValueError(f"{self.lengths}: the step has no input of the items' lengths")
         return meta
 
 
-def _check_lengths(name: str, lengths: torch.Tensor, num_tokens: int) -> None:
-    """``ValueError`` naming ``name`` unless every length is >= 1 and they sum to ``num_tokens``."""
+def _not_a_batch(batch: object, shape: object) -> ValueError:
+    """The error of ``build`` given something else than a ``BatchShape`` or a ``StepBatch``."""
+    if not isinstance(shape, BatchShape):
+        return ValueError(f"shape: expected a BatchShape, got {shape!r:.80}")
+    return ValueError(f"batch: expected a StepBatch, got {batch!r:.80}")
+
+
+def _check_batch(name: str, batch: StepBatch, shape: BatchShape) -> None:
+    """``batch`` fits ``shape`` and its lengths input ``name`` is its items': else ``ValueError`` naming it.
+
+    Reads the lengths on the host (a synchronization on a device).
+    """
+    num_tokens, num_reqs = batch.num_tokens, batch.num_reqs
+    if num_tokens > shape.num_tokens or num_reqs > shape.num_reqs or num_reqs > num_tokens:
+        raise ValueError(
+            f"batch: {num_tokens} tokens of {num_reqs} items do not fit the shape's "
+            f"{shape.num_tokens} tokens of {shape.num_reqs} items"
+        )
+    if not num_reqs:
+        return
+    lengths: object = batch.inputs.get(name)
+    if lengths is None:
+        raise ValueError(f"{name}: the step has no input of the items' lengths")
+    if (
+        not isinstance(lengths, torch.Tensor)
+        or lengths.dim() != 1
+        or lengths.shape[0] != num_reqs
+        or lengths.dtype.is_floating_point
+        or lengths.dtype.is_complex
+        or lengths.dtype == torch.bool
+    ):
+        shown = (
+            f"shape {tuple(lengths.shape)} of {lengths.dtype}"
+            if isinstance(lengths, torch.Tensor)
+            else f"{lengths!r:.80}"
+        )
+        raise ValueError(f"{name}: expected the {num_reqs} items' lengths, a 1-D integer tensor, got {shown}")
     values = lengths.tolist()
     if min(values) < 1 or sum(values) != num_tokens:
         raise ValueError(f"{name}: expected lengths >= 1 summing to the {num_tokens} tokens, got {values}")

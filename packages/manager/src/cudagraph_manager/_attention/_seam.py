@@ -15,6 +15,7 @@ import torch
 
 from cudagraph_dispatch import get_forward_context
 from cudagraph_dispatch.lowlevel import check_int
+from cudagraph_dispatch.support import AttentionSupport
 
 from .._buffers._static import check_pad_value
 
@@ -44,11 +45,39 @@ def metadata_extra(builder: object, metadata: object, *, call: str = "build") ->
 
     ``metadata`` is what ``builder``'s ``call`` (``build`` or
     ``build_for_capture``) returned: one of ``NOT_METADATA``'s types raises
-    ``ValueError`` naming the call, before the model could read it.
+    ``ValueError`` naming the call, before the model could read it; a
+    ``builder`` that is no ``AttentionMetadataBuilder`` raises naming it.
     """
+    if builder is None:
+        raise ValueError("builder: expected an AttentionMetadataBuilder, got None")
+    check_builder("builder", builder)
     if type(metadata) in NOT_METADATA:
         raise ValueError(not_metadata(builder, metadata, call))
     return {METADATA_EXTRA: _Built(builder, metadata)}
+
+
+def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
+    """``builder`` if it is ``None`` or has the protocol's members; else ``ValueError`` naming ``name``."""
+    if builder is None:
+        return None
+    if isinstance(builder, type):  # its methods would be called unbound: build(batch) as build(self=batch)
+        raise ValueError(
+            f"{name}: expected an AttentionMetadataBuilder instance, got the class {builder.__name__}; "
+            f"pass an instance ({builder.__name__}(...))"
+        )
+    lacks = [
+        f"{member}()"
+        for member in ("build", "build_for_capture")
+        if not callable(getattr(builder, member, None))
+    ]
+    if not isinstance(getattr(builder, "support", None), AttentionSupport):
+        lacks.append("a support of type AttentionSupport")
+    if lacks:
+        raise ValueError(
+            f"{name}: expected an AttentionMetadataBuilder, got {builder!r:.80}, "
+            f"which lacks {', '.join(lacks)}"
+        )
+    return builder  # type: ignore[return-value]  # checked above: the protocol's members exist
 
 
 def not_metadata(builder: object, metadata: object, call: str) -> str:

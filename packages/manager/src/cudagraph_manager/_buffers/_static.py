@@ -24,6 +24,10 @@ _INTEGER_DTYPES: Final = frozenset(
 Rows: TypeAlias = Literal["tokens", "reqs"] | None
 
 
+#: The largest size of a tensor dimension torch can hold (int64).
+_MAX_DIM: Final = 2**63 - 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StaticInput:
     """One model input: trailing shape, dtype, which rows it has, and its padding.
@@ -52,6 +56,8 @@ class StaticInput:
             raise ValueError(
                 f"shape: expected a tuple of integers >= 1 (the trailing dims), got {self.shape!r}"
             ) from None
+        if any(d > _MAX_DIM for d in dims):
+            raise ValueError(f"shape: a dim above 2**63 - 1 (torch's largest size), got {dims!r:.80}")
         object.__setattr__(self, "shape", dims)  # a list or torch.Size -> a plain tuple
         _check_dtype(self.dtype)
         if self.rows not in ("tokens", "reqs", None):

@@ -213,7 +213,9 @@ class Capturer(Generic[OutputT]):
         if self.lockstep is not None:
             return self.lockstep.start(keys_per_step)
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
-        session = ThreadCapture(keys, self._rule.background(pending, self._policy), self, timings=self.background_timings)
+        session = ThreadCapture(
+            keys, self._rule.background(pending, self._policy), self, timings=self.background_timings
+        )
         self._session = weakref.ref(session)
         session.start()
         return session

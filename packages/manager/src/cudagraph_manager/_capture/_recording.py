@@ -11,12 +11,13 @@ and the estimate's probes all capture through these two.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
 
 from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
-from cudagraph_capture.lowlevel import check_capture_enabled
+from cudagraph_capture.lowlevel import RecordSeconds, check_capture_enabled
 from cudagraph_dispatch import CUDAGraphMode, set_forward_context
 
 from .._attention._seam import metadata_extra
@@ -68,7 +69,7 @@ def record(
     """
     with RecordingBytes(device) as cost, _capture_metadata(graph):
         entry = engine.record(graph.descriptor, graph.inputs)
-    spent = entry.seconds
+    spent = _checked_seconds(entry, graph)
     return entry, CapturedGraph(
         graph.mode,
         graph.descriptor,
@@ -79,6 +80,36 @@ def record(
         spent.recording,
         spent.instantiation,
     )
+
+
+def _checked_seconds(entry: object, graph: PlannedGraph[OutputT]) -> RecordSeconds:
+    """``entry``'s ``seconds``, once ``entry`` is a ``GraphEntry`` (``replay``, ``output``, ``seconds``).
+
+    An engine built by the caller's factory may return anything: ``ValueError``
+    naming ``options.engine_factory`` (the key uncaptured), not an
+    ``AttributeError`` here or a wrong report later.
+    """
+    spent = getattr(entry, "seconds", None)
+    times = (getattr(spent, "recording", None), getattr(spent, "instantiation", None))
+    lacks = [
+        *(["replay()"] if not callable(getattr(entry, "replay", None)) else []),
+        *(["output"] if not hasattr(entry, "output") else []),
+        *(
+            ["seconds, a RecordSeconds(recording, instantiation) of finite seconds >= 0"]
+            if not all(_is_seconds(t) for t in times)
+            else []
+        ),
+    ]
+    if lacks:
+        raise ValueError(
+            f"options.engine_factory: the {graph.mode.name} engine's record() returned {entry!r:.80} for "
+            f"{graph.descriptor}, expected a GraphEntry; it lacks {', '.join(lacks)}"
+        )
+    return RecordSeconds(*times)  # type: ignore[arg-type]  # checked above: two numbers
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def capture_graph(

@@ -47,6 +47,8 @@ _NONE: Final = CUDAGraphMode.NONE
 _MODES: Final = tuple(CUDAGraphMode)
 _BACKENDS: Final[tuple[str, ...]] = ("gloo", "nccl", "shm")
 _DEFAULT_TIMEOUT: Final = datetime.timedelta(minutes=30)  # torch's default for gloo groups
+#: The timeouts torch's groups take: milliseconds, and the stores' int64 nanoseconds (a year is ample).
+_TIMEOUTS: Final = (datetime.timedelta(milliseconds=1), datetime.timedelta(days=365))
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 
@@ -136,16 +138,18 @@ class RankAgreement:
         return self._counts
 
     def exchange(self, row: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every rank's ``row`` (ints, the same length on every rank), by rank: one all-reduce.
+        """Every rank's ``row`` (one int at least, the same length on every rank), by rank: one all-reduce.
 
         A collective: every rank of the group calls it, in the same order as
         its other exchanges, with a row of the same width (any width, on
         every backend: the shared-memory table grows, in step on every rank,
         the first time a wider row comes). Synchronizes with the exchange (a
         CPU wait for gloo, a device-to-host copy for nccl). A row that is not
-        a list or tuple of ints of the int64 range (``bool`` is no int here)
-        raises ``ValueError`` naming it, on the calling rank, before the
-        exchange (its peers then wait until the timeout).
+        a list or tuple of one int or more of the int64 range (``bool`` is no
+        int here) raises ``ValueError`` naming it, on the calling rank, before
+        the exchange (its peers then wait until the timeout). An empty row
+        is refused: it would exchange nothing, and a table of 0 columns
+        cannot tell which rank wrote which row; use ``(0,)`` for a barrier.
         """
         _check_row(row)
         if self._table is not None:
@@ -365,7 +369,7 @@ def _exchange_device(backend: str, device: object, target: torch.device | None) 
 
 
 def _check_row(row: object) -> None:
-    """``exchange``'s ``row``: a list or tuple of ints that int64 holds (``ValueError`` naming it)."""
+    """``exchange``'s ``row``: a list or tuple of 1+ ints that int64 holds (``ValueError`` naming it)."""
     if not isinstance(row, (list, tuple)) or not row:
         raise ValueError(f"row: expected a list or tuple of ints (one at least), got {row!r:.80}")
     for i, value in enumerate(row):
@@ -392,8 +396,13 @@ def _check_arguments(
     target = None if device is None else resolve_device(device)  # checks it, for every backend
     if backend is not None:
         _exchange_device(str(backend), device, target)  # raises where the backend cannot use it
-    if timeout is not None and (not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0):
-        raise ValueError(f"timeout: expected a positive datetime.timedelta or None, got {timeout!r}")
+    if timeout is not None and (
+        not isinstance(timeout, datetime.timedelta) or not _TIMEOUTS[0] <= timeout <= _TIMEOUTS[1]
+    ):
+        raise ValueError(
+            "timeout: expected a positive datetime.timedelta of 1 ms to 365 days (torch counts "
+            f"milliseconds) or None, got {timeout!r}"
+        )
     if backend is None and timeout is not None:
         raise ValueError(
             f"timeout: backend=None uses the group as it is, with its own timeout; got {timeout!r}"
