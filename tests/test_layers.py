@@ -33,12 +33,12 @@ LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
         ("lowlevel", "support", "budgets", "__init__"),
     ),
     "cudagraph_capture": (
-        ("_errors", "_device", "_cublas", "_gc", "_weakref", "_conditional", "_protocols"),
+        ("_errors", "_device", "_cublas", "_gc", "_weakref", "_kernels", "_conditional", "_protocols"),
         ("_enabled", "_pool", "_guard"),
         ("_options", "_segment"),
         ("_breakable", "_loop"),
         ("_recorder",),
-        ("_wrapper",),
+        ("_wrapper", "_choice"),
         ("lowlevel", "__init__"),
     ),
     "cudagraph_manager": (
