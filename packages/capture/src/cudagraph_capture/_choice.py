@@ -73,7 +73,11 @@ class SwitchReplay:
         driver, a refusal), ``CaptureError`` saying why: replay the
         host-chosen entry instead.
         """
-        return build_switch_replay(_graphs_of(entries), _checked_count(live), load_conditional)
+        count = _checked_count(live)
+        graphs = _graphs_of(entries)
+        if not count.is_cuda:
+            raise ValueError(f"live: expected a CUDA tensor, got one on {count.device}")
+        return build_switch_replay(graphs, count, load_conditional)
 
     @property
     def choice(self) -> Choice | None:
@@ -94,8 +98,7 @@ def build_switch_replay(
     table = torch.tensor(sizes, dtype=torch.int64, device=device)
     plan = ReplayPlan(tuple(graphs[size] for size in sizes), table, live.view(()), chosen)
     try:
-        assert device.index is not None  # a CUDA tensor's device has an index
-        graph = conditional(device.index).build_replay(plan)
+        graph = conditional(device.index or 0).build_replay(plan)
     except LoopUnavailableError as error:
         raise CaptureError(
             f"SwitchReplay: neither a SWITCH node nor IF nodes can be built here ({error}); replay the "
@@ -105,15 +108,16 @@ def build_switch_replay(
 
 
 def _graphs_of(entries: object) -> dict[int, RecordedGraph]:
-    """The CUDA graphs of ``entries`` by ``num_tokens``; ``ValueError`` naming a bad one."""
+    """The CUDA graphs of ``entries`` by ``num_tokens``; ``ValueError`` naming a bad one (keys first)."""
     if not isinstance(entries, Mapping) or not entries:
         raise ValueError(f"entries: expected a mapping of keys to captured graphs, got {entries!r:.80}")
-    graphs: dict[int, RecordedGraph] = {}
-    first: BatchDescriptor | None = None
-    for key, entry in entries.items():
+    keys = list(entries)
+    for key in keys:
         if not isinstance(key, BatchDescriptor):
             raise ValueError(f"entries: expected BatchDescriptor keys, got {key!r:.80}")
-        first = key if first is None else first
+    first: BatchDescriptor = keys[0]
+    sizes: set[int] = set()
+    for key in keys:
         if (key.uniform, key.has_lora, key.num_active_loras) != (
             first.uniform,
             first.has_lora,
@@ -123,10 +127,10 @@ def _graphs_of(entries: object) -> dict[int, RecordedGraph]:
                 f"entries: {key} is not of the class of {first} "
                 "(uniform, has_lora and num_active_loras alike)"
             )
-        if key.num_tokens in graphs:
+        if key.num_tokens in sizes:
             raise ValueError(f"entries: two graphs of {key.num_tokens} tokens")
-        graphs[key.num_tokens] = _graph_of(key, entry)
-    return graphs
+        sizes.add(key.num_tokens)
+    return {key.num_tokens: _graph_of(key, entries[key]) for key in keys}
 
 
 def _graph_of(key: BatchDescriptor, entry: object) -> RecordedGraph:
@@ -142,9 +146,7 @@ def _graph_of(key: BatchDescriptor, entry: object) -> RecordedGraph:
 
 
 def _checked_count(live: object) -> torch.Tensor:
-    """``live`` if it is a one-element int32 or int64 CUDA tensor, else ``ValueError`` naming it."""
+    """``live`` if it is a one-element int32 or int64 tensor, else ``ValueError`` naming it."""
     if not isinstance(live, torch.Tensor) or live.numel() != 1 or live.dtype not in _COUNT_DTYPES:
         raise ValueError(f"live: expected a one-element int32 or int64 tensor, got {live!r:.80}")
-    if not live.is_cuda:
-        raise ValueError(f"live: expected a CUDA tensor, got one on {live.device}")
     return live

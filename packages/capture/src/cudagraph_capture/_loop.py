@@ -370,9 +370,9 @@ class DeviceLoop:
         a failed capture raises ``CaptureError`` naming ``descriptor``.
         """
         spec = LoopSpec.checked(body, stop, max_steps, policy, descriptor)
+        cells = _shared_cells(spec, shared_with)
         if not spec.stop.is_cuda:
             raise ValueError(f"stop: expected a CUDA tensor, got one on {spec.stop.device}")
-        cells = _shared_cells(spec, shared_with)
         graphs = TorchGraphs(CaptureOptions.given(options), _capture_device(spec), spec.descriptor)
         return build_loop(spec, graphs, load_conditional, cells)
 
@@ -582,10 +582,8 @@ def shrink_loops(
     spec = dataclasses.replace(_spec_of(first), descriptor=max(loops, key=_rows_of).descriptor)
     cells = first._cells
     plan = LoopPlan(tuple(bodies.values()), cells, _every(spec), tables)
-    device = cells.stop.device.index
-    assert device is not None
     try:
-        graph = conditional(device).build(plan)
+        graph = conditional(cells.stop.device.index or 0).build(plan)
     except LoopUnavailableError as error:
         raise CaptureError(
             f"DeviceLoop.shrinking: neither a SWITCH node nor IF nodes could be built ({error}); "
