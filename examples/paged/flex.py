@@ -187,6 +187,10 @@ class FlexPagedAttention(EagerBreakAttention):
     def build_for_capture(self, shape: BatchShape, /) -> FlexMetadata:
         return FlexMetadata(self.buffers.views(shape), self.page_of_slot)
 
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The metadata rows a shrinking decode loop moves with its requests (``PagedBuffers``')."""
+        return self.buffers.request_rows()
+
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         plan = per_forward(meta.derived, lambda: self._plan(meta))
