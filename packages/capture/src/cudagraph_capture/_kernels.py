@@ -166,7 +166,7 @@ __device__ int exclusive_sum(int value, int *warp_sums, int *total) {{
 extern "C" __global__ void loop_choose(const unsigned long long *handles, int num_handles, int is_switch,
                                        long long *c, unsigned char *active, const long long *sizes,
                                        int num_sizes, const RowBuffer *buffers, int num_buffers,
-                                       unsigned char *scratch, const int *order, int *orders,
+                                       unsigned char *scratch, int *order, int *orders,
                                        long long *epoch_steps, int *epoch_rows, int max_epochs,
                                        int rows_max) {{
   extern __shared__ unsigned long long dynamic_shared[];
@@ -176,8 +176,8 @@ extern "C" __global__ void loop_choose(const unsigned long long *handles, int nu
   __shared__ int moved_any;
   const int rows = (int)c[ROWS];
   const long long epoch = c[EPOCHS];
-  const int t = threadIdx.x, per = (rows + blockDim.x - 1) / blockDim.x;
-  const int lo = min(t * per, rows), hi = min(lo + per, rows);
+  const int t = threadIdx.x, per = (rows + (int)blockDim.x - 1) / (int)blockDim.x;
+  const int lo = t * per < rows ? t * per : rows, hi = lo + per < rows ? lo + per : rows;
   int mine = 0;
   for (int r = lo; r < hi; ++r) mine += active[r] != 0;
   if (t == 0) moved_any = 0;
