@@ -298,6 +298,7 @@ class DeviceLoop:
 
     __slots__ = (
         "_cells",
+        "_policy",
         "_rows",
         "_run",
         "descriptor",
@@ -305,7 +306,6 @@ class DeviceLoop:
         "fallback_reason",
         "kind",
         "max_steps",
-        "policy",
         "sizes",
     )
 
@@ -323,7 +323,7 @@ class DeviceLoop:
         self._rows: Final = None if rows is None else rows[1]
         self.kind: Final = kind
         self.max_steps: Final = spec.max_steps
-        self.policy: Final = spec.policy
+        self._policy: Final = spec.policy
         self.descriptor: Final = spec.descriptor
         self.sizes: Final[tuple[int, ...]] = () if rows is None else rows[0]
         self.fallback: Final = None if why is None else why.reason
@@ -434,7 +434,7 @@ class DeviceLoop:
         run = self._run
         return run.graph.choice if isinstance(run, _WhileRun) else None
 
-    def bodies(self) -> dict[int, RecordedGraph]:
+    def _bodies(self) -> dict[int, RecordedGraph]:
         """A WHILE loop's bodies by rows (its descriptor's ``num_reqs``; a shrinking loop's ``sizes``)."""
         run = self._run
         if not isinstance(run, _WhileRun):
@@ -444,8 +444,6 @@ class DeviceLoop:
         rows = None if self.descriptor is None else self.descriptor.num_reqs
         return {} if rows is None else {rows: run.bodies[0]}
 
-    def shares_cells(self, other: DeviceLoop) -> bool:
-        return self._cells is other._cells
 
 
 def _shared_cells(spec: LoopSpec, shared_with: object) -> LoopCells | None:
@@ -606,14 +604,14 @@ def _combined(loops: object) -> tuple[DeviceLoop, dict[int, RecordedGraph]]:
                 f"loops[{i}]: a {loop.kind.name} loop ({loop.fallback_reason or 'asked for'}); a shrinking "
                 "loop chooses among the bodies of WHILE loops"
             )
-        if not loop.shares_cells(first) or loop.policy != first.policy:
+        if loop._cells is not first._cells or loop._policy != first._policy:
             raise ValueError(f"loops[{i}]: not captured on the cells and policy of loops[0] (shared_with)")
         if not _same_class(loop.descriptor, first.descriptor):
             raise ValueError(
                 f"loops[{i}]: {loop.descriptor} is not of the class of {first.descriptor} (uniform, "
                 "has_lora and num_active_loras alike, num_reqs given)"
             )
-        for size, body in loop.bodies().items():
+        for size, body in loop._bodies().items():
             if size in bodies:
                 raise ValueError(f"loops[{i}]: a second body of {size} rows")
             bodies[size] = body
@@ -631,11 +629,11 @@ def _same_class(key: BatchDescriptor | None, other: BatchDescriptor | None) -> b
 
 
 def _rows_of(loop: DeviceLoop) -> int:
-    return max(loop.bodies())
+    return max(loop._bodies())
 
 
 def _spec_of(loop: DeviceLoop) -> LoopSpec:
-    return LoopSpec(_never, loop._cells.stop, loop.max_steps, loop.policy, loop.descriptor)
+    return LoopSpec(_never, loop._cells.stop, loop.max_steps, loop._policy, loop.descriptor)
 
 
 def _never(steps: torch.Tensor) -> None:  # a combined loop records nothing: its bodies are recorded
