@@ -445,7 +445,6 @@ class DeviceLoop:
         return {} if rows is None else {rows: run.bodies[0]}
 
 
-
 def _shared_cells(spec: LoopSpec, shared_with: object) -> LoopCells | None:
     """The cells of ``shared_with`` (``None``: new); ``ValueError`` unless of ``spec``'s stop and steps."""
     if shared_with is None:
