@@ -94,8 +94,17 @@ void run_count(long long *c, const void *stop, int stop_bytes) {
   run_block(0, 1, [&] { loop_count(c, stop, stop_bytes); });
 }
 void run_check(u64 h, long long *c, const void *stop, int stop_bytes, int every, long long *steps,
-               u64 *hs, unsigned *vs, int *count) {
-  run_block(0, 1, [&] { loop_check(h, c, stop, stop_bytes, every, steps); });
+               int counts, u64 *hs, unsigned *vs, int *count) {
+  run_block(0, 1, [&] { loop_check(h, c, stop, stop_bytes, every, steps, counts); });
+  report(hs, vs, count);
+}
+void run_enter(u64 h, u64 *hs, unsigned *vs, int *count) {
+  run_block(0, 1, [&] { loop_enter(h); });
+  report(hs, vs, count);
+}
+void run_stay(unsigned threads, u64 h, long long *c, const void *stop, int stop_bytes, int every,
+              const unsigned char *active, const long long *sizes, int n, u64 *hs, unsigned *vs, int *count) {
+  run_block(0, threads, [&] { loop_stay(h, c, stop, stop_bytes, every, active, sizes, n); });
   report(hs, vs, count);
 }
 void run_tail(u64 h, const long long *c, u64 *hs, unsigned *vs, int *count) {
@@ -175,18 +184,25 @@ class _Set:
         return value
 
 
-#: The handles' stand-ins: a loop's first WHILE, its tail WHILE, its SWITCH (an IF chain: 100 + body).
+#: The handles' stand-ins: a loop's first WHILE, its tail WHILE, its SWITCH (an IF chain: 100 + body),
+#: a body's own WHILE (nested).
 FIRST: Final = 1
 TAIL: Final = 2
 SWITCH: Final = 3
+STAY: Final = 4
 
 
 class HostLoop:
-    """A loop graph of ``plan`` whose launches run the kernels on the host, in the driver graph's order."""
+    """A loop graph of ``plan`` whose launches run the kernels on the host, in the driver graph's order.
 
-    def __init__(self, lib: ctypes.CDLL, plan: LoopPlan, choice: Choice | None) -> None:
+    ``nested``: a shrinking loop's bodies are WHILE nodes of their own (``loop_enter``, ``loop_stay``).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, plan: LoopPlan, choice: Choice | None, *, nested: bool) -> None:
         self.lib, self.plan = lib, plan
         self.choice: Choice | None = choice
+        self.nested = nested and plan.rows is not None
+        self.choices = 0
         rows = plan.rows
         self.handles = torch.tensor(
             [SWITCH] if choice == "switch" else [100 + i for i in range(len(plan.bodies))], dtype=torch.int64
@@ -201,7 +217,7 @@ class HostLoop:
         plan, lib = self.plan, self.lib
         rows, counters = plan.rows, plan.cells.counters
         done = _Set()
-        first = FIRST if plan.every > 1 else TAIL
+        first = FIRST if plan.every > 1 or self.nested else TAIL
         count = 0 if rows is None else rows.rows
         lib.run_begin(
             _threads(count), ctypes.c_ulonglong(first), _p(counters), plan.every, count,
@@ -209,13 +225,15 @@ class HostLoop:
             0 if rows is None else len(plan.bodies), *done.args(),
         )  # fmt: skip
         go = done.of(first)
-        if plan.every > 1:
+        if plan.every > 1 or self.nested:
             while go:
-                go = self._iteration(plan.every, FIRST)
+                go = self._iteration(plan.every, FIRST, nested=self.nested)
+        if plan.every > 1:
             lib.run_tail(ctypes.c_ulonglong(TAIL), _p(counters), *done.args())
             go = done.of(TAIL)
-        while go:
-            go = self._iteration(1, TAIL)
+        if plan.every > 1 or not self.nested:
+            while go:
+                go = self._iteration(1, TAIL, nested=False)
         if rows is not None:
             history = rows.history
             lib.run_restore(
@@ -224,20 +242,33 @@ class HostLoop:
                 _p(rows.epoch_rows), rows.max_epochs, ctypes.c_longlong(rows.fill),
             )  # fmt: skip
 
-    def _iteration(self, every: int, handle: int) -> int:
+    def _iteration(self, every: int, handle: int, *, nested: bool) -> int:
         plan, lib, cells = self.plan, self.lib, self.plan.cells
         rows = plan.rows
         body = plan.bodies[0] if rows is None else plan.bodies[self._choose(rows)]
         stop = (_p(cells.stop), cells.stop.element_size())
-        for j in range(every):
-            body.replay()
-            if j < every - 1:
-                lib.run_count(_p(cells.counters), *stop)
         done = _Set()
+        stay = 1
+        if nested:
+            lib.run_enter(ctypes.c_ulonglong(STAY), *done.args())
+            stay = done.of(STAY)
+        while stay:
+            for j in range(every):
+                body.replay()
+                if j < every - 1:
+                    lib.run_count(_p(cells.counters), *stop)
+            if rows is None or not nested:
+                break
+            lib.run_stay(
+                _threads(rows.rows), ctypes.c_ulonglong(STAY), _p(cells.counters), *stop, every,
+                _p(rows.active), _p(rows.sizes), len(plan.bodies), *done.args(),
+            )  # fmt: skip
+            stay = done.of(STAY)
         branch_steps = _p(None if rows is None else rows.branch_steps)
         lib.run_check(
-            ctypes.c_ulonglong(handle), _p(cells.counters), *stop, every, branch_steps, *done.args()
-        )
+            ctypes.c_ulonglong(handle), _p(cells.counters), *stop, every, branch_steps, int(not nested),
+            *done.args(),
+        )  # fmt: skip
         return done.of(handle)
 
     def _choose(self, rows: RowTables) -> int:
@@ -248,6 +279,7 @@ class HostLoop:
             _p(self.table), self.num_buffers, _p(rows.scratch), _p(rows.order), _p(rows.orders),
             _p(rows.epoch_steps), _p(rows.epoch_rows), rows.max_epochs, rows.rows, *done.args(),
         )  # fmt: skip
+        self.choices += 1
         if self.choice == "switch":
             return done.of(SWITCH)
         chosen = [h - 100 for h, v in done.pairs() if v]
@@ -283,16 +315,15 @@ class HostReplay:
 class HostConditional:
     """A ``ConditionalLoops`` (and its loader) whose graphs run the real kernels on the host."""
 
-    def __init__(self, lib: ctypes.CDLL, *, switch: bool = True) -> None:
-        self.lib, self.switch = lib, switch
+    def __init__(self, lib: ctypes.CDLL, *, switch: bool = True, nested: bool = True) -> None:
+        self.lib, self.switch, self.nested = lib, switch, nested
 
     def __call__(self, device: int) -> HostConditional:
         return self
 
     def build(self, plan: LoopPlan) -> HostLoop:
-        return HostLoop(
-            self.lib, plan, None if plan.rows is None else ("switch" if self.switch else "if_chain")
-        )
+        choice: Choice = "switch" if self.switch else "if_chain"
+        return HostLoop(self.lib, plan, None if plan.rows is None else choice, nested=self.nested)
 
     def build_replay(self, plan: ReplayPlan) -> HostReplay:
         return HostReplay(self.lib, plan, "switch" if self.switch else "if_chain")

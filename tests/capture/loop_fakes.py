@@ -85,13 +85,18 @@ class FakeGraphs:
 class FakeLoop:
     """A loop graph's rules, run in Python: ``loop_begin``, the WHILE nodes, ``loop_restore``.
 
-    ``iterations`` counts the WHILE iterations of each launch (what a check costs on the device).
+    ``iterations`` counts the iterations of the loop's WHILE nodes (what a
+    check costs on the device); ``choices`` the iterations that chose a body.
+    ``nested``: a shrinking loop's bodies are WHILE nodes of their own,
+    which stay on their body while it still holds the live rows.
     """
 
-    def __init__(self, plan: LoopPlan, choice: Choice | None) -> None:
+    def __init__(self, plan: LoopPlan, choice: Choice | None, *, nested: bool = False) -> None:
         self.plan = plan
         self.choice = choice
+        self.nested = nested and plan.rows is not None
         self.iterations = 0
+        self.choices = 0
 
     def launch(self) -> None:
         plan = self.plan
@@ -99,26 +104,35 @@ class FakeLoop:
         c[STEPS], c[RUNNING], c[EPOCHS] = 0, 1, 0
         rows = plan.rows
         choice = None if rows is None else _Rows(rows)
-        go = int(c[LIMIT]) >= plan.every if plan.every > 1 else False
+        every = plan.every
+        go = int(c[LIMIT]) >= every if every > 1 or self.nested else False
         while go:
-            go = self._iteration(plan.every, choice)
-        go = bool(c[RUNNING]) and int(c[STEPS]) < int(c[LIMIT])
-        while go:
-            go = self._iteration(1, choice)
+            go = self._iteration(every, choice, nested=self.nested)
+        if every > 1 or not self.nested:
+            go = bool(c[RUNNING]) and int(c[STEPS]) < int(c[LIMIT])
+            while go:
+                go = self._iteration(1, choice, nested=False)
         if choice is not None:
             choice.restore(int(c[STEPS]))
 
-    def _iteration(self, every: int, rows: _Rows | None) -> bool:
-        """One WHILE iteration: [``loop_choose``], ``every`` steps counted, ``loop_check``."""
+    def _iteration(self, every: int, rows: _Rows | None, *, nested: bool) -> bool:
+        """One WHILE iteration: [``loop_choose``], ``every`` steps counted (nested: while the body
+        still fits), ``loop_check``."""
         plan, c = self.plan, self.plan.cells.counters
         self.iterations += 1
         branch = 0 if rows is None else rows.choose(int(c[STEPS]))
+        self.choices += rows is not None
         mark = int(c[STEPS])
-        for _ in range(every):
-            plan.bodies[branch].replay()
-            if int(c[RUNNING]):  # loop_count / loop_check: the step counts if it ran before stop
-                c[STEPS] += 1
-                c[RUNNING] = int(int(plan.cells.stop) == 0)
+        stay = True
+        while stay:
+            for _ in range(every):
+                plan.bodies[branch].replay()
+                if int(c[RUNNING]):  # loop_count / loop_check: the step counts if it ran before stop
+                    c[STEPS] += 1
+                    c[RUNNING] = int(int(plan.cells.stop) == 0)
+            fits = bool(c[RUNNING]) and int(c[STEPS]) + every <= int(c[LIMIT])
+            stay = nested and fits and rows is not None and rows.still(branch)  # loop_stay
+            self.iterations += stay
         if rows is not None:
             rows.tables.branch_steps[branch] += int(c[STEPS]) - mark
         return bool(c[RUNNING]) and int(c[STEPS]) + every <= int(c[LIMIT])
@@ -157,6 +171,12 @@ class _Rows:
         self.rows = chosen
         return branch
 
+    def still(self, branch: int) -> bool:
+        """Whether ``branch`` is still the smallest body holding the active rows (``loop_stay``)."""
+        live = int(self.tables.active[: self.rows].sum())
+        sizes = self.tables.sizes.tolist()
+        return next((i for i, size in enumerate(sizes) if size >= live), len(sizes)) == branch
+
     def restore(self, steps: int) -> None:
         tables = self.tables
         if len(self.epochs) <= 1:
@@ -192,7 +212,9 @@ class FakeConditional:
 
     ``unavailable``: the loader refuses; ``refuse_build``: every build is
     refused; ``switch``: SWITCH nodes exist (else IF nodes); ``refuse_switch``:
-    a SWITCH is refused, IF nodes are not. ``built`` lists the graphs built.
+    a SWITCH is refused, IF nodes are not; ``nested``: a shrinking loop's
+    bodies are WHILE nodes of their own (else flat: a choice every
+    iteration). ``built`` lists the graphs built.
     """
 
     def __init__(
@@ -202,11 +224,13 @@ class FakeConditional:
         refuse_build: bool = False,
         switch: bool = True,
         refuse_switch: bool = False,
+        nested: bool = True,
     ) -> None:
         self.unavailable = unavailable
         self.refuse_build = refuse_build
         self.switch = switch
         self.refuse_switch = refuse_switch
+        self.nested = nested
         self.loads = 0
         self.built: list[FakeLoop | FakeReplay] = []
 
@@ -223,7 +247,7 @@ class FakeConditional:
 
     def build(self, plan: LoopPlan) -> FakeLoop:
         choice = self._choice()
-        loop = FakeLoop(plan, None if plan.rows is None else choice)
+        loop = FakeLoop(plan, None if plan.rows is None else choice, nested=self.nested)
         self.built.append(loop)
         return loop
 

@@ -23,7 +23,7 @@ from cudagraph_capture import DeviceLoop, LoopPolicy
 from cudagraph_capture._choice import build_switch_replay
 from cudagraph_capture._conditional import RecordedGraph
 from cudagraph_capture._loop import LoopSpec, build_loop, shrink_loops
-from tests.capture.kernel_host import HostConditional, build_host_kernels
+from tests.capture.kernel_host import HostConditional, HostLoop, build_host_kernels
 from tests.capture.loop_fakes import FakeGraph, FakeGraphs
 from tests.capture.test_loop import KEY, Decoder, assert_like, expected
 from tests.capture.test_shrinking_loop import RowDecoder, key, rows_of
@@ -68,11 +68,12 @@ def _loops(
     return loops
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("switch", [True, False], ids=["switch", "if_chain"])
-def test_the_kernels_shrink_as_the_host_loop_runs(kernels: ctypes.CDLL, switch: bool) -> None:
+def test_the_kernels_shrink_as_the_host_loop_runs(kernels: ctypes.CDLL, switch: bool, nested: bool) -> None:
     """Random batches, stops, limits and k over rows of several dtypes and widths: the host loop's history."""
-    rng = random.Random(53 + switch)
-    conditional = HostConditional(kernels, switch=switch)
+    rng = random.Random(53 + switch + 2 * nested)
+    conditional = HostConditional(kernels, switch=switch, nested=nested)
     for trial in range(12):
         rows = rng.choice([8, 40, 64])
         sizes = sorted({1, 2, 8, rows, rng.randint(1, rows)})
@@ -122,3 +123,22 @@ def test_the_replay_kernel_chooses_the_smallest_size_holding_the_count(
             replay.launch()
             assert ran == ([] if size is None else [size])
             assert int(replay.chosen) == (-1 if size is None else (1, 2, 4, 8).index(size))
+
+
+@pytest.mark.parametrize(("nested", "choices"), [(True, 4), (False, 8)], ids=["nested", "flat"])
+def test_a_nested_loop_chooses_only_where_its_body_changes(
+    kernels: ctypes.CDLL, nested: bool, choices: int
+) -> None:
+    """Eight rows ending after 1..8 steps, checked every step: bodies 8 (4 steps), 4, 4, 2, 1."""
+    conditional = HostConditional(kernels, nested=nested)
+    decoder = RowDecoder(CPU, rows=8, max_steps=12)
+    loop = shrink_loops(_loops(decoder, [1, 2, 4, 8], 1, conditional), rows_of(decoder), conditional)
+    decoder.refill([5, 1, 8, 3, 6, 2, 7, 4], seed=2)
+    steps, history = decoder.host_loop(12)
+    decoder.refill([5, 1, 8, 3, 6, 2, 7, 4], seed=2)
+    loop.launch()
+    assert loop.read_steps() == (steps, {8: 4, 4: 2, 2: 1, 1: 1})
+    assert torch.equal(decoder.history[:steps], history)
+    graph = getattr(loop._run, "graph", None)
+    assert isinstance(graph, HostLoop)
+    assert graph.choices == choices

@@ -160,16 +160,17 @@ CASES: Final = (
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
 @pytest.mark.parametrize("check_every", [1, 3, 4])
 @pytest.mark.parametrize("switch", [True, False], ids=["switch", "if_chain"])
 @pytest.mark.parametrize(("lefts", "limit"), CASES)
 def test_a_shrinking_loop_gives_the_host_loops_history(
-    lefts: list[int], limit: int, switch: bool, check_every: int
+    lefts: list[int], limit: int, switch: bool, check_every: int, nested: bool
 ) -> None:
     decoder = RowDecoder(CPU)
     decoder.refill(lefts, seed=1)
     steps, history = decoder.host_loop(limit)
-    conditional = FakeConditional(switch=switch)
+    conditional = FakeConditional(switch=switch, nested=nested)
     loop = fake_shrinking(decoder, conditional, check_every=check_every)
     assert (loop.kind, loop.sizes, loop.choice) == (LoopKind.WHILE, SIZES, "switch" if switch else "if_chain")
     decoder.refill(lefts, seed=1)
@@ -194,6 +195,18 @@ def test_a_shrinking_loop_runs_the_smallest_body_holding_its_live_rows() -> None
     assert taken == 8
     # Live rows before each step: 8, 7, 6, 5, 4, 3, 2, 1 -> bodies 8, 8, 8, 8, 4, 4, 2, 1.
     assert by_size == {8: 4, 4: 2, 2: 1, 1: 1}
+
+
+@pytest.mark.parametrize(("nested", "choices"), [(True, 4), (False, 8)], ids=["nested", "flat"])
+def test_a_nested_loop_chooses_only_where_its_body_changes(nested: bool, choices: int) -> None:
+    decoder = RowDecoder(CPU)
+    conditional = FakeConditional(nested=nested)
+    loop = fake_shrinking(decoder, conditional, check_every=1)
+    decoder.refill([5, 1, 8, 3, 6, 2, 7, 4], seed=2)
+    loop.launch()
+    assert loop.read_steps() == (8, {8: 4, 4: 2, 2: 1, 1: 1})
+    (built,) = [b for b in conditional.built if isinstance(b, FakeLoop) and b.plan.rows is not None]
+    assert built.choices == choices
 
 
 def test_a_shrinking_loop_over_a_shrinking_loop_and_more_bodies() -> None:

@@ -491,29 +491,34 @@ class CudaConditional:
         refused the SWITCH) an IF node per body.
         """
         if plan.rows is None:
-            return self._instantiate(None, lambda nodes: nodes.loop(plan))
-        return self._first_built(lambda nodes: nodes.loop(plan))
+            return self._instantiate(None, False, lambda nodes: nodes.loop(plan))
+        return self._first_built(lambda nodes: nodes.loop(plan), nested=True)
 
     def build_replay(self, plan: ReplayPlan) -> CudaWhileGraph:
         """The replay chosen on the device of ``plan``; ``LoopUnavailableError`` if the driver refuses it."""
-        return self._first_built(lambda nodes: nodes.replay(plan))
+        return self._first_built(lambda nodes: nodes.replay(plan), nested=False)
 
-    def _first_built(self, fill: Callable[[_GraphNodes], None]) -> CudaWhileGraph:
-        """A graph choosing with SWITCH where there is one, else (or refused) with IF nodes."""
+    def _first_built(self, fill: Callable[[_GraphNodes], None], *, nested: bool) -> CudaWhileGraph:
+        """A graph choosing with SWITCH where there is one, else (or refused) with IF nodes; each
+        branch a WHILE node of its own where ``nested`` (and the driver builds it), else flat."""
         choices: tuple[Choice, ...] = ("switch", "if_chain") if self.switch else ("if_chain",)
+        shapes = (True, False) if nested else (False,)
         refused: list[str] = []
         for choice in choices:
-            try:
-                return self._instantiate(choice, fill)
-            except LoopUnavailableError as error:
-                refused.append(f"{choice}: {error.detail}")
+            for inner in shapes:
+                try:
+                    return self._instantiate(choice, inner, fill)
+                except LoopUnavailableError as error:
+                    refused.append(f"{choice}{' nested' if inner else ''}: {error.detail}")
         raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, "; ".join(refused))
 
-    def _instantiate(self, choice: Choice | None, fill: Callable[[_GraphNodes], None]) -> CudaWhileGraph:
+    def _instantiate(
+        self, choice: Choice | None, nested: bool, fill: Callable[[_GraphNodes], None]
+    ) -> CudaWhileGraph:
         """A template filled by ``fill``, instantiated, destroyed; ``LoopUnavailableError`` if refused."""
         driver = self._driver
         graph = _value("cuGraphCreate", driver.cuGraphCreate(0))
-        nodes = _GraphNodes(driver, self._add_node, self._kernels, graph, choice)
+        nodes = _GraphNodes(driver, self._add_node, self._kernels, graph, (choice, nested))
         try:
             fill(nodes)
             graph_exec = _value("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
@@ -521,26 +526,36 @@ class CudaConditional:
             raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
         finally:
             driver.cuGraphDestroy(graph)  # the conditional nodes' body graphs go with it
-        return CudaWhileGraph(driver, graph_exec, self._device, choice, tuple(nodes.tables))
+        return CudaWhileGraph(driver, graph_exec, self._device, choice, tuple(nodes.tables), nested=nested)
 
 
 class _GraphNodes:
     """Fills one template graph: the loop's or the replay's nodes, choosing by ``choice``.
 
-    ``tables``: the device tables the kernels' arguments point to (kept by
-    the executable); ``_params``: the host structures the driver wrote the
-    body graphs into, alive until the template is instantiated.
+    ``shape``: the choice (``None``: a loop of one body) and whether each
+    branch of a shrinking loop's first WHILE node is a WHILE node of its own
+    (``nested``: it stays on its body while that still fits, so the choice
+    runs only where the body changes; else the choice runs every
+    iteration). ``tables``: the device tables the kernels' arguments point
+    to (kept by the executable); ``_params``: the host structures the driver
+    wrote the body graphs into, alive until the template is instantiated.
     """
 
-    __slots__ = ("_add_node", "_choice", "_driver", "_kernels", "_params", "graph", "tables")
+    __slots__ = ("_add_node", "_choice", "_driver", "_kernels", "_nested", "_params", "graph", "tables")
 
     def __init__(
-        self, driver: _Driver, add_node: _AddNode, kernels: _Kernels, graph: object, choice: Choice | None
+        self,
+        driver: _Driver,
+        add_node: _AddNode,
+        kernels: _Kernels,
+        graph: object,
+        shape: tuple[Choice | None, bool],
     ) -> None:
         self._driver: Final = driver
         self._add_node: Final = add_node
         self._kernels: Final = kernels
-        self._choice: Final = choice
+        self._choice: Final = shape[0]
+        self._nested: Final = shape[1]
         self._params: Final[list[object]] = []
         self.graph: Final = graph
         self.tables: Final[list[torch.Tensor]] = []
@@ -548,10 +563,16 @@ class _GraphNodes:
     # -- what a graph holds --
 
     def loop(self, plan: LoopPlan) -> None:
-        """``loop_begin``, [a WHILE of ``every`` steps, ``loop_tail``], a WHILE of one, ``loop_restore``."""
+        """``loop_begin``, [a WHILE of ``every`` steps, ``loop_tail``], a WHILE of one, ``loop_restore``.
+
+        Nested, the first WHILE node runs whatever ``every`` is (its bodies' own
+        WHILE nodes keep the count of each step), and a tail only where
+        ``every`` > 1.
+        """
         graph, counters, rows = self.graph, plan.cells.counters, plan.rows
+        nested = self._nested and rows is not None
         tail = self._handle(graph)
-        first = self._handle(graph) if plan.every > 1 else tail
+        first = self._handle(graph) if plan.every > 1 or nested else tail
         begin: list[_Arg] = [
             ctypes.c_uint64(int(first)),
             _ptr(counters),
@@ -563,10 +584,12 @@ class _GraphNodes:
         ]
         threads = _threads(0 if rows is None else rows.rows)
         node = self._kernel(graph, None, "loop_begin", begin, (1, threads, 0))
+        if plan.every > 1 or nested:
+            node = self._while(node, first, plan, plan.every, nested=nested)
         if plan.every > 1:
-            node = self._while(node, first, plan, plan.every)
             node = self._kernel(graph, [node], "loop_tail", [ctypes.c_uint64(int(tail)), _ptr(counters)])
-        node = self._while(node, tail, plan, 1)
+        if plan.every > 1 or not nested:
+            node = self._while(node, tail, plan, 1, nested=False)
         if rows is not None:
             self._restore(node, counters, rows)
 
@@ -587,14 +610,17 @@ class _GraphNodes:
         pick = self._kernel(graph, None, "choose_replay", args)
         self._branches(graph, pick, values, plan.graphs, lambda into, body: self._child(into, None, body))
 
-    def _while(self, after: object, handle: SupportsInt, plan: LoopPlan, every: int) -> object:
-        """A WHILE node on ``handle`` after ``after``: ``every`` steps an iteration, then ``loop_check``."""
+    def _while(
+        self, after: object, handle: SupportsInt, plan: LoopPlan, every: int, *, nested: bool
+    ) -> object:
+        """A WHILE node on ``handle`` after ``after``: ``every`` steps an iteration (``nested``: a
+        body's own WHILE node of them, which counts them), then ``loop_check``."""
         node, (body,) = self._conditional(self.graph, [after], handle, "WHILE", 1)
         rows, cells = plan.rows, plan.cells
         if rows is None:
             last = [self._steps(body, plan.bodies[0], every, cells)]
         else:
-            last = self._choose(body, plan, rows, every)
+            last = self._choose(body, plan, rows, every, nested=nested)
         check: list[_Arg] = [
             ctypes.c_uint64(int(handle)),
             _ptr(cells.counters),
@@ -602,6 +628,7 @@ class _GraphNodes:
             ctypes.c_int(cells.stop.element_size()),
             ctypes.c_int(every),
             _ptr(None if rows is None else rows.branch_steps),
+            ctypes.c_int(not nested),
         ]
         self._kernel(body, last, "loop_check", check)
         return node
@@ -615,7 +642,31 @@ class _GraphNodes:
             node = self._child(graph, [node], body)
         return node
 
-    def _choose(self, graph: object, plan: LoopPlan, rows: RowTables, every: int) -> list[object]:
+    def _stay(
+        self, graph: object, body: RecordedGraph, every: int, plan: LoopPlan, rows: RowTables
+    ) -> object:
+        """A body's own WHILE node in ``graph``: ``every`` steps an iteration, while the body still fits."""
+        handle = self._handle(graph)
+        enter = self._kernel(graph, None, "loop_enter", [ctypes.c_uint64(int(handle))])
+        node, (inner,) = self._conditional(graph, [enter], handle, "WHILE", 1)
+        cells = plan.cells
+        last = self._steps(inner, body, every, cells)
+        stay: list[_Arg] = [
+            ctypes.c_uint64(int(handle)),
+            _ptr(cells.counters),
+            _ptr(cells.stop),
+            ctypes.c_int(cells.stop.element_size()),
+            ctypes.c_int(every),
+            _ptr(rows.active),
+            _ptr(rows.sizes),
+            ctypes.c_int(len(plan.bodies)),
+        ]
+        self._kernel(inner, [last], "loop_stay", stay, (1, _threads(rows.rows), 0))
+        return node
+
+    def _choose(
+        self, graph: object, plan: LoopPlan, rows: RowTables, every: int, *, nested: bool
+    ) -> list[object]:
         """``loop_choose``, then the bodies behind a SWITCH node or IF nodes; the nodes to wait for."""
         buffers = (*rows.buffers, rows.order)  # the order last: moved with the rows
         table = _row_table(buffers, rows.active.device)
@@ -641,9 +692,13 @@ class _GraphNodes:
         ]
         pick = self._kernel(graph, None, "loop_choose", args, (1, _threads(rows.rows), 4 * rows.rows))
         cells = plan.cells
-        return self._branches(
-            graph, pick, values, plan.bodies, lambda into, body: self._steps(into, body, every, cells)
-        )
+
+        def fill(into: object, body: RecordedGraph) -> object:
+            if nested:
+                return self._stay(into, body, every, plan, rows)
+            return self._steps(into, body, every, cells)
+
+        return self._branches(graph, pick, values, plan.bodies, fill)
 
     def _branches(
         self,
@@ -764,9 +819,12 @@ def row_layout(buffer: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 class CudaWhileGraph:
-    """An instantiated graph (a ``WhileGraph``); the executable is destroyed with this object."""
+    """An instantiated graph (a ``WhileGraph``); the executable is destroyed with this object.
 
-    __slots__ = ("__weakref__", "_device", "_driver", "_exec", "_keep", "choice")
+    ``nested``: a shrinking loop whose bodies are WHILE nodes of their own.
+    """
+
+    __slots__ = ("__weakref__", "_device", "_driver", "_exec", "_keep", "choice", "nested")
 
     def __init__(
         self,
@@ -775,12 +833,15 @@ class CudaWhileGraph:
         device: int,
         choice: Choice | None,
         keep: tuple[object, ...] = (),
+        *,
+        nested: bool = False,
     ) -> None:
         self._driver: Final = driver
         self._exec: Final = graph_exec
         self._device: Final = device
         self._keep: Final = keep
         self.choice: Final = choice
+        self.nested: Final = nested
         # An executable destroyed while a launch is in flight is freed when that launch completes.
         weakref.finalize(self, _destroy_exec, driver, graph_exec)
 

@@ -3,7 +3,8 @@
 ``_conditional`` compiles ``SOURCE`` once per device and builds graphs of
 these kernels around torch's recorded bodies. ``loop_*`` run a loop
 (``loop_begin``, ``loop_count``, ``loop_check``, ``loop_tail``), keep a
-shrinking loop's rows in order and choose its body (``loop_choose``) and
+shrinking loop's rows in order and choose its body (``loop_choose``), keep
+it on that body while it still fits (``loop_enter``, ``loop_stay``) and
 restore its history (``loop_restore``); ``choose_replay`` chooses a replay.
 A conditional node's value is set with ``cudaGraphSetConditional`` by the
 kernel before the node, on every launch.
@@ -66,10 +67,11 @@ extern "C" __global__ void loop_count(long long *c, const void *stop, int stop_b
   count_step(c, stop, stop_bytes);
 }}
 
-// After an iteration: count its last step, add its steps to its body's, go on while `every` more fit.
+// After an iteration: count its last step (unless a body's own WHILE node did: `count` 0), add its steps
+// to its body's, go on while `every` more fit and no step set stop.
 extern "C" __global__ void loop_check(cudaGraphConditionalHandle handle, long long *c, const void *stop,
-                                      int stop_bytes, int every, long long *branch_steps) {{
-  count_step(c, stop, stop_bytes);
+                                      int stop_bytes, int every, long long *branch_steps, int count) {{
+  if (count) count_step(c, stop, stop_bytes);
   if (branch_steps) branch_steps[c[BRANCH]] += c[STEPS] - c[MARK];
   cudaGraphSetConditional(handle, c[RUNNING] && c[STEPS] + every <= c[LIMIT] ? 1u : 0u);
 }}
@@ -103,6 +105,11 @@ extern "C" __global__ void choose_replay(const unsigned long long *handles, int 
   int branch = first_holding(count, sizes, n);
   chosen[0] = branch < n ? branch : -1;
   set_branch(handles, num_handles, is_switch, branch);
+}}
+
+// Before a body's own WHILE node in a shrinking loop: its first iteration runs.
+extern "C" __global__ void loop_enter(cudaGraphConditionalHandle handle) {{
+  cudaGraphSetConditional(handle, 1u);
 }}
 
 struct RowBuffer {{
@@ -218,6 +225,25 @@ extern "C" __global__ void loop_choose(const unsigned long long *handles, int nu
   }}
 }}
 
+// A body's own WHILE node in a shrinking loop, after each iteration (one block): count its last step;
+// stay on this body while `every` more steps fit, no step set stop and it is still the smallest body
+// that holds the active rows (counted here): the choice (and its partition) only where the body changes.
+extern "C" __global__ void loop_stay(cudaGraphConditionalHandle handle, long long *c, const void *stop,
+                                     int stop_bytes, int every, const unsigned char *active,
+                                     const long long *sizes, int num_sizes) {{
+  __shared__ int warp_sums[32];
+  __shared__ int live_total;
+  const int rows = (int)c[ROWS];
+  int mine = 0;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) mine += active[r] != 0;
+  exclusive_sum(mine, warp_sums, &live_total);
+  if (threadIdx.x == 0) {{
+    count_step(c, stop, stop_bytes);
+    const bool same = first_holding(live_total, sizes, num_sizes) == c[BRANCH];
+    cudaGraphSetConditional(handle, c[RUNNING] && c[STEPS] + every <= c[LIMIT] && same ? 1u : 0u);
+  }}
+}}
+
 // After a shrinking loop (a block per step): the step's history row back in the launch's row order;
 // a row that step did not compute (past its epoch's rows) gets `fill`.
 extern "C" __global__ void loop_restore(const long long *c, long long *history, long long stride,
@@ -250,6 +276,8 @@ KERNELS: Final = (
     "loop_count",
     "loop_check",
     "loop_tail",
+    "loop_enter",
+    "loop_stay",
     "loop_choose",
     "loop_restore",
     "choose_replay",
