@@ -20,11 +20,13 @@ loop (``RowTables``) has several bodies, one per row count (ascending), and
 each iteration starts with ``loop_choose``: the active rows move to the
 front in order (a stable partition of every row buffer), and the smallest
 body that holds them runs, chosen on the device by a SWITCH node, or an IF
-node per body where the driver or the bindings have no SWITCH::
+node per body where the driver or the bindings have no SWITCH; the body is
+a WHILE node of its own that stays on it while it still holds the active
+rows (nested; flat, a choice every iteration, where the driver refuses it)::
 
         loop_choose(hs)                    partition; the branch of the live count
-        SWITCH hs: {body_i, loop_count, ... body_i}
-        loop_check(h)
+        SWITCH hs: {loop_enter(hi); WHILE hi: {body_i, loop_count, ... body_i, loop_stay(hi)}}
+        loop_check(h)                      (flat: {body_i, loop_count, ... body_i})
 
 and after both WHILE nodes ``loop_restore`` puts each step's history back in
 the launch's row order. ``choose_replay`` alone in front of a SWITCH (or IF
