@@ -89,7 +89,8 @@ def ratio(row, key):
     return f"{key} {value:.3f}" + ("" if target is None else f" (target <= {target}){verdict}") + f" [{spread}]"
 row = runs.get("uniform_stops")
 if row:
-    print("uniform stops (256 -> 0 over 64 steps):", ratio(row, "shrinking_over_today"))
+    print(f"uniform stops (256 -> 0 over 64 steps; the loop: {row.get('choice')}, nested {row.get('nested')}, "
+          f"keys {row.get('loop_sizes')}):", ratio(row, "shrinking_over_today"))
     print("   ", ratio(row, "shrinking_over_ideal_host"), "|", ratio(row, "fixed_over_today"))
     print(f"    ms per call: shrinking {row['shrinking_us'] / 1e3:.2f}, today {row['today_us'] / 1e3:.2f}, "
           f"fixed {row['fixed_us'] / 1e3:.2f}, ideal host {row['ideal_host_us'] / 1e3:.2f}")

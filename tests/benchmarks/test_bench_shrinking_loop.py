@@ -269,6 +269,7 @@ def test_bench_shrinking_loop_uniform_stops(benchmark: BenchmarkFixture) -> None
     setup.managers["shrinking"].run_loop(max_steps=STEPS, **batch)
     after = setup.managers["shrinking"].stats.device_loop_steps
     info["shrinking_steps_by_key"] = {k: after[k] - before.get(k, 0) for k in sorted(after)}
+    info.update(_structure(setup.managers["shrinking"]))
     info["ideal_steps_by_key"] = {k: ideal.schedule.count(k) for k in SIZES}
     _record_tokens(info, tokens, ideal_tokens, exact_rows=64)
     for key in ("shrinking_over_today", "shrinking_over_ideal_host"):
@@ -276,6 +277,13 @@ def test_bench_shrinking_loop_uniform_stops(benchmark: BenchmarkFixture) -> None
     emit("uniform_stops", info)
     assert tokens["today"].shape == (STEPS, BATCH)
     assert (tokens["today"] != NO_TOKEN).sum(0).tolist() == stops  # each request ran to its stop
+
+
+def _structure(manager: CUDAGraphManager[torch.Tensor]) -> dict[str, object]:
+    """How the manager's shrinking loop chooses (``switch``, ``if_chain``) and whether nested."""
+    loop = next(iter(manager._table.loops.values()))
+    graph = getattr(loop._run, "graph", None)
+    return {"loop_sizes": list(loop.sizes), "choice": loop.choice, "nested": getattr(graph, "nested", None)}
 
 
 def _record_tokens(
