@@ -573,8 +573,12 @@ class _GraphNodes:
         """
         graph, counters, rows = self.graph, plan.cells.counters, plan.rows
         nested = self._nested and rows is not None
-        tail = self._handle(graph)
-        first = self._handle(graph) if plan.every > 1 or nested else tail
+        # The WHILE node of `every` steps an iteration (nested: of the bodies' own WHILE nodes), then
+        # the WHILE node of one step (the steps left under the limit; every step of a flat k = 1 loop).
+        main = self._handle(graph) if plan.every > 1 or nested else None
+        tail = self._handle(graph) if plan.every > 1 or not nested else None
+        first = main if main is not None else tail  # a handle is made only for a node that uses it
+        assert first is not None
         begin: list[_Arg] = [
             ctypes.c_uint64(int(first)),
             _ptr(counters),
@@ -586,11 +590,11 @@ class _GraphNodes:
         ]
         threads = _threads(0 if rows is None else rows.rows)
         node = self._kernel(graph, None, "loop_begin", begin, (1, threads, 0))
-        if plan.every > 1 or nested:
-            node = self._while(node, first, plan, plan.every, nested=nested)
-        if plan.every > 1:
-            node = self._kernel(graph, [node], "loop_tail", [ctypes.c_uint64(int(tail)), _ptr(counters)])
-        if plan.every > 1 or not nested:
+        if main is not None:
+            node = self._while(node, main, plan, plan.every, nested=nested)
+            if tail is not None:
+                node = self._kernel(graph, [node], "loop_tail", [ctypes.c_uint64(int(tail)), _ptr(counters)])
+        if tail is not None:
             node = self._while(node, tail, plan, 1, nested=False)
         if rows is not None:
             self._restore(node, counters, rows)
