@@ -140,6 +140,42 @@ void run_replay(const u64 *handles, int num_handles, int is_switch, const void *
 """
 
 
+_SIGNATURE: Final = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
+
+
+def kernel_signatures() -> dict[str, list[int]]:
+    """Each kernel of ``SOURCE`` and its parameters' sizes in bytes (``int``: 4; pointers, handles,
+    ``long long``: 8), read from the source."""
+    found = _SIGNATURE.finditer(SOURCE.format(prelude=""))
+    sizes = {m.group(1): m.group(2).split(",") for m in found}
+    return {
+        name: [4 if p.strip().startswith("int ") and "*" not in p else 8 for p in ps]
+        for name, ps in sizes.items()
+    }
+
+
+def _trampolines() -> str:
+    """``launch_NAME(blocks, threads, args)``: the kernel over a grid, ``args`` CUDA's ``void *[]``;
+    ``drain``: the conditional values set since the last call."""
+    out = [
+        'extern "C" {',
+        "int drain(u64 *hs, unsigned *vs) {",
+        "  int count = 0;",
+        "  report(hs, vs, &count);",
+    ]
+    out += ["  return count;", "}"]
+    for match in _SIGNATURE.finditer(SOURCE.format(prelude="")):
+        name = match.group(1)
+        types = [p.strip().rsplit(" ", 1)[0] + (" *" if "*" in p else "") for p in match.group(2).split(",")]
+        args = ", ".join(f"*({t.replace('  ', ' ')} *)args[{i}]" for i, t in enumerate(types))
+        out.append(f"void launch_{name}(unsigned blocks, unsigned threads, void **args) {{")
+        out.append(
+            f"  for (unsigned b = 0; b < blocks; ++b) run_block(b, threads, [&] {{ {name}({args}); }});"
+        )
+        out.append("}")
+    return "\n".join([*out, "}"])
+
+
 def build_host_kernels(directory: Path) -> ctypes.CDLL | str:
     """The kernels compiled into a shared library under ``directory``; or why they cannot be (a reason)."""
     compiler = shutil.which("g++")
@@ -152,7 +188,7 @@ def build_host_kernels(directory: Path) -> ctypes.CDLL | str:
     source = source.replace("extern __shared__ unsigned long long dynamic_shared[];", "")
     source = source.replace('extern "C" __global__', "__global__")
     path = directory / "loop_kernels.cpp"
-    path.write_text(_HARNESS + source + _API)
+    path.write_text(_HARNESS + source + _API + _trampolines())
     library = directory / "libloop_kernels.so"
     command = [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-o", str(library), str(path), "-lpthread"]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
