@@ -50,8 +50,10 @@ from cudagraph_capture import (
     shared_pool,
 )
 from cudagraph_capture.lowlevel import (
+    LoopRows,
     RecordSeconds,
     ReservedMemory,
+    SwitchReplay,
     capture_stream,
     check_capture_enabled,
     collector_paused,
@@ -316,6 +318,42 @@ def _back_kv_cache(**kwargs: object) -> object:
     assert isinstance(manager, CUDAGraphManager)
     back = cast(Callable[..., int], manager.back_kv_cache)  # arguments deliberately of any type
     return back(**kwargs)
+
+
+def _body(steps: object) -> None:
+    """A loop body that is never run."""
+
+
+def _switch_replay_counting_on_the_cpu() -> object:
+    """``SwitchReplay.of`` of a real FULL graph, its count on the CPU."""
+    x = torch.zeros(8, device="cuda")
+    engine = graph_engine(lambda x: x.add_(1), M.FULL)
+    with set_forward_context(M.FULL, KEY):
+        entry = engine.record(KEY, {"x": x})
+    return SwitchReplay.of({KEY: entry}, torch.zeros((), dtype=torch.int32))
+
+
+def _shrink_two_loops(**changes: object) -> object:
+    """``DeviceLoop.shrinking`` of two real WHILE loops on shared cells, with ``changes`` to good rows."""
+    stop = torch.zeros((), dtype=torch.bool, device="cuda")
+    x = torch.zeros(8, device="cuda")
+    rows = {
+        "active": torch.zeros(8, dtype=torch.bool, device="cuda"),
+        "buffers": (x,),
+        "history": torch.zeros(4, 8, dtype=torch.int64, device="cuda"),
+        **changes,
+    }
+    big = DeviceLoop.capture(
+        lambda steps: x.add_(1), stop=stop, max_steps=4, descriptor=BatchDescriptor(8, 8, True)
+    )
+    small = DeviceLoop.capture(
+        lambda steps: x[:4].add_(1),
+        stop=stop,
+        max_steps=4,
+        descriptor=BatchDescriptor(4, 4, True),
+        shared_with=big,
+    )
+    return DeviceLoop.shrinking([big, small], rows=LoopRows(**rows))  # type: ignore[arg-type]  # the bad rows
 
 
 def _int32(rows: int, device: str = "cpu") -> torch.Tensor:
@@ -2337,6 +2375,113 @@ BAD_INPUTS: Final = [
         "loop_policy-unrolled-by-one",
         call(LoopPolicy, LoopKind.UNROLLED, 1),
         r"^unroll: LoopKind\.UNROLLED launches graphs of 2 or more iterations .*, got 1",
+    ),
+    # -- issue 53: stop checked every check_every steps; shrinking loops; replays chosen on the device --
+    row(
+        "loop_policy-check-every-zero",
+        call(LoopPolicy, None, 8, 0),
+        r"^check_every: expected an integer >= 1, got 0$",
+    ),
+    row("loop_policy-check-every-bool", call(LoopPolicy, check_every=True), r"^check_every: .*, got True$"),
+    row("loop_policy-check-every-float", call(LoopPolicy, check_every=4.0), r"^check_every: .*, got 4\.0$"),
+    row(
+        "loop_policy-check-every-above-64",
+        call(LoopPolicy, check_every=65),
+        r"^check_every: expected an integer <= 64, got 65$",
+    ),
+    row(
+        "decode_loop-request-rows-not-tensors",
+        call(DecodeLoop, _advance, 4, LoopPolicy(), [1, 2]),
+        r"^request_rows: expected a sequence of tensors or None, got \[1, 2\]",
+    ),
+    row(
+        "decode_loop-request-rows-a-tensor",
+        call(DecodeLoop, _advance, 4, request_rows=torch.zeros(8)),
+        r"^request_rows: expected a sequence of tensors or None, got tensor",
+    ),
+    row(
+        "manager-decode_loop-request-rows-too-few",
+        construct(fields={"decode_loop": DecodeLoop(_advance, 4, request_rows=(torch.zeros(2),))}),
+        r"^options\.decode_loop\.request_rows\[0\]: expected a tensor on cpu with a contiguous row per "
+        r"request \(at least max_num_seqs=\d+ rows\), got a torch\.float32 tensor of shape \(2,\)",
+    ),
+    row(
+        "manager-decode_loop-request-rows-scalar",
+        construct(fields={"decode_loop": DecodeLoop(_advance, 4, request_rows=(torch.zeros(()),))}),
+        r"^options\.decode_loop\.request_rows\[0\]: .* got a torch\.float32 tensor of shape \(\)",
+    ),
+    row(
+        "device_loop-shared-with-string",
+        call(DeviceLoop.capture, _body, stop=torch.zeros((), dtype=torch.bool), max_steps=4, shared_with="x"),
+        r"^shared_with: expected a DeviceLoop or None, got 'x'$",
+    ),
+    row(
+        "device_loop-shrinking-no-loops",
+        call(DeviceLoop.shrinking, [], rows=None),
+        r"^loops: expected two or more",
+    ),
+    row(
+        "device_loop-shrinking-one-loop-string",
+        call(DeviceLoop.shrinking, "loops", rows=None),
+        r"^loops: expected two or more DeviceLoops, got 'loops'",
+    ),
+    row(
+        "switch_replay-entries-empty",
+        call(SwitchReplay.of, {}, torch.zeros((), dtype=torch.int32)),
+        r"^entries: expected a mapping of keys to captured graphs, got \{\}$",
+    ),
+    row(
+        "switch_replay-entries-int-keys",
+        call(SwitchReplay.of, {8: None}, torch.zeros((), dtype=torch.int32)),
+        r"^entries: expected BatchDescriptor keys, got 8$",
+    ),
+    row(
+        "switch_replay-entries-of-two-classes",
+        call(
+            SwitchReplay.of,
+            {BatchDescriptor(8, 8, True): None, KEY: None},
+            torch.zeros((), dtype=torch.int32),
+        ),
+        r"^entries: BatchDescriptor\(num_tokens=8, num_reqs=None.* is not of the class of",
+    ),
+    row(
+        "switch_replay-entries-not-graphs",
+        call(SwitchReplay.of, {KEY: "graph"}, torch.zeros((), dtype=torch.int32)),
+        r"^entries\[BatchDescriptor\(num_tokens=8.*\]: expected an entry of graph_engine\(FULL\) .* got str",
+    ),
+    row(
+        "switch_replay-live-float",
+        call(SwitchReplay.of, {KEY: None}, torch.zeros(())),
+        r"^live: expected a one-element int32 or int64 tensor, got tensor\(0\.\)",
+    ),
+    row(
+        "switch_replay-live-two-elements",
+        call(SwitchReplay.of, {KEY: None}, torch.zeros(2, dtype=torch.int64)),
+        r"^live: expected a one-element int32 or int64 tensor, got tensor\(\[0, 0\]\)",
+    ),
+    row(
+        "switch_replay-live-on-the-cpu",
+        call(_switch_replay_counting_on_the_cpu),
+        r"^live: expected a CUDA tensor, got one on cpu$",
+        pytest.mark.gpu,
+    ),
+    row(
+        "device_loop-shrinking-rows-active-int32",
+        call(_shrink_two_loops, active=torch.zeros(8, dtype=torch.int32)),
+        r"^rows\.active: expected a torch\.bool on cuda:\d, got torch\.int32 on cpu",
+        pytest.mark.gpu,
+    ),
+    row(
+        "device_loop-shrinking-rows-buffer-of-too-few-rows",
+        call(_shrink_two_loops, buffers=(torch.zeros(2),)),
+        r"^rows\.buffers\[0\]: expected a tensor on cuda:\d, got torch\.float32 on cpu",
+        pytest.mark.gpu,
+    ),
+    row(
+        "device_loop-shrinking-rows-history-float",
+        call(_shrink_two_loops, history=torch.zeros(4, 8)),
+        r"^rows\.history: expected a torch\.int64 on cuda:\d, got torch\.float32 on cpu",
+        pytest.mark.gpu,
     ),
     row(
         "ranks-exchange-above-int64",

@@ -183,6 +183,16 @@ class PagedBuffers:
         """``ValueError`` naming the first rule a graph path's step broke since the last call (one sync)."""
         self.device_checks.check()
 
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The buffers with a row per request of a decode batch, which a shrinking decode loop moves.
+
+        ``seq_lens`` and ``block_table`` (a row per request) and ``positions``
+        (a row per token: one token per request in a decode loop). The others
+        are positional (``query_start_loc``, and ``req_ids``: token ``t`` is
+        request row ``t``'s) and stay.
+        """
+        return (self._seq_lens, self._block_table, self._positions)
+
     def views(self, shape: BatchShape) -> PagedMetadata:
         """The metadata of ``shape`` as the buffers hold it now (cut once per graph shape, kept).
 

@@ -210,6 +210,10 @@ class FlexPagedAttention(EagerBreakAttention):
             return None
         return kernel_class(shape.num_tokens, shape.num_reqs, shape.query_len)
 
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The metadata rows a shrinking decode loop moves with its requests (``PagedBuffers``')."""
+        return self.buffers.request_rows()
+
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         plan = per_forward(meta.derived, lambda: self._plan(meta))

@@ -115,6 +115,10 @@ class GatherPagedAttention(EagerBreakAttention):
     def build_for_capture(self, shape: BatchShape, /) -> GatherMetadata:
         return GatherMetadata(self.buffers.views(shape))
 
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The metadata rows a shrinking decode loop moves with its requests (``PagedBuffers``')."""
+        return self.buffers.request_rows()
+
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         meta = attention_metadata(self)
         pages, mask = per_forward(meta.derived, lambda: self._plan(meta.paged))

@@ -15,10 +15,9 @@ captured with the step (one WHILE launch for the whole loop):
 - for the requests that go on: the next ``input_ids`` (the token), their
   ``positions`` and ``seq_lens`` + 1, the next ``slot_mapping`` through the
   block table, in the static inputs and in the backend's ``PagedMetadata``
-  (what every paged backend reads); the varlen backend's gathered key map
-  is rebuilt from it, and the block masks and page tables that flex and
-  gather derive in the forward are dropped so the next forward derives them
-  again.
+  (what every paged backend reads); what a backend derives from it (flex's
+  block masks, gather's page tables, varlen's gathered key map) its next
+  forward derives again.
 
 A finished request (and every padding row) keeps its inputs: its last token
 at its last position and slot, inert (it rewrites the same K/V) and never past
@@ -41,8 +40,6 @@ from cudagraph_manager.attention import attention_metadata
 
 from .batch import PagedMetadata
 from .model import PagedDecoder
-from .varlen import VarlenMetadata
-from .varlen_kernels import gathered_key_slots
 
 #: What a finished request's rows of the tokens hold: no token was generated at that step.
 NO_TOKEN: Final = -1
@@ -104,7 +101,7 @@ class PagedAdvance:
     def __call__(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopState) -> None:
         """The whole advance: tokens, ``active``, ``stop``, the next inputs and the backend's metadata."""
         going = self.step_inputs(outputs, inputs, state)
-        advance_metadata(attention_metadata(self.model.backend), going, self.model.layout.page_size)
+        advance_metadata(attention_metadata(self.model.backend), going)
 
     def step_inputs(self, outputs: Tensor, inputs: Mapping[str, Tensor], state: LoopState) -> Tensor:
         """Tokens, ``active``, ``stop`` and the next static inputs; returns ``going [num_reqs]`` bool.
@@ -157,14 +154,14 @@ def _advance_inputs(inputs: Mapping[str, Tensor], sampled: Tensor, going: Tensor
     slot_mapping.copy_(torch.where(going, page * page_size + positions % page_size, slot_mapping))
 
 
-def advance_metadata(meta: object, going: Tensor, page_size: int) -> None:
+def advance_metadata(meta: object, going: Tensor) -> None:
     """Advance a paged backend's metadata by one decode step for the requests in ``going [R]``.
 
     ``PagedMetadata``: ``seq_lens`` and each token's position + 1 (one token
-    per request, so token ``r`` is request ``r``'s). The varlen backend's
-    gathered key map (``cu_seq_k``, ``key_slots``) is rebuilt from them;
-    flex's and gather's per-forward plans are keyed by the forward's context,
-    so the next forward derives them from the advanced metadata.
+    per request, so token ``r`` is request ``r``'s). What a backend derives
+    from them (flex's and gather's plans, varlen's gathered key map) is
+    keyed by the forward's context, so the next forward derives it from the
+    advanced metadata.
     A metadata type without a ``PagedMetadata`` raises ``ValueError``.
     """
     paged = getattr(meta, "paged", None)
@@ -172,10 +169,6 @@ def advance_metadata(meta: object, going: Tensor, page_size: int) -> None:
         raise ValueError(f"meta: expected a paged backend's metadata (with .paged), got {meta!r:.80}")
     paged.seq_lens.add_(going)  # [R] int32
     paged.positions.add_(going)  # [T] int64, T == R
-    if isinstance(meta, VarlenMetadata) and meta.cu_seq_k is not None and meta.key_slots is not None:
-        cu_seq_k, slots = gathered_key_slots(paged.seq_lens, paged.block_table, page_size, paged.max_seq_len)
-        meta.cu_seq_k.copy_(cu_seq_k)
-        meta.key_slots.copy_(slots)
 
 
 def decode_batch(

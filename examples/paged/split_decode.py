@@ -247,6 +247,10 @@ class SplitDecodeAttention(EagerBreakAttention):
             return self._varlen(self._prefill.build_for_capture(shape))
         return self._metadata(self.buffers.views(shape))
 
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The metadata rows a shrinking decode loop moves with its requests (``PagedBuffers``')."""
+        return self.buffers.request_rows()
+
     @staticmethod
     def _varlen(prefill: VarlenMetadata) -> SplitDecodeMetadata:
         return SplitDecodeMetadata(prefill.paged, None, None, prefill=prefill)

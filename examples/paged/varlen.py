@@ -9,8 +9,11 @@ the padding tokens' rows are zeros, so ``max_q`` is at most a request's
 longest context (``max_seq_len``), not the key's token count, and the
 kernel's programs of padding requests return at once; the gathered path
 packs only the real keys (``row_gather``). It reads the pages through the
-block table where the installed torch can, else gathers them first; the
-kernel calls, and the stand-in that runs off CUDA, are ``varlen_kernels``.
+block table where the installed torch can, else gathers them first, its key
+map derived from the metadata once per forward (the first layer's
+attention: a FULL graph rebuilds it on every replay, and a decode loop that
+moves or advances the requests' rows needs nothing else); the kernel calls,
+and the stand-in that runs off CUDA, are ``varlen_kernels``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
-from .backend import EagerBreakAttention
+from .backend import EagerBreakAttention, per_forward
 from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 from .varlen_kernels import PAGED_VARLEN, gathered_key_slots, gathered_varlen, paged_varlen
@@ -41,7 +44,8 @@ class VarlenMetadata:
     capped for a mixed shape at ``paged.max_seq_len`` (a real request's
     queries are some of its keys). ``cu_seq_k``, ``key_slots``:
     ``gathered_key_slots`` of the batch, in buffers of the backend (``None``
-    on the paged path). The host bounds depend on the shape alone.
+    on the paged path), written by the forward that reads them (``derived``
+    notes which forward did). The host bounds depend on the shape alone.
     """
 
     paged: PagedMetadata
@@ -50,6 +54,7 @@ class VarlenMetadata:
     max_q: int
     cu_seq_k: torch.Tensor | None  # [R + 1] int32
     key_slots: torch.Tensor | None  # [R * max_seq_len] int64
+    derived: list[tuple[object, bool]] = dataclasses.field(default_factory=list, compare=False)
 
 
 class VarlenPagedAttention(EagerBreakAttention):
@@ -108,25 +113,22 @@ class VarlenPagedAttention(EagerBreakAttention):
         self._views: Final[dict[BatchShape, VarlenMetadata]] = {}
 
     def build(self, batch: StepBatch, shape: BatchShape, /) -> VarlenMetadata:
-        """``batch`` padded to ``shape``, and on the gathered path its key map (device ops)."""
+        """``batch`` padded to ``shape`` (device ops); the gathered path's key map is the forward's."""
         meta = self._view(self.buffers.fill(batch, shape))
         if shape.query_len is None:  # mixed: padding requests hold no query, padding tokens are zeros
             offsets, real = meta.cu_seq_q, min(batch.num_reqs, shape.num_reqs)
             offsets.copy_(meta.paged.query_start_loc)
             offsets[real + 1 :].copy_(offsets[real].expand(shape.num_reqs - real))
             torch.ge(meta.paged.req_ids[:, None, None], 0, out=meta.real)
-        if meta.cu_seq_k is not None and meta.key_slots is not None:
-            paged = meta.paged
-            cu_seq_k, slots = gathered_key_slots(
-                paged.seq_lens, paged.block_table, self.layout.page_size, paged.max_seq_len
-            )
-            meta.cu_seq_k.copy_(cu_seq_k)
-            meta.key_slots.copy_(slots)
         return meta
 
     def build_for_capture(self, shape: BatchShape, /) -> VarlenMetadata:
         """The buffers of ``shape`` as they are (host only)."""
         return self._view(self.buffers.views(shape))
+
+    def request_rows(self) -> tuple[torch.Tensor, ...]:
+        """The metadata rows a shrinking decode loop moves with its requests (``PagedBuffers``')."""
+        return self.buffers.request_rows()
 
     def _view(self, paged: PagedMetadata) -> VarlenMetadata:
         meta = self._views.get(paged.shape)
@@ -159,14 +161,25 @@ class VarlenPagedAttention(EagerBreakAttention):
         """
         paged = meta.paged
         bounds = (meta.max_q, paged.max_seq_len)
-        if meta.cu_seq_k is None or meta.key_slots is None:
+        cu_seq_k, key_slots = meta.cu_seq_k, meta.key_slots
+        if cu_seq_k is None or key_slots is None:
             result = paged_varlen(q, kv_cache, meta.cu_seq_q, paged.seq_lens, paged.block_table, *bounds)
         else:
-            result = gathered_varlen(q, kv_cache, meta.cu_seq_q, meta.cu_seq_k, meta.key_slots, *bounds)
+            per_forward(meta.derived, lambda: self._key_map(paged, cu_seq_k, key_slots))
+            result = gathered_varlen(q, kv_cache, meta.cu_seq_q, cu_seq_k, key_slots, *bounds)
         if paged.shape.query_len is None:  # mixed: the kernel left the padding tokens' rows unwritten
             torch.where(meta.real, result, self._zero, out=out)
         else:
             out.copy_(result)
+
+    def _key_map(self, paged: PagedMetadata, cu_seq_k: torch.Tensor, key_slots: torch.Tensor) -> bool:
+        """The gathered path's key map of ``paged``, into its buffers (device ops, once per forward)."""
+        offsets, slots = gathered_key_slots(
+            paged.seq_lens, paged.block_table, self.layout.page_size, paged.max_seq_len
+        )
+        cu_seq_k.copy_(offsets)
+        key_slots.copy_(slots)
+        return True
 
 
 def _choose_paged(paged: bool | None, layout: PagedLayout, device: torch.device | str | None) -> bool:

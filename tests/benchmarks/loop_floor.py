@@ -12,7 +12,7 @@ times by every variant below, interleaved round by round (``interleave``):
 - ``unrolled``: one torch graph of ``N`` copies of it (nothing between
   iterations: the device's floor);
 - ``device_loop``: the project's ``DeviceLoop`` (WHILE over the body as a
-  child graph, then the ``loop_next`` kernel);
+  child graph, then the ``loop_check`` kernel: ``LoopPolicy.check_every`` steps an iteration);
 - ``while_child_uU``: a WHILE node built here whose body graph is the torch
   graph of ``U`` copies of the body and ``steps += 1`` as a child graph node,
   then a condition kernel (``steps < limit``);
@@ -60,7 +60,8 @@ from typing import TYPE_CHECKING, Final
 import torch
 
 from cudagraph_capture import DeviceLoop, LoopKind
-from cudagraph_capture._conditional import _PRELUDES, _compile
+from cudagraph_capture._conditional import _compile
+from cudagraph_capture._kernels import PRELUDES
 from cudagraph_capture._loop import TorchGraphs
 from tests.benchmarks.support import Interleaved, Spread, interleave, plain_graph
 
@@ -112,7 +113,7 @@ class _Driver:
         nvrtc = importlib.import_module("cuda.bindings.nvrtc")
         torch.cuda.current_stream().query()  # a runtime call: the primary context is current
         errors = []
-        for prelude in _PRELUDES:
+        for prelude in PRELUDES:
             try:
                 image = _compile(nvrtc, _CONDITION.format(prelude=prelude).encode(), _capability())
                 break

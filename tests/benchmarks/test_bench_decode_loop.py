@@ -213,6 +213,7 @@ def test_bench_decode_loop_tokens_per_second(benchmark: BenchmarkFixture, preset
     }
     record_interleaved(info, result, ratios, medians=False)
     info.update({"steps": setup.steps, "num_reqs": num_reqs, "layers": setup.model.config.num_layers})
+    info["while_over_floor_target"] = 1.02
 
 
 def _check_same_tokens(

@@ -9,11 +9,9 @@ eager loop, bit for bit, for every kind; memory; streams; two loops.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import types
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -29,17 +27,12 @@ from cudagraph_capture import (
     LoopPolicy,
     set_capture_enabled,
 )
-from cudagraph_capture._conditional import (
-    LoopCells,
-    LoopUnavailableError,
-    RecordedGraph,
-    compile_kernels,
-    open_conditional,
-)
+from cudagraph_capture._conditional import LoopUnavailableError, compile_kernels, open_conditional
 from cudagraph_capture._loop import LoopSpec, build_loop
 from cudagraph_capture.lowlevel import LoopFallback, loop_fallback_counts
 from cudagraph_dispatch import BatchDescriptor
 from tests.capture.helpers import sleep_gpu
+from tests.capture.loop_fakes import FakeConditional, FakeGraphs, FakeLoop
 from tests.test_readmes import python_blocks
 
 MAX_STEPS: Final = 12
@@ -143,103 +136,6 @@ def assert_like(loop: DeviceLoop, decoder: Decoder, steps: int, state: tuple[tor
         assert torch.equal(got, want), name
 
 
-# ---------------------------------------------------------------------------
-# Fakes: graphs that run their work eagerly, a WHILE layer in Python
-# ---------------------------------------------------------------------------
-
-
-class FakeGraph:
-    def __init__(self, work: Callable[[], object]) -> None:
-        self.work = work
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.work()
-
-    def raw_cuda_graph(self) -> int:
-        return id(self)
-
-
-class FakeGraphs:
-    """A ``LoopGraphs`` whose graphs run eagerly on the CPU; it says what was recorded and what lives."""
-
-    def __init__(self, *, fail: Exception | None = None) -> None:
-        self.fail = fail
-        self.in_session = False
-        self.warm_ups = 0
-        self.recorded: list[tuple[weakref.ref[FakeGraph], bool]] = []
-
-    @property
-    def device(self) -> int:
-        return 0
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        assert not self.in_session
-        self.in_session = True
-        try:
-            yield
-        finally:
-            self.in_session = False
-
-    def warm_up(self, work: Callable[[], object]) -> None:
-        assert self.in_session
-        self.warm_ups += 1
-        work()
-
-    def record(self, work: Callable[[], object], *, instantiate: bool) -> RecordedGraph:
-        assert self.in_session
-        if self.fail is not None:
-            raise self.fail
-        graph = FakeGraph(work)
-        self.recorded.append((weakref.ref(graph), instantiate))
-        return graph
-
-    def live(self) -> int:
-        return sum(ref() is not None for ref, _ in self.recorded)
-
-    def replays(self) -> int:
-        return sum(graph.replays for ref, _ in self.recorded if (graph := ref()) is not None)
-
-
-class FakeWhile:
-    """The loop graph's rule: loop_start; do { body; loop_next } while (steps < limit && !stop)."""
-
-    def __init__(self, body: RecordedGraph, cells: LoopCells) -> None:
-        self.body = body
-        self.cells = cells
-
-    def launch(self) -> None:
-        cells = self.cells
-        cells.steps.zero_()
-        while True:
-            self.body.replay()
-            cells.steps.add_(1)
-            if not (int(cells.steps) < int(cells.limit) and int(cells.stop) == 0):
-                return
-
-
-class FakeConditional:
-    """The loader and the layer at once: ``unavailable`` refuses to load, ``refuse_build`` to build."""
-
-    def __init__(self, unavailable: LoopFallback | None = None, *, refuse_build: bool = False) -> None:
-        self.unavailable = unavailable
-        self.refuse_build = refuse_build
-        self.loads = 0
-
-    def __call__(self, device: int) -> FakeConditional:
-        self.loads += 1
-        if self.unavailable is not None:
-            raise LoopUnavailableError(self.unavailable, "the fake says no")
-        return self
-
-    def build(self, body: RecordedGraph, cells: LoopCells) -> FakeWhile:
-        if self.refuse_build:
-            raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, "the fake driver refused the body")
-        return FakeWhile(body, cells)
-
-
 def fake_loop(
     decoder: Decoder,
     *,
@@ -248,8 +144,10 @@ def fake_loop(
     max_steps: int = MAX_STEPS,
     unroll: int = 4,
     kind: LoopKind | None = None,
+    check_every: int = 4,
 ) -> DeviceLoop:
-    spec = LoopSpec.checked(decoder.body, decoder.stop, max_steps, LoopPolicy(kind, unroll), KEY)
+    policy = LoopPolicy(kind, unroll, check_every)
+    spec = LoopSpec.checked(decoder.body, decoder.stop, max_steps, policy, KEY)
     return build_loop(spec, graphs or FakeGraphs(), conditional or FakeConditional())
 
 
@@ -292,6 +190,37 @@ def test_a_launch_may_run_fewer_steps_than_captured(kind: LoopKind | None, limit
     steps, state = expected(decoder, float("inf"), MAX_STEPS)  # and the full count again after it
     loop.launch()
     assert_like(loop, decoder, steps, state)
+
+
+@pytest.mark.parametrize("check_every", [1, 2, 3, 4, 5, 12, 20])
+@pytest.mark.parametrize("stop_at", [1, 2, 5, 8, 11, MAX_STEPS, None])
+@pytest.mark.parametrize("limit", [1, 4, 7, MAX_STEPS])
+def test_a_while_loop_checking_every_k_steps_runs_the_eager_loop(
+    check_every: int, stop_at: int | None, limit: int
+) -> None:
+    """The steps after stop run masked and count nothing; the limit is never passed, whatever k."""
+    decoder = Decoder(CPU)
+    conditional = FakeConditional()
+    loop = fake_loop(decoder, conditional=conditional, check_every=check_every)
+    steps, state = expected(decoder, decoder.threshold_for(stop_at), limit)
+    loop.launch(limit)
+    assert_like(loop, decoder, steps, state)
+    (built,) = conditional.built
+    assert isinstance(built, FakeLoop)
+    every = min(check_every, MAX_STEPS)
+    assert built.plan.every == every
+    assert built.iterations == _while_iterations(every, limit, stop_at)
+
+
+def _while_iterations(every: int, limit: int, stop_at: int | None) -> int:
+    """A check per ``every`` steps while they fit under the limit and none set stop, then one per step."""
+    iterations = done = 0
+    while done + every <= limit:
+        iterations, done = iterations + 1, done + every
+        if stop_at is not None and stop_at <= done:
+            return iterations  # stopped in this iteration: its later steps ran masked
+    taken = limit if stop_at is None else min(stop_at, limit)
+    return iterations + taken - done
 
 
 @pytest.mark.parametrize(
@@ -456,6 +385,9 @@ def test_bad_arguments_raise_value_error_naming_them(changes: dict[str, object],
         ({"unroll": True}, "unroll"),
         ({"unroll": 2.0}, "unroll"),
         ({"kind": "while"}, "kind"),
+        ({"check_every": 0}, "check_every"),
+        ({"check_every": True}, "check_every"),
+        ({"check_every": 65}, "check_every"),
     ],
 )
 def test_a_bad_loop_policy_raises_value_error_naming_the_field(fields: dict[str, object], named: str) -> None:
@@ -568,8 +500,19 @@ def test_the_condition_kernels_compile_for_the_devices_architecture() -> None:
     assert compile_kernels(nvrtc, (9, 0)) == b"    "
     assert options == [[b"--gpu-architecture=sm_90"]]
     (source,) = nvrtc.sources
-    for needed in (b"loop_start", b"loop_next", b"cudaGraphSetConditional", b"taken < limit[0] && !stopped"):
-        assert needed in source
+    needed = (
+        b"loop_begin",
+        b"loop_count",
+        b"loop_check",
+        b"loop_tail",
+        b"loop_choose",
+        b"loop_restore",
+        b"choose_replay",
+        b"cudaGraphSetConditional",
+        b"c[RUNNING] && c[STEPS] + every <= c[LIMIT]",
+    )
+    for name in needed:
+        assert name in source
 
 
 # ---------------------------------------------------------------------------
@@ -587,12 +530,13 @@ def captured(
     kind: LoopKind | None = None,
     unroll: int = 8,
     options: CaptureOptions | None = None,
+    check_every: int = 4,
 ) -> DeviceLoop:
     loop = DeviceLoop.capture(
         decoder.body,
         stop=decoder.stop,
         max_steps=MAX_STEPS,
-        policy=LoopPolicy(kind, unroll),
+        policy=LoopPolicy(kind, unroll, check_every),
         options=options,
         descriptor=KEY,
     )
@@ -608,11 +552,14 @@ def captured(
     "kind", [None, LoopKind.UNROLLED, LoopKind.HOST_LOOP], ids=["while", "unrolled", "host"]
 )
 @pytest.mark.parametrize("stop_dtype", [torch.bool, torch.int32], ids=["bool", "int32"])
+@pytest.mark.parametrize("check_every", [1, 4, 5], ids=["every1", "every4", "every5"])
 def test_gpu_loop_is_bit_identical_to_the_eager_loop(
-    kind: LoopKind | None, stop_at: int | None, stop_dtype: torch.dtype
+    kind: LoopKind | None, stop_at: int | None, stop_dtype: torch.dtype, check_every: int
 ) -> None:
+    if kind is not None and check_every != 4:
+        pytest.skip("check_every is the WHILE loop's")
     decoder = Decoder(cuda(), stop_dtype=stop_dtype, batch=8, dim=256)
-    loop = captured(decoder, kind=kind, unroll=5)
+    loop = captured(decoder, kind=kind, unroll=5, check_every=check_every)
     threshold = decoder.threshold_for(stop_at)
     steps, state = expected(decoder, threshold, MAX_STEPS)
     assert steps == (stop_at or MAX_STEPS)
@@ -628,7 +575,7 @@ def test_gpu_loop_is_bit_identical_to_the_eager_loop(
 )
 def test_gpu_loop_replays_many_times_with_refilled_inputs(kind: LoopKind | None) -> None:
     decoder = Decoder(cuda(), batch=8, dim=256)
-    loop = captured(decoder, kind=kind, unroll=4)
+    loop = captured(decoder, kind=kind, unroll=4, check_every=3)
     generator = torch.Generator().manual_seed(7)
     for round_ in range(20):
         x0 = torch.randn(decoder.x0.shape, generator=generator).to(decoder.device)

@@ -338,4 +338,6 @@ def test_gpu_a_captured_loop_counts_its_steps_on_the_device() -> None:
     stats = manager.stats
     assert (stats.loop_steps, stats.host_loop_steps) == (result.steps, 0)
     assert stats.num_replays == stats.eager_steps == 0
-    assert stats.padded_tokens == result.steps
+    assert sum(stats.device_loop_steps.values()) == result.steps
+    # 3 requests pad to the key of 4 (one row a step); a smaller key, once some finished, pads none.
+    assert stats.padded_tokens == stats.device_loop_steps[4]

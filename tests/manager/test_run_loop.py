@@ -1,8 +1,9 @@
 """``run_loop``: many decode steps per call, on the device where the loop was captured, else on the host.
 
 A toy decoder whose next token is a function of its current token and its
-request's scale (``ToyDecoder``); its advance writes the next token, clears
-a request at its end token, and sets stop when none is active. Every path
+request's scale (``ToyDecoder``); its advance writes the next token (-1 for a
+finished request, as the loop's contract asks), clears a request at its end
+token, and sets stop when none is active. Every path
 (eager on the CPU, one-step graphs replayed by the fake engines, the device
 loop on a GPU in each ``LoopKind``) must give the tokens of a plain Python
 loop over the same rule.
@@ -25,6 +26,8 @@ from tests.manager.helpers import BACKENDS, Backend, config_for
 M: Final = CUDAGraphMode
 VOCAB: Final = 97
 EOS: Final = 0
+#: A finished request's token at the steps after its last.
+FINISHED: Final = -1
 MAX_STEPS: Final = 12
 INPUTS: Final[Mapping[str, StaticInput]] = {
     "ids": StaticInput((), torch.int64, "tokens", pad_value=1),
@@ -41,21 +44,22 @@ class ToyDecoder(nn.Module):
 
 
 def advance(logits: torch.Tensor, inputs: Mapping[str, torch.Tensor], state: LoopState) -> None:
-    """Greedy: the next ids; a request is done after its end token; finished requests repeat EOS."""
-    nxt = torch.where(state.active, logits.argmax(-1), EOS)  # [R]
-    state.tokens.index_copy_(0, state.step.view(1), nxt[None])
-    inputs["ids"].copy_(nxt)
-    state.active.logical_and_(nxt != EOS)
-    torch.logical_not(state.active.any(), out=state.stop)
+    """Greedy: the next ids; a request is done after its end token; a finished request's tokens are -1."""
+    live = state.active  # [R]
+    nxt = logits.argmax(-1)  # [R]
+    state.tokens.index_copy_(0, state.step.view(1), torch.where(live, nxt, FINISHED)[None])
+    inputs["ids"].copy_(torch.where(live, nxt, inputs["ids"]))  # a finished request keeps its input
+    live.logical_and_(nxt != EOS)
+    torch.logical_not(live.any(), out=state.stop)
 
 
 def python_loop(ids: list[int], scale: list[int], steps: int) -> list[list[int]]:
     rows, active = [], [True] * len(ids)
     for _ in range(steps):
-        nxt = [(i * s + 7) % VOCAB if a else EOS for i, s, a in zip(ids, scale, active, strict=True)]
-        rows.append(nxt)
+        nxt = [(i * s + 7) % VOCAB for i, s in zip(ids, scale, strict=True)]
+        rows.append([n if a else FINISHED for n, a in zip(nxt, active, strict=True)])
+        ids = [n if a else i for n, i, a in zip(nxt, ids, active, strict=True)]
         active = [a and n != EOS for a, n in zip(active, nxt, strict=True)]
-        ids = nxt
         if not any(active):
             break
     return rows

@@ -1,18 +1,42 @@
-"""A WHILE loop graph built with the CUDA driver, through cuda-bindings: the loop engine's device layer.
+"""Loop and choice graphs built with the CUDA driver, through cuda-bindings: the loop engine's device layer.
 
-From a body graph that torch captured into the graph pool and the loop's
-device scalars (``_loop``), this layer builds one graph that runs the body
-until the condition says stop::
+From body graphs that torch captured into the graph pool and the loop's
+device cells (``_loop``), this layer builds one graph per loop. A loop of
+one body, ``every`` steps per iteration of its first WHILE node::
 
-    loop_start(steps)                    steps = 0
-    WHILE handle (1 on every launch):    the body runs once before the first check
-        child graph: the body            a clone of torch's graph: its nodes, not its memory
-        loop_next(handle, steps, ...)    steps += 1; handle = steps < limit && !stop
+    loop_begin(h1)                         steps = 0, running = 1; h1 = limit >= every
+    WHILE h1:                              (only where every > 1)
+        body, loop_count, body, ... body   `every` clones of the body, each step counted
+        loop_check(h1)                     h1 = running && steps + every <= limit
+    loop_tail(h2)                          h2 = running && steps < limit
+    WHILE h2:                              the steps left under the limit, one an iteration
+        body
+        loop_check(h2)
 
-``load_conditional`` imports cuda-bindings and compiles the condition kernels
-(NVRTC, once per device); whatever makes a WHILE loop impossible raises
-``LoopUnavailableError`` with a ``LoopFallback`` reason. The protocols
-``_Driver`` and ``_Nvrtc`` type the calls made here, with the CUDA API's names.
+A step counts while no step before it set ``stop`` (``running``); the steps
+after it in the same iteration run masked and count nothing, so the stop is
+checked every ``every`` steps and the limit is never passed. A shrinking
+loop (``RowTables``) has several bodies, one per row count (ascending), and
+each iteration starts with ``loop_choose``: the active rows move to the
+front in order (a stable partition of every row buffer), and the smallest
+body that holds them runs, chosen on the device by a SWITCH node, or an IF
+node per body where the driver or the bindings have no SWITCH; the body is
+a WHILE node of its own that stays on it while it still holds the active
+rows (nested; flat, a choice every iteration, where the driver refuses it)::
+
+        loop_choose(hs)                    partition; the branch of the live count
+        SWITCH hs: {loop_enter(hi); WHILE hi: {body_i, loop_count, ... body_i, loop_stay(hi)}}
+        loop_check(h)                      (flat: {body_i, loop_count, ... body_i})
+
+and after both WHILE nodes ``loop_restore`` puts each step's history back in
+the launch's row order. ``choose_replay`` alone in front of a SWITCH (or IF
+nodes) over plain graphs is a replay chosen on the device (``ReplayPlan``).
+All kernels are one NVRTC module, compiled once per device.
+
+``load_conditional`` imports cuda-bindings and compiles the kernels;
+whatever makes a WHILE loop impossible raises ``LoopUnavailableError`` with
+a ``LoopFallback`` reason. The protocols ``_Driver`` and ``_Nvrtc`` type the
+calls made here, with the CUDA API's names.
 """
 
 # ruff: noqa: N802, N815  (the protocols spell the CUDA API's names)
@@ -24,39 +48,27 @@ import ctypes
 import dataclasses
 import enum
 import importlib
+import struct
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol, SupportsInt, TypeVar, cast
+from typing import Final, Literal, Protocol, SupportsInt, TypeAlias, TypeVar, cast
 
 import torch
 
+from ._kernels import KERNELS, LIMIT, NUM_COUNTERS, PRELUDES, SOURCE, STEPS
+
 #: The oldest driver (``cuDriverGetVersion``) whose WHILE nodes take a default launch value.
 MIN_DRIVER_VERSION: Final = 12040
-
-#: The condition kernels; ``{prelude}`` declares the handle type where NVRTC does not.
-_SOURCE: Final = r"""{prelude}
-extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
-    cudaGraphConditionalHandle handle, unsigned int value);
-
-// Before the loop: no iteration has run yet.
-extern "C" __global__ void loop_start(long long *steps) {{ steps[0] = 0; }}
-
-// After each iteration (ordered after the whole body by the graph's edge): count it,
-// and run another while the count is under the limit and the body has not set stop.
-extern "C" __global__ void loop_next(cudaGraphConditionalHandle handle, long long *steps,
-                                     const long long *limit, const void *stop, int stop_bytes) {{
-  long long taken = steps[0] + 1;
-  steps[0] = taken;
-  bool stopped = stop_bytes == 4 ? *(const int *)stop != 0 : *(const unsigned char *)stop != 0;
-  cudaGraphSetConditional(handle, taken < limit[0] && !stopped ? 1u : 0u);
-}}
-"""
-#: NVRTC of CUDA 12.4+ knows ``cudaGraphConditionalHandle``; older ones need the typedef.
-_PRELUDES: Final = ("", "typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;")
+#: The oldest driver with SWITCH conditional nodes; before it, a choice is an IF node per body.
+MIN_SWITCH_DRIVER_VERSION: Final = 12080
+#: The most rows a shrinking loop keeps in order (its kernels hold a row's worth in shared memory).
+MAX_CHOICE_ROWS: Final = 2048
 
 Status = SupportsInt  # a CUresult or nvrtcResult: 0 is success
 T = TypeVar("T")
+#: How a graph chooses among its bodies on the device: one SWITCH node, or an IF node per body.
+Choice: TypeAlias = Literal["switch", "if_chain"]
 
 
 class LoopFallback(enum.Enum):
@@ -70,7 +82,7 @@ class LoopFallback(enum.Enum):
 
 
 class LoopUnavailableError(Exception):
-    """A WHILE loop cannot be built here: ``reason``, and ``detail`` in words."""
+    """A WHILE loop (or a choice) cannot be built here: ``reason``, and ``detail`` in words."""
 
     def __init__(self, reason: LoopFallback, detail: str) -> None:
         super().__init__(f"{reason.value}: {detail}")
@@ -80,17 +92,61 @@ class LoopUnavailableError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LoopCells:
-    """The device scalars of one loop, allocated outside the graph pool and kept by the loop.
+    """The device cells of loops, allocated outside the graph pool, kept by every loop that uses them.
 
-    ``steps``: ``[]`` int64, the iterations run by the current launch (the
-    body's iteration index while it runs). ``limit``: ``[]`` int64, this
-    launch's step limit. ``stop``: ``[]`` bool or int32, the caller's flag
-    that the body sets when every request is done.
+    ``counters``: ``[NUM_COUNTERS]`` int64 (``STEPS``, ``LIMIT``, ``RUNNING``,
+    ...); ``steps`` (the steps run by the current launch: the body's step
+    index while it runs) and ``limit`` are ``[]`` views of it. ``stop``:
+    ``[]`` bool or int32, the caller's flag that the body sets when every
+    request is done. Loops that share cells run one at a time.
     """
 
+    counters: torch.Tensor
     steps: torch.Tensor
     limit: torch.Tensor
     stop: torch.Tensor
+
+    @staticmethod
+    def new(stop: torch.Tensor, max_steps: int) -> LoopCells:
+        counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=stop.device)
+        counters[LIMIT] = max_steps
+        return LoopCells(counters, counters[STEPS], counters[LIMIT], stop)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class RowTables:
+    """A shrinking loop's device tables (``_loop`` allocates them, outside the graph pool).
+
+    ``sizes`` ``[n]`` int64: each body's rows, ascending. ``active`` ``[rows]``
+    bool: the caller's flags. ``buffers``: the caller's row buffers (dim 0 the
+    row, each row contiguous), moved with the rows. ``scratch``: uint8, a
+    buffer's worth of rows. ``order`` ``[rows]`` int32: each row's row at the
+    launch's start. ``orders`` ``[max_epochs, rows]`` int32, ``epoch_steps``
+    ``[max_epochs]`` int64, ``epoch_rows`` ``[max_epochs]`` int32: the epochs
+    of a launch. ``branch_steps`` ``[n]`` int64: the steps each body ran.
+    ``history`` ``[steps, >= rows]`` int64 whose columns are rows, restored
+    to the launch's order after it; ``fill``: its value for rows not computed.
+    """
+
+    sizes: torch.Tensor
+    active: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
+    scratch: torch.Tensor
+    order: torch.Tensor
+    orders: torch.Tensor
+    epoch_steps: torch.Tensor
+    epoch_rows: torch.Tensor
+    branch_steps: torch.Tensor
+    history: torch.Tensor
+    fill: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.active.shape[0])
+
+    @property
+    def max_epochs(self) -> int:
+        return int(self.orders.shape[0])
 
 
 class RecordedGraph(Protocol):
@@ -101,17 +157,53 @@ class RecordedGraph(Protocol):
     def raw_cuda_graph(self) -> int: ...
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class LoopPlan:
+    """What one loop graph holds: its bodies (ascending rows; one: no choice), cells, steps per iteration.
+
+    ``every``: the steps an iteration of the first WHILE node runs (1: a
+    single WHILE node of one step an iteration). ``rows``: a shrinking
+    loop's tables (``None`` for one body).
+    """
+
+    bodies: tuple[RecordedGraph, ...]
+    cells: LoopCells
+    every: int
+    rows: RowTables | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ReplayPlan:
+    """A replay chosen on the device: ``graphs`` (ascending ``sizes``, ``[n]`` int64), ``live`` ``[]``
+    int32 or int64 (the count to hold), ``chosen`` ``[]`` int64 (the index replayed; -1: none)."""
+
+    graphs: tuple[RecordedGraph, ...]
+    sizes: torch.Tensor
+    live: torch.Tensor
+    chosen: torch.Tensor
+
+
 class WhileGraph(Protocol):
-    """An instantiated loop graph: ``launch()`` queues it on the current stream of its device."""
+    """An instantiated graph: ``launch()`` queues it on the current stream of its device.
+
+    ``choice``: how it chooses among several bodies (``None``: it has one).
+    """
+
+    @property
+    def choice(self) -> Choice | None: ...
 
     def launch(self) -> None: ...
 
 
 class ConditionalLoops(Protocol):
-    """Builds loop graphs on one device (``CudaConditional``, or a test's fake)."""
+    """Builds loop and choice graphs on one device (``CudaConditional``, or a test's fake)."""
 
-    def build(self, body: RecordedGraph, cells: LoopCells) -> WhileGraph:
-        """The loop of ``body`` over ``cells``; ``LoopUnavailableError`` if the driver refuses it."""
+    def build(self, plan: LoopPlan) -> WhileGraph:
+        """The loop of ``plan``; ``LoopUnavailableError`` if the driver refuses it."""
+        ...
+
+    def build_replay(self, plan: ReplayPlan) -> WhileGraph:
+        """The replay chosen on the device of ``plan``; ``LoopUnavailableError`` if the driver refuses it."""
         ...
 
 
@@ -153,10 +245,6 @@ class _NodeTypes(Protocol):
     CU_GRAPH_NODE_TYPE_CONDITIONAL: object
 
 
-class _ConditionalTypes(Protocol):
-    CU_GRAPH_COND_TYPE_WHILE: object
-
-
 #: ``cuGraphAddNode`` with edge data: (graph, dependencies, edge data, count, params) -> node.
 _AddNode = Callable[[object, Sequence[object], None, int, _NodeParams], tuple[Status, object]]
 
@@ -164,7 +252,7 @@ _AddNode = Callable[[object, Sequence[object], None, int, _NodeParams], tuple[St
 class _Driver(Protocol):  # cuda.bindings.driver
     CU_GRAPH_COND_ASSIGN_DEFAULT: int
     CUgraphNodeType: _NodeTypes
-    CUgraphConditionalNodeType: _ConditionalTypes
+    CUgraphConditionalNodeType: object  # CU_GRAPH_COND_TYPE_WHILE, _IF, _SWITCH (12.8+): read by name
 
     def CUgraphNodeParams(self) -> _NodeParams: ...
     def CUDA_KERNEL_NODE_PARAMS(self) -> _KernelNodeParams: ...
@@ -232,12 +320,11 @@ def _done(what: str, result: tuple[Status]) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Kernels:
-    """The condition kernels, loaded into the device's primary context for the life of the process."""
+    """The kernels, loaded into the device's primary context for the life of the process."""
 
     ctx: object
     module: object
-    start: object
-    next: object
+    functions: dict[str, object]
 
 
 def open_conditional(
@@ -267,7 +354,8 @@ def open_conditional(
         kernels = _load_kernels(driver, image, device)
     except Exception as error:  # an error status, or bindings whose API differs
         raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
-    return CudaConditional(driver, add_node, kernels, device)
+    switch = version >= MIN_SWITCH_DRIVER_VERSION and _node_kind(driver, "SWITCH") is not None
+    return CudaConditional(driver, add_node, kernels, device, switch=switch)
 
 
 def _bindings(import_module: Callable[[str], object]) -> tuple[_Driver, _Nvrtc, _AddNode]:
@@ -291,12 +379,17 @@ def _bindings(import_module: Callable[[str], object]) -> tuple[_Driver, _Nvrtc, 
     return driver, nvrtc, cast(_AddNode, add_node)
 
 
+def _node_kind(driver: _Driver, kind: str) -> object | None:
+    """The bindings' ``CU_GRAPH_COND_TYPE_{kind}`` (WHILE, IF, SWITCH), or ``None`` where they lack it."""
+    return getattr(getattr(driver, "CUgraphConditionalNodeType", None), f"CU_GRAPH_COND_TYPE_{kind}", None)
+
+
 def compile_kernels(nvrtc: _Nvrtc, capability: tuple[int, int]) -> bytes:
-    """The condition kernels as a cubin for ``sm_{major}{minor}``; ``LoopUnavailableError`` if NVRTC fails."""
+    """The kernels as a cubin for ``sm_{major}{minor}``; ``LoopUnavailableError`` if NVRTC fails."""
     errors = []
-    for prelude in _PRELUDES:
+    for prelude in PRELUDES:
         try:
-            return _compile(nvrtc, _SOURCE.format(prelude=prelude).encode(), capability)
+            return _compile(nvrtc, SOURCE.format(prelude=prelude).encode(), capability)
         except Exception as error:  # an error status, or bindings whose API differs
             errors.append(_why(error))
     raise LoopUnavailableError(LoopFallback.NVRTC_FAILED, " | ".join(errors))
@@ -325,9 +418,11 @@ def _load_kernels(driver: _Driver, image: bytes, device: int) -> _Kernels:
         torch.cuda.current_stream(device).query()  # a runtime call: the primary context is current here
         ctx = _value("cuCtxGetCurrent", driver.cuCtxGetCurrent())
         module = _value("cuModuleLoadData", driver.cuModuleLoadData(image))
-    start = _value("cuModuleGetFunction(loop_start)", driver.cuModuleGetFunction(module, b"loop_start"))
-    next_ = _value("cuModuleGetFunction(loop_next)", driver.cuModuleGetFunction(module, b"loop_next"))
-    return _Kernels(ctx, module, start, next_)
+    functions = {
+        name: _value(f"cuModuleGetFunction({name})", driver.cuModuleGetFunction(module, name.encode()))
+        for name in KERNELS
+    }
+    return _Kernels(ctx, module, functions)
 
 
 _layers: Final[dict[int, CudaConditional | LoopUnavailableError]] = {}
@@ -353,104 +448,411 @@ def load_conditional(device: int) -> CudaConditional:
 
 
 # ---------------------------------------------------------------------------
-# Building and launching a loop
+# Building and launching a graph
 # ---------------------------------------------------------------------------
+
+_Arg: TypeAlias = ctypes.c_uint64 | ctypes.c_void_p | ctypes.c_int | ctypes.c_longlong
+#: A kernel node's launch shape: (blocks, threads per block, dynamic shared memory bytes).
+_ONE_THREAD: Final = (1, 1, 0)
+
+
+def _ptr(tensor: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if tensor is None else tensor.data_ptr())
+
+
+def _threads(rows: int) -> int:
+    """A block for ``rows`` rows: whole warps, at most 1024 threads."""
+    return min(1024, max(32, -(-rows // 32) * 32))
 
 
 class CudaConditional:
-    """Builds WHILE loop graphs on one device (a ``ConditionalLoops``)."""
+    """Builds loop and choice graphs on one device (a ``ConditionalLoops``).
 
-    __slots__ = ("_add_node", "_device", "_driver", "_kernels")
+    ``switch``: the driver and the bindings have SWITCH nodes (else a choice
+    is an IF node per body). Every graph is instantiated from a template
+    destroyed once instantiated (the executable is a copy); the recorded
+    bodies must outlive the result (its nodes use their pool memory), and
+    so must the cells and tables (their addresses are baked in).
+    """
 
-    def __init__(self, driver: _Driver, add_node: _AddNode, kernels: _Kernels, device: int) -> None:
+    __slots__ = ("_add_node", "_device", "_driver", "_kernels", "switch")
+
+    def __init__(
+        self, driver: _Driver, add_node: _AddNode, kernels: _Kernels, device: int, *, switch: bool
+    ) -> None:
         self._driver: Final = driver
         self._add_node: Final = add_node
         self._kernels: Final = kernels
         self._device: Final = device
+        self.switch: Final = switch
 
-    def build(self, body: RecordedGraph, cells: LoopCells) -> CudaWhileGraph:
-        """The loop of ``body`` over ``cells``, instantiated; ``LoopUnavailableError`` if the driver refuses.
+    def build(self, plan: LoopPlan) -> CudaWhileGraph:
+        """The loop of ``plan``, instantiated; ``LoopUnavailableError`` if the driver refuses it.
 
-        The template graph is destroyed once instantiated (the executable is a
-        copy); ``body`` must outlive the result (its memory is the pool's, held
-        by the torch graph), and so must the cells (their addresses are baked in).
+        A choice is a SWITCH node where the driver has one, else (or where it
+        refused the SWITCH) an IF node per body.
         """
+        if plan.rows is None:
+            return self._instantiate(None, False, lambda nodes: nodes.loop(plan))
+        return self._first_built(lambda nodes: nodes.loop(plan), nested=True)
+
+    def build_replay(self, plan: ReplayPlan) -> CudaWhileGraph:
+        """The replay chosen on the device of ``plan``; ``LoopUnavailableError`` if the driver refuses it."""
+        return self._first_built(lambda nodes: nodes.replay(plan), nested=False)
+
+    def _first_built(self, fill: Callable[[_GraphNodes], None], *, nested: bool) -> CudaWhileGraph:
+        """A graph choosing with SWITCH where there is one, else (or refused) with IF nodes; each
+        branch a WHILE node of its own where ``nested`` (and the driver builds it), else flat."""
+        choices: tuple[Choice, ...] = ("switch", "if_chain") if self.switch else ("if_chain",)
+        shapes = (True, False) if nested else (False,)
+        refused: list[str] = []
+        for choice in choices:
+            for inner in shapes:
+                try:
+                    return self._instantiate(choice, inner, fill)
+                except LoopUnavailableError as error:
+                    refused.append(f"{choice}{' nested' if inner else ''}: {error.detail}")
+        raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, "; ".join(refused))
+
+    def _instantiate(
+        self, choice: Choice | None, nested: bool, fill: Callable[[_GraphNodes], None]
+    ) -> CudaWhileGraph:
+        """A template filled by ``fill``, instantiated, destroyed; ``LoopUnavailableError`` if refused."""
         driver = self._driver
         graph = _value("cuGraphCreate", driver.cuGraphCreate(0))
+        nodes = _GraphNodes(driver, self._add_node, self._kernels, graph, (choice, nested))
         try:
-            self._add_loop(graph, body, cells)
+            fill(nodes)
             graph_exec = _value("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
         except Exception as error:  # an error status, or bindings whose API differs
             raise LoopUnavailableError(LoopFallback.DRIVER_REFUSED, _why(error)) from error
         finally:
-            driver.cuGraphDestroy(graph)  # the conditional node's body graph goes with it
-        return CudaWhileGraph(driver, graph_exec, self._device)
+            driver.cuGraphDestroy(graph)  # the conditional nodes' body graphs go with it
+        return CudaWhileGraph(driver, graph_exec, self._device, choice, tuple(nodes.tables), nested=nested)
 
-    def _add_loop(self, graph: object, body: RecordedGraph, cells: LoopCells) -> None:
-        """``loop_start`` -> WHILE { the body as a child graph -> ``loop_next`` }, into ``graph``."""
-        driver, kernels = self._driver, self._kernels
-        start = self._kernel_node(graph, None, kernels.start, [ctypes.c_void_p(cells.steps.data_ptr())])
-        # 1 at every launch (ASSIGN_DEFAULT): the body runs once before loop_next first decides.
-        handle = _value(
+
+class _GraphNodes:
+    """Fills one template graph: the loop's or the replay's nodes, choosing by ``choice``.
+
+    ``shape``: the choice (``None``: a loop of one body) and whether each
+    branch of a shrinking loop's first WHILE node is a WHILE node of its own
+    (``nested``: it stays on its body while that still fits, so the choice
+    runs only where the body changes; else the choice runs every
+    iteration). ``tables``: the device tables the kernels' arguments point
+    to (kept by the executable); ``_params``: the host structures the driver
+    wrote the body graphs into, alive until the template is instantiated.
+    """
+
+    __slots__ = ("_add_node", "_choice", "_driver", "_kernels", "_nested", "_params", "graph", "tables")
+
+    def __init__(
+        self,
+        driver: _Driver,
+        add_node: _AddNode,
+        kernels: _Kernels,
+        graph: object,
+        shape: tuple[Choice | None, bool],
+    ) -> None:
+        self._driver: Final = driver
+        self._add_node: Final = add_node
+        self._kernels: Final = kernels
+        self._choice: Final = shape[0]
+        self._nested: Final = shape[1]
+        self._params: Final[list[object]] = []
+        self.graph: Final = graph
+        self.tables: Final[list[torch.Tensor]] = []
+
+    # -- what a graph holds --
+
+    def loop(self, plan: LoopPlan) -> None:
+        """``loop_begin``, [a WHILE of ``every`` steps, ``loop_tail``], a WHILE of one, ``loop_restore``.
+
+        Nested, the first WHILE node runs whatever ``every`` is (its bodies' own
+        WHILE nodes keep the count of each step), and a tail only where
+        ``every`` > 1.
+        """
+        graph, counters, rows = self.graph, plan.cells.counters, plan.rows
+        nested = self._nested and rows is not None
+        # The WHILE node of `every` steps an iteration (nested: of the bodies' own WHILE nodes), then
+        # the WHILE node of one step (the steps left under the limit; every step of a flat k = 1 loop).
+        main = self._handle(graph) if plan.every > 1 or nested else None
+        tail = self._handle(graph) if plan.every > 1 or not nested else None
+        first = main if main is not None else tail  # a handle is made only for a node that uses it
+        assert first is not None
+        begin: list[_Arg] = [
+            ctypes.c_uint64(int(first)),
+            _ptr(counters),
+            ctypes.c_int(plan.every),
+            ctypes.c_int(0 if rows is None else rows.rows),
+            _ptr(None if rows is None else rows.order),
+            _ptr(None if rows is None else rows.branch_steps),
+            ctypes.c_int(0 if rows is None else len(plan.bodies)),
+        ]
+        threads = _threads(0 if rows is None else rows.rows)
+        node = self._kernel(graph, None, "loop_begin", begin, (1, threads, 0))
+        if main is not None:
+            node = self._while(node, main, plan, plan.every, nested=nested)
+            if tail is not None:
+                node = self._kernel(graph, [node], "loop_tail", [ctypes.c_uint64(int(tail)), _ptr(counters)])
+        if tail is not None:
+            node = self._while(node, tail, plan, 1, nested=False)
+        if rows is not None:
+            self._restore(node, counters, rows)
+
+    def replay(self, plan: ReplayPlan) -> None:
+        """``choose_replay`` -> the graphs behind a SWITCH node or IF nodes."""
+        graph = self.graph
+        values, handles = self._branch_handles(graph, len(plan.graphs), plan.sizes.device)
+        args: list[_Arg] = [
+            _ptr(handles),
+            ctypes.c_int(len(values)),
+            ctypes.c_int(self._choice == "switch"),
+            _ptr(plan.live),
+            ctypes.c_int(plan.live.element_size()),
+            _ptr(plan.sizes),
+            ctypes.c_int(len(plan.graphs)),
+            _ptr(plan.chosen),
+        ]
+        pick = self._kernel(graph, None, "choose_replay", args)
+        self._branches(graph, pick, values, plan.graphs, lambda into, body: self._child(into, None, body))
+
+    def _while(
+        self, after: object, handle: SupportsInt, plan: LoopPlan, every: int, *, nested: bool
+    ) -> object:
+        """A WHILE node on ``handle`` after ``after``: ``every`` steps an iteration (``nested``: a
+        body's own WHILE node of them, which counts them), then ``loop_check``."""
+        node, (body,) = self._conditional(self.graph, [after], handle, "WHILE", 1)
+        rows, cells = plan.rows, plan.cells
+        if rows is None:
+            last = [self._steps(body, plan.bodies[0], every, cells)]
+        else:
+            last = self._choose(body, plan, rows, every, nested=nested)
+        check: list[_Arg] = [
+            ctypes.c_uint64(int(handle)),
+            _ptr(cells.counters),
+            _ptr(cells.stop),
+            ctypes.c_int(cells.stop.element_size()),
+            ctypes.c_int(every),
+            _ptr(None if rows is None else rows.branch_steps),
+            ctypes.c_int(not nested),
+        ]
+        self._kernel(body, last, "loop_check", check)
+        return node
+
+    def _steps(self, graph: object, body: RecordedGraph, every: int, cells: LoopCells) -> object:
+        """``every`` clones of ``body`` in ``graph``, a ``loop_count`` between two; the last node."""
+        count: list[_Arg] = [_ptr(cells.counters), _ptr(cells.stop), ctypes.c_int(cells.stop.element_size())]
+        node = self._child(graph, None, body)
+        for _ in range(every - 1):
+            node = self._kernel(graph, [node], "loop_count", count)
+            node = self._child(graph, [node], body)
+        return node
+
+    def _stay(
+        self, graph: object, body: RecordedGraph, every: int, plan: LoopPlan, rows: RowTables
+    ) -> object:
+        """A body's own WHILE node in ``graph``: ``every`` steps an iteration, while the body still fits."""
+        handle = self._handle(graph)
+        enter = self._kernel(graph, None, "loop_enter", [ctypes.c_uint64(int(handle))])
+        node, (inner,) = self._conditional(graph, [enter], handle, "WHILE", 1)
+        cells = plan.cells
+        last = self._steps(inner, body, every, cells)
+        stay: list[_Arg] = [
+            ctypes.c_uint64(int(handle)),
+            _ptr(cells.counters),
+            _ptr(cells.stop),
+            ctypes.c_int(cells.stop.element_size()),
+            ctypes.c_int(every),
+            _ptr(rows.active),
+            _ptr(rows.sizes),
+            ctypes.c_int(len(plan.bodies)),
+        ]
+        self._kernel(inner, [last], "loop_stay", stay, (1, _threads(rows.rows), 0))
+        return node
+
+    def _choose(
+        self, graph: object, plan: LoopPlan, rows: RowTables, every: int, *, nested: bool
+    ) -> list[object]:
+        """``loop_choose``, then the bodies behind a SWITCH node or IF nodes; the nodes to wait for."""
+        buffers = (*rows.buffers, rows.order)  # the order last: moved with the rows
+        table = _row_table(buffers, rows.active.device)
+        values, handles = self._branch_handles(graph, len(plan.bodies), rows.active.device)
+        self.tables.append(table)
+        args: list[_Arg] = [
+            _ptr(handles),
+            ctypes.c_int(len(values)),
+            ctypes.c_int(self._choice == "switch"),
+            _ptr(plan.cells.counters),
+            _ptr(rows.active),
+            _ptr(rows.sizes),
+            ctypes.c_int(len(plan.bodies)),
+            _ptr(table),
+            ctypes.c_int(len(buffers)),
+            _ptr(rows.scratch),
+            _ptr(rows.order),
+            _ptr(rows.orders),
+            _ptr(rows.epoch_steps),
+            _ptr(rows.epoch_rows),
+            ctypes.c_int(rows.max_epochs),
+            ctypes.c_int(rows.rows),
+        ]
+        pick = self._kernel(graph, None, "loop_choose", args, (1, _threads(rows.rows), 4 * rows.rows))
+        cells = plan.cells
+
+        def fill(into: object, body: RecordedGraph) -> object:
+            if nested:
+                return self._stay(into, body, every, plan, rows)
+            return self._steps(into, body, every, cells)
+
+        return self._branches(graph, pick, values, plan.bodies, fill)
+
+    def _branches(
+        self,
+        graph: object,
+        pick: object,
+        handles: Sequence[SupportsInt],
+        bodies: Sequence[RecordedGraph],
+        fill: Callable[[object, RecordedGraph], object],
+    ) -> list[object]:
+        """The bodies after ``pick``: one SWITCH node of them, or an IF node each; the nodes to wait for."""
+        if self._choice == "switch":
+            node, outs = self._conditional(graph, [pick], handles[0], "SWITCH", len(bodies))
+            for out, body in zip(outs, bodies, strict=True):
+                fill(out, body)
+            return [node]
+        nodes = []
+        for handle, body in zip(handles, bodies, strict=True):
+            node, (out,) = self._conditional(graph, [pick], handle, "IF", 1)
+            fill(out, body)
+            nodes.append(node)
+        return nodes
+
+    def _branch_handles(
+        self, graph: object, count: int, device: torch.device
+    ) -> tuple[list[SupportsInt], torch.Tensor]:
+        """The handles a choice sets (one SWITCH's, or an IF node's each), and their device table."""
+        handles = [self._handle(graph) for _ in range(1 if self._choice == "switch" else count)]
+        bits = [int(h) - (1 << 64) if int(h) >= 1 << 63 else int(h) for h in handles]  # as int64
+        table = torch.tensor(bits, dtype=torch.int64, device=device)
+        self.tables.append(table)
+        return handles, table
+
+    def _restore(self, after: object, counters: torch.Tensor, rows: RowTables) -> None:
+        """``loop_restore`` after the loop: a block per step of the history."""
+        history = rows.history
+        args: list[_Arg] = [
+            _ptr(counters),
+            _ptr(history),
+            ctypes.c_longlong(history.stride(0)),
+            ctypes.c_int(rows.rows),
+            _ptr(rows.orders),
+            _ptr(rows.epoch_steps),
+            _ptr(rows.epoch_rows),
+            ctypes.c_int(rows.max_epochs),
+            ctypes.c_longlong(rows.fill),
+        ]
+        shape = (int(history.shape[0]), _threads(rows.rows), 16 * rows.rows)
+        self._kernel(self.graph, [after], "loop_restore", args, shape)
+
+    # -- nodes --
+
+    def _handle(self, graph: object) -> SupportsInt:
+        """A conditional handle of ``graph``, set by a kernel before its node on every launch."""
+        driver = self._driver
+        return _value(
             "cuGraphConditionalHandleCreate",
-            driver.cuGraphConditionalHandleCreate(graph, kernels.ctx, 1, driver.CU_GRAPH_COND_ASSIGN_DEFAULT),
+            driver.cuGraphConditionalHandleCreate(graph, self._kernels.ctx, 0, 0),
         )
+
+    def _conditional(
+        self, graph: object, deps: Sequence[object], handle: SupportsInt, kind: str, size: int
+    ) -> tuple[object, list[object]]:
+        """A conditional node of ``kind`` (WHILE, IF, SWITCH) after ``deps``: the node, its body graphs."""
+        driver = self._driver
+        node_kind = _node_kind(driver, kind)
+        if node_kind is None:
+            raise _CallError(f"cuda-bindings has no CU_GRAPH_COND_TYPE_{kind}")
         params = driver.CUgraphNodeParams()
         params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
         params.conditional.handle = handle
-        params.conditional.type = driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
-        params.conditional.ctx = kernels.ctx
-        _value("cuGraphAddNode(WHILE)", self._add_node(graph, [start], None, 1, params))
-        loop_body = params.conditional.phGraph_out[0]  # owned by the WHILE node
-        # A child graph node clones torch's graph: the same kernels on the same (pool) addresses.
-        child_graph = driver.CUgraph(body.raw_cuda_graph())
-        child = _value(
-            "cuGraphAddChildGraphNode", driver.cuGraphAddChildGraphNode(loop_body, None, 0, child_graph)
-        )
-        stop = cells.stop
-        args: list[ctypes.c_uint64 | ctypes.c_void_p | ctypes.c_int] = [
-            ctypes.c_uint64(int(handle)),
-            ctypes.c_void_p(cells.steps.data_ptr()),
-            ctypes.c_void_p(cells.limit.data_ptr()),
-            ctypes.c_void_p(stop.data_ptr()),
-            ctypes.c_int(stop.element_size()),
-        ]
-        self._kernel_node(loop_body, [child], kernels.next, args)  # after every node of the body
+        params.conditional.type = node_kind
+        params.conditional.size = size
+        params.conditional.ctx = self._kernels.ctx
+        node = _value(f"cuGraphAddNode({kind})", self._add_node(graph, list(deps), None, len(deps), params))
+        self._params.append(params)
+        return node, list(params.conditional.phGraph_out)[:size]  # owned by the node
 
-    def _kernel_node(
+    def _child(self, graph: object, deps: Sequence[object] | None, body: RecordedGraph) -> object:
+        """A child graph node: a clone of torch's graph, the same kernels on the same (pool) addresses."""
+        driver = self._driver
+        child = driver.CUgraph(body.raw_cuda_graph())
+        count = 0 if deps is None else len(deps)
+        return _value("cuGraphAddChildGraphNode", driver.cuGraphAddChildGraphNode(graph, deps, count, child))
+
+    def _kernel(
         self,
         graph: object,
         deps: Sequence[object] | None,
-        function: object,
-        args: Sequence[ctypes.c_uint64 | ctypes.c_void_p | ctypes.c_int],
+        name: str,
+        args: Sequence[_Arg],
+        shape: tuple[int, int, int] = _ONE_THREAD,
     ) -> object:
-        """A one-thread launch of ``function(*args)`` in ``graph`` after ``deps``."""
+        """A launch of ``name(*args)`` in ``graph`` after ``deps``; ``shape``: blocks, threads, shared."""
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(arg) for arg in args))
         params = self._driver.CUDA_KERNEL_NODE_PARAMS()
-        params.func = function
-        params.gridDimX = params.gridDimY = params.gridDimZ = 1
-        params.blockDimX = params.blockDimY = params.blockDimZ = 1
-        params.sharedMemBytes = 0
+        params.func = self._kernels.functions[name]
+        params.gridDimX, params.blockDimX, params.sharedMemBytes = shape
+        params.gridDimY = params.gridDimZ = params.blockDimY = params.blockDimZ = 1
         params.kernelParams = ctypes.addressof(pointers)  # void*[]: read (copied) by the call below
         count = 0 if deps is None else len(deps)
         return _value("cuGraphAddKernelNode", self._driver.cuGraphAddKernelNode(graph, deps, count, params))
 
 
+def _row_table(buffers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The kernels' ``RowBuffer`` table of ``buffers`` (uint8, on ``device``)."""
+    packed = b"".join(struct.pack("<QqiI", *row_layout(buffer)) for buffer in buffers)
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(device)
+
+
+def row_layout(buffer: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(address, row stride, row bytes, copy unit)`` of a buffer whose rows are contiguous (in bytes)."""
+    size = buffer.element_size()
+    row_bytes = size * (buffer[0].numel() if buffer.shape[0] else 0)
+    stride = size * buffer.stride(0)
+    address = buffer.data_ptr()
+    unit = next(u for u in (8, 4, 2, 1) if (row_bytes | stride | address) % u == 0)
+    return address, stride, row_bytes, unit
+
+
 class CudaWhileGraph:
-    """An instantiated loop graph (a ``WhileGraph``); the executable is destroyed with this object."""
+    """An instantiated graph (a ``WhileGraph``); the executable is destroyed with this object.
 
-    __slots__ = ("__weakref__", "_device", "_driver", "_exec")
+    ``nested``: a shrinking loop whose bodies are WHILE nodes of their own.
+    """
 
-    def __init__(self, driver: _Driver, graph_exec: object, device: int) -> None:
+    __slots__ = ("__weakref__", "_device", "_driver", "_exec", "_keep", "choice", "nested")
+
+    def __init__(
+        self,
+        driver: _Driver,
+        graph_exec: object,
+        device: int,
+        choice: Choice | None,
+        keep: tuple[object, ...] = (),
+        *,
+        nested: bool = False,
+    ) -> None:
         self._driver: Final = driver
         self._exec: Final = graph_exec
         self._device: Final = device
+        self._keep: Final = keep
+        self.choice: Final = choice
+        self.nested: Final = nested
         # An executable destroyed while a launch is in flight is freed when that launch completes.
         weakref.finalize(self, _destroy_exec, driver, graph_exec)
 
     def launch(self) -> None:
-        """Queue the loop on the current stream of its device; no host synchronization."""
+        """Queue the graph on the current stream of its device; no host synchronization."""
         stream = torch.cuda.current_stream(self._device).cuda_stream
         _done("cuGraphLaunch", self._driver.cuGraphLaunch(self._exec, self._driver.CUstream(stream)))
 

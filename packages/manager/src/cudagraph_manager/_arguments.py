@@ -239,6 +239,19 @@ def _check_decode_loop(
             f"captured on a CUDA device only, and the manager's device is {device}: run_loop would "
             "loop on the host; pass LoopPolicy() (no kind) to let it"
         )
+    for i, tensor in enumerate(decode_loop.request_rows or ()):
+        _check_request_row(f"options.decode_loop.request_rows[{i}]", tensor, config.max_num_seqs, device)
+
+
+def _check_request_row(name: str, tensor: torch.Tensor, rows: int, device: torch.device) -> None:
+    """A tensor a shrinking loop moves by request: ``rows`` rows or more on ``device``, each contiguous."""
+    rowed = tensor.dim() > 0 and tensor.shape[0] >= rows and tensor[0].is_contiguous()
+    if tensor.device != device or not rowed:
+        raise ValueError(
+            f"{name}: expected a tensor on {device} with a contiguous row per request (at least "
+            f"max_num_seqs={rows} rows), got a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+            f"on {tensor.device}"
+        )
 
 
 def attention_support(model: object, attention: AttentionOptions) -> AttentionSupport | None:

@@ -9,8 +9,9 @@ capture (``_capture/_loops``) and its run (``_step/_loop``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Generic
 
 import torch
@@ -25,6 +26,17 @@ _WHILE_WHERE_IT_CAN: Final = LoopPolicy()
 
 #: The most steps one loop may be captured for (its token history is ``[max_steps, max_num_seqs]``).
 MAX_LOOP_STEPS: Final = 1 << 16
+#: A finished request's token at the steps after its last: what ``advance`` writes for a request
+#: that is not active, and what a shrinking loop gives a request it stopped computing.
+FINISHED: Final = -1
+
+
+class ShrinkFallback(enum.Enum):
+    """Why ``capture()``'s decode loops do not shrink (``CaptureReport.shrink_fallback`` starts with it)."""
+
+    ONE_GRAPH = "one_graph"  # one loopable key of its class: nothing smaller to choose
+    NO_ROW_ORDER = "no_row_order"  # the builder has no request_rows(), or DecodeLoop.request_rows is None
+    NO_DEVICE_CHOICE = "no_device_choice"  # the loops are not WHILE here, or neither SWITCH nor IF built
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,9 +47,13 @@ class LoopState:
     ``stop``: ``[]`` bool; set it in place once no request is active: the
     loop ends after this iteration. ``active``: ``[num_reqs]`` bool, True for
     the real requests still running (padding rows start False); clear a
-    request's entry when it finishes (it is masked, not removed).
-    ``tokens``: ``[max_steps, num_reqs]`` int64; write this iteration's
-    tokens at row ``step``. ``num_reqs`` is the padded key's.
+    request's entry when it finishes (it is masked, not removed; never set
+    one again). ``tokens``: ``[max_steps, num_reqs]`` int64; write this
+    iteration's tokens at row ``step``, -1 for a request not active (a
+    shrinking loop stops computing finished requests and gives them -1).
+    ``num_reqs`` is the padded key's; under a shrinking loop, the rows are
+    the live requests first (the loop moves them) and ``num_reqs`` the key
+    it runs now.
     """
 
     step: torch.Tensor
@@ -58,12 +74,18 @@ class DecodeLoop(Generic[OutputT]):
     ``state.stop``. Capturable: device ops only, no host synchronization, no
     branch on a tensor's value, no random numbers. ``policy``: the kind of
     ``DeviceLoop`` (``cudagraph_capture.LoopPolicy``: WHILE where it can be
-    built, else unrolled launches).
+    built, checking stop every ``check_every`` steps, else unrolled launches).
+    ``request_rows``: the per-request tensors of the advance (or the model)
+    outside the static inputs and the builder's ``request_rows()``, ``[rows,
+    ...]`` (dim 0 the request, at least ``max_num_seqs`` rows): a shrinking
+    loop moves their rows with the requests'; ``None`` keeps every loop on
+    its first key (no shrinking: per-request state elsewhere).
     """
 
     advance: Callable[[OutputT, Mapping[str, torch.Tensor], LoopState], object]
     max_steps: int
     policy: LoopPolicy = _WHILE_WHERE_IT_CAN
+    request_rows: Sequence[torch.Tensor] | None = ()
 
     def __post_init__(self) -> None:
         _check_advance(self.advance)
@@ -71,6 +93,11 @@ class DecodeLoop(Generic[OutputT]):
         given: object = self.policy
         if not isinstance(given, LoopPolicy):
             raise ValueError(f"policy: expected a LoopPolicy, got {given!r:.80}")
+        rows: object = self.request_rows
+        if rows is not None:
+            if not isinstance(rows, Sequence) or not all(isinstance(t, torch.Tensor) for t in rows):
+                raise ValueError(f"request_rows: expected a sequence of tensors or None, got {rows!r:.80}")
+            object.__setattr__(self, "request_rows", tuple(rows))
 
 
 def _check_advance(advance: object) -> None:
@@ -138,10 +165,10 @@ class LoopBuffers(Generic[OutputT]):
     def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
         return LoopState(step, self.stop, self.active[:num_reqs], self.tokens[:, :num_reqs])
 
-    def reset(self, num_reqs: int, padded_reqs: int) -> None:
-        """A new loop: ``num_reqs`` real requests active, the padding rows up to ``padded_reqs`` not."""
+    def reset(self, num_reqs: int) -> None:
+        """A new loop: ``num_reqs`` real requests active, every other row not (a shrinking loop reads all)."""
         self.active[:num_reqs].fill_(True)
-        self.active[num_reqs:padded_reqs].fill_(False)
+        self.active[num_reqs:].fill_(False)
         self.stop.fill_(False)
 
 

@@ -196,14 +196,15 @@ class Capturer(Generic[OutputT]):
                     raise together.error
                 assert together.record is not None
                 records.append(together.record)
-            records += self._capture_loops()
+            loops, shrink_fallback = self._capture_loops()
+            records += loops
             if ranks is None and device.type == "cuda":
                 self._warm_worker()
             if device.type == "cuda":
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
                 torch.cuda.current_stream(device).synchronize()
-            return self.report(totals, records)
+            return dataclasses.replace(self.report(totals, records), shrink_fallback=shrink_fallback)
 
     def background(
         self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
@@ -345,10 +346,10 @@ class Capturer(Generic[OutputT]):
         if failed:
             _logger.debug("the capture worker's warm-up failed; a wake warms up", exc_info=failed[0])
 
-    def _capture_loops(self) -> list[CapturedGraph]:
-        """The decode loop of every captured loopable graph that has none yet."""
+    def _capture_loops(self) -> tuple[list[CapturedGraph], str | None]:
+        """The decode loop of every captured loopable graph that has none yet; why they do not shrink."""
         if self._loops is None or self._parts.device.type != "cuda":  # a loop is a CUDA graph (fakes: none)
-            return []
+            return [], None
         return self._loops.capture_missing(self._options)
 
     def _loop_probes(self) -> LoopProbes[OutputT] | None:

@@ -86,6 +86,10 @@ class CaptureReport:
     when the first capture of the process created it before the phase.
     ``no_graphs`` says why nothing was captured where graphs cannot be
     (a manager on a device without CUDA graphs); ``None`` otherwise.
+    ``shrink_fallback`` says why the decode loops it captured do not shrink
+    (``"one_graph: ..."``, ``"no_row_order: ..."``, ``"no_device_choice:
+    ..."``: each loop then runs every step on its first key); ``None`` where
+    they shrink, or where it captured no loop.
     ``resolution`` is the configured mode resolved against the model's
     attention support (``ModeResolution``: the mode the graphs follow, and
     why it was downgraded, if it was; printed when it was). ``compiles``
@@ -107,6 +111,7 @@ class CaptureReport:
     device_bytes: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
     kv_cache: KVCacheBacking | None = dataclasses.field(default=None, compare=False)
+    shrink_fallback: str | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -149,6 +154,8 @@ class CaptureReport:
             header += f"\nmode {self.resolution}"
         if self.kv_cache is not None:
             header += f"\n{self.kv_cache}"
+        if self.shrink_fallback is not None:
+            header += f"\ndecode loops do not shrink: {self.shrink_fallback}"
         rows = [_graph_row(g) for g in self.graphs]
         total = (
             "total",
@@ -250,7 +257,9 @@ class ManagerStats:
     graphs (which run what the graph would have). ``loop_steps`` counts the
     steps ``run_loop`` took, on the device or the host; ``host_loop_steps``
     the part looped on the host (no captured loop), each also counted as a
-    replay of its one-step graph or as an eager step. ``resolution``: the mode
+    replay of its one-step graph or as an eager step; ``device_loop_steps``
+    the steps looped on the device by the ``num_tokens`` of the key that ran
+    them (a shrinking loop's smaller keys too). ``resolution``: the mode
     the graphs follow, resolved against the attention's support, and why
     (not compared: two stats are equal when their counts are).
     """
@@ -266,6 +275,7 @@ class ManagerStats:
     host_loop_steps: int = 0
     resolution: ModeResolution | None = dataclasses.field(default=None, compare=False)
     kv_cache: KVCacheBacking | None = dataclasses.field(default=None, compare=False)
+    device_loop_steps: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_replays(self) -> int:
@@ -282,6 +292,7 @@ class ManagerStats:
             for (mode, size), n in sorted(self.replays.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))
         )
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.eager_reasons.items()))
+        by_size = ", ".join(f"{size}: {n}" for size, n in sorted(self.device_loop_steps.items()))
         return (
             f"{self.num_replays} replays"
             + (f" ({replays})" if replays else "")
@@ -290,7 +301,8 @@ class ManagerStats:
             + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
             f" {self.padded_tokens} padded tokens"
             + (
-                f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host)"
+                f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host"
+                + (f"; on the device by key size: {by_size})" if by_size else ")")
                 if self.loop_steps
                 else ""
             )
@@ -306,7 +318,15 @@ class ManagerStats:
 class StepCounts:
     """The running counts behind ``ManagerStats`` that are not per key (the serving thread's alone)."""
 
-    __slots__ = ("dummy_steps", "eager", "host_loop_steps", "idle_steps", "loop_steps", "padded_tokens")
+    __slots__ = (
+        "device_loop_steps",
+        "dummy_steps",
+        "eager",
+        "host_loop_steps",
+        "idle_steps",
+        "loop_steps",
+        "padded_tokens",
+    )
 
     def __init__(self) -> None:
         self.eager: dict[EagerReason, int] = {}
@@ -315,6 +335,7 @@ class StepCounts:
         self.dummy_steps = 0
         self.loop_steps = 0
         self.host_loop_steps = 0
+        self.device_loop_steps: dict[int, int] = {}
 
     def snapshot(
         self,
@@ -335,6 +356,7 @@ class StepCounts:
             host_loop_steps=self.host_loop_steps,
             resolution=resolution,
             kv_cache=kv_cache,
+            device_loop_steps=MappingProxyType(dict(self.device_loop_steps)),
         )
 
     def replayed(self, padded_tokens: int, dummy: bool) -> None:
@@ -358,17 +380,29 @@ class StepCounts:
     def eager_step(self, reason: EagerReason) -> None:
         self.eager[reason] = self.eager.get(reason, 0) + 1
 
-    def looped(self, steps: int, padded_tokens: int, *, host: bool, eager: EagerReason | None) -> None:
-        """``run_loop`` took ``steps`` steps (``host``: on the host; ``eager``: each eagerly, for it)."""
+    def looped(
+        self,
+        steps: int,
+        padded_tokens: int,
+        *,
+        host: bool,
+        eager: EagerReason | None,
+        by_size: Mapping[int, int],
+    ) -> None:
+        """``run_loop`` took ``steps`` steps (``host``: on the host; ``eager``: each eagerly, for it),
+        ``by_size`` of them on the device by key size."""
         self.loop_steps += steps
         self.padded_tokens += padded_tokens
         if host:
             self.host_loop_steps += steps
         if eager is not None:
             self.eager[eager] = self.eager.get(eager, 0) + steps
+        for size, n in by_size.items():
+            self.device_loop_steps[size] = self.device_loop_steps.get(size, 0) + n
 
     def reset(self) -> None:
         self.eager.clear()
+        self.device_loop_steps.clear()
         self.padded_tokens = self.idle_steps = self.dummy_steps = self.loop_steps = self.host_loop_steps = 0
 
 

@@ -1,10 +1,12 @@
 """``run_loop``: many decode steps per call, on the device where its loop is captured, else on the host.
 
 The batch takes the step path's checks (each error naming ``run_loop``), its
-route and copy in, then runs the planned graph's captured ``DeviceLoop``;
-without one it loops on the host over the same static buffers (the one-step
-graph replayed, or the model run eagerly), reading the stop flag after each
-step: the same tokens, slower. A loop on the host is logged once per reason
+route and copy in, then runs the planned graph's captured ``DeviceLoop`` (a
+shrinking loop where its class has one: it starts on the batch's key and
+moves to smaller ones as requests finish, the tokens back in the caller's
+order); without one it loops on the host over the same static buffers (the
+one-step graph replayed, or the model run eagerly), reading the stop flag
+after each step: the same tokens, slower. A loop on the host is logged once per reason
 and counted (``stats.host_loop_steps``, and its replays or eager steps);
 ``strict`` refuses it, as ``run`` refuses an eager step.
 """
@@ -88,10 +90,11 @@ class LoopSteps(Generic[OutputT]):
         loop = route.loop
         if loop is not None:
             loop.launch(steps)
-            taken = int(loop.steps_taken)  # the one synchronization
+            taken, by_size = loop.read_steps()  # the one synchronization
+            by_size = by_size or {rows[0]: taken}
         else:
-            taken = self._host_loop(route.graph, route.entry, context, rows, steps)
-        self._count(route, taken, rows[0] - batch.num_tokens)
+            taken, by_size = self._host_loop(route.graph, route.entry, context, rows, steps), {}
+        self._count(route, taken, batch.num_tokens, by_size)
         tokens = self._buffers.tokens[:taken, : batch.num_reqs]
         return LoopResult(tokens, taken, None if loop is None else loop.kind)
 
@@ -186,10 +189,15 @@ class LoopSteps(Generic[OutputT]):
                 level, "run_loop of %d requests loops on the host (%s): %s", batch.num_reqs, key, route.why
             )
 
-    def _count(self, route: LoopRoute[OutputT], taken: int, padding: int) -> None:
-        """``taken`` steps of ``route``, ``padding`` rows of each padding: in the manager's stats."""
+    def _count(self, route: LoopRoute[OutputT], taken: int, num_tokens: int, by_size: dict[int, int]) -> None:
+        """``taken`` steps of ``route`` for ``num_tokens`` real rows (``by_size``: on the device, by key)."""
         graph = route.graph
-        self._parts.counts.looped(taken, padding * taken, host=route.loop is None, eager=route.eager)
+        if route.loop is None:
+            padding = (0 if graph is None else graph.num_tokens - num_tokens) * taken
+        else:  # a shrinking loop pads only on its first key: the others hold fewer live rows
+            padding = sum(steps * max(size - num_tokens, 0) for size, steps in by_size.items())
+        counts = self._parts.counts
+        counts.looped(taken, padding, host=route.loop is None, eager=route.eager, by_size=by_size)
         if route.loop is None and route.entry is not None and graph is not None:
             graph.replayed_steps(taken)  # each step of the host loop replayed the one-step graph
 
@@ -211,7 +219,7 @@ class LoopSteps(Generic[OutputT]):
             self._parts.buffers.copy_in(
                 batch.inputs, batch.num_tokens, batch.num_reqs, *rows, batch.requires_grad
             )
-            self._buffers.reset(batch.num_reqs, rows[1])
+            self._buffers.reset(batch.num_reqs)
         return context, rows
 
     def _host_loop(
