@@ -2392,12 +2392,12 @@ BAD_INPUTS: Final = [
     row(
         "decode_loop-request-rows-not-tensors",
         call(DecodeLoop, _advance, 4, LoopPolicy(), [1, 2]),
-        r"^request_rows: expected a sequence of tensors or None, got \[1, 2\]",
+        r"^request_rows: expected a sequence of tensors, got \[1, 2\]",
     ),
     row(
         "decode_loop-request-rows-a-tensor",
         call(DecodeLoop, _advance, 4, request_rows=torch.zeros(8)),
-        r"^request_rows: expected a sequence of tensors or None, got tensor",
+        r"^request_rows: expected a sequence of tensors, got tensor",
     ),
     row(
         "manager-decode_loop-request-rows-too-few",

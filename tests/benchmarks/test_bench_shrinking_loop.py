@@ -7,10 +7,10 @@ device is shared); correctness is: the tokens of the deterministic cases.
 
 - ``uniform_stops``: 256 requests of the paged decoder (4 layers, d1024,
   bf16, flex), keys 1, 8, 16, 32, 64, 128, 192, 256, each stopping at its
-  length limit, four a step over 64 steps. ``shrinking`` (``run_loop``, the
-  default loop), ``today`` (``run_loop`` of a loop that neither shrinks nor
-  checks every k steps: ``request_rows=None``, ``check_every=1``), ``fixed``
-  (no shrinking, the default ``check_every``), ``ideal_host`` (the forward
+  length limit, four a step over 64 steps. ``shrinking`` (``run_loop`` of
+  ``DecodeLoop(shrink=True)``), ``today`` (``run_loop`` of a loop that
+  neither shrinks nor checks every k steps: ``check_every=1``), ``fixed``
+  (the default loop: no shrinking, the default ``check_every``), ``ideal_host`` (the forward
   and the advance as one graph per key, replayed from the host on the key of
   each step's live count, known in advance: the requests ordered by their
   stop step, the live ones always in front; no read-back). Targets:
@@ -114,9 +114,9 @@ def _manager(
 def _loops(advance: PagedAdvance, steps: int) -> dict[str, DecodeLoop[torch.Tensor]]:
     """The loops compared: the default (shrinking), today's (one step a check, no shrinking), fixed."""
     return {
-        "shrinking": DecodeLoop(advance, max_steps=steps),
-        "today": DecodeLoop(advance, max_steps=steps, policy=LoopPolicy(check_every=1), request_rows=None),
-        "fixed": DecodeLoop(advance, max_steps=steps, request_rows=None),
+        "shrinking": DecodeLoop(advance, max_steps=steps, shrink=True),
+        "today": DecodeLoop(advance, max_steps=steps, policy=LoopPolicy(check_every=1)),
+        "fixed": DecodeLoop(advance, max_steps=steps),
     }
 
 
@@ -387,7 +387,7 @@ def _floor_setup() -> FloorSetup:
     advance = greedy_advance(model, eos_id=None, max_len=config.max_seq_len)
     loops = {
         "default": DecodeLoop(advance, max_steps=FLOOR_STEPS),
-        "no_shrink": DecodeLoop(advance, max_steps=FLOOR_STEPS, request_rows=None),
+        "shrinking": DecodeLoop(advance, max_steps=FLOOR_STEPS, shrink=True),
         **{
             f"every_{k}": DecodeLoop(advance, max_steps=FLOOR_STEPS, policy=LoopPolicy(check_every=k))
             for k in FLOOR_CHECK_EVERY

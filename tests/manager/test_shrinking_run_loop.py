@@ -153,11 +153,12 @@ def countdown_manager(
     *,
     sizes: Sequence[int] = SIZES,
     check_every: int = 4,
-    request_rows: Sequence[torch.Tensor] | None = (),
+    request_rows: Sequence[torch.Tensor] = (),
     builder: object = None,
     mode: CUDAGraphMode = M.FULL_AND_PIECEWISE,
+    shrink: bool = True,
 ) -> CUDAGraphManager[torch.Tensor]:
-    loop = DecodeLoop(advance, MAX_STEPS, LoopPolicy(check_every=check_every), request_rows)
+    loop = DecodeLoop(advance, MAX_STEPS, LoopPolicy(check_every=check_every), request_rows, shrink)
     attention = AttentionOptions(metadata_builder=builder)  # type: ignore[arg-type]  # a test's builder
     return CUDAGraphManager(
         CountdownDecoder(),
@@ -289,7 +290,6 @@ class _RowsBuilder(_NoRowsBuilder):
 @pytest.mark.parametrize(
     ("options", "detail"),
     [
-        ({"request_rows": None}, "DecodeLoop.request_rows is None"),
         ({"builder": _NoRowsBuilder()}, "_NoRowsBuilder does not say which of its buffers"),
         ({"builder": _RowsBuilder(None)}, "_RowsBuilder does not say which of its buffers"),
     ],
@@ -304,6 +304,17 @@ def test_rows_that_cannot_move_keep_each_loop_on_its_key(
         and report.shrink_fallback.startswith("no_row_order:")
         and detail in report.shrink_fallback
     )
+    assert fake_loops.shrunk == 0
+    case = _case(5, seed=2)
+    assert run(manager, case, None).tokens.tolist() == python_loop(*case, MAX_STEPS)
+    assert set(manager.stats.device_loop_steps) == {8}
+
+
+def test_a_loop_not_asked_to_shrink_keeps_each_key_and_says_nothing(fake_loops: FakeDeviceLoops) -> None:
+    """``DecodeLoop(shrink=False)``, the default: every key keeps its own loop, run on the batch's key."""
+    manager = countdown_manager(shrink=False)
+    report = manager.capture()
+    assert report.shrink_fallback is None  # nothing to explain: it was not asked for
     assert fake_loops.shrunk == 0
     case = _case(5, seed=2)
     assert run(manager, case, None).tokens.tolist() == python_loop(*case, MAX_STEPS)
@@ -329,7 +340,7 @@ def test_a_builders_and_a_decode_loops_rows_move_with_the_requests(fake_loops: F
         device="cpu",
         options=ManagerOptions(
             engine_factory=FakeEngines(),
-            decode_loop=DecodeLoop(tracking, MAX_STEPS, LoopPolicy(check_every=1), (of_loop,)),
+            decode_loop=DecodeLoop(tracking, MAX_STEPS, LoopPolicy(check_every=1), (of_loop,), shrink=True),
             attention=AttentionOptions(metadata_builder=_RowsBuilder((of_builder,))),
         ),
     )
@@ -351,7 +362,7 @@ def test_a_decode_loops_bad_rows_are_named_at_construction() -> None:
         ValueError, match=r"^options\.decode_loop\.request_rows\[0\]: expected a tensor on cpu"
     ):
         countdown_manager(request_rows=(torch.zeros(2),))
-    with pytest.raises(ValueError, match=r"^request_rows: expected a sequence of tensors or None"):
+    with pytest.raises(ValueError, match=r"^request_rows: expected a sequence of tensors"):
         DecodeLoop(advance, 4, request_rows=[1, 2])  # type: ignore[list-item]  # the check under test
 
 
@@ -444,7 +455,9 @@ def test_the_paged_decoder_shrinks_with_every_backend(
         device="cpu",
         options=ManagerOptions(
             engine_factory=FakeEngines(),
-            decode_loop=DecodeLoop(advance_, max_steps=CPU_MAX_STEPS, policy=LoopPolicy(check_every=2)),
+            decode_loop=DecodeLoop(
+                advance_, max_steps=CPU_MAX_STEPS, policy=LoopPolicy(check_every=2), shrink=True
+            ),
             attention=AttentionOptions(metadata_builder=model.backend),
         ),
     )
@@ -467,7 +480,7 @@ GPU_MAX_STEPS: Final = 24
 
 
 def _gpu_countdown(check_every: int) -> CUDAGraphManager[torch.Tensor]:
-    loop = DecodeLoop(advance, MAX_STEPS, LoopPolicy(check_every=check_every))
+    loop = DecodeLoop(advance, MAX_STEPS, LoopPolicy(check_every=check_every), shrink=True)
     return CUDAGraphManager(
         CountdownDecoder(),
         INPUTS,
@@ -555,7 +568,7 @@ def test_gpu_the_paged_decoder_shrinks_on_random_stop_schedules(
         paged_static_inputs(model.layout),
         dispatch,
         options=ManagerOptions(
-            decode_loop=DecodeLoop(advance_, max_steps=GPU_MAX_STEPS),
+            decode_loop=DecodeLoop(advance_, max_steps=GPU_MAX_STEPS, shrink=True),
             attention=AttentionOptions(metadata_builder=model.backend),
         ),
     )

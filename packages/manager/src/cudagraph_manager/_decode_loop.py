@@ -17,7 +17,7 @@ from typing import Final, Generic
 import torch
 
 from cudagraph_capture import LoopKind, LoopPolicy
-from cudagraph_dispatch.lowlevel import check_int
+from cudagraph_dispatch.lowlevel import check_bool, check_int
 
 from ._protocols import OutputT
 
@@ -35,7 +35,7 @@ class ShrinkFallback(enum.Enum):
     """Why ``capture()``'s decode loops do not shrink (``CaptureReport.shrink_fallback`` starts with it)."""
 
     ONE_GRAPH = "one_graph"  # one loopable key of its class: nothing smaller to choose
-    NO_ROW_ORDER = "no_row_order"  # the builder has no request_rows(), or DecodeLoop.request_rows is None
+    NO_ROW_ORDER = "no_row_order"  # the attention builder has no request_rows()
     NO_DEVICE_CHOICE = "no_device_choice"  # the loops are not WHILE here, or neither SWITCH nor IF built
 
 
@@ -49,11 +49,11 @@ class LoopState:
     the real requests still running (padding rows start False); clear a
     request's entry when it finishes (it is masked, not removed; never set
     one again). ``tokens``: ``[max_steps, num_reqs]`` int64; write this
-    iteration's tokens at row ``step``, -1 for a request not active (a
-    shrinking loop stops computing finished requests and gives them -1).
-    ``num_reqs`` is the padded key's; under a shrinking loop, the rows are
-    the live requests first (the loop moves them) and ``num_reqs`` the key
-    it runs now.
+    iteration's tokens at row ``step`` (with ``DecodeLoop(shrink=True)``,
+    -1 for a request not active: a shrinking loop stops computing finished
+    requests and gives them -1). ``num_reqs`` is the padded key's; under a
+    shrinking loop, the rows are the live requests first (the loop moves
+    them) and ``num_reqs`` the key it runs now.
     """
 
     step: torch.Tensor
@@ -75,17 +75,25 @@ class DecodeLoop(Generic[OutputT]):
     branch on a tensor's value, no random numbers. ``policy``: the kind of
     ``DeviceLoop`` (``cudagraph_capture.LoopPolicy``: WHILE where it can be
     built, checking stop every ``check_every`` steps, else unrolled launches).
-    ``request_rows``: the per-request tensors of the advance (or the model)
-    outside the static inputs and the builder's ``request_rows()``, ``[rows,
-    ...]`` (dim 0 the request, at least ``max_num_seqs`` rows): a shrinking
-    loop moves their rows with the requests'; ``None`` keeps every loop on
-    its first key (no shrinking: per-request state elsewhere).
+    ``shrink``: each step runs on the smallest key of the batch's class that
+    holds the requests still active (the loop moves them to the front on the
+    device, a SWITCH node chooses the graph: docs/design.md, "Decode
+    loops"). It asks two things of ``advance``: ``-1`` (``FINISHED``) as the
+    token of a request not active (the loop gives that to the requests it
+    no longer computes), and every per-request state it keeps in the static
+    inputs, the attention builder's ``request_rows()`` or ``request_rows``.
+    Off by default: an advance written for a loop that computes every row
+    to the end keeps its tokens. ``request_rows``: the per-request tensors of
+    the advance (or the model) outside those, ``[rows, ...]`` (dim 0 the
+    request, at least ``max_num_seqs`` rows): a shrinking loop moves their
+    rows with the requests'.
     """
 
     advance: Callable[[OutputT, Mapping[str, torch.Tensor], LoopState], object]
     max_steps: int
     policy: LoopPolicy = _WHILE_WHERE_IT_CAN
-    request_rows: Sequence[torch.Tensor] | None = ()
+    request_rows: Sequence[torch.Tensor] = ()
+    shrink: bool = False
 
     def __post_init__(self) -> None:
         _check_advance(self.advance)
@@ -94,10 +102,10 @@ class DecodeLoop(Generic[OutputT]):
         if not isinstance(given, LoopPolicy):
             raise ValueError(f"policy: expected a LoopPolicy, got {given!r:.80}")
         rows: object = self.request_rows
-        if rows is not None:
-            if not isinstance(rows, Sequence) or not all(isinstance(t, torch.Tensor) for t in rows):
-                raise ValueError(f"request_rows: expected a sequence of tensors or None, got {rows!r:.80}")
-            object.__setattr__(self, "request_rows", tuple(rows))
+        if not isinstance(rows, Sequence) or not all(isinstance(t, torch.Tensor) for t in rows):
+            raise ValueError(f"request_rows: expected a sequence of tensors, got {rows!r:.80}")
+        object.__setattr__(self, "request_rows", tuple(rows))
+        check_bool("shrink", self.shrink)
 
 
 def _check_advance(advance: object) -> None:

@@ -72,7 +72,8 @@ class LoopCapture(Generic[OutputT]):
         forced ``LoopKind``, or a strict manager): then it raises, as a key's
         capture does. Returns the loops' rows of the report, and why the
         loops do not shrink (``ShrinkFallback``'s value and the detail; ``None``
-        where they do, or where no loop was captured).
+        where they do, where no loop was captured, or where
+        ``DecodeLoop.shrink`` did not ask for it).
         """
         captured = []
         must = self._parts.strict or self._buffers.config.policy.kind is not None
@@ -91,7 +92,7 @@ class LoopCapture(Generic[OutputT]):
                 continue
             self._table.keep_loop(graph.descriptor, loop)
             captured.append(record)
-        return captured, (self._shrink() if captured else None)
+        return captured, (self._shrink() if captured and self._buffers.config.shrink else None)
 
     def record(
         self, graph: PlannedGraph[OutputT], options: CaptureOptions, shared_with: DeviceLoop | None = None
@@ -168,8 +169,6 @@ class LoopCapture(Generic[OutputT]):
         """What moves with the requests, and its names: the static inputs with rows, the builder's
         ``request_rows()``, ``DecodeLoop.request_rows``; ``_NoShrinkError`` where that is not known."""
         extra = self._buffers.config.request_rows
-        if extra is None:
-            raise _NoShrinkError(ShrinkFallback.NO_ROW_ORDER, "DecodeLoop.request_rows is None")
         named = [(f"input {b.name!r}", b.tensor) for b in self._parts.buffers.buffers if b.rows is not None]
         builder = self._parts.builder
         if builder is not None:
