@@ -218,6 +218,16 @@ def _written_units(served: Served, inputs: dict[str, torch.Tensor]) -> set[int]:
 _REFUSED: Final = r"^(cache_rows|block_table|slot_mapping): .*backed"
 
 
+def _run_or_refusal(
+    manager: CUDAGraphManager[torch.Tensor], inputs: dict[str, torch.Tensor], uniform: bool
+) -> torch.Tensor | ValueError:
+    """The step's outputs, or the ``ValueError`` an eager step refuses it with."""
+    try:
+        return manager.run_batch(inputs, uniform_decode=uniform)
+    except ValueError as error:
+        return error
+
+
 def _serve(served: Served, steps: int, seed: int, *, wrong_every: int = WRONG_EVERY) -> float:
     """``steps`` random steps through the manager, each against an eager step; the worst relative error."""
     generator = torch.Generator().manual_seed(seed)
@@ -233,11 +243,12 @@ def _serve(served: Served, steps: int, seed: int, *, wrong_every: int = WRONG_EV
             inputs = _with_wrong_request(served, valid, generator) if wrong else valid
             small = kv.units * kv.unit_bytes < 2**30  # a snapshot of what is backed, where it is small
             before = kv.tensor[: kv.units].clone() if wrong and small else None
-            try:
-                replayed = manager.run_batch(inputs, uniform_decode=uniform)[:num_tokens].clone()
-            except ValueError as error:  # an eager step (a background capture under way) refuses it
-                assert wrong and re.match(_REFUSED, str(error)), error
+            outcome = _run_or_refusal(manager, inputs, uniform)
+            if isinstance(outcome, ValueError):  # an eager step (a background capture under way)
+                assert wrong, outcome
+                assert re.match(_REFUSED, str(outcome)), outcome  # refused by the input's name
                 continue
+            replayed = outcome[:num_tokens].clone()
             if before is not None:  # the wrong request wrote the scratch unit only
                 changed = (kv.tensor[: kv.units] != before).flatten(1).any(1).nonzero().flatten().tolist()
                 assert set(changed) <= _written_units(served, valid), (served.attention, changed)
