@@ -97,7 +97,8 @@ class KvFirst:
     kv_units: int  # rows or pages backed: what the engine may hand out
     kv_bytes: int  # those units' bytes
     backed_bytes: int  # what the reservation has backed (a chunk's rest included)
-    back_seconds: float  # back_kv_cache(): measuring free memory and backing
+    back_seconds: float  # back_kv_cache(): measuring free memory, backing, zeroing (synchronized)
+    back_host_seconds: float  # back_kv_cache()'s host time: its zeroing queued, not waited for
     startup_seconds: float  # capture() + back_kv_cache()
     margin_bytes: int
     left_bytes: int  # the device's free memory after the start-up
@@ -164,6 +165,7 @@ def start_up_capture_first(
     report = manager.capture(progress=False)
     backing = time.perf_counter()
     units = manager.back_kv_cache(margin_bytes=margin_bytes)
+    queued = time.perf_counter()
     torch.cuda.current_stream().synchronize()  # the new memory zeroed: the start-up is done
     done = time.perf_counter()
     return KvFirst(
@@ -172,6 +174,7 @@ def start_up_capture_first(
         units * kv_cache.unit_bytes,
         kv_cache.memory.backed_bytes,
         done - backing,
+        queued - backing,
         done - start,
         margin_bytes,
         torch.cuda.mem_get_info()[0],
@@ -268,6 +271,7 @@ def figures_of(sizing: KvSizing | KvFirst, model: ReferenceDecoder | PagedDecode
             **common,
             "backed_bytes": sizing.backed_bytes,
             "back_s": sizing.back_seconds,
+            "back_host_s": sizing.back_host_seconds,
             "startup_s": sizing.startup_seconds,
         }
     return {
