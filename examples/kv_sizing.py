@@ -49,7 +49,9 @@ from cudagraph_manager import (
 from cudagraph_manager.attention import AttentionOptions
 from examples.config import DecoderConfig
 from examples.inputs import make_paged_inputs, make_step_inputs
-from examples.paged import BACKENDS, PagedDecoder, paged_static_inputs, reserve_paged_cache
+from examples.paged import BACKENDS, PagedDecoder, max_flex_pages, paged_static_inputs, reserve_paged_cache
+from examples.paged.flex import FlexPagedAttention
+from examples.paged.flex_kernel import addressable_slots
 from examples.reference import ReferenceDecoder, reserve_row_cache, static_inputs
 
 #: What stays free after the start-up: eager steps above the largest size, other allocations.
@@ -143,6 +145,9 @@ def start_up(
     current = unit_bytes * current_units  # the minimal cache, freed when replaced
     budget = torch.cuda.mem_get_info()[0] + current - estimate.total_bytes - margin_bytes
     units = budget // unit_bytes
+    if isinstance(model, PagedDecoder) and isinstance(model.backend, FlexPagedAttention):
+        # The fused kernel's 32-bit offsets: one layer's keys, heads x head_dim a slot, at most 2**31.
+        units = min(units, addressable_slots(config.num_heads * config.head_dim) // model.layout.page_size)
     model.allocate_kv_cache(units)
     report = manager.capture(progress=False)
     return KvSizing(estimate, units, units * unit_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
@@ -203,7 +208,13 @@ def build(
         return CUDAGraphManager(
             model.forward, static_inputs(decoder), config, strict=True, options=options
         ), model
-    kv_cache = reserve_paged_cache(decoder, page_size=PAGE_SIZE, device="cuda") if reserved else None
+    # FlexAttention's fused kernel addresses at most max_flex_pages (32-bit offsets): its cache is capped.
+    max_pages = max_flex_pages(decoder, PAGE_SIZE) if attention == "flex" else None
+    kv_cache = (
+        reserve_paged_cache(decoder, page_size=PAGE_SIZE, max_pages=max_pages, device="cuda")
+        if reserved
+        else None
+    )
     model = PagedDecoder(decoder, backend=attention, device="cuda", kv_cache=kv_cache)
     options = ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend), kv_cache=kv_cache)
     manager = CUDAGraphManager(model, paged_static_inputs(model.layout), config, strict=True, options=options)

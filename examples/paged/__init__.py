@@ -42,6 +42,7 @@ from .layout import page_of_slot as page_of_slot
 from .model import BACKENDS as BACKENDS
 from .model import PagedDecoder as PagedDecoder
 from .model import make_backend as make_backend
+from .model import max_flex_pages as max_flex_pages
 from .model import paged_unit_shape as paged_unit_shape
 from .model import reserve_paged_cache as reserve_paged_cache
 
@@ -63,6 +64,7 @@ __all__ = [
     "paged_static_inputs",
     "page_of_slot",
     "paged_unit_shape",
+    "max_flex_pages",
     "reserve_paged_cache",
     "tile_unions",
 ]

@@ -31,7 +31,7 @@ from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadat
 
 from .backend import EagerBreakAttention, per_forward
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, Validate
-from .flex_kernel import KEY_BLOCK, Q_TILE, paged_flex
+from .flex_kernel import KEY_BLOCK, Q_TILE, addressable_slots, paged_flex
 from .flex_kernel import compile_class as kernel_class
 from .gather import token_pages
 from .layout import PagedLayout, page_of_slot
@@ -113,6 +113,22 @@ def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.
     kv_indices = torch.where(distinct == past, scratch, distinct).int()
     kv_num_blocks = (~repeat).sum(-1, dtype=torch.int32)
     return kv_num_blocks[None, None], kv_indices[None, None]
+
+
+def check_addressable(keys: torch.Tensor) -> None:
+    """``ValueError`` naming ``kv_cache`` where the fused kernel cannot address ``keys`` (32-bit offsets).
+
+    ``keys``: ``[1, heads, slots, head_dim]``, a view of one layer's cache.
+    """
+    slots, stride = keys.shape[2], keys.stride(2)
+    if slots > addressable_slots(stride):
+        raise ValueError(
+            f"kv_cache: FlexAttention's fused kernel addresses keys with 32-bit offsets "
+            f"(pytorch/pytorch#185264, in torch up to 2.13): {slots} slots a key stride of {stride} "
+            f"elements apart are past its {addressable_slots(stride)}; give the cache fewer pages "
+            "(reserve_paged_cache(..., max_pages=max_flex_pages(...))), or use the gather, varlen or "
+            "split_decode backend"
+        )
 
 
 class FlexPagedAttention(EagerBreakAttention):
@@ -220,6 +236,8 @@ class FlexPagedAttention(EagerBreakAttention):
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
         values = kv_cache[1].view(1, -1, heads, head_dim).transpose(1, 2)
+        if self.compiled:  # shapes only, on the host: eager steps and captures, never a replay
+            check_addressable(keys)
         query_len = meta.paged.shape.query_len
         if query_len is None:
             queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]

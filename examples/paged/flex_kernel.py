@@ -41,6 +41,15 @@ DUCK_SHAPE = False
 #: Queries of a packed step at which the compiled kernel's code changes (inductor's flex lowering
 #: guards on a query length under 128, where it would consider its decoding kernel).
 SHORT_QUERIES: Final = 128
+#: FlexAttention's generated Triton kernel (torch 2.11 to 2.13) computes a key's element offset as
+#: ``offs_n * stride_kn`` in 32 bits (pytorch/pytorch#185264): keys that span 2**31 elements or more
+#: are read from the wrong address (a fault, or silently wrong attention; vLLM #50427 refuses them too).
+MAX_KEY_ELEMENTS: Final = 2**31
+
+
+def addressable_slots(slot_stride: int) -> int:
+    """The most key slots the fused kernel addresses when one slot's key is ``slot_stride`` elements on."""
+    return MAX_KEY_ELEMENTS // slot_stride
 
 
 def compile_class(num_tokens: int, num_reqs: int, query_len: int | None) -> tuple[object, ...]:

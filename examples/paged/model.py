@@ -30,6 +30,7 @@ from .backends import ResizablePagedBackend, check_backend
 from .backends import make_backend as make_backend
 from .batch import PAGED_INPUT_NAMES, PagedBuffers, paged_static_inputs
 from .checks import check_token_ids
+from .flex_kernel import addressable_slots
 from .layout import PagedLayout
 
 
@@ -327,6 +328,20 @@ def paged_unit_shape(config: DecoderConfig, page_size: int) -> tuple[int, int, i
     head_dim)``) still hold, and a prefix of the memory is whole pages.
     """
     return (page_size, config.num_layers, 2, config.num_heads, config.head_dim)
+
+
+def max_flex_pages(config: DecoderConfig, page_size: int) -> int:
+    """The most pages of a cache over reserved memory that FlexAttention's fused kernel can address.
+
+    A slot of ``reserve_paged_cache``'s layout holds every layer's key and
+    value, so one layer's keys are ``layers * 2 * heads * head_dim``
+    elements apart, and the kernel's 32-bit offsets end at 2**31 elements
+    (``flex_kernel.MAX_KEY_ELEMENTS``): about 4 GiB of cache in all, whatever
+    the model. The other backends address any cache.
+    """
+    check_int("page_size", page_size, minimum=1)
+    stride = config.num_layers * 2 * config.num_heads * config.head_dim
+    return addressable_slots(stride) // page_size
 
 
 def reserve_paged_cache(

@@ -37,7 +37,7 @@ from cudagraph_manager import CUDAGraphManager, KVCacheMemory, ManagerOptions
 from cudagraph_manager.attention import AttentionOptions
 from examples import DecoderConfig
 from examples.inputs import make_paged_inputs, make_step_inputs
-from examples.paged import PagedDecoder, paged_static_inputs, reserve_paged_cache
+from examples.paged import PagedDecoder, max_flex_pages, paged_static_inputs, reserve_paged_cache
 from examples.reference import ReferenceDecoder, reserve_row_cache, static_inputs
 from tests.test_readmes import python_blocks
 from tests.torch_support import rel_err
@@ -369,7 +369,9 @@ def test_after_the_start_up_the_device_has_the_margin_free_to_within_one_chunk(a
         options: ManagerOptions[torch.Tensor] = ManagerOptions(kv_cache=kv)
         manager = CUDAGraphManager(model.forward, static_inputs(CONFIG), dispatch, options=options)
     else:
-        kv = reserve_paged_cache(CONFIG, page_size=BACKENDS[attention], device="cuda")
+        # FlexAttention's fused kernel addresses about 4 GiB of this layout (32-bit offsets): capped.
+        cap = max_flex_pages(CONFIG, BACKENDS[attention]) if attention == "flex" else None
+        kv = reserve_paged_cache(CONFIG, page_size=BACKENDS[attention], max_pages=cap, device="cuda")
         model = PagedDecoder(CONFIG, backend=attention, device="cuda", kv_cache=kv)
         options = ManagerOptions(attention=AttentionOptions(metadata_builder=model.backend), kv_cache=kv)
         manager = CUDAGraphManager(model, paged_static_inputs(model.layout), dispatch, options=options)
@@ -381,10 +383,14 @@ def test_after_the_start_up_the_device_has_the_margin_free_to_within_one_chunk(a
             units = manager.back_kv_cache(margin_bytes=margin)
             torch.cuda.synchronize()
             left = torch.cuda.mem_get_info()[0]
-            assert abs(left - margin) < CHUNK, (
-                left - margin
-            ) / MIB  # the driver's page tables may take a little
-            assert units * kv.unit_bytes > 8 * 2**30, "the cache should take most of the device"
+            if attention == "flex":  # the whole (capped) reservation backed, the rest of the device free
+                assert units == kv.max_units
+                assert left > margin + 8 * 2**30
+            else:
+                assert abs(left - margin) < CHUNK, (
+                    left - margin
+                ) / MIB  # the driver's page tables may take a little
+                assert units * kv.unit_bytes > 8 * 2**30, "the cache should take most of the device"
             served = Served(attention, model, manager, kv)
             assert _serve(served, 10, seed=20, wrong_every=5) < TOLERANCE
             with pytest.raises(ValueError, match=r"units: \d+ units need \d+ more bytes of device memory"):
@@ -395,6 +401,20 @@ def test_after_the_start_up_the_device_has_the_margin_free_to_within_one_chunk(a
         kv.close()
         del model, manager
         gc.collect()
+
+
+def test_flex_refuses_a_cache_its_kernel_cannot_address() -> None:
+    """Past ``max_flex_pages`` the fused kernel's 32-bit offsets would read wrong keys: refused by name."""
+    pages = max_flex_pages(CONFIG, BACKENDS["flex"]) + 64
+    kv = reserve_paged_cache(CONFIG, page_size=BACKENDS["flex"], max_pages=pages, device="cuda")
+    try:
+        model = PagedDecoder(CONFIG, backend="flex", device="cuda", kv_cache=kv)
+        backed = kv.units
+        with torch.no_grad(), pytest.raises(ValueError, match=r"^kv_cache: FlexAttention's fused kernel"):
+            model.warm_up(LARGEST)  # its first forward: nothing was read
+        assert kv.units == backed
+    finally:
+        kv.close()
 
 
 def test_the_readmes_start_up_in_the_new_order_runs() -> None:
