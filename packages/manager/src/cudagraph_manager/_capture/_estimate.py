@@ -1,17 +1,17 @@
 """What ``capture()`` will cost the device, predicted before it runs (``estimate_memory()``).
 
-Each mode's two largest keys are captured into a pool of their own and
-measured, block sizes apart (torch's allocator keeps blocks of up to 1 MiB
-in 2 MiB segments of their own, ``PoolUse``); ``predict_pool`` (pure) plays
-the rest of a largest-first capture on the pool they leave: each key's
-transients are the largest probe's scaled by its tokens, and what it keeps
-(its outputs, the tensors between its segments) stays, so the pool grows
-only where a key does not fit in what the larger keys left. The warm-ups'
-eager blocks are measured once. The rule before (``RULE = "probes"``): a
-few more probes spread over a mode's sizes, the keys between them charged
-what the smallest probed growth was (``pick_probes``, ``extrapolate``).
-Why this predicts a largest-first capture, and the figures: the manager
-README, "Memory before capture".
+A mode's largest key and about 8% of its others (spread evenly in tokens)
+are captured into a pool of their own and measured; the keys between them
+are charged the least pool growth the probes past the second largest had,
+and the mean executable of the mode's probes (``pick_probes``,
+``extrapolate``, pure). The warm-ups' eager blocks are measured once. Tried
+in issue 49 and kept only for the A/B (``RULE = "predicted"``): each mode's
+two largest keys probed, block sizes apart (torch keeps blocks of up to
+1 MiB in 2 MiB segments of their own, ``PoolUse``), and the rest of a
+largest-first capture played on the pool they leave (``predict_pool``):
+faster, but tens of MiB off where the probes' rule was exact. Why this
+predicts a largest-first capture, and the figures: the manager README,
+"Memory before capture".
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ from ._warm_up import WarmUpClass, WarmUps, smallest_of_modes, warm_up_class
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``): the old rule.
 PROBE_SHARE: Final = 0.08
 MIN_PROBES: Final = 2
-#: ``"predicted"``: each mode's two largest keys probed, the rest played on their pool
-#: (``predict_pool``); ``"probes"``: the rule before issue 49 (``pick_probes``, ``extrapolate``).
-#: A switch for the benchmarks' A/B (``tests/benchmarks/estimate_cost.py``), not an option.
-RULE = "predicted"
+#: ``"probes"`` (the rule): the largest key and about 8% of the others probed (``pick_probes``,
+#: ``extrapolate``); ``"predicted"``: each mode's two largest probed, the rest played on their
+#: pool (``predict_pool``), tried in issue 49: faster, but tens of MiB off where the probes' rule
+#: was exact. A switch for the benchmarks' A/B, not an option.
+RULE = "probes"
 #: The predicted rule's probes per mode: the largest key (the pool's first growth) and the next
 #: (a second graph into a pool often grows it once more).
 PREDICTED_PROBES: Final = 2
