@@ -77,8 +77,8 @@ class DecodeLoop(Generic[OutputT]):
     built, checking stop every ``check_every`` steps, else unrolled launches).
     ``shrink``: each step runs on the smallest key of the batch's class that
     holds the requests still active (the loop moves them to the front on the
-    device, a SWITCH node chooses the graph: docs/design.md, "Decode
-    loops"). It asks two things of ``advance``: ``-1`` (``FINISHED``) as the
+    device, a SWITCH node chooses the graph: docs/design.md,
+    "Decode loops"). It asks two things of ``advance``: ``-1`` (``FINISHED``) as the
     token of a request not active (the loop gives that to the requests it
     no longer computes), and every per-request state it keeps in the static
     inputs, the attention builder's ``request_rows()`` or ``request_rows``.
