@@ -228,10 +228,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """
         pending = self._pending()
         self.fail_at, self.captures_in_call = (0 if fail_first else None), 0
-        # The thread's warm-ups: the largest pending key of each mode not warmed yet, and the smallest.
-        for mode in dict.fromkeys(self.modes[key] for key in pending):
-            of_mode = [key for key in pending if self.modes[key] is mode]
-            self.warmed.update({of_mode[0], of_mode[-1]})
+        # The thread's warm-ups follow capture()'s plan ("every_key" here): each pending key's first use,
+        # and each mode's smallest; all of them before the first recording, so even a refused one ran.
+        self.warmed.update(pending)
         self.in_background = True
         try:
             handle = self.manager.start_capture()
