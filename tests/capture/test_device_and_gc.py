@@ -10,7 +10,8 @@ import gc
 import pytest
 import torch
 
-from cudagraph_capture.lowlevel import collector_paused, resolve_device
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture.lowlevel import resolve_device
 
 
 def test_resolve_device_without_an_argument_follows_cuda() -> None:

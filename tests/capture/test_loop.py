@@ -27,9 +27,13 @@ from cudagraph_capture import (
     LoopPolicy,
     set_capture_enabled,
 )
-from cudagraph_capture._conditional import LoopUnavailableError, compile_kernels, open_conditional
-from cudagraph_capture._loop import LoopSpec, build_loop
-from cudagraph_capture.lowlevel import LoopFallback, loop_fallback_counts
+from cudagraph_capture._conditional import (
+    LoopFallback,
+    LoopUnavailableError,
+    compile_kernels,
+    open_conditional,
+)
+from cudagraph_capture._loop import LoopSpec, build_loop, loop_fallback_counts
 from cudagraph_dispatch import BatchDescriptor
 from tests.capture.helpers import sleep_gpu
 from tests.capture.loop_fakes import FakeConditional, FakeGraphs, FakeLoop

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from cudagraph_capture import CaptureInvalidatedError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
-from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks import RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks._agreement import Backend
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
 

@@ -31,15 +31,8 @@ from cudagraph_dispatch import (
     DispatchConfig,
     get_forward_context,
 )
-from cudagraph_manager import (
-    CapturedGraph,
-    CaptureReport,
-    CUDAGraphManager,
-    ManagerOptions,
-    ManagerStats,
-    NoGraphError,
-    StaticInput,
-)
+from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, NoGraphError, StaticInput
+from cudagraph_manager._reports._report import CapturedGraph, ManagerStats
 
 from .helpers import (
     ALL_MODES,

@@ -29,8 +29,9 @@ from cudagraph_capture._loop import LoopBody, LoopSpec, build_loop, shrink_loops
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, ManagerOptions, StaticInput
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions, StaticInput
 from cudagraph_manager._capture._capturer import Capturer
+from cudagraph_manager._decode_loop import LoopResult
 from cudagraph_manager._reports._report import CapturedGraph
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch
 from examples.paged import PagedDecoder as PagedDecoderT

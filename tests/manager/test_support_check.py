@@ -37,12 +37,11 @@ from cudagraph_capture.lowlevel import RecordSeconds
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context, set_forward_context
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import StaticInput
+from cudagraph_manager._support_check import KindCheck, SupportCheck
 from cudagraph_manager.attention import (
     BatchKind,
     BatchShape,
-    KindCheck,
     StepBatch,
-    SupportCheck,
     SupportCheckOptions,
     SupportLevelError,
     attention_metadata,

@@ -22,7 +22,7 @@ from torch.cuda import Stream
 from torch.utils import _pytree as pytree
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR  # the variable itself: a hot path reads it
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda

@@ -22,7 +22,7 @@ from typing import Final, Generic, ParamSpec, TypeVar
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR  # the variable itself: a hot path reads it
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._options import CaptureOptions

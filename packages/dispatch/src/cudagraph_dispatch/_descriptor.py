@@ -26,7 +26,7 @@ class BatchDescriptor:
     adapters than its tokens or requests (the 1-token graph of the LoRA case
     4 serves a 1-token batch with 1 adapter; vLLM keys every size with every
     LoRA case alike). A step's own count cannot exceed its requests:
-    ``dispatch`` and ``StepRequest`` refuse that.
+    ``dispatch`` and ``RankRequest`` refuse that.
     """
 
     num_tokens: int

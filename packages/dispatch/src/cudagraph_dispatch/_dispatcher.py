@@ -16,7 +16,7 @@ from ._checks import check_bool
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
-from ._request import NO_MODES, StepRequest
+from ._request import NO_MODES, RankRequest
 from ._rule import Dispatch, DispatchRule, Route, why_no_keys
 from ._support import AttentionSupport, ModeResolution, resolve_mode
 
@@ -205,9 +205,9 @@ class CUDAGraphDispatcher:
 
     def _request(
         self, num_tokens: object, uniform_decode: object, num_active_loras: object, invalid_modes: object
-    ) -> StepRequest:
+    ) -> RankRequest:
         """The arguments of ``dispatch`` checked against this config: ``ValueError`` naming a bad one."""
-        request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
+        request = RankRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
         if request.uniform_decode:
             self._check_uniform(request.num_tokens, request.num_active_loras)
         if request.num_active_loras > self._max_num_seqs:
