@@ -3,8 +3,8 @@
 ``CUDAGraphWrapper`` captures one graph per batch descriptor;
 ``BreakableCUDAGraphWrapper`` captures graph segments split by eager ops
 (``eager_break_during_capture``). Both follow the forward context of
-``cudagraph_dispatch``, share one graph pool per device (``shared_pool``) and
-capture on a side stream. ``graph_engine(runnable, mode, options)`` is the
+``cudagraph_dispatch``, share one graph pool per device and capture on a
+side stream. ``graph_engine(runnable, mode, options)`` is the
 engine of a model runner that keeps its graphs itself (a ``GraphEngine``:
 ``warm_up``, then ``record`` hands back a ``GraphEntry`` the runner owns).
 Importing this package does not initialize CUDA.

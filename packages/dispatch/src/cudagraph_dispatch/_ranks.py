@@ -30,8 +30,21 @@ def agree_across_ranks(
     carries the largest count). Otherwise all pad to the dispatch of the
     largest request, uniform only if every rank with tokens is uniform. A
     mode in ``invalid_modes`` or in any rank's request is off on every rank.
-    A request the dispatcher refuses (a uniform decode count that is not a
-    multiple of ``uniform_decode_query_len``) raises ``ValueError`` naming it.
+
+    Args:
+        dispatcher: the dispatcher every rank built from one config (or any
+            object with its ``dispatch``: a test's stand-in).
+        requests: one ``RankRequest`` per rank, in rank order.
+        invalid_modes: graph modes turned off on every rank this step.
+
+    Returns:
+        The ``Dispatch`` every rank runs: a graph's, or NONE with the largest
+        count.
+
+    Raises:
+        ValueError: a bad argument, naming it; a request the dispatcher
+            refuses (a uniform decode count that is not a multiple of
+            ``uniform_decode_query_len``), naming its rank.
     """
     _check_agreement_arguments(dispatcher, requests, invalid_modes)
     for request in requests:
