@@ -185,6 +185,19 @@ def test_without_cuda_every_pack_runs_eagerly_padded_to_its_budget() -> None:
     assert stats.padded_tokens > 0  # each pack ran padded to its budget
 
 
+def test_the_eager_baseline_and_oracle_are_steps_of_a_manager_without_graphs() -> None:
+    """``encode_eager`` and ``encode_alone`` are ``eager_manager``'s eager steps: unpadded, counted there."""
+    runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cpu")
+    items = random_items(runner.model.config, [5, 9, 20], torch.Generator().manual_seed(3), "cpu")
+    packed = runner.encode_eager(items)  # one pack of 34 tokens, run as it is
+    for item, out in zip(items, packed, strict=True):
+        torch.testing.assert_close(out, runner.encode_alone(item), rtol=1e-4, atol=1e-4)
+    stats = runner.eager_manager.stats
+    assert dict(stats.eager_reasons) == {"no_graph_for_batch": 4}  # the pack, then each item alone
+    assert stats.padded_tokens == 0
+    assert runner.manager.stats.eager_steps == 0  # the graphs' manager saw none of them
+
+
 def test_an_item_above_the_largest_budget_is_an_error_naming_it() -> None:
     runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cpu")
     items = random_items(runner.model.config, [4, 129], torch.Generator().manual_seed(0), "cpu")
