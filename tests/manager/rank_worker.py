@@ -437,10 +437,10 @@ def late_rank(args: Sequence[str]) -> Result:
     (backend,) = args
     rank, _ = _setup("cpu")
     chosen: Backend = "shm" if backend == "shm" else "gloo"
-    ranks = RankAgreement(backend=chosen, timeout=datetime.timedelta(seconds=2))
+    ranks = RankAgreement(backend=chosen, timeout=datetime.timedelta(seconds=1))
     ranks.exchange((rank,))  # both arrive once
     if rank == 1:
-        time.sleep(5)  # then rank 1 stays away longer than the timeout
+        time.sleep(3)  # then rank 1 stays away three times the timeout
         return {}
     start = time.monotonic()
     try:
