@@ -35,9 +35,19 @@ def test_collector_paused_pauses_freezes_and_restores() -> None:
 
 
 def test_collector_paused_restores_after_an_error() -> None:
-    with pytest.raises(RuntimeError, match="inside"), collector_paused():
-        raise RuntimeError("inside")
+    frozen = gc.get_freeze_count()
+    seen: list[bool] = []
+
+    def fail_inside() -> None:
+        with collector_paused():
+            seen.append(gc.isenabled())
+            raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        fail_inside()
+    assert seen == [False]
     assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
 
 
 def test_collector_runs_when_gc_disable_is_off() -> None:

@@ -108,6 +108,15 @@ def test_stale_or_nonzero_padding_rows_never_pass_the_padded_total() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     meta = builder.build_for_capture(BatchShape(32, 4, None, _FULL))
     assert meta.write_offsets(_lens(10, 12, 50, 50)).tolist() == [0, 10, 22, 32, 32, 32]
+    rng = random.Random(11)
+    for _ in range(200):  # any rows a warm-up or an earlier step left, at every budget and item count
+        budget = rng.choice(_BUDGETS.budgets)
+        rows = rng.randint(1, _BUDGETS.max_items)
+        meta = builder.build_for_capture(BatchShape(budget, rows, None, _FULL))
+        stale = [rng.randint(0, 3 * budget) for _ in range(rows)]
+        offsets = meta.write_offsets(_lens(*stale)).tolist()
+        ends = [min(sum(stale[: i + 1]), budget) for i in range(rows)]
+        assert offsets == [0, *ends, budget], (budget, stale)
 
 
 def test_offsets_of_an_eager_shape_and_one_view_per_graph_shape() -> None:

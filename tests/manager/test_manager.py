@@ -361,9 +361,16 @@ def test_config_mode_none_runs_everything_eagerly(backend: Backend) -> None:
     model = ToyModel(backend.device)
     manager = make_manager(backend, model, NONE)
     assert manager.capture().num_graphs == 0
+    # Every kind of step: a capture size, between sizes, the largest, above it, uniform decodes.
+    steps = [(4, 2, False), (5, 3, False), (max(SIZES), 4, False), (max(SIZES) + 3, 4, False)]
+    steps += [(n, n, True) for n in (1, 3, 8)]
+    for seed, (tokens, reqs, uniform) in enumerate(steps):
+        batch = make_batch(tokens, reqs, backend.device, seed=10 + seed)
+        out = manager.run_batch(batch, uniform_decode=uniform)
+        assert rel_err(out, model.eager(batch)) < TOL, (tokens, uniform)
+    stats = manager.stats
+    assert (stats.eager_steps, stats.num_replays, stats.padded_tokens) == (len(steps), 0, 0)
     batch = make_batch(4, 2, backend.device, seed=10)
-    assert rel_err(manager.run_batch(batch), model.eager(batch)) < TOL
-    assert (manager.stats.eager_steps, manager.stats.num_replays) == (1, 0)
     strict = make_manager(backend, model, NONE, strict=True)
     with pytest.raises(NoGraphError, match="the config's mode is NONE"):
         strict.run_batch(batch)
