@@ -408,6 +408,8 @@ def test_the_same_seed_draws_the_same_batches() -> None:
     first = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=7)
     second = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=7)
     assert first == second
+    other = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=8)
+    assert other != first  # another seed draws other batches (their errors differ): no vacuous equality
 
 
 # ---------------------------------------------------------------------------
