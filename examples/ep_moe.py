@@ -16,13 +16,13 @@ import argparse
 import datetime
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager.ranks import Backend
 from examples.config import DecoderConfig
 from examples.ep.moe import MoeConfig
 from examples.ep.steps import build_rank, check_steps, dispatch_config
@@ -31,7 +31,9 @@ from examples.several_gpus import free_port
 SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def serve(rank: int, device_kind: str, steps: int, moe: MoeConfig, backend: Backend) -> None:
+def serve(
+    rank: int, device_kind: str, steps: int, moe: MoeConfig, backend: Literal["gloo", "nccl", "shm"]
+) -> None:
     """One rank: join, build, capture, run ``steps`` checked steps, free the graphs, leave."""
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")

@@ -18,6 +18,7 @@ import datetime
 import os
 import socket
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,16 @@ from torch.multiprocessing.spawn import spawn
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
-from cudagraph_manager.ranks import Backend, RankAgreement
+from cudagraph_manager.ranks import RankAgreement
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs
 from examples.tensor_parallel import TensorParallelDecoder, check_shards
 
 
-def serve(rank: int, world_size: int, device_kind: str, steps: int, backend: Backend = "gloo") -> None:
+def serve(
+    rank: int, world_size: int, device_kind: str, steps: int, backend: Literal["gloo", "nccl", "shm"] = "gloo"
+) -> None:
     """One rank: join the group, shard the decoder, capture, decode ``steps`` steps, check them."""
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")

@@ -23,7 +23,7 @@ from cudagraph_dispatch import (
     CUDAGraphDispatcher,
     CUDAGraphMode,
     DispatchConfig,
-    StepRequest,
+    RankRequest,
 )
 from cudagraph_dispatch._sizes import DENSE_PAD_LIMIT  # where padding switches from a table to bisection
 from cudagraph_dispatch.budgets import TokenBudgets
@@ -162,7 +162,7 @@ def dispatchers_with_token_counts(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher,
 
 
 @st.composite
-def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, StepRequest]:
+def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher, RankRequest]:
     """A dispatcher and one step's batch for it: any valid ``route`` call, the empty batch included.
 
     The token count is drawn around the dispatcher's sizes, and 0 (an idle
@@ -171,7 +171,7 @@ def dispatchers_with_step_requests(draw: st.DrawFn) -> tuple[CUDAGraphDispatcher
     dispatcher = draw(dispatchers)
     uniform_decode = draw(st.booleans())
     num_tokens = step_count(dispatcher.config, draw(st.just(0) | token_counts(dispatcher)), uniform_decode)
-    return dispatcher, StepRequest(
+    return dispatcher, RankRequest(
         num_tokens,
         uniform_decode,
         step_loras(dispatcher.config, num_tokens, uniform_decode, draw(active_lora_counts)),
@@ -223,12 +223,12 @@ forward_context_extras: Final = st.dictionaries(
 
 
 @st.composite
-def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> StepRequest:
+def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> RankRequest:
     """One rank's request with a token count drawn around ``dispatcher``'s sizes."""
     uniform_decode = draw(st.booleans())
     num_tokens = step_count(dispatcher.config, draw(token_counts(dispatcher)), uniform_decode)
     loras = draw(st.sampled_from((0, *dispatcher.config.lora_counts)) | active_lora_counts)
-    return StepRequest(
+    return RankRequest(
         num_tokens=num_tokens,
         uniform_decode=uniform_decode,
         num_active_loras=step_loras(dispatcher.config, num_tokens, uniform_decode, loras),
@@ -238,7 +238,7 @@ def rank_requests_for(draw: st.DrawFn, dispatcher: CUDAGraphDispatcher) -> StepR
 @st.composite
 def dispatchers_with_rank_requests(
     draw: st.DrawFn, dispatcher_strategy: st.SearchStrategy[CUDAGraphDispatcher] = dispatchers
-) -> tuple[CUDAGraphDispatcher, list[StepRequest]]:
+) -> tuple[CUDAGraphDispatcher, list[RankRequest]]:
     """A dispatcher and one request per rank (1 to 8 ranks) sized for it."""
     dispatcher = draw(dispatcher_strategy)
     requests = draw(st.lists(rank_requests_for(dispatcher), min_size=1, max_size=8))

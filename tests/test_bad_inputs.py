@@ -47,19 +47,18 @@ from cudagraph_capture import (
     eager_break_during_capture,
     graph_engine,
     set_capture_enabled,
-    shared_pool,
 )
+from cudagraph_capture._choice import SwitchReplay
+from cudagraph_capture._enabled import check_capture_enabled
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture._pool import capture_stream, shared_pool
+from cudagraph_capture._weakref import weak_ref_tensors
 from cudagraph_capture.lowlevel import (
     LoopRows,
     RecordSeconds,
     ReservedMemory,
-    SwitchReplay,
-    capture_stream,
-    check_capture_enabled,
-    collector_paused,
     release_graph_memory,
     resolve_device,
-    weak_ref_tensors,
 )
 from cudagraph_dispatch import (
     BatchDescriptor,
@@ -68,7 +67,6 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     DispatchConfig,
     RankRequest,
-    StepRequest,
     agree_across_ranks,
     get_forward_context,
     set_forward_context,
@@ -257,7 +255,7 @@ def _lockstep_wait_for(timeout: object) -> object:
 def _step_field(field: object) -> object:
     """``RankAgreement.route_step(field=...)`` of an agreement's stand-in: checked before the exchange."""
     ranks = object.__new__(RankAgreement)
-    request = StepRequest(3)
+    request = RankRequest(3)
     return ranks.route_step(DISPATCHER, request, can_replay=True, field=cast(tuple[int, ...], field))
 
 

@@ -3,8 +3,10 @@
 - ``model``: ``EncoderConfig``, ``ViTEncoder`` (patch embedding, transformer
   blocks, non-causal attention within each item: ``varlen_attn`` or a
   block-diagonal mask), reading its offsets through the attention seam.
-- ``runner``: ``EncoderRunner`` (the encoder, a ``PackedMetadataBuilder`` and
-  one ``CUDAGraphManager`` of ``TokenBudgets.config()``): pack, run, cut per item.
+- ``runner``: ``EncoderRunner`` (the encoder, a ``PackedMetadataBuilder``,
+  the ``CUDAGraphManager`` of ``TokenBudgets.config()``, and a manager of no
+  graphs whose eager steps are the baseline and the oracle): pack, run, cut
+  per item.
 - the benchmark ``python -m tests.benchmarks.encoder_throughput`` (GPU)
   captures the budgets, encodes random mixes and times them against eager;
   ``tests/manager/test_encoder.py`` checks each item against the item run alone.

@@ -1,4 +1,4 @@
-"""The encoder served by one ``CUDAGraphManager``: FULL graphs keyed by token budget.
+"""The encoder served by a ``CUDAGraphManager``: FULL graphs keyed by token budget.
 
 ``EncoderRunner`` packs a batch of items into budgets
 (``TokenBudgets.pack``), runs each pack through the manager (padded to its
@@ -6,27 +6,26 @@ budget, replayed; eager where no graph is captured) and cuts the output back
 into one tensor per item. ``encode_eager`` runs the same packs eagerly,
 unpadded (the benchmark's baseline); ``encode_alone`` one item alone,
 eagerly (the tests' oracle: a packed forward computes each item as alone).
+Both take the manager's own eager path: a second manager over the same
+model and builder that plans no graph (mode NONE) runs every step eagerly,
+on the real batch with the builder's metadata of it, as any manager runs a
+step without a graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Final
 
 import torch
 
 from cudagraph_capture.lowlevel import resolve_device
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.budgets import Pack, TokenBudgets
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
-from cudagraph_manager.attention import (
-    AttentionOptions,
-    BatchShape,
-    PackedMetadataBuilder,
-    StepBatch,
-    metadata_extra,
-)
+from cudagraph_manager.attention import AttentionOptions, PackedMetadataBuilder
 
 from ..body import model_device
 from ..config import MAX_FIELD
@@ -45,18 +44,23 @@ def encoder_static_inputs(config: EncoderConfig) -> dict[str, StaticInput]:
 
 
 class EncoderRunner:
-    """A ``ViTEncoder`` and the manager of its budget graphs.
+    """A ``ViTEncoder``, the manager of its budget graphs, and a manager of no graphs for eager runs.
 
-    Arguments:
+    ``manager`` captures and replays the budgets' graphs; ``eager_manager``
+    (the same model, inputs and builder, mode NONE) runs the eager baseline
+    and oracle, so they count in its ``stats``, never in ``manager``'s.
+
+    Args:
         config: the encoder's sizes.
         budgets: the graphs' budgets and the most items per pack.
         kernel: the attention kernel (``None``: varlen where it runs).
         device: the device (``None``: the current CUDA device where there is
             one, else the CPU).
-        strict: the manager's ``strict`` (every pack replays a graph).
+        strict: the graph manager's ``strict`` (every pack replays a graph).
 
-    A bad argument raises ``ValueError`` naming it, before anything is built;
-    so do bad items (``items[i]``), before a pack runs.
+    Raises:
+        ValueError: a bad argument, naming it, before anything is built; so
+            do bad items (``items[i]``), before a pack runs.
     """
 
     def __init__(
@@ -88,6 +92,14 @@ class EncoderRunner:
             budgets.config(),
             device=where,
             strict=strict,
+            options=options,
+        )
+        # No graph planned: every step is the manager's eager step (logged once, counted per reason).
+        self.eager_manager: Final = CUDAGraphManager(
+            self.model,
+            encoder_static_inputs(config),
+            dataclasses.replace(budgets.config(), mode=CUDAGraphMode.NONE),
+            device=where,
             options=options,
         )
 
@@ -150,10 +162,22 @@ class EncoderRunner:
         return self.eager_forward(item, lens)
 
     def eager_forward(self, patches: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """The model on one pack, eagerly, with the builder's metadata of the real pack.
+        """The model on one pack, eagerly, unpadded: a step of ``eager_manager``.
 
-        ``patches [T, patch_dim]``, ``lens [items]`` (integers, each >= 1,
-        summing to ``T``): a bad one raises ``ValueError`` naming it.
+        The manager checks the step as it checks any (names, dtypes, devices,
+        shapes) and hands the model the builder's metadata of the real pack,
+        whose eager build checks the lengths on the host.
+
+        Args:
+            patches: the pack's patches, ``[T, patch_dim]``.
+            lens: each item's patches, ``[items]`` int32 (each >= 1, summing
+                to ``T``).
+
+        Returns:
+            The encoder's output, ``[T, hidden]``.
+
+        Raises:
+            ValueError: a bad argument, naming it.
         """
         self._check_item("patches", patches)
         given: object = lens
@@ -161,13 +185,8 @@ class EncoderRunner:
             raise ValueError(
                 f"lens: expected a 1-D tensor of the items' lengths on {self.device}, got {given!r:.80}"
             )
-        num_tokens, num_items = patches.shape[0], lens.shape[0]
-        batch = StepBatch(num_tokens, num_items, {"item_lens": lens})
-        meta = self.builder.build(batch, BatchShape.eager(num_tokens, num_items, False))
-        extra = metadata_extra(self.builder, meta)
-        with torch.no_grad(), set_forward_context(CUDAGraphMode.NONE, BatchDescriptor(num_tokens), **extra):
-            out: torch.Tensor = self.model(patches=patches, item_lens=lens)
-        return out
+        with torch.no_grad():
+            return self.eager_manager.run(patches=patches, item_lens=lens)
 
     def _packed(self, items: Sequence[torch.Tensor], pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
         """The pack's patches concatenated ``[tokens, patch_dim]``, and its items' lengths ``[n]`` int32."""

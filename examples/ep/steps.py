@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 from collections import Counter
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.lowlevel import GraphEngineFactory
-from cudagraph_manager.ranks import Backend, RankAgreement
+from cudagraph_manager.ranks import RankAgreement
 
 from ..config import DecoderConfig
 from ..inputs import make_step_inputs
@@ -51,7 +52,7 @@ def build_rank(
     dispatch: DispatchConfig,
     device: torch.device,
     *,
-    backend: Backend = "gloo",
+    backend: Literal["gloo", "nccl", "shm"] = "gloo",
     engines: GraphEngineFactory | None = None,
 ) -> RankModel:
     """Every rank: the same seed, the same full model; this rank's experts; a manager agreeing each step."""

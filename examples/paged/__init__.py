@@ -6,13 +6,15 @@ One module per concern:
 - ``batch``: the step's inputs (``PAGED_INPUT_NAMES``, ``paged_static_inputs``)
   and the metadata every backend builds from them (``PagedMetadata`` in
   ``PagedBuffers``).
-- ``backend``: the ``PagedBackend`` protocol, and ``EagerBreakAttention``,
-  the backends' base: ``attend`` as an eager break, written once.
+- ``base``: what a backend is and what every backend shares: the
+  ``PagedBackend`` protocol, and ``EagerBreakAttention``, the backends'
+  base (``attend`` as an eager break, written once).
 - ``checks``: what makes a step valid, checked on the host on eager steps,
   and on a graph path recorded on the device or checked on the host on
   request (``PagedBuffers``' ``validate``).
 - ``flex``, ``gather`` (and ``varlen``, ``split_decode``): the backends;
-  ``backends``: ``make_backend`` (``BACKENDS`` by name).
+  ``registry``: the backends by name (``BACKENDS``, ``make_backend``) and
+  the check of a backend given (``check_backend``).
 - ``model``: ``PagedDecoder``, and ``reserve_paged_cache``: its cache's
   memory reserved before the capture and backed after (``KVCacheMemory``).
 
@@ -25,8 +27,8 @@ Random inputs are in ``examples.inputs``; the float64 oracle is the tests' (``te
     )
 """
 
-from .backend import EagerBreakAttention as EagerBreakAttention
-from .backend import PagedBackend as PagedBackend
+from .base import EagerBreakAttention as EagerBreakAttention
+from .base import PagedBackend as PagedBackend
 from .batch import PAD_REQUEST as PAD_REQUEST
 from .batch import PAGED_INPUT_NAMES as PAGED_INPUT_NAMES
 from .batch import PagedBuffers as PagedBuffers

@@ -9,7 +9,7 @@ by request in block-table order; a request's tokens sit at the last
 with constants (position 0, the scratch slot) and hands the real batch to
 the backend, which builds ``PagedMetadata`` padded to the batch the forward
 runs as (``PagedBuffers.fill``), in buffers it keeps at fixed addresses.
-What a backend is: ``backend``.
+What a backend is: ``base``.
 """
 
 from __future__ import annotations

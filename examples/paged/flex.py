@@ -29,7 +29,7 @@ from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
-from .backend import EagerBreakAttention, per_forward
+from .base import EagerBreakAttention, per_forward
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, Validate
 from .flex_kernel import KEY_BLOCK, Q_TILE, addressable_slots, paged_flex
 from .flex_kernel import compile_class as kernel_class

@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
-from .backend import EagerBreakAttention, per_forward
+from .base import EagerBreakAttention, per_forward
 from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 

@@ -24,14 +24,14 @@ from cudagraph_manager.attention import BatchShape, StepBatch, metadata_extra
 
 from ..body import DecoderBody, LayerCaches
 from ..config import DecoderConfig
-from .backend import PagedBackend
-from .backends import BACKENDS as BACKENDS
-from .backends import ResizablePagedBackend, check_backend
-from .backends import make_backend as make_backend
+from .base import PagedBackend
 from .batch import PAGED_INPUT_NAMES, PagedBuffers, paged_static_inputs
 from .checks import check_token_ids
 from .flex_kernel import addressable_slots
 from .layout import PagedLayout
+from .registry import BACKENDS as BACKENDS
+from .registry import ResizablePagedBackend, check_backend
+from .registry import make_backend as make_backend
 
 
 class PagedDecoder(nn.Module):

@@ -43,7 +43,7 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
-from .backend import EagerBreakAttention
+from .base import EagerBreakAttention
 from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 from .varlen import VarlenMetadata, VarlenPagedAttention

@@ -27,7 +27,7 @@ from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadata
 
-from .backend import EagerBreakAttention, per_forward
+from .base import EagerBreakAttention, per_forward
 from .batch import PagedBuffers, PagedMetadata, Validate
 from .layout import PagedLayout
 from .varlen_kernels import PAGED_VARLEN, gathered_key_slots, gathered_varlen, paged_varlen

@@ -30,7 +30,8 @@ from typing import Final
 
 import torch
 
-from cudagraph_dispatch import CUDAGraphDispatcher, Dispatch, Route
+from cudagraph_dispatch import CUDAGraphDispatcher, Dispatch
+from cudagraph_dispatch._rule import Route
 from cudagraph_dispatch.budgets import Pack, TokenBudgets
 from cudagraph_manager.attention import BatchShape, PackedMetadata, PackedMetadataBuilder, StepBatch
 from examples.encoder import EncoderConfig, EncoderRunner, random_items

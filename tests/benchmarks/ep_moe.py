@@ -22,9 +22,10 @@ from typing import Final
 import torch
 import torch.distributed as dist
 
-from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, StepRequest
+from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig, RankRequest
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
-from cudagraph_manager.ranks import Backend, RankAgreement
+from cudagraph_manager.ranks import RankAgreement
+from cudagraph_manager.ranks._agreement import Backend
 from examples.config import DecoderConfig
 from examples.ep.decoder import ExpertParallelDecoder
 from examples.ep.moe import MoeConfig, MoeWeights
@@ -115,7 +116,7 @@ def expert_parallel(args: Sequence[str]) -> Result:
         figures["speedup"] = figures["eager"] / figures["graph"]
         figures["speedup_shm"] = figures["eager"] / figures["graph_shm"]
         result[f"batch{batch}_us"] = figures
-    request = StepRequest(1, True, 0, frozenset())
+    request = RankRequest(1, True, 0, frozenset())
     for name, ranks in agreements.items():
         step = lambda r=ranks: r.agree_step(alone.dispatcher, request, can_replay=True)  # noqa: E731
         result[f"agree_step_us_{name}"] = median_us(step, _AGREE_CALLS, warm_up=20)

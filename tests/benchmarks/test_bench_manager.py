@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureOptions
-from cudagraph_capture.lowlevel import GraphPool
+from cudagraph_capture._pool import GraphPool
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,

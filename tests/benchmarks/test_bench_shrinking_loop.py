@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from cudagraph_capture import LoopKind, LoopPolicy
-from cudagraph_capture.lowlevel import SwitchReplay
+from cudagraph_capture._choice import SwitchReplay
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,

@@ -27,7 +27,7 @@ from cudagraph_capture import (
     GraphEngine,
     GraphEntry,
 )
-from cudagraph_capture.lowlevel import capture_lock
+from cudagraph_capture._pool import capture_lock
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, StaticInput
 from tests.benchmarks.startup import key_views

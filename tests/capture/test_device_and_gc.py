@@ -10,7 +10,8 @@ import gc
 import pytest
 import torch
 
-from cudagraph_capture.lowlevel import collector_paused, resolve_device
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture.lowlevel import resolve_device
 
 
 def test_resolve_device_without_an_argument_follows_cuda() -> None:
@@ -34,9 +35,19 @@ def test_collector_paused_pauses_freezes_and_restores() -> None:
 
 
 def test_collector_paused_restores_after_an_error() -> None:
-    with pytest.raises(RuntimeError, match="inside"), collector_paused():
-        raise RuntimeError("inside")
+    frozen = gc.get_freeze_count()
+    seen: list[bool] = []
+
+    def fail_inside() -> None:
+        with collector_paused():
+            seen.append(gc.isenabled())
+            raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        fail_inside()
+    assert seen == [False]
     assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
 
 
 def test_collector_runs_when_gc_disable_is_off() -> None:

@@ -13,8 +13,8 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureError, CUDAGraphWrapper, shared_pool
-from cudagraph_capture.lowlevel import capture_stream
+from cudagraph_capture import BreakableCUDAGraphWrapper, CaptureError, CUDAGraphWrapper
+from cudagraph_capture._pool import capture_stream, shared_pool
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext, get_forward_context
 from tests.capture.helpers import (
     DIM,

@@ -27,9 +27,13 @@ from cudagraph_capture import (
     LoopPolicy,
     set_capture_enabled,
 )
-from cudagraph_capture._conditional import LoopUnavailableError, compile_kernels, open_conditional
-from cudagraph_capture._loop import LoopSpec, build_loop
-from cudagraph_capture.lowlevel import LoopFallback, loop_fallback_counts
+from cudagraph_capture._conditional import (
+    LoopFallback,
+    LoopUnavailableError,
+    compile_kernels,
+    open_conditional,
+)
+from cudagraph_capture._loop import LoopSpec, build_loop, loop_fallback_counts
 from cudagraph_dispatch import BatchDescriptor
 from tests.capture.helpers import sleep_gpu
 from tests.capture.loop_fakes import FakeConditional, FakeGraphs, FakeLoop
@@ -665,8 +669,9 @@ def test_gpu_capture_errors_name_the_descriptor_and_the_next_capture_works() -> 
         DeviceLoop.capture(failing, stop=decoder.stop, max_steps=4, descriptor=KEY)
     assert caught.value.descriptor == KEY
     set_capture_enabled(False)
-    with pytest.raises(CaptureDisabledError):
+    with pytest.raises(CaptureDisabledError, match=r"capture is disabled") as disabled:
         DeviceLoop.capture(decoder.body, stop=decoder.stop, max_steps=4, descriptor=KEY)
+    assert disabled.value.descriptor == KEY
     set_capture_enabled(True)
     loop = captured(decoder)
     steps, state = expected(decoder, decoder.threshold_for(2), MAX_STEPS)

@@ -19,8 +19,8 @@ from typing import Final, cast
 import pytest
 import torch
 
-from cudagraph_capture import CaptureOptions, shared_pool
-from cudagraph_capture.lowlevel import GraphPool
+from cudagraph_capture import CaptureOptions
+from cudagraph_capture._pool import GraphPool, shared_pool
 
 _REPO: Final = Path(__file__).resolve().parents[2]
 _SRC_DIRS: Final = [_REPO / "packages" / name / "src" for name in ("dispatch", "capture", "manager")]

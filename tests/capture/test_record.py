@@ -34,8 +34,9 @@ from cudagraph_capture import (
     GraphEntry,
     graph_engine,
 )
+from cudagraph_capture._pool import capture_stream
 from cudagraph_capture._recorder import Entry
-from cudagraph_capture.lowlevel import RecordSeconds, capture_stream
+from cudagraph_capture.lowlevel import RecordSeconds
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context
 from tests.capture.helpers import (
     DIM,

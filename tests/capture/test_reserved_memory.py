@@ -309,4 +309,4 @@ class BackingMachine(RuleBasedStateMachine):
 
 
 BackingMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
-TestBacking = BackingMachine.TestCase
+TestBacking = pytest.mark.usefixtures("frozen_heap")(BackingMachine.TestCase)

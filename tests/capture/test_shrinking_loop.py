@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cudagraph_capture import CaptureError, DeviceLoop, LoopKind, LoopPolicy, graph_engine
-from cudagraph_capture._choice import build_switch_replay
+from cudagraph_capture._choice import SwitchReplay, build_switch_replay
 from cudagraph_capture._conditional import (
     CudaConditional,
     CudaWhileGraph,
@@ -31,7 +31,7 @@ from cudagraph_capture._conditional import (
     load_conditional,
 )
 from cudagraph_capture._loop import LoopSpec, build_loop, shrink_loops
-from cudagraph_capture.lowlevel import LoopRows, SwitchReplay
+from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
 from tests.capture.loop_fakes import FakeConditional, FakeGraph, FakeGraphs, FakeLoop
 

@@ -26,7 +26,7 @@ from cudagraph_capture import (
     capture_enabled,
     set_capture_enabled,
 )
-from cudagraph_capture.lowlevel import weak_ref_tensors
+from cudagraph_capture._weakref import weak_ref_tensors
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from tests.capture.helpers import (
     CAPTURING_CASES,

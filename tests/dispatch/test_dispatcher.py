@@ -21,9 +21,10 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
     EagerReason,
-    GraphDispatcher,
-    StepRequest,
+    RankRequest,
+    agree_across_ranks,
 )
+from cudagraph_dispatch._protocols import GraphDispatcher
 from tests.dispatch.peak_memory import built_with_peak
 from tests.strategies import (
     active_lora_counts,
@@ -441,29 +442,11 @@ def test_capture_plan_is_empty_exactly_when_there_are_no_keys(config: DispatchCo
     assert (plan == []) is (not any(spec_keys(config).values()))
 
 
-_Plan = list[tuple[CUDAGraphMode, list[BatchDescriptor]]]
-
-
-def _route(
-    dispatcher: GraphDispatcher, num_tokens: int
-) -> tuple[Dispatch, Dispatch, _Plan, frozenset[BatchDescriptor]]:
-    """What the capture and manager layers ask of a dispatcher, seeing only the protocol."""
-    return (
-        dispatcher.dispatch(num_tokens, uniform_decode=True),
-        dispatcher.dispatch(num_tokens, num_active_loras=0, invalid_modes=frozenset({M.PIECEWISE})),
-        dispatcher.capture_plan(),
-        dispatcher.keys(M.FULL),
-    )
-
-
 class _EagerOnlyDispatcher:
-    """A stand-in GraphDispatcher with no graphs: every batch runs eagerly. Records its calls."""
+    """A stand-in ``GraphDispatcher`` with no graphs: every batch runs eagerly. Records its calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, bool, int, frozenset[CUDAGraphMode]]] = []
-
-    def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
-        return frozenset()
 
     def dispatch(
         self,
@@ -476,35 +459,18 @@ class _EagerOnlyDispatcher:
         self.calls.append((num_tokens, uniform_decode, num_active_loras, invalid_modes))
         return Dispatch(M.NONE, BatchDescriptor(num_tokens))
 
-    def capture_plan(self) -> _Plan:
-        return []
 
-
-def test_dispatcher_satisfies_its_protocol() -> None:
-    """Code typed against GraphDispatcher gets the concrete class's answers, or a stand-in's if given one."""
+def test_agree_across_ranks_asks_the_dispatcher_it_is_given() -> None:
+    """``agree_across_ranks`` calls ``dispatch`` alone (``GraphDispatcher``): a stand-in's answers rule."""
     concrete = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4]), 4))
-    real = _route(concrete, 3)  # mypy checks that CUDAGraphDispatcher is a GraphDispatcher
-    # Written from docs/design.md ("Dispatch"): 3 tokens pad to the 4-token graph;
-    # uniform decode keys FULL, mixed PIECEWISE.
-    full_keys = [BatchDescriptor(n, n, uniform=True) for n in (4, 2, 1)]
-    piecewise_keys = [BatchDescriptor(n) for n in (4, 2, 1)]
-    assert real == (
-        Dispatch(M.FULL, BatchDescriptor(4, 4, uniform=True)),
-        Dispatch(M.NONE, BatchDescriptor(3)),  # PIECEWISE invalid, no mixed FULL graph: eager
-        [(M.PIECEWISE, piecewise_keys), (M.FULL, full_keys)],
-        frozenset(full_keys),
-    )
-
+    typed: GraphDispatcher = concrete  # mypy checks that CUDAGraphDispatcher is a GraphDispatcher
+    requests = [RankRequest(3, uniform_decode=True), RankRequest(0)]
+    # Written from docs/design.md ("Ranks"): the idle rank follows; 3 uniform tokens pad to the 4-token key.
+    assert agree_across_ranks(typed, requests) == Dispatch(M.FULL, BatchDescriptor(4, 4, uniform=True))
     fake = _EagerOnlyDispatcher()
-    stand_in = _route(fake, 3)  # mypy checks that the stand-in is a GraphDispatcher too
-    assert stand_in == (
-        Dispatch(M.NONE, BatchDescriptor(3)),
-        Dispatch(M.NONE, BatchDescriptor(3)),
-        [],
-        frozenset(),
-    )
-    assert fake.calls == [(3, True, 0, frozenset()), (3, False, 0, frozenset({M.PIECEWISE}))]
-    assert stand_in != real  # the answers come from the dispatcher passed in
+    stand_in: GraphDispatcher = fake  # and that the stand-in is one too
+    assert agree_across_ranks(stand_in, requests) == Dispatch(M.NONE, BatchDescriptor(3))
+    assert fake.calls == [(3, True, 0, frozenset())]  # the rank with tokens, asked once; then all eager
 
 
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)
@@ -559,7 +525,7 @@ def test_an_empty_batch_is_empty_batch_in_every_mode(mode: CUDAGraphMode, unifor
 
 
 @given(dispatchers_with_step_requests())
-def test_a_route_that_is_a_dispatch_names_a_graph(case: tuple[CUDAGraphDispatcher, StepRequest]) -> None:
+def test_a_route_that_is_a_dispatch_names_a_graph(case: tuple[CUDAGraphDispatcher, RankRequest]) -> None:
     """Every ``route`` that is a ``Dispatch`` has a graph: FULL or PIECEWISE, one of the keys (issue 33).
 
     So ``isinstance(route, Dispatch)`` means "replay"; a batch without a graph,

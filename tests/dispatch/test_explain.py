@@ -72,6 +72,20 @@ def test_explain_agrees_with_dispatch_on_graph_decisions() -> None:
     dispatcher = _dispatcher(M.FULL_AND_PIECEWISE)
     decision = dispatcher.dispatch(5, uniform_decode=True)
     assert str(decision.descriptor) in dispatcher.explain(5, uniform_decode=True)
+    graphs = 0
+    for mode in (M.FULL, M.PIECEWISE, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE):
+        dispatcher = _dispatcher(mode, lora_counts=(2,))
+        for n in range(1, 9):  # every count up to the largest size, uniform or mixed, with adapters or not
+            for uniform in (False, True):
+                for loras in range(min(n, 2) + 1):
+                    decision = dispatcher.dispatch(n, uniform_decode=uniform, num_active_loras=loras)
+                    text = dispatcher.explain(n, uniform_decode=uniform, num_active_loras=loras)
+                    if decision.mode is not M.NONE:
+                        graphs += 1
+                        assert (
+                            text == f"{n} tokens replay the {decision.mode.name} graph {decision.descriptor}"
+                        )
+    assert graphs > 100
 
 
 @given(dispatchers_with_token_counts(), st.booleans(), active_lora_counts, invalid_mode_sets)

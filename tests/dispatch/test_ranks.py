@@ -18,7 +18,6 @@ from cudagraph_dispatch import (
     Dispatch,
     DispatchConfig,
     RankRequest,
-    StepRequest,
     agree_across_ranks,
 )
 from tests.strategies import (
@@ -29,10 +28,10 @@ from tests.strategies import (
 )
 
 M: Final = CUDAGraphMode
-Case = tuple[CUDAGraphDispatcher, list[StepRequest]]
+Case = tuple[CUDAGraphDispatcher, list[RankRequest]]
 
 
-def _own(dispatcher: CUDAGraphDispatcher, request: StepRequest) -> Dispatch:
+def _own(dispatcher: CUDAGraphDispatcher, request: RankRequest) -> Dispatch:
     """What a rank would run on its own."""
     return dispatcher.dispatch(
         request.num_tokens,
@@ -121,7 +120,7 @@ def test_one_eager_rank_makes_all_eager(case: Case) -> None:
 @given(dispatchers, st.integers(min_value=1, max_value=8))
 def test_all_ranks_idle_is_none_with_zero(dispatcher: CUDAGraphDispatcher, ranks: int) -> None:
     """With no tokens anywhere there is nothing to replay: NONE with 0 tokens."""
-    requests = [StepRequest(0, uniform_decode=i % 2 == 0) for i in range(ranks)]
+    requests = [RankRequest(0, uniform_decode=i % 2 == 0) for i in range(ranks)]
     assert agree_across_ranks(dispatcher, requests) == Dispatch(M.NONE, BatchDescriptor(0))
 
 
@@ -130,10 +129,10 @@ def test_idle_ranks_follow_the_others(case: Case, idle: int, uniform: bool) -> N
     """Ranks with 0 tokens (uniform or not) do not change the decision of the ranks with tokens.
 
     (An idle rank has no adapters: a request runs one and has a token, so
-    ``StepRequest`` refuses more adapters than tokens.)
+    ``RankRequest`` refuses more adapters than tokens.)
     """
     dispatcher, requests = case
-    padded = requests + [StepRequest(0, uniform_decode=uniform)] * idle
+    padded = requests + [RankRequest(0, uniform_decode=uniform)] * idle
     assert agree_across_ranks(dispatcher, padded) == agree_across_ranks(dispatcher, requests)
 
 
@@ -156,13 +155,13 @@ def test_worked_example() -> None:
     """Decode ranks of 3 and 5 tokens and an idle rank share the uniform size-8 graph; a prefill rank,
     even a small one, makes it the mixed PIECEWISE graph; a rank above the largest makes all eager."""
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL_AND_PIECEWISE, CaptureSizes([1, 2, 4, 8, 16]), 8))
-    decode = [StepRequest(3, True), StepRequest(0), StepRequest(5, True)]
+    decode = [RankRequest(3, True), RankRequest(0), RankRequest(5, True)]
     assert agree_across_ranks(dispatcher, decode) == Dispatch(M.FULL, BatchDescriptor(8, 8, uniform=True))
-    small_prefill = [*decode, StepRequest(2)]
+    small_prefill = [*decode, RankRequest(2)]
     assert agree_across_ranks(dispatcher, small_prefill) == Dispatch(M.PIECEWISE, BatchDescriptor(8))
-    mixed = [*decode, StepRequest(10)]
+    mixed = [*decode, RankRequest(10)]
     assert agree_across_ranks(dispatcher, mixed) == Dispatch(M.PIECEWISE, BatchDescriptor(16))
-    too_big = [*mixed, StepRequest(17)]
+    too_big = [*mixed, RankRequest(17)]
     assert agree_across_ranks(dispatcher, too_big) == Dispatch(M.NONE, BatchDescriptor(17))
 
 
@@ -178,7 +177,7 @@ def test_negative_request_counts_are_rejected(
 ) -> None:
     """A rank request with a negative count is a ValueError naming the field and the value."""
     with pytest.raises(ValueError, match=f"{re.escape(field)}.*{re.escape(value)}"):
-        StepRequest(num_tokens, num_active_loras=num_active_loras)
+        RankRequest(num_tokens, num_active_loras=num_active_loras)
 
 
 def test_no_ranks_is_an_error() -> None:
@@ -203,14 +202,14 @@ def test_a_mode_one_rank_turns_off_is_off_for_all(case: Case, data: st.DataObjec
 
 
 def test_one_request_type_for_steps_and_ranks() -> None:
-    """``RankRequest`` is ``StepRequest``: the dispatcher, the ranks and an eager step share it."""
-    assert RankRequest is StepRequest
-    request = StepRequest(5, True, 1, frozenset({M.FULL}))
+    """``RankRequest`` is ``RankRequest``: the dispatcher, the ranks and an eager step share it."""
+    assert RankRequest is RankRequest
+    request = RankRequest(5, True, 1, frozenset({M.FULL}))
     assert (request.num_tokens, request.uniform_decode, request.num_active_loras) == (5, True, 1)
     assert request == RankRequest(
         5, uniform_decode=True, num_active_loras=1, invalid_modes=frozenset({M.FULL})
     )
-    assert hash(request) == hash(StepRequest(5, True, 1, frozenset({M.FULL})))  # a key
+    assert hash(request) == hash(RankRequest(5, True, 1, frozenset({M.FULL})))  # a key
 
 
 @pytest.mark.parametrize(
@@ -226,12 +225,12 @@ def test_one_request_type_for_steps_and_ranks() -> None:
 )
 def test_a_bad_request_names_its_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}: "):
-        StepRequest(**kwargs)  # type: ignore[arg-type]  # bad on purpose
+        RankRequest(**kwargs)  # type: ignore[arg-type]  # bad on purpose
 
 
 def test_agreement_refuses_a_bad_invalid_modes_and_a_bad_dispatcher() -> None:
     dispatcher = CUDAGraphDispatcher(DispatchConfig(M.FULL, CaptureSizes([1, 8]), 8))
     with pytest.raises(ValueError, match=r"^invalid_modes: "):
-        agree_across_ranks(dispatcher, [StepRequest(3)], invalid_modes=[M.FULL])  # type: ignore[arg-type]
+        agree_across_ranks(dispatcher, [RankRequest(3)], invalid_modes=[M.FULL])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^dispatcher: "):
-        agree_across_ranks(None, [StepRequest(3)])  # type: ignore[arg-type]
+        agree_across_ranks(None, [RankRequest(3)])  # type: ignore[arg-type]

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphDispatcher, CUDAGraphMode, Dispatch, DispatchConfig
-from cudagraph_dispatch.support import AttentionSupport, GraphSupport, ModeNotSupportedError, resolve_mode
+from cudagraph_dispatch._support import ModeNotSupportedError, resolve_mode
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from tests.strategies import active_lora_counts, attention_supports, dispatch_configs, step_count, step_loras
 
 M: Final = CUDAGraphMode

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from cudagraph_capture import _segment
-from cudagraph_capture.lowlevel import capture_stream
+from cudagraph_capture._pool import capture_stream
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
 from examples.config import DecoderConfig

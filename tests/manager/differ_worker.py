@@ -33,7 +33,8 @@ import cudagraph_manager.ranks as ranks_tier
 from cudagraph_capture import CaptureInvalidatedError
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions
-from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks import RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks._agreement import Backend
 from cudagraph_manager.ranks._shared_table import shared_memory_supported
 from examples.config import DecoderConfig
 from examples.ep.decoder import ExpertParallelDecoder

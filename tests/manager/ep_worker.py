@@ -19,7 +19,8 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import BackgroundCapture
-from cudagraph_manager.ranks import Backend, RanksDisagreeError
+from cudagraph_manager.ranks import RanksDisagreeError
+from cudagraph_manager.ranks._agreement import Backend
 from examples.config import DecoderConfig
 from examples.ep.moe import MoeConfig
 from examples.ep.steps import RankModel, Tally, build_rank, check_steps, dispatch_config

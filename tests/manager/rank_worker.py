@@ -30,7 +30,8 @@ import torch.distributed as dist
 from cudagraph_capture import CaptureInvalidatedError, set_capture_enabled
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
-from cudagraph_manager.ranks import Backend, RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks import RankAgreement, RanksDisagreeError
+from cudagraph_manager.ranks._agreement import Backend
 from tests.manager.helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 from tests.ranks_support import Result, rank_main
 
@@ -436,10 +437,10 @@ def late_rank(args: Sequence[str]) -> Result:
     (backend,) = args
     rank, _ = _setup("cpu")
     chosen: Backend = "shm" if backend == "shm" else "gloo"
-    ranks = RankAgreement(backend=chosen, timeout=datetime.timedelta(seconds=2))
+    ranks = RankAgreement(backend=chosen, timeout=datetime.timedelta(seconds=1))
     ranks.exchange((rank,))  # both arrive once
     if rank == 1:
-        time.sleep(5)  # then rank 1 stays away longer than the timeout
+        time.sleep(3)  # then rank 1 stays away three times the timeout
         return {}
     start = time.monotonic()
     try:

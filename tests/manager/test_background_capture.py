@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cudagraph_capture import CaptureError, CaptureInvalidatedError
-from cudagraph_capture.lowlevel import collector_paused
+from cudagraph_capture._gc import collector_paused
 from cudagraph_dispatch import (
     BatchDescriptor,
     CaptureSizes,

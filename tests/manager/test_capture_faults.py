@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.functional import linear
 
 from cudagraph_capture import CaptureError, CaptureOptions, eager_break_during_capture
-from cudagraph_capture.lowlevel import GraphPool
+from cudagraph_capture._pool import GraphPool
 from cudagraph_dispatch import BatchDescriptor, CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 from tests.torch_support import as_tensor, highest_fp32_matmul_precision, rel_err

@@ -31,7 +31,8 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, ManagerOptions
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
+from cudagraph_manager._decode_loop import LoopResult
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples import DecoderConfig
 from examples.demo_loop import show_decode_loops
@@ -52,6 +53,7 @@ from examples.paged.loop import (
 )
 from examples.paged.model import make_backend
 from examples.paged.varlen import VarlenPagedAttention
+from tests.manager.helpers import assert_unchanged, snapshot
 
 CPU_CONFIG: Final = DecoderConfig.small()
 #: (backend, page size) on the CPU: flex runs eagerly (any page size), varlen's gathered path.
@@ -453,10 +455,14 @@ def test_run_loop_checks_the_batch_before_touching_a_buffer() -> None:
     advance = greedy_advance(model, eos_id=None, max_len=max_len)
     manager = loop_manager(model, advance, CUDAGraphMode.FULL, sizes=(1, 4, 8), max_steps=4)
     wrong = dict(batch, slot_mapping=batch["slot_mapping"] + 1)
+    before = snapshot(manager.static_buffers)
+    caches = [cache.clone() for cache in model.kv_caches()]
     with pytest.raises(ValueError, match=r"^slot_mapping:"):
         manager.run_loop(max_steps=4, **wrong)
     with pytest.raises(ValueError, match=r"^run_loop: max_steps:"):
         manager.run_loop(max_steps=5, **batch)
+    assert_unchanged(before, manager.static_buffers)  # refused before a buffer was written
+    assert all(torch.equal(c, kept) for c, kept in zip(model.kv_caches(), caches, strict=True))
     result = manager.run_loop(max_steps=1, **batch)  # still serves
     assert result.steps == 1
     assert result.tokens.shape == (1, 5)

@@ -108,6 +108,15 @@ def test_stale_or_nonzero_padding_rows_never_pass_the_padded_total() -> None:
     builder = PackedMetadataBuilder(_BUDGETS, device="cpu")
     meta = builder.build_for_capture(BatchShape(32, 4, None, _FULL))
     assert meta.write_offsets(_lens(10, 12, 50, 50)).tolist() == [0, 10, 22, 32, 32, 32]
+    rng = random.Random(11)
+    for _ in range(200):  # any rows a warm-up or an earlier step left, at every budget and item count
+        budget = rng.choice(_BUDGETS.budgets)
+        rows = rng.randint(1, _BUDGETS.max_items)
+        meta = builder.build_for_capture(BatchShape(budget, rows, None, _FULL))
+        stale = [rng.randint(0, 3 * budget) for _ in range(rows)]
+        offsets = meta.write_offsets(_lens(*stale)).tolist()
+        ends = [min(sum(stale[: i + 1]), budget) for i in range(rows)]
+        assert offsets == [0, *ends, budget], (budget, stale)
 
 
 def test_offsets_of_an_eager_shape_and_one_view_per_graph_shape() -> None:
@@ -183,6 +192,19 @@ def test_without_cuda_every_pack_runs_eagerly_padded_to_its_budget() -> None:
     stats = runner.manager.stats
     assert dict(stats.eager_reasons) == {"no_cuda": stats.eager_steps}
     assert stats.padded_tokens > 0  # each pack ran padded to its budget
+
+
+def test_the_eager_baseline_and_oracle_are_steps_of_a_manager_without_graphs() -> None:
+    """``encode_eager`` and ``encode_alone`` are ``eager_manager``'s eager steps: unpadded, counted there."""
+    runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cpu")
+    items = random_items(runner.model.config, [5, 9, 20], torch.Generator().manual_seed(3), "cpu")
+    packed = runner.encode_eager(items)  # one pack of 34 tokens, run as it is
+    for item, out in zip(items, packed, strict=True):
+        torch.testing.assert_close(out, runner.encode_alone(item), rtol=1e-4, atol=1e-4)
+    stats = runner.eager_manager.stats
+    assert dict(stats.eager_reasons) == {"no_graph_for_batch": 4}  # the pack, then each item alone
+    assert stats.padded_tokens == 0
+    assert runner.manager.stats.eager_steps == 0  # the graphs' manager saw none of them
 
 
 def test_an_item_above_the_largest_budget_is_an_error_naming_it() -> None:

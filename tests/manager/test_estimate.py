@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraph_capture import CaptureDisabledError, set_capture_enabled
-from cudagraph_capture.lowlevel import capture_disabled_reason
+from cudagraph_capture._enabled import capture_disabled_reason
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
 from cudagraph_manager._capture._estimate import (

@@ -298,7 +298,7 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
-TestKVMachine = KVMachine.TestCase
+TestKVMachine = pytest.mark.usefixtures("frozen_heap")(KVMachine.TestCase)
 
 
 def test_the_readmes_start_up_in_the_new_order_runs_on_the_cpu_as_an_ordinary_allocation() -> None:

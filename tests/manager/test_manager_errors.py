@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cudagraph_capture import CaptureOptions
-from cudagraph_capture.lowlevel import GraphPool, capture_stream
+from cudagraph_capture._pool import GraphPool, capture_stream
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
 

@@ -150,4 +150,5 @@ def test_a_cpu_manager_beside_cuda_captures_nothing_and_says_why() -> None:
     manager = CUDAGraphManager(_Recorder(), INPUTS, _config(CUDAGraphMode.FULL), device="cpu")
     report = manager.capture()
     assert report.num_graphs == 0
+    assert manager.num_captured == 0
     assert report.no_graphs == "CUDA graphs need a CUDA device, and the manager's device is cpu"

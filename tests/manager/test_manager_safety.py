@@ -15,7 +15,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_capture.lowlevel import OutputGuard
+from cudagraph_capture._guard import OutputGuard
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
-from cudagraph_dispatch.support import AttentionSupport, GraphSupport, ModeNotSupportedError
+from cudagraph_dispatch._support import ModeNotSupportedError
+from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.attention import AttentionOptions
 from examples import DecoderConfig, ReferenceDecoder

@@ -24,7 +24,8 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_dispatch.support import GraphSupport, resolve_mode
+from cudagraph_dispatch._support import resolve_mode
+from cudagraph_dispatch.support import GraphSupport
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples.paged.batch import paged_static_inputs

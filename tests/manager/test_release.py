@@ -213,14 +213,25 @@ def test_eager_steps_need_no_check_and_data_swaps_are_caught_by_check_weights(ba
     manager.check_weights()  # no graphs, nothing to compare
 
 
-def test_an_unrelated_module_assignment_costs_one_check_and_no_error(backend: Backend) -> None:
+def test_an_unrelated_module_assignment_costs_one_check_and_no_error(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = ToyModel(backend.device)
     manager = make_manager(backend, model)
     manager.capture(progress=False)
+    checks: list[WeightWatch] = []
+    real_check = WeightWatch.check
+
+    def counted(watch: WeightWatch) -> None:
+        checks.append(watch)
+        real_check(watch)
+
+    monkeypatch.setattr(WeightWatch, "check", counted)
     other = nn.Linear(4, 4)
     other.weight = nn.Parameter(torch.zeros(4, 4))  # marks every watch dirty
     _check_steps(manager, model, backend.device, seed=0)
     assert manager.stats.eager_steps == 0
+    assert len(checks) == 1  # the first replay's; the watch is clean again for the other nine
     assert max(SIZES) == 32  # _check_steps stays within the plan
 
 

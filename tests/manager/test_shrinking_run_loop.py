@@ -29,8 +29,9 @@ from cudagraph_capture._loop import LoopBody, LoopSpec, build_loop, shrink_loops
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopResult, LoopState, ManagerOptions, StaticInput
+from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions, StaticInput
 from cudagraph_manager._capture._capturer import Capturer
+from cudagraph_manager._decode_loop import LoopResult
 from cudagraph_manager._reports._report import CapturedGraph
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch
 from examples.paged import PagedDecoder as PagedDecoderT
@@ -237,7 +238,11 @@ def test_the_steps_run_on_the_smallest_key_holding_the_live_requests(fake_loops:
 def test_the_last_requests_finish_in_the_callers_order_whatever_rows_they_took(
     fake_loops: FakeDeviceLoops,
 ) -> None:
-    """The first request runs longest: every partition moves it; its tokens stay in column 0."""
+    """The first request runs longest: every partition moves it; its tokens stay in column 0.
+
+    Then the longest in every other column in turn, and random finishes: each
+    request's tokens stay in its column, wherever the partitions moved it.
+    """
     manager = countdown_manager(check_every=1)
     manager.capture()
     case = ([11, 22, 33, 44, 55, 66, 77], [5, 6, 7, 8, 9, 10, 11], [12, 1, 1, 2, 3, 3, 1])
@@ -245,6 +250,18 @@ def test_the_last_requests_finish_in_the_callers_order_whatever_rows_they_took(
     expected = python_loop(*case, MAX_STEPS)
     assert result.tokens.tolist() == expected
     assert finish_steps(result.tokens) == [12, 1, 1, 2, 3, 3, 1]
+    for longest in range(1, 7):
+        left = [1 + (3 * i) % 5 for i in range(7)]
+        left[longest] = MAX_STEPS
+        case = (case[0], case[1], left)
+        result = run(manager, case, None)
+        assert result.tokens.tolist() == python_loop(*case, MAX_STEPS), longest
+        assert finish_steps(result.tokens) == left, longest
+    for seed in range(6):
+        case = _case(7, seed, longest=MAX_STEPS + 1)
+        result = run(manager, case, None)
+        assert result.tokens.tolist() == python_loop(*case, MAX_STEPS), seed
+        assert finish_steps(result.tokens) == case[2], seed
 
 
 def test_a_class_of_one_key_does_not_shrink_and_says_why(
@@ -319,6 +336,14 @@ def test_a_loop_not_asked_to_shrink_keeps_each_key_and_says_nothing(fake_loops: 
     case = _case(5, seed=2)
     assert run(manager, case, None).tokens.tolist() == python_loop(*case, MAX_STEPS)
     assert set(manager.stats.device_loop_steps) == {8}
+    for n in (1, 2, 3, 8):  # every batch on its own key's loop, whatever its requests leave
+        before = dict(manager.stats.device_loop_steps)
+        case = _case(n, seed=n)
+        result = run(manager, case, None)
+        assert result.tokens.tolist() == python_loop(*case, MAX_STEPS)
+        after = manager.stats.device_loop_steps
+        ran = {size for size in SIZES if after.get(size, 0) > before.get(size, 0)}
+        assert ran == {min(s for s in SIZES if s >= n)}, (n, ran)
 
 
 def test_a_builders_and_a_decode_loops_rows_move_with_the_requests(fake_loops: FakeDeviceLoops) -> None:

@@ -37,12 +37,11 @@ from cudagraph_capture.lowlevel import RecordSeconds
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context, set_forward_context
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import StaticInput
+from cudagraph_manager._support_check import KindCheck, SupportCheck
 from cudagraph_manager.attention import (
     BatchKind,
     BatchShape,
-    KindCheck,
     StepBatch,
-    SupportCheck,
     SupportCheckOptions,
     SupportLevelError,
     attention_metadata,
@@ -409,6 +408,8 @@ def test_the_same_seed_draws_the_same_batches() -> None:
     first = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=7)
     second = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=7)
     assert first == second
+    other = Toy.of("cpu", serves=SINGLE, declares=SINGLE).check(seed=8)
+    assert other != first  # another seed draws other batches (their errors differ): no vacuous equality
 
 
 # ---------------------------------------------------------------------------

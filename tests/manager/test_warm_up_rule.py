@@ -56,6 +56,15 @@ def test_a_first_capture_warms_every_key_up_and_skips_none() -> None:
 
 def test_each_modes_smallest_is_the_one_every_capture_warms() -> None:
     assert smallest_of_modes(_plan()) == SMALLEST
+    rule, plan = _rule(), _plan()
+    warm_ups = [rule.foreground(plan, ranks=False), rule.foreground(plan, ranks=True)]
+    warm_ups += [rule.background(plan, "per_class"), rule.background(plan, "every_key")]
+    for key in plan:
+        rule.captured(key.descriptor)
+    warm_ups += [rule.foreground(plan, ranks=False), rule.foreground(plan, ranks=True)]  # a recapture
+    warm_ups += [rule.background(plan, "per_class"), rule.background(plan, "every_key")]  # a wake
+    for warm_up in warm_ups:
+        assert set(warm_up.keys) >= SMALLEST, warm_up.keys
 
 
 def test_a_recapture_warms_up_only_each_modes_smallest() -> None:
@@ -115,8 +124,12 @@ def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: py
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)  # a model may recompile after new weights
     rule = _rule()
-    rule.ran(BatchDescriptor(8), 0.5)
     assert not rule.thread_has_handles()
+    for key in _plan():  # however many warm-ups and captures this thread ran
+        rule.ran(key.descriptor, 0.5)
+        assert not rule.thread_has_handles()
+        rule.captured(key.descriptor)
+        assert not rule.thread_has_handles()
 
 
 def test_where_dynamo_compiles_a_wake_with_the_weights_kept_skips_it(monkeypatch: pytest.MonkeyPatch) -> None:

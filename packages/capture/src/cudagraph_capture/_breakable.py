@@ -52,6 +52,20 @@ class BreakableCUDAGraphCapture:
     the thread's active capture; where CUDA had invalidated the capture, a
     ``CaptureInvalidatedError`` is raised from it. Segments that captured no
     work are dropped.
+
+    Args:
+        pool: the graph pool of the segments (``None``: the device's shared
+            pool), a handle torch made in this process.
+        stream: the capture stream (``None``: the device's, ordered after the
+            caller's stream).
+        gc_disable: never collect garbage at the capture (see the README,
+            "Garbage collection during captures").
+        descriptor: the key being captured, named by its errors.
+        execute: run each segment and eager break as it is recorded;
+            ``False`` records only (nothing runs, no break is called).
+
+    Raises:
+        ValueError: a bad argument, naming it.
     """
 
     __slots__ = (
@@ -180,9 +194,21 @@ class BreakableCUDAGraphCapture:
 
         ``fn`` must write its results into buffers it was given: its tensor
         arguments are recorded as non-owning aliases (they must not pin pool
-        memory), and a CUDA tensor it returns raises ``CaptureError``. A
-        record-only capture (``execute=False``) does not call ``fn`` now and
-        returns ``None``.
+        memory).
+
+        Args:
+            fn: the eager break.
+            *args: its arguments, as the replay passes them too.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returned; ``None`` in a record-only capture
+            (``execute=False``), which does not call ``fn`` now.
+
+        Raises:
+            RuntimeError: this capture is not active in this thread.
+            CaptureError: ``fn`` returned a CUDA tensor (its return value is
+                not replayed).
         """
         if THREAD.breakable is not self or self._graph is None:
             raise RuntimeError("add_eager: this capture is not active in this thread")
@@ -278,6 +304,16 @@ def eager_break_during_capture(fn: Callable[P, R]) -> Callable[P, R]:
     ``fn`` run plainly. Everywhere else, a FULL capture included (where ``fn``
     is then captured into the graph), it is an ordinary call. ``fn`` must
     write into caller-provided buffers and return no CUDA tensor.
+
+    Args:
+        fn: a function (a class is refused: a break writes into buffers it
+            is given, it makes no object).
+
+    Returns:
+        ``fn`` wrapped, with its signature.
+
+    Raises:
+        ValueError: ``fn`` is not callable, or is a class.
     """
     given: object = fn  # checked at run time: callers may not be typed
     if not callable(given):

@@ -60,7 +60,7 @@ class SwitchReplay:
     def of(cls, entries: Mapping[BatchDescriptor, object], live: torch.Tensor) -> SwitchReplay:
         """The replay of ``entries`` chosen by ``live``; ``entries`` stay the caller's.
 
-        Arguments:
+        Args:
             entries: one class's captured FULL graphs by key (keys that
                 differ in ``num_tokens`` and ``num_reqs`` only): the entries
                 of ``graph_engine(FULL)`` (a manager's FULL graphs).
@@ -68,10 +68,14 @@ class SwitchReplay:
                 graph must hold (compared with the keys' ``num_tokens``),
                 written before each launch, by the host or a kernel.
 
-        Bad arguments raise ``ValueError`` naming them; where neither a
-        SWITCH node nor IF nodes can be built (no cuda-bindings, an old
-        driver, a refusal), ``CaptureError`` saying why: replay the
-        host-chosen entry instead.
+        Returns:
+            The replay; ``launch()`` queues it.
+
+        Raises:
+            ValueError: a bad argument, naming it.
+            CaptureError: neither a SWITCH node nor IF nodes can be built (no
+                cuda-bindings, an old driver, a refusal), saying why: replay
+                the host-chosen entry instead.
         """
         count = _checked_count(live)
         graphs = _graphs_of(entries)

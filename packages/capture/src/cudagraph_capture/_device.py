@@ -8,13 +8,20 @@ import torch
 def resolve_device(device: torch.device | str | int | None) -> torch.device:
     """``device`` as a ``torch.device``; a CUDA device always carries its index.
 
-    ``None`` is the current CUDA device, or the CPU where CUDA is unavailable.
-    An int is a CUDA index. The CPU is ``cpu`` (``cpu:0`` too; another index
-    raises). A CUDA device that does not exist here (no CUDA
-    at all, or an index past the last device) raises ``ValueError`` naming
-    the value, as does anything that is not a device, and a device that is
-    neither CUDA nor the CPU (``meta`` holds no data to copy or compute on;
-    others have no CUDA graphs and are not supported).
+    Args:
+        device: a ``torch.device``, a device string, a CUDA index (an int),
+            or ``None``: the current CUDA device, or the CPU where CUDA is
+            unavailable. The CPU is ``cpu`` (``cpu:0`` too).
+
+    Returns:
+        The CUDA device with its index, or ``torch.device("cpu")``.
+
+    Raises:
+        ValueError: naming the value: a CUDA device that does not exist here
+            (no CUDA at all, or an index past the last device), anything
+            that is not a device, another CPU index, and a device that is
+            neither CUDA nor the CPU (``meta`` holds no data to copy or
+            compute on; others have no CUDA graphs and are not supported).
     """
     if device is None:
         if torch.cuda.is_available():

@@ -18,7 +18,15 @@ _state: Final = {"enabled": True}
 
 
 def set_capture_enabled(flag: bool) -> None:
-    """Allow (``True``) or forbid (``False``) new captures in this process."""
+    """Allow or forbid new captures in this process.
+
+    Args:
+        flag: ``True`` allows them; ``False`` makes every capture attempt
+            raise ``CaptureDisabledError``.
+
+    Raises:
+        ValueError: ``flag`` is not ``True`` or ``False``.
+    """
     _state["enabled"] = check_bool("flag", flag)
 
 

@@ -11,6 +11,14 @@ class CaptureError(RuntimeError):
     """A capture failed; ``descriptor`` is its graph key (``None`` outside a wrapper).
 
     The failed entry is dropped: the wrapper that raised stays usable.
+
+    Args:
+        message: what failed and why.
+        descriptor: the graph key that failed, appended to the message.
+
+    Raises:
+        ValueError: ``message`` is no string or ``descriptor`` no key (an
+            engine of the caller's raises these too).
     """
 
     def __init__(self, message: str, descriptor: BatchDescriptor | None = None) -> None:

@@ -78,16 +78,20 @@ MAX_CHECK_EVERY: Final = 64
 class LoopPolicy:
     """Which kind a ``DeviceLoop`` runs as.
 
-    ``kind``: ``None`` picks ``WHILE``, falling back where it cannot be
-    built; a kind forces it (a forced ``WHILE`` that cannot be built makes the
-    capture raise ``CaptureError``). ``unroll``: iterations per launch of the
-    ``UNROLLED`` fallback, at most ``MAX_UNROLL`` (its graph records the body
-    that many times); 1 makes the fallback ``HOST_LOOP`` (a forced
-    ``UNROLLED`` takes 2 or more). ``check_every``: the iterations a
-    ``WHILE`` loop runs between two checks of ``stop`` and the limit (the
-    conditional node's cost, paid once per check; the iterations after the
-    one that set ``stop`` run masked and count nothing; the limit is never
-    passed). A bad field raises ``ValueError`` naming it.
+    Args:
+        kind: ``None`` picks ``WHILE``, falling back where it cannot be
+            built; a kind forces it (a forced ``WHILE`` that cannot be built
+            makes the capture raise ``CaptureError``).
+        unroll: iterations per launch of the ``UNROLLED`` fallback, at most
+            1024 (its graph records the body that many times); 1 makes the
+            fallback ``HOST_LOOP`` (a forced ``UNROLLED`` takes 2 or more).
+        check_every: the iterations a ``WHILE`` loop runs between two checks
+            of ``stop`` and the limit, 1 to 64 (the conditional node's cost,
+            paid once per check; the iterations after the one that set
+            ``stop`` run masked and count nothing; the limit is never passed).
+
+    Raises:
+        ValueError: a bad field, naming it.
     """
 
     kind: LoopKind | None = None
@@ -227,17 +231,23 @@ class TorchGraphs:
 class LoopRows:
     """What a shrinking loop keeps in order (``DeviceLoop.shrinking``): its rows and their history.
 
-    ``active``: ``[rows]`` bool, at least the largest body's rows, the flags
-    the bodies clear as their requests finish; before each launch the caller
-    sets the live rows and clears the rest (every row up to the largest
-    body's, not only the first body's). ``buffers``: every other per-row
-    tensor the bodies read or write from one step to the next (inputs,
-    metadata, the step's own state): dim 0 the row, each row contiguous, at
-    least as many rows; the loop moves their rows with the rows it keeps in
-    front. ``history``: ``[max_steps, >= rows]`` int64, written by the bodies
-    at row ``step`` (a column per row); after a launch each of its rows up to
-    the steps taken is in the launch's row order, and a row the loop no
-    longer computed at a step reads ``fill``.
+    Checked by ``DeviceLoop.shrinking``, which takes it (``ValueError``
+    naming a bad field there).
+
+    Args:
+        active: ``[rows]`` bool, at least the largest body's rows, the flags
+            the bodies clear as their requests finish; before each launch the
+            caller sets the live rows and clears the rest (every row up to
+            the largest body's, not only the first body's).
+        buffers: every other per-row tensor the bodies read or write from one
+            step to the next (inputs, metadata, the step's own state): dim 0
+            the row, each row contiguous, at least as many rows; the loop
+            moves their rows with the rows it keeps in front.
+        history: ``[max_steps, >= rows]`` int64, written by the bodies at row
+            ``step`` (a column per row); after a launch each of its rows up
+            to the steps taken is in the launch's row order.
+        fill: what a row the loop no longer computed at a step reads in
+            ``history``.
     """
 
     active: torch.Tensor
@@ -302,7 +312,8 @@ class DeviceLoop:
     (``[]`` int64; read it, never write it). ``sizes``: a shrinking loop's
     row counts, ascending (``()`` for one body); ``choice``: how it chooses
     (``"switch"``, or ``"if_chain"`` where the driver has no SWITCH node;
-    ``None`` for one body). Dropping the loop frees its graphs.
+    ``None`` for one body). Dropping the loop frees its graphs. Not built
+    directly: its constructor's arguments are the two classmethods' work.
     """
 
     __slots__ = (
@@ -352,7 +363,11 @@ class DeviceLoop:
     ) -> DeviceLoop:
         """Capture ``body`` as a loop on ``stop``'s CUDA device; nothing of the loop runs.
 
-        Arguments:
+        The body runs ``options.warmup_runs`` times eagerly before it is
+        recorded: refill the tensors it writes (and clear ``stop``) before the
+        first launch.
+
+        Args:
             body: one iteration, called as ``body(steps)`` with the ``[]`` int64
                 iteration index (0 first) on the device. Capturable; reads and
                 writes only tensors allocated before the capture; sets ``stop``
@@ -373,10 +388,14 @@ class DeviceLoop:
                 shares: loops that share them run one at a time, and
                 ``DeviceLoop.shrinking`` combines their bodies.
 
-        The body runs ``options.warmup_runs`` times eagerly before it is
-        recorded: refill the tensors it writes (and clear ``stop``) before the
-        first launch. Bad arguments raise ``ValueError`` before anything runs;
-        a failed capture raises ``CaptureError`` naming ``descriptor``.
+        Returns:
+            The loop, of the kind the policy and the machine allow
+            (``kind``, ``fallback``).
+
+        Raises:
+            ValueError: a bad argument, naming it, before anything runs.
+            CaptureError: the capture failed (naming ``descriptor``), or a
+                forced kind cannot be built.
         """
         spec = LoopSpec.checked(body, stop, max_steps, policy, descriptor)
         checked = CaptureOptions.given(options)  # every argument checked before the device is
@@ -390,18 +409,27 @@ class DeviceLoop:
     def shrinking(cls, loops: Sequence[DeviceLoop], *, rows: LoopRows) -> DeviceLoop:
         """One loop over the bodies of ``loops``, the smallest holding the live rows run each iteration.
 
-        ``loops``: two or more ``WHILE`` loops (shrinking ones included)
-        captured on shared cells (``shared_with``), of one class (their
-        descriptors differ in their counts only: ``uniform``, ``has_lora``
-        and ``num_active_loras`` alike), each body's rows its descriptor's
-        ``num_reqs``; their graphs stay theirs. ``rows``: what the loop keeps
-        in order (``LoopRows``). Each iteration starts on the device: the
-        active rows move to the front in order (every buffer's rows with
-        them), the smallest body that holds them is chosen by a SWITCH node
-        (an IF node per body where the driver has no SWITCH), and it runs
-        ``policy.check_every`` steps; after the launch, the history is back
-        in the launch's row order. Bad arguments raise ``ValueError`` naming
-        them; where neither a SWITCH nor IF nodes can be built, ``CaptureError``.
+        Each iteration starts on the device: the active rows move to the
+        front in order (every buffer's rows with them), the smallest body
+        that holds them is chosen by a SWITCH node (an IF node per body where
+        the driver has no SWITCH), and it runs ``policy.check_every`` steps;
+        after the launch, the history is back in the launch's row order.
+
+        Args:
+            loops: two or more ``WHILE`` loops (shrinking ones included)
+                captured on shared cells (``shared_with``), of one class
+                (their descriptors differ in their counts only: ``uniform``,
+                ``has_lora`` and ``num_active_loras`` alike), each body's
+                rows its descriptor's ``num_reqs``; their graphs stay theirs.
+            rows: what the loop keeps in order.
+
+        Returns:
+            The shrinking loop (``sizes``, ``choice``).
+
+        Raises:
+            ValueError: a bad argument, naming it.
+            CaptureError: neither a SWITCH nor IF nodes can be built; the
+                loops given still run, each on its own body.
         """
         return shrink_loops(loops, rows, load_conditional)
 
@@ -417,12 +445,19 @@ class DeviceLoop:
         return self._cells.steps
 
     def launch(self, max_steps: int | None = None) -> None:
-        """Run up to ``max_steps`` iterations (default: the capture's) on the current stream.
+        """Run up to ``max_steps`` iterations on the current stream.
 
         Stops after the iteration that sets ``stop``, or at ``max_steps``; at
         least one iteration runs. ``WHILE`` queues it all without a host
         synchronization; the fallbacks read ``stop`` back once per launch of
-        their graph. A value above the capture's ``max_steps`` raises ``ValueError``.
+        their graph.
+
+        Args:
+            max_steps: the most iterations, from 1 to the capture's
+                ``max_steps`` (``None``: the capture's).
+
+        Raises:
+            ValueError: ``max_steps`` out of that range.
         """
         steps = self.max_steps if max_steps is None else max_steps
         check_int("max_steps", steps, minimum=1, maximum=self.max_steps)

@@ -17,30 +17,36 @@ MAX_WARMUP_RUNS: Final = 100
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class CaptureOptions:
-    """How a wrapper captures.
+    """How an engine captures.
 
-    - ``weak_ref_output``: keep captured outputs as non-owning aliases, so the
-      shared pool can hand their memory to the next (smaller) capture. The
-      outputs then stay valid until the next replay of any graph in the pool.
-    - ``gc_disable``: the garbage-collection policy of captures (``collector_paused``
-      says it whole): no ``gc.collect()``/``empty_cache()`` per capture.
-    - ``check_input_addresses``: debug check that every replay through a call
-      (the forward-context path) gets its tensor arguments at the addresses
-      seen at capture (a graph reads fixed addresses).
-    - ``pool``: the graph memory pool, a handle torch made in this process
-      (``torch.cuda.graph_pool_handle()``, ``shared_pool(device)``; a made-up
-      tuple raises ``ValueError`` naming ``pool``); ``None`` is the device's
-      shared pool, which stays usable for the life of the process. A pool of your own is
-      usable only while some graph captured into it is alive (torch frees an
-      empty pool, and the next capture into its handle fails), and not at all
-      after a capture into it was invalidated: keep one graph in it (an
-      anchor, as ``shared_pool`` does) if a failed first capture must be retried.
-    - ``stream``: the capture stream; ``None`` is one side stream per device.
-    - ``warmup_runs``: eager runs on the capture stream before each capture,
-      under a NONE forward context, so that lazy initialization (cuBLAS
-      handles and workspaces, compiled kernels) happens outside the capture.
-      Set 0 when the caller has already warmed up this shape; at most
-      ``MAX_WARMUP_RUNS`` (a larger count is a typo, not a warm-up).
+    Args:
+        weak_ref_output: keep captured outputs as non-owning aliases, so the
+            shared pool can hand their memory to the next (smaller) capture.
+            The outputs then stay valid until the next replay of any graph in
+            the pool.
+        gc_disable: the garbage-collection policy of captures: no
+            ``gc.collect()``/``empty_cache()`` per capture, and the collector
+            paused over a loop of captures.
+        check_input_addresses: debug check that every replay through a call
+            (the forward-context path) gets its tensor arguments at the
+            addresses seen at capture (a graph reads fixed addresses).
+        pool: the graph memory pool, a handle torch made in this process
+            (``torch.cuda.graph_pool_handle()``); ``None`` is the device's
+            shared pool, which stays usable for the life of the process. A
+            pool of your own is usable only while some graph captured into
+            it is alive (torch frees an empty pool, and the next capture into
+            its handle fails), and not at all after a capture into it was
+            invalidated: keep one graph in it (an anchor, as the shared pool
+            has) if a failed first capture must be retried.
+        stream: the capture stream; ``None`` is one side stream per device.
+        warmup_runs: eager runs on the capture stream before each capture,
+            under a NONE forward context, so that lazy initialization (cuBLAS
+            handles and workspaces, compiled kernels) happens outside the
+            capture. Set 0 when the caller has already warmed up this shape;
+            at most 100 (a larger count is a typo, not a warm-up).
+
+    Raises:
+        ValueError: a bad field, naming it (a made-up pool handle too).
     """
 
     weak_ref_output: bool = True
@@ -60,10 +66,17 @@ class CaptureOptions:
 
     @staticmethod
     def given(options: object) -> CaptureOptions:
-        """``options`` as an engine or a manager takes it: the defaults for ``None``.
+        """``options`` as an engine or a manager takes it.
 
-        Anything else than ``CaptureOptions`` or ``None`` raises ``ValueError``
-        naming the ``options`` argument.
+        Args:
+            options: a caller's ``options`` argument.
+
+        Returns:
+            ``options``, or the defaults for ``None``.
+
+        Raises:
+            ValueError: anything else than ``CaptureOptions`` or ``None``,
+                naming ``options``.
         """
         if options is None:
             return _DEFAULTS

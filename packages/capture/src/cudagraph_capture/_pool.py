@@ -175,6 +175,13 @@ def release_graph_memory(device: torch.device | str | int | None = None) -> None
     a caller's own pool (``CaptureOptions.pool``), and pools retired after a
     failed capture (their anchors stay: see ``repair_failed_capture``).
     Under the device's capture lock: never during a capture on the device.
+
+    Args:
+        device: the CUDA device (``None``: the current one).
+
+    Raises:
+        RuntimeError: there is no CUDA device.
+        ValueError: ``device`` is not a CUDA device of this machine.
     """
     index = cuda_index(device)
     with capture_lock(index):

@@ -18,10 +18,14 @@ R_co = TypeVar("R_co", covariant=True)
 class RecordSeconds:
     """What recording one graph cost the host, in seconds.
 
-    ``recording``: from the capture's start to its end (the model's calls,
-    the segments' eager breaks included); ``instantiation``: building the
-    executables (``cudaGraphInstantiate``), which a replay otherwise pays.
-    Each is a finite number >= 0 (``ValueError`` naming the field).
+    Args:
+        recording: from the capture's start to its end (the model's calls,
+            the segments' eager breaks included).
+        instantiation: building the executables (``cudaGraphInstantiate``),
+            which a replay otherwise pays.
+
+    Raises:
+        ValueError: a field that is no finite number >= 0, naming it.
     """
 
     recording: float
@@ -73,6 +77,10 @@ class GraphEngine(Protocol[R_co]):
         forward context ``(NONE, descriptor)`` with the extras of the caller's
         forward context: what lazy initialization a capture must not meet
         (library handles, compilation) happens here.
+
+        Args:
+            descriptor: the key about to be recorded.
+            inputs: the model's keyword arguments (the static inputs).
         """
         ...
 
@@ -85,7 +93,16 @@ class GraphEngine(Protocol[R_co]):
         writes no memory: not the pool (which may hold outputs a caller still
         reads), not the model's buffers. The outputs' values are undefined
         until the first ``replay``. The runnable runs under the forward context
-        ``(mode, descriptor)`` with the extras of the caller's. A failure raises
-        ``CaptureError`` naming ``descriptor``.
+        ``(mode, descriptor)`` with the extras of the caller's.
+
+        Args:
+            descriptor: the graph's key.
+            inputs: the model's keyword arguments (the static inputs).
+
+        Returns:
+            The entry, which the caller owns.
+
+        Raises:
+            CaptureError: the capture failed, naming ``descriptor``.
         """
         ...

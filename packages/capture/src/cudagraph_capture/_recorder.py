@@ -22,7 +22,7 @@ from torch.cuda import Stream
 from torch.utils import _pytree as pytree
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR  # the variable itself: a hot path reads it
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._device import require_cuda
@@ -295,13 +295,24 @@ def graph_engine(
 ) -> GraphEngine[R]:
     """The engine of ``mode`` for a runner that keeps its entries itself (a ``GraphEngine``).
 
-    FULL: one CUDA graph per key; PIECEWISE: graph segments split at
-    ``eager_break_during_capture`` ops. ``record`` calls ``runnable(**inputs)``
-    under the forward context ``(mode, descriptor)`` and hands back a new
-    entry that the caller owns: the engine keeps nothing. The signature is a
-    ``GraphEngineFactory``'s (``cudagraph_manager``'s default). Another mode,
-    a ``runnable`` that is not callable or ``options`` that are not
-    ``CaptureOptions`` raise ``ValueError`` naming them.
+    ``record`` calls ``runnable(**inputs)`` under the forward context
+    ``(mode, descriptor)`` and hands back a new entry that the caller owns:
+    the engine keeps nothing. The signature is a ``GraphEngineFactory``'s
+    (``cudagraph_manager``'s default).
+
+    Args:
+        runnable: the model: an instance or a function taking the static
+            inputs as keywords (a class is refused).
+        mode: FULL (one CUDA graph per key) or PIECEWISE (graph segments
+            split at ``eager_break_during_capture`` ops).
+        options: the capture options (``None``: the defaults).
+
+    Returns:
+        The engine.
+
+    Raises:
+        ValueError: another mode, a ``runnable`` that is not callable, or
+            ``options`` that are not ``CaptureOptions``, naming them.
     """
     if mode is CUDAGraphMode.FULL:
         return MonolithicRecorder(runnable, mode, options, "graph_engine(FULL)")

@@ -162,15 +162,6 @@ def _unmap(vmm: VirtualMemory, base: int, mappings: list[_Mapping], count: int) 
 class ReservedMemory:
     """A range of device addresses reserved once, any prefix of it backed by device memory on demand.
 
-    Arguments:
-        size: bytes of addresses to reserve (rounded up to the granularity).
-            Addresses cost no memory: a range larger than the device is fine.
-        device: the CUDA device (default: the current one), or the CPU.
-        fallback_size: bytes of an ordinary allocation made instead where
-            virtual memory cannot be had (the CPU; a device, driver or
-            cuda-bindings without it): then ``size`` is this, every byte is
-            backed for good, and ``fallback`` says why.
-
     ``view(dtype, shape, offset=0)`` is a tensor over the range, backed or
     not: graphs may be captured against it before its bytes are backed, and
     replayed once they are (a kernel that touches an unbacked byte faults the
@@ -181,9 +172,20 @@ class ReservedMemory:
     backed. Contents of newly backed bytes are undefined (memory given back
     and backed again holds nothing of what it held). ``close()`` gives the
     memory back; views alive then point at unbacked addresses (the addresses
-    stay reserved until the last view is gone). Bad arguments raise
-    ``ValueError`` naming them, and so does any use after ``close()``;
-    nothing changes then. Thread-safe.
+    stay reserved until the last view is gone). Thread-safe.
+
+    Args:
+        size: bytes of addresses to reserve (rounded up to the granularity).
+            Addresses cost no memory: a range larger than the device is fine.
+        device: the CUDA device (default: the current one), or the CPU.
+        fallback_size: bytes of an ordinary allocation made instead where
+            virtual memory cannot be had (the CPU; a device, driver or
+            cuda-bindings without it): then ``size`` is this, every byte is
+            backed for good, and ``fallback`` says why.
+
+    Raises:
+        ValueError: a bad argument, naming it (any use after ``close()``
+            too); nothing changes then.
     """
 
     __slots__ = ("_base", "_lock", "_range", "device", "fallback", "granularity", "size")
@@ -234,9 +236,21 @@ class ReservedMemory:
     # -- views --
 
     def view(self, dtype: torch.dtype, shape: Sequence[int], *, offset: int = 0) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over the range from byte ``offset``, backed or not; no copy.
+        """A tensor over the range, backed or not; no copy.
 
         The tensor keeps the addresses reserved, not the memory: see the class.
+
+        Args:
+            dtype: the tensor's dtype.
+            shape: its shape, non-negative ints.
+            offset: the byte it starts at, a multiple of ``dtype``'s size.
+
+        Returns:
+            The view, ``shape`` of ``dtype`` from byte ``offset``.
+
+        Raises:
+            ValueError: a bad argument, a view past the reservation's end, or
+                the reservation closed, naming it.
         """
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r:.80}")
@@ -265,9 +279,19 @@ class ReservedMemory:
         not waited for (new bytes are not read by anything queued). Shrinking
         synchronizes the device first (queued work may still read the bytes),
         then unmaps the mappings past the first mapping boundary at or above
-        ``nbytes``. Returns ``backed_bytes``. A fallback allocation stays
-        whole (``nbytes`` may not exceed it). ``torch.OutOfMemoryError``
-        where the device has too little free memory; nothing changes then.
+        ``nbytes``. A fallback allocation stays whole.
+
+        Args:
+            nbytes: the bytes to back, from 0 to ``size``.
+
+        Returns:
+            ``backed_bytes``, exactly what is backed now.
+
+        Raises:
+            ValueError: ``nbytes`` out of range, or the reservation closed.
+            torch.OutOfMemoryError: the device has too little free memory;
+                nothing changes then.
+            RuntimeError: the driver refused; nothing new is backed.
         """
         check_int("nbytes", nbytes, minimum=0)
         with self._lock:

@@ -22,7 +22,7 @@ from typing import Final, Generic, ParamSpec, TypeVar
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR  # the variable itself: a hot path reads it
 
 from ._breakable import BreakableCUDAGraphCapture
 from ._options import CaptureOptions
@@ -62,6 +62,23 @@ class _GraphWrapper(Generic[P, R]):
         self._entries: Final[dict[BatchDescriptor, Entry[R]]] = {}
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """The runnable as a layer: by the forward context, a plain call, a capture or a replay.
+
+        Args:
+            *args: the runnable's arguments.
+            **kwargs: the runnable's keyword arguments.
+
+        Returns:
+            The runnable's outputs: without a context, or under a mode this
+            wrapper does not serve, those of a plain call; else those captured
+            for the context's descriptor (the first call captures it).
+
+        Raises:
+            CaptureError: the capture failed (naming the descriptor); the
+                wrapper stays usable.
+            ValueError: with ``check_input_addresses``, a tensor argument at
+                another address than the capture's.
+        """
         context = FORWARD_CONTEXT_VAR.get()
         if context is None:
             return self._recorder.runnable(*args, **kwargs)
@@ -82,10 +99,20 @@ class _GraphWrapper(Generic[P, R]):
         """Capture the graph of ``descriptor`` now, from a call of the runnable with these arguments.
 
         The runnable runs under the forward context ``(mode, descriptor)`` (the
-        warm-up under NONE), as it would when called as a layer. Returns the
-        capture's outputs, computed for these arguments. A descriptor that is
-        already captured raises ``ValueError`` (``clear()`` first); a failed
-        capture raises ``CaptureError`` and leaves the wrapper usable.
+        warm-up under NONE), as it would when called as a layer.
+
+        Args:
+            descriptor: the graph's key.
+            *args: the runnable's arguments (the static inputs to capture).
+            **kwargs: the runnable's keyword arguments.
+
+        Returns:
+            The capture's outputs, computed for these arguments.
+
+        Raises:
+            ValueError: ``descriptor`` is no ``BatchDescriptor``, or is
+                captured already (``clear()`` first).
+            CaptureError: the capture failed; the wrapper stays usable.
         """
         check_descriptor(descriptor)
         if descriptor in self._entries:
@@ -100,8 +127,16 @@ class _GraphWrapper(Generic[P, R]):
         """``options.warmup_runs`` eager runs of the runnable on the capture stream (``GraphEngine``).
 
         Under the forward context ``(NONE, descriptor)``, ordered after the
-        caller's stream and before its next work. A bad argument raises
-        ``ValueError`` naming it before anything asks for CUDA.
+        caller's stream and before its next work.
+
+        Args:
+            descriptor: the key about to be recorded.
+            inputs: the runnable's keyword arguments (the static inputs).
+
+        Raises:
+            ValueError: a bad argument, naming it, before anything asks for
+                CUDA.
+            CaptureError: the runnable failed, or there is no CUDA device.
         """
         self._recorder.warm_up(descriptor, inputs)
 
@@ -110,33 +145,65 @@ class _GraphWrapper(Generic[P, R]):
 
         The runnable is called once with ``inputs`` as keywords under the
         forward context ``(mode, descriptor)``; its work is recorded, not
-        executed, and the entry is returned, not kept: the caller owns it.
-        ``CaptureError`` names the descriptor on failure; a bad argument raises
-        ``ValueError`` naming it before anything asks for CUDA.
+        executed.
+
+        Args:
+            descriptor: the graph's key.
+            inputs: the runnable's keyword arguments (the static inputs).
+
+        Returns:
+            The entry, not kept here: the caller owns it (dropping it frees
+            the graph).
+
+        Raises:
+            ValueError: a bad argument, naming it, before anything asks for
+                CUDA.
+            CaptureError: the capture failed, naming the descriptor.
         """
         return self._recorder.record(descriptor, inputs)
 
     def discard(self, descriptor: BatchDescriptor, /) -> None:
-        """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured)."""
+        """Free the graph of ``descriptor``, if it has one (its caller rejected what it captured).
+
+        Args:
+            descriptor: the graph's key.
+
+        Raises:
+            ValueError: ``descriptor`` is no ``BatchDescriptor``.
+        """
         check_descriptor(descriptor)
         self._entries.pop(descriptor, None)
 
     def is_captured(self, descriptor: BatchDescriptor, /) -> bool:
         """Whether ``descriptor`` has a captured graph: this table is the one place that knows.
 
-        Anything but a ``BatchDescriptor`` raises ``ValueError`` (it could never be captured).
+        Args:
+            descriptor: the graph's key.
+
+        Returns:
+            True where a graph is captured for it.
+
+        Raises:
+            ValueError: ``descriptor`` is no ``BatchDescriptor`` (it could
+                never be captured).
         """
         check_descriptor(descriptor)
         return descriptor in self._entries
 
     def replay(self, descriptor: BatchDescriptor, /) -> R:
-        """Replay the graph of ``descriptor`` on the current stream; return its outputs.
+        """Replay the graph of ``descriptor`` on the current stream; no host synchronization.
 
-        The outputs are the objects the capture returned (aliases of graph
-        memory, rewritten by every replay). No host synchronization. A
-        descriptor that was never captured raises ``KeyError``; anything but
-        a ``BatchDescriptor``, ``ValueError`` (checked only when the look-up
-        misses: a replay pays nothing for it).
+        Args:
+            descriptor: the graph's key.
+
+        Returns:
+            The objects the capture returned (aliases of graph memory,
+            rewritten by every replay).
+
+        Raises:
+            KeyError: no graph was captured for ``descriptor``.
+            ValueError: ``descriptor`` is no ``BatchDescriptor`` (checked
+                only when the look-up misses: a replay pays nothing for it).
         """
         try:
             entry = self._entries[descriptor]
@@ -200,6 +267,15 @@ class CUDAGraphWrapper(_GraphWrapper[P, R]):
     them, and a list or dict holding them, as read-only); with
     ``weak_ref_output`` they stay valid until the next replay of any graph in
     the same pool.
+
+    Args:
+        runnable: what to capture: an instance or a function taking the
+            static inputs (a class is refused).
+        runtime_mode: FULL or PIECEWISE.
+        options: the capture options (``None``: the defaults).
+
+    Raises:
+        ValueError: a bad argument, naming it.
     """
 
     __slots__ = ()
@@ -226,6 +302,14 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
     mode other than NONE: graph segments split at ``eager_break_during_capture``
     ops, replayed in order with the ops run eagerly between them. An explicit
     ``capture()`` runs the runnable under a PIECEWISE context.
+
+    Args:
+        runnable: what to capture: an instance or a function taking the
+            static inputs (a class is refused).
+        options: the capture options (``None``: the defaults).
+
+    Raises:
+        ValueError: a bad argument, naming it.
     """
 
     __slots__ = ()
@@ -234,9 +318,17 @@ class BreakableCUDAGraphWrapper(_GraphWrapper[P, R]):
         super().__init__(runnable, BreakableRecorder, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL, options)
 
     def capture_for(self, descriptor: BatchDescriptor) -> BreakableCUDAGraphCapture | None:
-        """The segments captured for ``descriptor`` (their counts), or ``None``.
+        """The capture of ``descriptor``'s segments.
 
-        Anything but a ``BatchDescriptor`` raises ``ValueError``.
+        Args:
+            descriptor: the graph's key.
+
+        Returns:
+            Its ``BreakableCUDAGraphCapture`` (``num_graphs``,
+            ``num_eager_breaks``), or ``None`` where none is captured.
+
+        Raises:
+            ValueError: ``descriptor`` is no ``BatchDescriptor``.
         """
         check_descriptor(descriptor)
         entry = self._entries.get(descriptor)

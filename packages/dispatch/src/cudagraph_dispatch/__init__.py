@@ -2,8 +2,12 @@
 
 Pure Python, never imports torch: the decisions a serving engine makes each
 step (which graph, padded to which size) are values that can be tested and
-agreed across ranks without a GPU.
+agreed across ranks without a GPU. The package README lists every public
+name with the reason it is public, and the names retired from the API.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Final
 
 from ._config import DispatchConfig as DispatchConfig
 from ._context import ForwardContext as ForwardContext
@@ -12,14 +16,17 @@ from ._context import set_forward_context as set_forward_context
 from ._descriptor import BatchDescriptor as BatchDescriptor
 from ._dispatcher import CUDAGraphDispatcher as CUDAGraphDispatcher
 from ._modes import CUDAGraphMode as CUDAGraphMode
-from ._protocols import GraphDispatcher as GraphDispatcher
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
 from ._request import RankRequest as RankRequest
-from ._request import StepRequest as StepRequest
 from ._rule import Dispatch as Dispatch
-from ._rule import Route as Route
 from ._sizes import CaptureSizes as CaptureSizes
+
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._protocols import GraphDispatcher as GraphDispatcher
+    from ._rule import Route as Route
+
+    StepRequest = RankRequest
 
 __version__ = "0.1.0"
 
@@ -32,11 +39,31 @@ __all__ = [
     "DispatchConfig",
     "EagerReason",
     "ForwardContext",
-    "GraphDispatcher",
     "RankRequest",
-    "Route",
-    "StepRequest",
     "agree_across_ranks",
     "get_forward_context",
     "set_forward_context",
 ]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "GraphDispatcher": ("cudagraph_dispatch._protocols", "GraphDispatcher"),
+    "Route": ("cudagraph_dispatch._rule", "Route"),
+    "StepRequest": ("cudagraph_dispatch._request", "RankRequest"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

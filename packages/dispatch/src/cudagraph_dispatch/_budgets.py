@@ -39,8 +39,16 @@ class Pack(_PackFields):
     ascending (the order their tokens are concatenated in); ``tokens`` is
     their total, at most ``budget``, which is the smallest budget holding it.
     A ``NamedTuple`` whose fields are checked when one is built by hand
-    (``ValueError`` naming the field: a pack holds its tokens, so its
-    padding is never negative); ``pack`` builds its own unchecked.
+    (``pack`` builds its own unchecked).
+
+    Args:
+        budget: the budget the pack pads to, at least 1.
+        items: the items' indices, a tuple of ints >= 0.
+        tokens: their total, from ``len(items)`` to ``budget``.
+
+    Raises:
+        ValueError: a bad field, naming it (a pack holds its tokens, so its
+            padding is never negative).
     """
 
     __slots__ = ()
@@ -66,17 +74,19 @@ class Pack(_PackFields):
 class TokenBudgets:
     """The token budgets an encoder's FULL graphs are captured for, and how items are packed into them.
 
-    Arguments:
+    ``config()`` is the ``DispatchConfig`` of these graphs (FULL, one key per
+    budget); ``pack(lengths)`` splits a batch into packs.
+
+    Args:
         budgets: the token counts that get a graph (positive, at most
-            ``MAX_CAPTURE_SIZE``; sorted, duplicates removed).
+            2**20; sorted, duplicates removed).
         max_items: the most items one pack holds (``None``: no bound but the
             tokens, every item having one at least). A graph's attention
             sees ``max_items + 1`` sequences, the padding being one, so a
             small bound keeps its kernels small.
 
-    ``config()`` is the ``DispatchConfig`` of these graphs (FULL, one key per
-    budget); ``pack(lengths)`` splits a batch into packs. A bad value raises
-    ``ValueError`` naming it.
+    Raises:
+        ValueError: a bad value, naming it.
     """
 
     __slots__ = ("_ladder", "_max_items", "_orders", "_sizes")
@@ -98,7 +108,18 @@ class TokenBudgets:
 
     @classmethod
     def default(cls, max_budget: int, *, max_items: int | None = None) -> TokenBudgets:
-        """Powers of two from 64 up to ``max_budget``, and ``max_budget`` itself (vLLM's ladder)."""
+        """Powers of two from 64 up to ``max_budget``, and ``max_budget`` itself (vLLM's ladder).
+
+        Args:
+            max_budget: the largest budget, from 1 to 2**20.
+            max_items: as the constructor's.
+
+        Returns:
+            The budgets (``default(8192)``: 64, 128, ..., 8192).
+
+        Raises:
+            ValueError: a bad argument, naming it.
+        """
         check_int("max_budget", max_budget, minimum=1, maximum=MAX_CAPTURE_SIZE)
         powers = [DEFAULT_MIN_BUDGET << i for i in range(max_budget.bit_length())]
         return cls([*(p for p in powers if p < max_budget), max_budget], max_items=max_items)
@@ -123,7 +144,17 @@ class TokenBudgets:
         return DispatchConfig(CUDAGraphMode.FULL, self._sizes, max_num_seqs=self._max_items)
 
     def budget_for(self, tokens: int) -> int | None:
-        """The smallest budget holding ``tokens``; ``None`` above the largest."""
+        """The budget a pack of ``tokens`` tokens pads to.
+
+        Args:
+            tokens: a token count, at least 0.
+
+        Returns:
+            The smallest budget holding ``tokens``; ``None`` above the largest.
+
+        Raises:
+            ValueError: ``tokens`` is no count, naming it.
+        """
         return self._sizes.pad(check_int("tokens", tokens, minimum=0))
 
     def pack(self, lengths: Sequence[int]) -> tuple[Pack, ...]:
@@ -133,9 +164,17 @@ class TokenBudgets:
         budget, at most ``max_items`` items) is one pack of every item, in
         order; else first-fit decreasing (longest item first, into the first
         pack it fits), so no two packs could be merged into one. Each pack
-        pads to the smallest budget that holds it. An item longer than the
-        largest budget raises ``ValueError`` naming its index and length;
-        no lengths, no packs.
+        pads to the smallest budget that holds it.
+
+        Args:
+            lengths: each item's tokens, a sequence of ints >= 1.
+
+        Returns:
+            One ``Pack`` per forward (no lengths: no packs).
+
+        Raises:
+            ValueError: a bad length, or an item longer than the largest
+                budget, naming its index and length.
         """
         lens = _checked_lengths(lengths, self._sizes.max)
         total = sum(lens)

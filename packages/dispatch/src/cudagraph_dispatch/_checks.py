@@ -18,7 +18,21 @@ def check_int(field: str, value: object, *, minimum: int, maximum: int | None = 
     """``value`` if it is an integer in ``[minimum, maximum]``, else a ``ValueError`` naming both.
 
     ``bool`` is rejected (``True`` is not a count); subclasses of ``int``
-    (an ``IntEnum``) are accepted. ``maximum=None``: no upper bound.
+    (an ``IntEnum``) are accepted.
+
+    Args:
+        field: the checked argument's name, which an error starts with.
+        value: the argument as the caller gave it (callers may not be typed).
+        minimum: the smallest value accepted.
+        maximum: the largest value accepted; ``None``: no upper bound.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        ValueError: ``value`` is no integer or out of range (naming ``field``
+            and ``value``); or ``field`` is no name, or a bound no integer
+            (naming ``field``, ``minimum`` or ``maximum``).
     """
     try:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -36,6 +50,17 @@ def check_bool(field: str, value: object) -> bool:
 
     Stand-ins (``1``, ``"no"``, ``None``) are rejected whatever their truth
     value: ``"no"`` is truthy.
+
+    Args:
+        field: the checked argument's name, which an error starts with.
+        value: the argument as the caller gave it.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        ValueError: ``value`` is not ``True`` or ``False`` (naming ``field``
+            and ``value``), or ``field`` is no name.
     """
     if value is not True and value is not False:
         raise ValueError(f"{_name(field)}: expected True or False, got {value!r}")

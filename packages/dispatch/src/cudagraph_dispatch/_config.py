@@ -21,13 +21,19 @@ MAX_NUM_SEQS: Final = MAX_CAPTURE_SIZE
 class DispatchConfig:
     """Which graphs to build: the mode, the sizes and the batch limits.
 
-    ``max_num_seqs`` is at most ``MAX_NUM_SEQS``. ``uniform_decode_query_len``
-    is the tokens per request of a uniform decode batch (1, or 1 + speculative
-    tokens), at most ``MAX_CAPTURE_SIZE``. ``lora_counts`` are the numbers of
-    active LoRA adapters to capture besides 0, each at most ``max_num_seqs``
-    (a request runs one adapter, so a batch never has more active adapters
-    than requests). Invalid values raise ``ValueError`` naming the field and
-    the value.
+    Args:
+        mode: the graph mode, a ``CUDAGraphMode``.
+        capture_sizes: the token counts that get graphs.
+        max_num_seqs: the most requests a step has, from 1 to 2**20.
+        uniform_decode_query_len: the tokens per request of a uniform decode
+            batch (1, or 1 + speculative tokens), from 1 to 2**20.
+        lora_counts: the numbers of active LoRA adapters to capture besides
+            0, each from 1 to ``max_num_seqs`` (a request runs one adapter,
+            so a batch never has more active adapters than requests); stored
+            sorted, without duplicates.
+
+    Raises:
+        ValueError: an invalid field, naming it and its value.
     """
 
     mode: CUDAGraphMode

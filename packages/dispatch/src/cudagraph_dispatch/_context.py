@@ -24,6 +24,11 @@ class ForwardContext(NamedTuple):
     dataclass: one is built per step, and a tuple builds several times faster.
     Unchecked on purpose: ``set_forward_context`` builds it from the
     arguments it checks; a context is read, never taken from a caller.
+
+    Attributes:
+        runtime_mode: NONE, PIECEWISE or FULL.
+        batch_descriptor: the graph's key (``None`` only with NONE).
+        extra: the extras passed to ``set_forward_context``, read-only.
     """
 
     runtime_mode: CUDAGraphMode
@@ -53,7 +58,18 @@ class set_forward_context:  # noqa: N801 - used as a function-style context mana
 
     Usable as ``with set_forward_context(mode, key): model(...)``; contexts
     nest and the previous one is restored on exit, also on an exception.
-    A graph mode other than NONE needs a descriptor: it is the graph's key.
+    Entering it returns the ``ForwardContext``; one object is entered once
+    at a time (``RuntimeError`` otherwise).
+
+    Args:
+        runtime_mode: NONE, PIECEWISE or FULL.
+        batch_descriptor: the graph's key; required for PIECEWISE and FULL.
+        **extra: whatever else the forward's layers read (attention
+            metadata), under ``ForwardContext.extra``.
+
+    Raises:
+        ValueError: a mode that is no runtime mode, or a missing or wrong
+            descriptor, naming the argument.
     """
 
     __slots__ = ("_context", "_token")

@@ -26,7 +26,18 @@ class BatchDescriptor:
     adapters than its tokens or requests (the 1-token graph of the LoRA case
     4 serves a 1-token batch with 1 adapter; vLLM keys every size with every
     LoRA case alike). A step's own count cannot exceed its requests:
-    ``dispatch`` and ``StepRequest`` refuse that.
+    ``dispatch`` and ``RankRequest`` refuse that.
+
+    Args:
+        num_tokens: the graph's (padded) token count, at least 0.
+        num_reqs: its requests (FULL keys), from 1 to ``num_tokens``;
+            ``None`` on a relaxed key.
+        uniform: every request has the same tokens (a uniform decode key).
+        has_lora: the graph runs LoRA adapters.
+        num_active_loras: the adapter count it was captured for.
+
+    Raises:
+        ValueError: a field that names a graph which cannot exist, naming it.
     """
 
     num_tokens: int

@@ -16,7 +16,7 @@ from ._checks import check_bool
 from ._config import DispatchConfig
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
-from ._request import NO_MODES, StepRequest
+from ._request import NO_MODES, RankRequest
 from ._rule import Dispatch, DispatchRule, Route, why_no_keys
 from ._support import AttentionSupport, ModeResolution, resolve_mode
 
@@ -32,6 +32,18 @@ class CUDAGraphDispatcher:
 
     The keys built here are the only graphs that exist: the capture plan
     lists them, and ``dispatch`` only ever returns one of them (or ``NONE``).
+
+    Args:
+        config: the mode, the sizes and the batch limits.
+        attention: what the model's attention supports (``None``: any
+            batch, ``ALWAYS``); the configured mode is resolved against it,
+            downgraded where a FULL graph would hold an attention that cannot
+            replay its batches (``resolution`` says why).
+        strict_attention: raise instead of downgrading.
+
+    Raises:
+        ValueError: a bad argument, naming it; with ``strict_attention``, a
+            mode the attention cannot serve (naming the mode and the level).
     """
 
     __slots__ = (
@@ -94,7 +106,17 @@ class CUDAGraphDispatcher:
         return self._resolution
 
     def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]:
-        """The keys captured for runtime mode ``mode`` (empty for NONE)."""
+        """The keys captured for one runtime mode.
+
+        Args:
+            mode: NONE, PIECEWISE or FULL.
+
+        Returns:
+            The keys of that mode (empty for NONE).
+
+        Raises:
+            ValueError: ``mode`` is no runtime mode.
+        """
         given: object = mode
         if not isinstance(given, CUDAGraphMode) or not given.is_runtime_mode():
             raise ValueError(f"mode: expected NONE, PIECEWISE or FULL, got {mode!r}")
@@ -112,11 +134,27 @@ class CUDAGraphDispatcher:
 
         Tries, in order, the uniform FULL key (``uniform_decode`` only), the
         exact FULL key and the relaxed PIECEWISE key, padding the count to the
-        smallest captured size; modes in ``invalid_modes`` are skipped. Falls
-        back to ``(NONE, BatchDescriptor(num_tokens))``. A bad argument raises
-        ``ValueError`` naming it; so does a uniform decode batch whose
-        ``num_tokens`` is not a multiple of ``uniform_decode_query_len`` (its
-        requests all have that many tokens).
+        smallest captured size; modes in ``invalid_modes`` are skipped.
+
+        Args:
+            num_tokens: the step's tokens, at least 0.
+            uniform_decode: every request has ``uniform_decode_query_len``
+                tokens.
+            num_active_loras: the step's active adapters, at most its
+                requests.
+            invalid_modes: graph modes turned off for this step (a frozenset
+                of PIECEWISE and FULL).
+
+        Returns:
+            The graph's ``Dispatch``, or ``(NONE, BatchDescriptor(num_tokens))``
+            where the batch has none (0 tokens, above the largest size, too
+            many adapters, its modes turned off).
+
+        Raises:
+            ValueError: a bad argument, naming it; a uniform decode batch
+                whose ``num_tokens`` is not a multiple of
+                ``uniform_decode_query_len`` (its requests all have that many
+                tokens), or whose requests exceed ``max_num_seqs``.
         """
         decision = self.route(
             num_tokens,
@@ -135,8 +173,22 @@ class CUDAGraphDispatcher:
         num_active_loras: int = 0,
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> Route:
-        """``dispatch`` for a step path: a graph's ``Dispatch`` (FULL or PIECEWISE), else its stored
-        ``EagerReason`` (0 tokens: ``EMPTY_BATCH``); builds nothing; positional; ``dispatch``'s checks."""
+        """``dispatch`` for a step path: one table look-up, nothing built; arguments by position too.
+
+        Args:
+            num_tokens: as ``dispatch``'s.
+            uniform_decode: as ``dispatch``'s.
+            num_active_loras: as ``dispatch``'s.
+            invalid_modes: as ``dispatch``'s.
+
+        Returns:
+            The graph's ``Dispatch`` (FULL or PIECEWISE), else the
+            ``EagerReason`` stored beside the decisions (0 tokens:
+            ``EMPTY_BATCH``).
+
+        Raises:
+            ValueError: what ``dispatch`` refuses.
+        """
         # One test accepts the usual arguments (the uniform and adapter bounds cost a mixed step without
         # adapters nothing); anything else goes the slow way, which names what is wrong or normalizes it.
         tables = self._tables.get(invalid_modes) if invalid_modes.__class__ is frozenset else None
@@ -177,7 +229,20 @@ class CUDAGraphDispatcher:
         num_active_loras: int = 0,
         invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
     ) -> str:
-        """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs)."""
+        """Why ``dispatch`` with these arguments decides what it does, in words (for errors and logs).
+
+        Args:
+            num_tokens: as ``dispatch``'s.
+            uniform_decode: as ``dispatch``'s.
+            num_active_loras: as ``dispatch``'s.
+            invalid_modes: as ``dispatch``'s.
+
+        Returns:
+            One sentence: the decision and the rule that made it.
+
+        Raises:
+            ValueError: what ``dispatch`` refuses.
+        """
         request = self._request(num_tokens, uniform_decode, num_active_loras, invalid_modes)
         decision, why = self._rule.decide(
             request.num_tokens, request.uniform_decode, request.num_active_loras, request.invalid_modes
@@ -205,9 +270,9 @@ class CUDAGraphDispatcher:
 
     def _request(
         self, num_tokens: object, uniform_decode: object, num_active_loras: object, invalid_modes: object
-    ) -> StepRequest:
+    ) -> RankRequest:
         """The arguments of ``dispatch`` checked against this config: ``ValueError`` naming a bad one."""
-        request = StepRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
+        request = RankRequest(num_tokens, uniform_decode, num_active_loras, invalid_modes)  # type: ignore[arg-type]  # checked there
         if request.uniform_decode:
             self._check_uniform(request.num_tokens, request.num_active_loras)
         if request.num_active_loras > self._max_num_seqs:

@@ -39,7 +39,17 @@ class CUDAGraphMode(enum.Enum):
         return isinstance(self.value, tuple)
 
     def has_mode(self, mode: CUDAGraphMode) -> bool:
-        """True when ``mode`` (a runtime mode) is used by this mode."""
+        """Whether this mode runs some batches as ``mode``.
+
+        Args:
+            mode: a runtime mode (NONE, PIECEWISE or FULL).
+
+        Returns:
+            True when ``mode`` is this mode's decode or mixed mode.
+
+        Raises:
+            ValueError: ``mode`` is no runtime mode.
+        """
         given: object = mode  # checked at run time: callers may not be typed
         if not isinstance(given, CUDAGraphMode) or not given.is_runtime_mode():
             raise ValueError(f"mode: expected a runtime mode (NONE, PIECEWISE, FULL), got {given!r}")
@@ -51,7 +61,19 @@ class CUDAGraphMode(enum.Enum):
 
     @classmethod
     def parse(cls, text: str) -> CUDAGraphMode:
-        """The mode named ``text``, case-insensitive (``"full_and_piecewise"``)."""
+        """The mode named ``text``, case-insensitive.
+
+        Args:
+            text: a member's name in any case (``"full_and_piecewise"``);
+                surrounding spaces are ignored.
+
+        Returns:
+            The mode of that name.
+
+        Raises:
+            ValueError: ``text`` is no string, or names no mode (the message
+                lists the valid names).
+        """
         given: object = text  # checked at run time: callers may not be typed
         if not isinstance(given, str):
             raise ValueError(f"text: expected a CUDA graph mode name, got {given!r}")

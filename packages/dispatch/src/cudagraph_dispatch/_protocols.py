@@ -1,18 +1,20 @@
-"""The seams of this package, as protocols: a layer above can be faked."""
+"""The seam of this package, as a protocol: what ``agree_across_ranks`` calls on a dispatcher."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._rule import Dispatch
 
 
 class GraphDispatcher(Protocol):
-    """What the capture and manager layers need from a dispatcher."""
+    """What ``agree_across_ranks`` calls on a dispatcher: ``dispatch`` alone.
 
-    def keys(self, mode: CUDAGraphMode) -> frozenset[BatchDescriptor]: ...
+    ``CUDAGraphDispatcher`` is the one implementation; a test may pass a
+    fake. The manager builds its own ``CUDAGraphDispatcher`` and reads its
+    tables directly, so nothing else of ours takes this protocol.
+    """
 
     def dispatch(
         self,
@@ -22,5 +24,3 @@ class GraphDispatcher(Protocol):
         num_active_loras: int = ...,
         invalid_modes: frozenset[CUDAGraphMode] = ...,
     ) -> Dispatch: ...
-
-    def capture_plan(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]: ...

@@ -13,25 +13,38 @@ from collections.abc import Sequence
 from ._descriptor import BatchDescriptor
 from ._modes import CUDAGraphMode
 from ._protocols import GraphDispatcher
-from ._request import NO_MODES, StepRequest
+from ._request import NO_MODES, RankRequest
 from ._rule import Dispatch
 
 
 def agree_across_ranks(
     dispatcher: GraphDispatcher,
-    requests: Sequence[StepRequest],
+    requests: Sequence[RankRequest],
     *,
     invalid_modes: frozenset[CUDAGraphMode] = NO_MODES,
 ) -> Dispatch:
-    """The decision every rank runs this step, from every rank's ``StepRequest`` (``RankRequest``).
+    """The decision every rank runs this step, from every rank's ``RankRequest``.
 
     Ranks with 0 tokens follow the others (all at 0: NONE). If any rank with
     tokens would run eagerly, all run eagerly, unpadded (the descriptor then
     carries the largest count). Otherwise all pad to the dispatch of the
     largest request, uniform only if every rank with tokens is uniform. A
     mode in ``invalid_modes`` or in any rank's request is off on every rank.
-    A request the dispatcher refuses (a uniform decode count that is not a
-    multiple of ``uniform_decode_query_len``) raises ``ValueError`` naming it.
+
+    Args:
+        dispatcher: the dispatcher every rank built from one config (or any
+            object with its ``dispatch``: a test's stand-in).
+        requests: one ``RankRequest`` per rank, in rank order.
+        invalid_modes: graph modes turned off on every rank this step.
+
+    Returns:
+        The ``Dispatch`` every rank runs: a graph's, or NONE with the largest
+        count.
+
+    Raises:
+        ValueError: a bad argument, naming it; a request the dispatcher
+            refuses (a uniform decode count that is not a multiple of
+            ``uniform_decode_query_len``), naming its rank.
     """
     _check_agreement_arguments(dispatcher, requests, invalid_modes)
     for request in requests:
@@ -56,21 +69,21 @@ def _check_agreement_arguments(dispatcher: object, requests: object, invalid_mod
     """``ValueError`` naming the first bad argument of ``agree_across_ranks`` (callers may not be typed)."""
     if not callable(getattr(dispatcher, "dispatch", None)):
         raise ValueError(
-            f"dispatcher: expected a GraphDispatcher (one with dispatch()), got {dispatcher!r:.80}"
+            f"dispatcher: expected a CUDAGraphDispatcher (one with dispatch()), got {dispatcher!r:.80}"
         )
     if not isinstance(requests, Sequence):
-        raise ValueError(f"requests: expected a sequence of StepRequest, one per rank, got {requests!r}")
+        raise ValueError(f"requests: expected a sequence of RankRequest, one per rank, got {requests!r}")
     if not requests:
-        raise ValueError(f"requests: expected one StepRequest per rank, got {requests!r}")
+        raise ValueError(f"requests: expected one RankRequest per rank, got {requests!r}")
     for rank, request in enumerate(requests):
-        if not isinstance(request, StepRequest):
-            raise ValueError(f"requests[{rank}]: expected a StepRequest, got {request!r}")
+        if not isinstance(request, RankRequest):
+            raise ValueError(f"requests[{rank}]: expected a RankRequest, got {request!r}")
     if not isinstance(invalid_modes, frozenset):
         raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {invalid_modes!r}")
 
 
 def _own_modes(
-    dispatcher: GraphDispatcher, requests: Sequence[StepRequest], invalid_modes: frozenset[CUDAGraphMode]
+    dispatcher: GraphDispatcher, requests: Sequence[RankRequest], invalid_modes: frozenset[CUDAGraphMode]
 ) -> list[CUDAGraphMode]:
     """Every rank's own decision's mode, so that every request is checked before any answer."""
     modes = []

@@ -1,7 +1,9 @@
 """One step's batch, as the dispatcher, the ranks and an eager step see it.
 
-``StepRequest`` is the one value for "what this step asks of the graphs":
-``dispatch``'s arguments, checked. The dispatcher's hot path takes the same
+``RankRequest`` is the one value for "what this step asks of the graphs":
+``dispatch``'s arguments, checked (the contract names it for the ranks, each
+of which brings one to ``agree_across_ranks``; a process without ranks is one
+rank). The dispatcher's hot path takes the same
 fields as plain arguments (a step builds no object); everything slower
 (``explain``, the ranks' agreement, a step without a graph) takes this.
 """
@@ -21,15 +23,22 @@ NO_MODES: Final[frozenset[CUDAGraphMode]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepRequest:
-    """One step's batch: its token count, whether it is a uniform decode, its adapters, the modes it forbids.
+class RankRequest:
+    """One rank's step: its token count, whether it is a uniform decode, its adapters, the modes it forbids.
 
-    A bad field raises ``ValueError`` naming it; an ``IntEnum`` count is
-    stored as ``int``. A request runs one adapter and has a token, so
-    ``num_active_loras`` is at most ``num_tokens`` (the dispatcher also bounds
-    it by the requests its config allows).
-    ``invalid_modes`` turns graphs of those modes off for this step (cascade
-    attention turns FULL off).
+    Args:
+        num_tokens: the step's tokens, at least 0 (an ``IntEnum`` count is
+            stored as ``int``).
+        uniform_decode: every request of the step has
+            ``uniform_decode_query_len`` tokens.
+        num_active_loras: the adapters the step runs, at most ``num_tokens``
+            (a request runs one adapter and has a token; the dispatcher also
+            bounds it by the requests its config allows).
+        invalid_modes: the graph modes turned off for this step (cascade
+            attention turns FULL off): a frozenset of PIECEWISE and FULL.
+
+    Raises:
+        ValueError: a bad field, naming it.
     """
 
     num_tokens: int
@@ -52,9 +61,3 @@ class StepRequest:
         if not isinstance(modes, frozenset) or not modes <= GRAPH_MODES:
             raise ValueError(f"invalid_modes: expected a frozenset of PIECEWISE and FULL, got {modes!r}")
         object.__setattr__(self, "invalid_modes", frozenset(modes))  # a subclass's instance made plain
-
-
-#: ``StepRequest`` under the name the contract gives one rank's request to
-#: ``agree_across_ranks`` (docs/design.md, "Ranks"): the same type, kept for
-#: callers that use it; the code here says ``StepRequest``.
-RankRequest = StepRequest

@@ -31,6 +31,10 @@ class Dispatch(NamedTuple):
     For ``NONE`` the descriptor carries the real, unpadded token count.
     Unchecked on purpose: a ``NamedTuple`` the dispatcher builds from its own
     tables on every step; nothing of ours takes one from a caller.
+
+    Attributes:
+        mode: the runtime mode: NONE, PIECEWISE or FULL.
+        descriptor: the graph's key (for NONE, the batch's own count).
     """
 
     mode: CUDAGraphMode

@@ -42,6 +42,15 @@ class CaptureSizes:
     The bucket machinery (``bounds``, ``dense_buckets``, ``representatives()``)
     is public for a dispatcher built on these sizes, which inlines the
     look-up on its per-step path.
+
+    Args:
+        sizes: the token counts, any iterable of integers from 1 to 2**20
+            (a list, tuple, set, range, generator); duplicates are dropped.
+
+    Raises:
+        ValueError: no sizes, a size out of range (naming
+            ``capture_sizes[i]``), or a mapping or string (naming
+            ``capture_sizes``).
     """
 
     __slots__ = ("_bounds", "_dense_buckets", "_padded", "_sizes")
@@ -62,7 +71,17 @@ class CaptureSizes:
 
     @classmethod
     def default(cls, max_size: int) -> CaptureSizes:
-        """vLLM's default list: 1, 2, 4, every 8 up to 256, every 16 above, and ``max_size``."""
+        """vLLM's default list: 1, 2, 4, every 8 up to 256, every 16 above, and ``max_size``.
+
+        Args:
+            max_size: the largest size, from 1 to 2**20 (always included).
+
+        Returns:
+            The sizes up to ``max_size`` (51 for 512).
+
+        Raises:
+            ValueError: ``max_size`` out of range, naming it.
+        """
         check_int("max_size", max_size, minimum=1, maximum=MAX_CAPTURE_SIZE)
         small = [1, 2, 4, *range(_SMALL_STEP, min(max_size + 1, _LARGE_START), _SMALL_STEP)]
         large = range(_LARGE_START, max_size + 1, _LARGE_STEP)
@@ -96,7 +115,17 @@ class CaptureSizes:
         return (*self._bounds, self._sizes[-1] + 1)
 
     def pad(self, n: int) -> int | None:
-        """The smallest size >= ``n``, or ``None`` when ``n`` exceeds ``max``."""
+        """The size a count pads to.
+
+        Args:
+            n: a token count, at least 0.
+
+        Returns:
+            The smallest size >= ``n``, or ``None`` when ``n`` exceeds ``max``.
+
+        Raises:
+            ValueError: ``n`` is no count, naming it.
+        """
         check_int("n", n, minimum=0)
         return self._padded[self._bucket(n)]
 

@@ -48,9 +48,17 @@ class AttentionSupport:
 
     ``piecewise``: the attention runs eagerly between the segments of a
     PIECEWISE graph (vLLM: attention is among the splitting ops), so
-    PIECEWISE graphs are a fallback that needs no level at all. ``name``
-    names the backend in logs and reports. ``weakest`` combines the
-    backends of one model.
+    PIECEWISE graphs are a fallback that needs no level at all. ``weakest``
+    combines the backends of one model.
+
+    Args:
+        level: what a FULL graph holding the attention replays correctly.
+        piecewise: PIECEWISE graphs split at the attention (it runs eagerly
+            between their segments).
+        name: the backend's name in logs and reports, not empty.
+
+    Raises:
+        ValueError: a bad field, naming it.
     """
 
     level: GraphSupport = GraphSupport.ALWAYS
@@ -70,7 +78,17 @@ class AttentionSupport:
         """The model's support: the lowest level of its backends (the first such names it).
 
         PIECEWISE graphs are available only if every backend splits them.
-        No backend at all (an attention-free model) supports ``ALWAYS``.
+
+        Args:
+            supports: every backend's ``AttentionSupport``, any iterable.
+
+        Returns:
+            The weakest level, split only where every backend splits; no
+            backend at all (an attention-free model): ``ALWAYS``.
+
+        Raises:
+            ValueError: ``supports`` is no iterable of ``AttentionSupport``,
+                naming it (or the item, ``supports[i]``).
         """
         check_items("supports", supports, "AttentionSupport")  # callers may not be typed
         found = list(supports)

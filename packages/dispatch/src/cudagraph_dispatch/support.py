@@ -1,20 +1,44 @@
-"""What graphs an attention backend supports, and the configured mode resolved against it.
+"""What graphs an attention backend supports: the declaration the configured mode is resolved against.
 
-The attention backends' declaration (``GraphSupport``, ``AttentionSupport``)
-and its resolution (``resolve_mode``: ``ModeResolution``, or
-``ModeNotSupportedError`` where downgrades are off). Never imports torch.
+An attention backend declares ``AttentionSupport`` (a ``GraphSupport``
+level, and whether PIECEWISE graphs split at it); ``CUDAGraphDispatcher(config,
+attention=...)`` resolves the configured mode against it (its
+``resolution``), or, with ``strict_attention=True``, raises a ``ValueError``
+instead of downgrading. Never imports torch.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Final
 
 from ._support import AttentionSupport as AttentionSupport
 from ._support import GraphSupport as GraphSupport
-from ._support import ModeNotSupportedError as ModeNotSupportedError
-from ._support import ModeResolution as ModeResolution
-from ._support import resolve_mode as resolve_mode
 
-__all__ = [
-    "AttentionSupport",
-    "GraphSupport",
-    "ModeNotSupportedError",
-    "ModeResolution",
-    "resolve_mode",
-]
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._support import ModeNotSupportedError as ModeNotSupportedError
+    from ._support import ModeResolution as ModeResolution
+    from ._support import resolve_mode as resolve_mode
+
+__all__ = ["AttentionSupport", "GraphSupport"]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "ModeNotSupportedError": ("cudagraph_dispatch._support", "ModeNotSupportedError"),
+    "ModeResolution": ("cudagraph_dispatch._support", "ModeResolution"),
+    "resolve_mode": ("cudagraph_dispatch._support", "resolve_mode"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

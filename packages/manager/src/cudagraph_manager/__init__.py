@@ -11,48 +11,73 @@ CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in the repository's ``examples/``.
 """
 
-from ._buffers._outputs import OutputRows as OutputRows
-from ._buffers._static import Rows as Rows
+import importlib
+from typing import TYPE_CHECKING, Final
+
 from ._buffers._static import StaticInput as StaticInput
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
 from ._decode_loop import DecodeLoop as DecodeLoop
-from ._decode_loop import LoopResult as LoopResult
 from ._decode_loop import LoopState as LoopState
 from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
-from ._memory._kv import KVCacheBacking as KVCacheBacking
 from ._memory._kv import KVCacheMemory as KVCacheMemory
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._options import ManagerOptions as ManagerOptions
 from ._protocols import BackgroundCapture as BackgroundCapture
-from ._reports._report import CapturedGraph as CapturedGraph
-from ._reports._report import CapturePhases as CapturePhases
 from ._reports._report import CaptureReport as CaptureReport
-from ._reports._report import ManagerStats as ManagerStats
 from ._reports._report import MemoryEstimate as MemoryEstimate
+
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._buffers._outputs import OutputRows as OutputRows
+    from ._buffers._static import Rows as Rows
+    from ._decode_loop import LoopResult as LoopResult
+    from ._memory._kv import KVCacheBacking as KVCacheBacking
+    from ._reports._report import CapturedGraph as CapturedGraph
+    from ._reports._report import CapturePhases as CapturePhases
+    from ._reports._report import ManagerStats as ManagerStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackgroundCapture",
     "CUDAGraphManager",
-    "CapturePhases",
     "CaptureReport",
-    "CapturedGraph",
     "CompiledModel",
     "DecodeLoop",
-    "KVCacheBacking",
     "KVCacheMemory",
-    "LoopResult",
     "LoopState",
     "ManagerOptions",
-    "ManagerStats",
     "MemoryEstimate",
     "NoGraphError",
-    "OutputRows",
-    "Rows",
     "StaticInput",
     "WeightsReplacedError",
     "compile_for_capture",
 ]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "CapturePhases": ("cudagraph_manager._reports._report", "CapturePhases"),
+    "CapturedGraph": ("cudagraph_manager._reports._report", "CapturedGraph"),
+    "KVCacheBacking": ("cudagraph_manager._memory._kv", "KVCacheBacking"),
+    "LoopResult": ("cudagraph_manager._decode_loop", "LoopResult"),
+    "ManagerStats": ("cudagraph_manager._reports._report", "ManagerStats"),
+    "OutputRows": ("cudagraph_manager._buffers._outputs", "OutputRows"),
+    "Rows": ("cudagraph_manager._buffers._static", "Rows"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

@@ -4,12 +4,16 @@
 backend's ``AttentionMetadataBuilder`` builds its metadata for each batch
 (``StepBatch``) as the forward runs it (``BatchShape``); the model reads it
 with ``attention_metadata(builder)``; ``pad_offsets`` and ``pad_rows`` pad
-per-request tensors as graphs read them; ``PackedMetadataBuilder`` builds
-the metadata of packed items (encoders) keyed by token budget.
-``check_attention_support`` checks
-the level a backend declares against replays. When the manager calls what:
+per-request tensors as graphs read them; ``metadata_extra`` hands a
+builder's metadata to a forward run outside the manager;
+``PackedMetadataBuilder`` builds the metadata of packed items (encoders)
+keyed by token budget. ``check_attention_support`` checks the level a
+backend declares against replays. When the manager calls what:
 docs/design.md, "The attention seam".
 """
+
+import importlib
+from typing import TYPE_CHECKING, Final
 
 from ._attention._packed import PackedMetadata as PackedMetadata
 from ._attention._packed import PackedMetadataBuilder as PackedMetadataBuilder
@@ -22,22 +26,22 @@ from ._batch import StepBatch as StepBatch
 from ._options import AttentionOptions as AttentionOptions
 from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._support_check import BatchKind as BatchKind
-from ._support_check import KindCheck as KindCheck
-from ._support_check import SupportCheck as SupportCheck
 from ._support_check import SupportCheckOptions as SupportCheckOptions
 from ._support_check import SupportLevelError as SupportLevelError
 from ._support_check import check_attention_support as check_attention_support
+
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._support_check import KindCheck as KindCheck
+    from ._support_check import SupportCheck as SupportCheck
 
 __all__ = [
     "AttentionMetadataBuilder",
     "AttentionOptions",
     "BatchKind",
     "BatchShape",
-    "KindCheck",
     "PackedMetadata",
     "PackedMetadataBuilder",
     "StepBatch",
-    "SupportCheck",
     "SupportCheckOptions",
     "SupportLevelError",
     "attention_metadata",
@@ -46,3 +50,25 @@ __all__ = [
     "pad_offsets",
     "pad_rows",
 ]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "KindCheck": ("cudagraph_manager._support_check", "KindCheck"),
+    "SupportCheck": ("cudagraph_manager._support_check", "SupportCheck"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

@@ -1,11 +1,39 @@
-"""The low-level tier: the manager's seams for engines and models built on it.
+"""The low-level tier: the manager's seam for other capture engines.
 
 ``GraphEngineFactory`` builds the engine that captures and replays a model
-for one runtime mode (the default is ``cudagraph_capture.graph_engine``);
-``ModelOutput`` is what a model may return.
+for one runtime mode (``ManagerOptions.engine_factory``; the default is
+``cudagraph_capture.graph_engine``): another capture backend, or a fake for
+tests without a GPU. Code that takes a factory as an argument names it
+with this protocol (its call is generic over the model's output type).
 """
 
-from ._protocols import GraphEngineFactory as GraphEngineFactory
-from ._protocols import ModelOutput as ModelOutput
+import importlib
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["GraphEngineFactory", "ModelOutput"]
+from ._protocols import GraphEngineFactory as GraphEngineFactory
+
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._protocols import ModelOutput as ModelOutput
+
+__all__ = ["GraphEngineFactory"]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "ModelOutput": ("cudagraph_manager._protocols", "ModelOutput"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

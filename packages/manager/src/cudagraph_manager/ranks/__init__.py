@@ -9,9 +9,35 @@ knows nothing of captures; nothing here imports the manager.
 eager step hands the model every rank's token count.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Final
+
 from ._agreement import NUM_TOKENS_ACROSS_DP as NUM_TOKENS_ACROSS_DP
-from ._agreement import Backend as Backend
 from ._agreement import RankAgreement as RankAgreement
 from ._agreement import RanksDisagreeError as RanksDisagreeError
 
-__all__ = ["NUM_TOKENS_ACROSS_DP", "Backend", "RankAgreement", "RanksDisagreeError"]
+if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
+    from ._agreement import Backend as Backend
+
+__all__ = ["NUM_TOKENS_ACROSS_DP", "RankAgreement", "RanksDisagreeError"]
+
+#: Names retired from the API, each with its home (module, name): still resolved here, to the same
+#: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
+#: retired from the API").
+_RETIRED: Final = {
+    "Backend": ("cudagraph_manager.ranks._agreement", "Backend"),
+}
+
+if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
+
+    def __getattr__(name: str) -> object:
+        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
+        if name not in _RETIRED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        module, attribute = _RETIRED[name]
+        return getattr(importlib.import_module(module), attribute)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``): a retired name resolves, but is not listed."""
+    return sorted(__all__)

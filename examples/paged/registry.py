@@ -14,7 +14,7 @@ import torch
 from cudagraph_dispatch.support import AttentionSupport
 
 from ..body import model_device
-from .backend import PagedBackend
+from .base import PagedBackend
 from .batch import check_buffers
 from .flex import FlexPagedAttention
 from .gather import GatherPagedAttention
