@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
-from cudagraph_manager._batch import BatchShape
-from cudagraph_manager._capture._warm_up import WarmUpRule, smallest_of_modes
-from cudagraph_manager._graphs import PlannedGraph
+from cudagraph_manager._graphs._table import PlannedGraph
+from cudagraph_manager._graphs._warm_up import WarmUpRule, smallest_of_modes
+from cudagraph_manager._values._batch import BatchShape
 
 PIECEWISE, FULL = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
@@ -96,7 +96,7 @@ def test_a_mode_of_one_key_warms_it_as_its_largest_not_only_for_the_thread() -> 
 
 
 def test_a_thread_has_its_handles_only_after_it_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: None)  # no compiled model loaded
     rule = _rule()
@@ -111,7 +111,7 @@ def test_a_thread_has_its_handles_only_after_it_warmed_up(monkeypatch: pytest.Mo
 
 
 def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)  # a model may recompile after new weights
     rule = _rule()
@@ -120,7 +120,7 @@ def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: py
 
 
 def test_where_dynamo_compiles_a_wake_with_the_weights_kept_skips_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)
     rule = _rule()
@@ -156,7 +156,7 @@ def _mixed_plan() -> list[PlannedGraph[torch.Tensor]]:
 def _no_dynamo(monkeypatch: pytest.MonkeyPatch, count: int | None = None) -> list[int | None]:
     """dynamo's compile count as the rule sees it (``None``: never loaded); the list's first item."""
     from cudagraph_manager import _compiled
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     counter = [count]
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: counter[0])
@@ -165,7 +165,7 @@ def _no_dynamo(monkeypatch: pytest.MonkeyPatch, count: int | None = None) -> lis
 
 
 def _needed(plan: list[PlannedGraph[torch.Tensor]], warm_ups: object) -> tuple[BatchDescriptor, ...]:
-    from cudagraph_manager._capture._warm_up import ForegroundWarmUps
+    from cudagraph_manager._graphs._warm_up import ForegroundWarmUps
 
     assert isinstance(warm_ups, ForegroundWarmUps)
     return tuple(key.descriptor for key in plan if warm_ups.needs(key))
@@ -317,7 +317,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
 def test_a_failure_chain_that_loops_is_read_once() -> None:
     """A cause chain set by hand into a loop ends the walk: the model's error is not worth a retry."""
     from cudagraph_capture import CaptureError, CaptureInvalidatedError
-    from cudagraph_manager._capture._retry import worth_retrying
+    from cudagraph_manager._graphs._recording import worth_retrying
 
     error = CaptureError("the recording failed")
     cause = RuntimeError("the model failed")
@@ -356,7 +356,7 @@ def _classed_plan() -> list[PlannedGraph[torch.Tensor]]:
 
 
 def test_a_declared_compile_class_is_part_of_the_warm_up_class() -> None:
-    from cudagraph_manager._capture._warm_up import declares_compile_classes, warm_up_class
+    from cudagraph_manager._graphs._warm_up import declares_compile_classes, warm_up_class
 
     plan = _classed_plan()
     assert declares_compile_classes(plan)
@@ -448,7 +448,7 @@ def test_the_background_follows_the_captures_plan(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_warmed_classes_are_those_of_keys_warmed_before() -> None:
-    from cudagraph_manager._capture._warm_up import warm_up_class
+    from cudagraph_manager._graphs._warm_up import warm_up_class
 
     rule, plan = _rule(), _classed_plan()
     assert rule.warmed_classes(plan) == frozenset()

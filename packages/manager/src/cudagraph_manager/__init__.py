@@ -11,26 +11,26 @@ CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in the repository's ``examples/``.
 """
 
-from ._buffers._outputs import OutputRows as OutputRows
-from ._buffers._static import Rows as Rows
-from ._buffers._static import StaticInput as StaticInput
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
-from ._decode_loop import DecodeLoop as DecodeLoop
-from ._decode_loop import LoopResult as LoopResult
-from ._decode_loop import LoopState as LoopState
-from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
-from ._memory._kv import KVCacheBacking as KVCacheBacking
 from ._memory._kv import KVCacheMemory as KVCacheMemory
+from ._memory._outputs import OutputRows as OutputRows
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._options import ManagerOptions as ManagerOptions
-from ._protocols import BackgroundCapture as BackgroundCapture
-from ._reports._report import CapturedGraph as CapturedGraph
-from ._reports._report import CapturePhases as CapturePhases
-from ._reports._report import CaptureReport as CaptureReport
-from ._reports._report import ManagerStats as ManagerStats
-from ._reports._report import MemoryEstimate as MemoryEstimate
+from ._steps._plan import NoGraphError as NoGraphError
+from ._values._inputs import Rows as Rows
+from ._values._inputs import StaticInput as StaticInput
+from ._values._loop import DecodeLoop as DecodeLoop
+from ._values._loop import LoopResult as LoopResult
+from ._values._loop import LoopState as LoopState
+from ._values._protocols import BackgroundCapture as BackgroundCapture
+from ._values._reports import CapturedGraph as CapturedGraph
+from ._values._reports import CapturePhases as CapturePhases
+from ._values._reports import CaptureReport as CaptureReport
+from ._values._reports import KVCacheBacking as KVCacheBacking
+from ._values._reports import ManagerStats as ManagerStats
+from ._values._reports import MemoryEstimate as MemoryEstimate
 
 __version__ = "0.1.0"
 

@@ -24,13 +24,12 @@ from cudagraph_dispatch import CUDAGraphDispatcher, DispatchConfig
 from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport
 
-from ._buffers._buffers import check_inputs_spec
-from ._buffers._outputs import RowsSpec, check_output_rows, uses_reqs
-from ._buffers._static import StaticInput
-from ._decode_loop import DecodeLoop
+from ._memory._outputs import RowsSpec, check_output_rows, uses_reqs
 from ._memory._weights import watched_module
 from ._options import AttentionOptions, ManagerOptions
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from ._values._inputs import StaticInput, check_inputs_spec
+from ._values._loop import DecodeLoop
+from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 
 _LOG: Final = logging.getLogger("cudagraph_manager")
 

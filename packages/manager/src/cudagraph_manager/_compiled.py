@@ -23,8 +23,7 @@ import torch
 
 from cudagraph_dispatch.lowlevel import check_bool
 
-from ._buffers._buffers import check_inputs_spec
-from ._buffers._static import StaticInput
+from ._values._inputs import StaticInput, check_inputs_spec
 
 R = TypeVar("R")
 

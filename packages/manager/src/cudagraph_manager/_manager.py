@@ -26,20 +26,20 @@ from cudagraph_dispatch import CUDAGraphDispatcher, CUDAGraphMode, DispatchConfi
 from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
 
 from ._arguments import check_arguments
-from ._buffers._static import StaticInput
-from ._capture._background import check_keys_per_step
-from ._capture._capturer import Capturer
-from ._capture._together import keys_to_capture
-from ._decode_loop import LoopResult
-from ._graphs import GraphTable
+from ._graphs._capturer import Capturer
+from ._graphs._lockstep import keys_to_capture
+from ._graphs._table import GraphTable
+from ._graphs._thread import check_keys_per_step
 from ._memory._kv import KVCacheMemory
 from ._options import ManagerOptions
 from ._parts import ManagerParts
-from ._protocols import BackgroundCapture, OutputT
-from ._reports._report import CaptureReport, ManagerStats, MemoryEstimate
-from ._step._eager import EagerSteps
-from ._step._loop import LoopSteps
-from ._step._path import StepPath
+from ._steps._eager import EagerSteps
+from ._steps._loop import LoopSteps
+from ._steps._path import StepPath
+from ._values._inputs import StaticInput
+from ._values._loop import LoopResult
+from ._values._protocols import BackgroundCapture, OutputT
+from ._values._reports import CaptureReport, ManagerStats, MemoryEstimate
 
 
 class CUDAGraphManager(Generic[OutputT]):

@@ -18,10 +18,10 @@ from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport
 
 from ._attention._seam import check_builder
-from ._buffers._outputs import OutputRows, check_output_rows
-from ._decode_loop import DecodeLoop
 from ._memory._kv import KVCacheMemory
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from ._memory._outputs import OutputRows, check_output_rows
+from ._values._loop import DecodeLoop
+from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
 
 #: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_capture._warm_up`` says each).

@@ -21,12 +21,11 @@ from cudagraph_dispatch import CUDAGraphDispatcher
 from cudagraph_dispatch.support import ModeResolution
 
 from ._arguments import Arguments
-from ._buffers._buffers import StaticBuffers
-from ._buffers._outputs import LayoutCell
-from ._decode_loop import LoopBuffers
+from ._memory._buffers import LoopBuffers, StaticBuffers
 from ._memory._kv import KVCacheMemory
-from ._protocols import AttentionMetadataBuilder, OutputT
-from ._reports._report import StepCounts
+from ._memory._outputs import LayoutCell
+from ._values._protocols import AttentionMetadataBuilder, OutputT
+from ._values._reports import StepCounts
 from .ranks import RankAgreement
 
 

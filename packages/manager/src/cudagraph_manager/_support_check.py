@@ -31,12 +31,12 @@ from cudagraph_dispatch.lowlevel import MAX_CAPTURE_SIZE, MAX_NUM_SEQS, check_in
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 from ._attention._seam import check_builder, metadata_extra
-from ._batch import BatchShape, StepBatch
-from ._buffers._outputs import OutputRows
-from ._buffers._static import StaticInput
 from ._manager import CUDAGraphManager
+from ._memory._outputs import OutputRows
 from ._options import AttentionOptions, ManagerOptions
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
+from ._values._batch import BatchShape, StepBatch
+from ._values._inputs import StaticInput
+from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
 
 
 class BatchKind(enum.Enum):

@@ -5,7 +5,7 @@ for one runtime mode (the default is ``cudagraph_capture.graph_engine``);
 ``ModelOutput`` is what a model may return.
 """
 
-from ._protocols import GraphEngineFactory as GraphEngineFactory
-from ._protocols import ModelOutput as ModelOutput
+from ._values._protocols import GraphEngineFactory as GraphEngineFactory
+from ._values._protocols import ModelOutput as ModelOutput
 
 __all__ = ["GraphEngineFactory", "ModelOutput"]

@@ -28,7 +28,7 @@ from cudagraph_dispatch.budgets import TokenBudgets
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
-from .._batch import BatchShape, StepBatch
+from .._values._batch import BatchShape, StepBatch
 
 
 class _Ledger(threading.local):

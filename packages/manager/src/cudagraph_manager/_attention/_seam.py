@@ -17,10 +17,10 @@ from cudagraph_dispatch import get_forward_context
 from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_dispatch.support import AttentionSupport
 
-from .._buffers._static import check_pad_value
+from .._values._inputs import check_pad_value
 
 if TYPE_CHECKING:
-    from .._protocols import AttentionMetadataBuilder
+    from .._values._protocols import AttentionMetadataBuilder
 
 M = TypeVar("M")
 

@@ -20,7 +20,6 @@ CUDA context: the end of the engine).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -31,45 +30,7 @@ import torch
 from cudagraph_capture.lowlevel import ReservedMemory, resolve_device
 from cudagraph_dispatch.lowlevel import check_int
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KVCacheBacking:
-    """How much of a KV cache's reservation is backed: ``KVCacheMemory.backing()``, the reports, ``stats``.
-
-    ``units`` of ``max_units`` are backed (the unit ids below ``units``:
-    what the engine may hand out, its scratch unit included), each of
-    ``unit_bytes``; ``backed_bytes`` of the ``reserved_bytes`` reserved are
-    backed, in ``mappings`` mappings, exact to ``chunk_bytes`` (the device's
-    granularity; a fallback's whole allocation). ``seconds`` is the host time
-    the last change of the backing took (creating, mapping and giving access
-    to the memory, or unmapping it; measuring free memory included),
-    ``changes`` how many changes there were. ``fallback`` says why the cache
-    is an ordinary allocation (``None``: reserved addresses, backed on demand).
-    """
-
-    units: int
-    max_units: int
-    unit_bytes: int
-    backed_bytes: int
-    reserved_bytes: int
-    chunk_bytes: int
-    mappings: int
-    seconds: float = 0.0
-    changes: int = 0
-    fallback: str | None = None
-
-    def __str__(self) -> str:
-        gib, mib = 2**30, 2**20
-        if self.fallback is not None:
-            return (
-                f"KV cache: {self.units} of {self.max_units} units usable, an ordinary allocation of "
-                f"{self.backed_bytes / gib:.2f} GiB ({self.fallback})"
-            )
-        return (
-            f"KV cache: {self.units} of {self.max_units} units backed ({self.backed_bytes / gib:.2f} of "
-            f"{self.reserved_bytes / gib:.2f} GiB reserved, {self.mappings} mappings, chunks of "
-            f"{self.chunk_bytes / mib:g} MiB); last change {self.seconds * 1e3:.2f} ms"
-        )
+from .._values._reports import KVCacheBacking
 
 
 class KVCacheMemory:

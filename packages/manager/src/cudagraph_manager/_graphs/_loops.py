@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Generic
 
 import torch
@@ -26,15 +26,17 @@ import torch
 from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, LoopKind
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
-from .._batch import StepBatch
-from .._decode_loop import FINISHED, LoopBuffers, ShrinkFallback
-from .._graphs import GraphTable, PlannedGraph
+from .._attention._seam import metadata_extra
+from .._memory._buffers import LoopBuffers
 from .._memory._device import RecordingBytes
 from .._parts import ManagerParts
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph
-from .._step._loop import iteration, loop_metadata
+from .._values._batch import BatchShape, StepBatch
+from .._values._loop import FINISHED, LoopState, ShrinkFallback
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph
+from ._table import GraphTable, PlannedGraph
 
 _LOG: Final = logging.getLogger("cudagraph_manager")
 #: A class of loopable keys: what their descriptors share (uniform, has_lora, num_active_loras).
@@ -193,6 +195,29 @@ class LoopCapture(Generic[OutputT]):
         _LOG.log(
             level, "decode loops do not shrink (%s): %s; each runs on its first key", fallback.value, detail
         )
+
+
+def iteration(
+    parts: ManagerParts[OutputT],
+    inputs: Mapping[str, torch.Tensor],
+    context: ForwardContext,
+    state: LoopState,
+    output: OutputT | None = None,
+) -> None:
+    """One iteration in ``context``: the forward (unless a replay gave ``output``), then the advance."""
+    assert parts.loop is not None
+    token = FORWARD_CONTEXT_VAR.set(context)
+    try:
+        out = parts.model(**inputs) if output is None else output
+        parts.loop.config.advance(out, inputs, state)
+    finally:
+        FORWARD_CONTEXT_VAR.reset(token)
+
+
+def loop_metadata(parts: ManagerParts[OutputT], batch: StepBatch, shape: BatchShape) -> Mapping[str, object]:
+    """The loop's context extras: the attention's metadata of ``batch`` as ``shape`` (or none)."""
+    builder = parts.builder
+    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
 
 
 class _NoShrinkError(Exception):

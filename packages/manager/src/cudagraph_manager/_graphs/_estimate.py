@@ -36,12 +36,12 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._buffers._buffers import StaticBuffers
-from .._graphs import PlannedGraph, by_mode
+from .._memory._buffers import StaticBuffers
 from .._memory._device import reserved_bytes
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph, MemoryEstimate
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
+from ._table import PlannedGraph, by_mode
 from ._warm_up import WarmUpClass, WarmUps, smallest_of_modes, warm_up_class
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``): the old rule.

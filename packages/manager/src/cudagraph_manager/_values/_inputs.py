@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Final, Literal, TypeAlias
 
 import torch
@@ -23,6 +24,9 @@ _INTEGER_DTYPES: Final = frozenset(
 #: ``"tokens"`` (num_tokens), ``"reqs"`` (num_reqs) or ``None`` (not batched).
 Rows: TypeAlias = Literal["tokens", "reqs"] | None
 
+
+#: Keyword arguments of ``run`` itself: no model input may be named so.
+RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
 
 #: The largest size of a tensor dimension torch can hold (int64).
 _MAX_DIM: Final = 2**63 - 1
@@ -97,3 +101,25 @@ def check_pad_value(value: object, dtype: torch.dtype) -> None:
     info = torch.iinfo(dtype)
     if not info.min <= value <= info.max:
         raise ValueError(f"pad_value: {value!r} is out of range for {dtype} [{info.min}, {info.max}]")
+
+
+def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
+    """The declared inputs, validated: names usable as keywords, at least one "tokens" input."""
+    given: object = inputs
+    if not isinstance(given, Mapping) or not given:
+        raise ValueError(f"inputs: expected a non-empty mapping of names to StaticInput, got {inputs!r}")
+    checked: dict[str, StaticInput] = {}
+    for name, spec in inputs.items():
+        given_name: object = name  # checked at run time: callers may not be typed
+        if not isinstance(given_name, str) or not given_name.isidentifier():
+            raise ValueError(f"inputs: names are passed as keywords, so must be identifiers, got {name!r}")
+        if name in RESERVED_NAMES:
+            raise ValueError(f"inputs[{name!r}]: the name is a keyword of run() itself; rename the input")
+        if not isinstance(spec, StaticInput):
+            raise ValueError(f"inputs[{name!r}]: expected a StaticInput, got {spec!r}")
+        checked[name] = spec
+    if not any(spec.rows == "tokens" for spec in checked.values()):
+        raise ValueError(
+            "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
+        )
+    return checked

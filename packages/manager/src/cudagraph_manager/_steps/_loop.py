@@ -22,17 +22,18 @@ import torch
 
 from cudagraph_capture import DeviceLoop, GraphEntry
 from cudagraph_dispatch import Dispatch, EagerReason, ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR, NO_MODES
+from cudagraph_dispatch.lowlevel import NO_MODES
 
-from .._attention._seam import metadata_extra
-from .._batch import BatchShape, StepBatch
-from .._buffers._buffers import RESERVED_NAMES, StaticBuffers
-from .._decode_loop import LoopBuffers, LoopResult, LoopState, check_loop_steps
-from .._errors import NoGraphError
-from .._graphs import GraphTable, PlannedGraph
+from .._graphs._loops import iteration, loop_metadata
+from .._graphs._table import GraphTable, PlannedGraph
+from .._memory._buffers import LoopBuffers, StaticBuffers
 from .._parts import ManagerParts
-from .._protocols import CaptureState, OutputT
+from .._values._batch import StepBatch
+from .._values._inputs import RESERVED_NAMES
+from .._values._loop import LoopResult, check_loop_steps
+from .._values._protocols import CaptureState, OutputT
 from ._path import StepPath
+from ._plan import NoGraphError
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -283,26 +284,3 @@ def _shown(value: object) -> str:
 def first_input(buffers: StaticBuffers, rows: str) -> str:
     """The first input whose rows are ``rows`` ("tokens", "reqs"): the one that names their count."""
     return next((b.name for b in buffers.buffers if b.rows == rows), "")
-
-
-def iteration(
-    parts: ManagerParts[OutputT],
-    inputs: Mapping[str, torch.Tensor],
-    context: ForwardContext,
-    state: LoopState,
-    output: OutputT | None = None,
-) -> None:
-    """One iteration in ``context``: the forward (unless a replay gave ``output``), then the advance."""
-    assert parts.loop is not None
-    token = FORWARD_CONTEXT_VAR.set(context)
-    try:
-        out = parts.model(**inputs) if output is None else output
-        parts.loop.config.advance(out, inputs, state)
-    finally:
-        FORWARD_CONTEXT_VAR.reset(token)
-
-
-def loop_metadata(parts: ManagerParts[OutputT], batch: StepBatch, shape: BatchShape) -> Mapping[str, object]:
-    """The loop's context extras: the attention's metadata of ``batch`` as ``shape`` (or none)."""
-    builder = parts.builder
-    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))

@@ -16,11 +16,12 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Final, Generic, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Final, Generic, TypeVar, cast
 
 import torch
 
@@ -34,24 +35,30 @@ from cudagraph_capture.lowlevel import (
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._arguments import Arguments
-from .._graphs import GraphTable, PlannedGraph
+from .._memory._device import CaptureTotals
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
-from .._protocols import BackgroundCapture, GraphEngineFactory, OutputT
-from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
-from .._reports._totals import CaptureTotals
+from .._values._protocols import BackgroundCapture, GraphEngineFactory, OutputT
+from .._values._reports import CapturedGraph, CaptureReport, MemoryEstimate
 from ..ranks import RankAgreement
-from ._background import BackgroundTimings, ThreadCapture
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._lockstep import Lockstep, LockstepCapture
+from ._lockstep import (
+    Lockstep,
+    LockstepCapture,
+    Together,
+    on_every_rank,
+    plan_digest,
+    planned,
+    why_not_capture,
+)
 from ._loops import LoopCapture
-from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
-from ._together import Together, on_every_rank, plan_digest, planned, why_not_capture
+from ._table import GraphTable, PlannedGraph
+from ._thread import BackgroundTimings, ThreadCapture, capture_worker
 from ._warm_up import WarmUpRule, smallest_of_modes
-from ._worker import capture_worker
 
 _logger: Final = logging.getLogger("cudagraph_manager")
+T = TypeVar("T")
 
 
 class Capturer(Generic[OutputT]):
@@ -412,3 +419,20 @@ def _has_signature(factory: object) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def progress_bar(items: Sequence[T], *, desc: str, enabled: bool | None = None) -> Iterator[T]:
+    """Iterate ``items``, showing a bar when ``enabled`` (default: stderr is a terminal).
+
+    The bar needs ``tqdm`` (the ``progress`` extra); without it this is a plain
+    iteration. tqdm is imported here, on use, never at package import.
+    """
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return iter(items)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iter(items)
+    return iter(tqdm(items, desc=desc, unit="graph", leave=False))

@@ -14,20 +14,19 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Final, TypeAlias
+from typing import Final, Generic, TypeAlias
 
 import torch
 
-from ._static import Rows, StaticInput
+from .._values._inputs import Rows, StaticInput
+from .._values._loop import DecodeLoop, LoopState
+from .._values._protocols import OutputT
 
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 _KINDS: Final = ("tokens", "reqs")
 _NO_LORAS: Final = 0  # run()'s default num_active_loras; more adapters than requests: refused
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
-
-#: Keyword arguments of ``run`` itself: no model input may be named so.
-RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
 
 
 class StaticBuffer:
@@ -323,23 +322,28 @@ def _memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
-    """The declared inputs, validated: names usable as keywords, at least one "tokens" input."""
-    given: object = inputs
-    if not isinstance(given, Mapping) or not given:
-        raise ValueError(f"inputs: expected a non-empty mapping of names to StaticInput, got {inputs!r}")
-    checked: dict[str, StaticInput] = {}
-    for name, spec in inputs.items():
-        given_name: object = name  # checked at run time: callers may not be typed
-        if not isinstance(given_name, str) or not given_name.isidentifier():
-            raise ValueError(f"inputs: names are passed as keywords, so must be identifiers, got {name!r}")
-        if name in RESERVED_NAMES:
-            raise ValueError(f"inputs[{name!r}]: the name is a keyword of run() itself; rename the input")
-        if not isinstance(spec, StaticInput):
-            raise ValueError(f"inputs[{name!r}]: expected a StaticInput, got {spec!r}")
-        checked[name] = spec
-    if not any(spec.rows == "tokens" for spec in checked.values()):
-        raise ValueError(
-            "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
-        )
-    return checked
+class LoopBuffers(Generic[OutputT]):
+    """A manager's decode-loop state at fixed addresses, and its ``DecodeLoop``.
+
+    ``stop`` ``[]`` bool, ``step`` ``[]`` int64 (the host loop's index),
+    ``active`` ``[max_num_seqs]`` bool, ``tokens`` ``[max_steps, max_num_seqs]``
+    int64; ``state`` hands ``advance`` views of them.
+    """
+
+    __slots__ = ("active", "config", "step", "stop", "tokens")
+
+    def __init__(self, config: DecodeLoop[OutputT], max_num_seqs: int, device: torch.device) -> None:
+        self.config: Final = config
+        self.stop: Final = torch.zeros((), dtype=torch.bool, device=device)
+        self.step: Final = torch.zeros((), dtype=torch.int64, device=device)
+        self.active: Final = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
+        self.tokens: Final = torch.zeros(config.max_steps, max_num_seqs, dtype=torch.int64, device=device)
+
+    def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
+        return LoopState(step, self.stop, self.active[:num_reqs], self.tokens[:, :num_reqs])
+
+    def reset(self, num_reqs: int) -> None:
+        """A new loop: ``num_reqs`` real requests active, every other row not (a shrinking loop reads all)."""
+        self.active[:num_reqs].fill_(True)
+        self.active[num_reqs:].fill_(False)
+        self.stop.fill_(False)

@@ -50,11 +50,11 @@ from cudagraph_capture import CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._compiled import dynamo_compiles
-from .._graphs import PlannedGraph, by_mode
 from .._options import WarmUpPolicy
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph
-from ._retry import worth_retrying
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph
+from ._recording import worth_retrying
+from ._table import PlannedGraph, by_mode
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 

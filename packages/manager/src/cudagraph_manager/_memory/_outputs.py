@@ -15,7 +15,7 @@ from typing import Final, TypeAlias, cast
 
 import torch
 
-from ._static import Rows
+from .._values._inputs import Rows
 
 #: ``output_rows``: one ``Rows`` for every output; for a dict output, a mapping
 #: by key (keys left out follow tokens); for a tuple or list output, one

@@ -25,12 +25,12 @@ from cudagraph_dispatch import (
 )
 
 from .._attention._seam import metadata_extra
-from .._batch import BatchShape, StepBatch
-from .._errors import NoGraphError
-from .._graphs import PlannedGraph
+from .._graphs._table import PlannedGraph
 from .._parts import ManagerParts
-from .._protocols import CaptureState, OutputT
+from .._values._batch import BatchShape, StepBatch
+from .._values._protocols import CaptureState, OutputT
 from ..ranks import NUM_TOKENS_ACROSS_DP
+from ._plan import NoGraphError
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 _NONE: Final = CUDAGraphMode.NONE

@@ -17,11 +17,11 @@ from cudagraph_capture.lowlevel import OutputGuard
 from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route, StepRequest
 from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR, NO_MODES
 
-from .._batch import StepBatch
-from .._graphs import GraphTable, PlannedGraph
+from .._graphs._table import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch
 from .._parts import ManagerParts
-from .._protocols import OutputT, StepHook
+from .._values._batch import StepBatch
+from .._values._protocols import OutputT, StepHook
 from ..ranks import RankAgreement
 from ._eager import EagerSteps
 

@@ -20,11 +20,11 @@ from cudagraph_capture import DeviceLoop, GraphEntry
 from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
-from ._attention._seam import metadata_extra, other_metadata
-from ._batch import BatchShape, StepBatch
-from ._buffers._buffers import StaticBuffers
-from ._buffers._outputs import OutputLayout
-from ._protocols import AttentionMetadataBuilder, OutputT
+from .._attention._seam import metadata_extra, other_metadata
+from .._memory._buffers import StaticBuffers
+from .._memory._outputs import OutputLayout
+from .._values._batch import BatchShape, StepBatch
+from .._values._protocols import AttentionMetadataBuilder, OutputT
 
 
 class PlannedGraph(Generic[OutputT]):

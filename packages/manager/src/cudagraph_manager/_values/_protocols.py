@@ -24,8 +24,7 @@ from cudagraph_dispatch.support import AttentionSupport
 from ._batch import BatchShape, StepBatch
 
 if TYPE_CHECKING:  # the names are for the annotations
-    from ._reports._report import CapturedGraph, CaptureReport
-    from ._reports._totals import CaptureTotals
+    from ._reports import CaptureReport
 
 #: What a model may return: a tensor, or a flat tuple, list or dict of tensors.
 ModelOutput: TypeAlias = (
@@ -80,35 +79,6 @@ class AttentionMetadataBuilder(Protocol[M_co]):
     def build(self, batch: StepBatch, shape: BatchShape, /) -> M_co: ...
 
     def build_for_capture(self, shape: BatchShape, /) -> M_co: ...
-
-
-class CaptureJobs(Protocol):
-    """What a background capture asks of its manager's captures (``Capturer``): its one seam.
-
-    ``device`` and ``gc_disable`` say where and how it captures;
-    ``start_totals`` starts a phase's measurements and ``report`` ends them
-    (the manager adds why it captures nothing, if it does); ``warm_up`` runs
-    one key eagerly, skipped where ``skippable`` and the thread has its
-    handles (the warm-up rule's); ``capture`` records a key warmed up before.
-    The capture worker keeps a weak reference to it (its owner, alive while
-    it is), so an implementation has ``__weakref__``.
-    """
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def gc_disable(self) -> bool: ...
-
-    def start_totals(self) -> CaptureTotals: ...
-
-    def report(
-        self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None
-    ) -> CaptureReport: ...
-
-    def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None: ...
-
-    def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...
 
 
 class BackgroundCapture(Protocol):
