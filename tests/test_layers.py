@@ -54,7 +54,7 @@ LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
     "cudagraph_manager": (
         ("_values", "_attention", "_compiled", "ranks"),
         ("_memory",),
-        ("_options", "_arguments", "_parts"),
+        ("_options", "_parts"),
         ("_graphs",),
         ("_steps",),
         ("_manager",),

@@ -25,14 +25,13 @@ from cudagraph_capture.lowlevel import OutputGuard
 from cudagraph_dispatch import CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
 from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
 
-from ._arguments import check_arguments
 from ._graphs._capturer import Capturer
 from ._graphs._lockstep import keys_to_capture
 from ._graphs._table import GraphTable
 from ._graphs._thread import check_keys_per_step
 from ._memory._kv import KVCacheMemory
 from ._options import ManagerOptions
-from ._parts import ManagerParts
+from ._parts import build_parts
 from ._steps._eager import EagerSteps
 from ._steps._loop import LoopSteps
 from ._steps._path import StepPath
@@ -63,12 +62,11 @@ class CUDAGraphManager(Generic[OutputT]):
         strict: bool = False,
         options: ManagerOptions[OutputT] | None = None,
     ) -> None:
-        checked = check_arguments(model, inputs, config, device, strict, options)
-        parts = self._parts = ManagerParts.of(model, checked, strict)
+        parts = self._parts = build_parts(model, inputs, config, device, strict, options)
         self._table: Final = GraphTable[OutputT](parts.dispatcher, parts.buffers, parts.builder)
-        self._capturer: Final = Capturer(parts, self._table, checked, weakref.WeakMethod(self._idle_step))
+        self._capturer: Final = Capturer(parts, self._table, weakref.WeakMethod(self._idle_step))
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
-        self._guard: Final = _output_guard() if checked.given.check_overwritten_outputs else None
+        self._guard: Final = _output_guard() if parts.options.check_overwritten_outputs else None
         eager = EagerSteps(parts, self._capturer)
         hook = self._capturer.lockstep  # with ranks: the lockstep capture's field and turns, every step
         self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard, hook)

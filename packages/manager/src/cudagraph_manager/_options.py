@@ -4,13 +4,12 @@ Each value checks its own fields when it is built (``ValueError`` naming
 ``options.<field>`` or ``attention.<field>`` and the value), so a bad option
 fails where it is written. The checks that need the model, the inputs or the
 config (an output that follows requests needs a ``"reqs"`` input, a decode
-loop needs one token per request) are the constructor's (``_arguments``).
+loop needs one token per request) are the constructor's (``_parts.build_parts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Final, Generic, Literal, TypeAlias
 
 from cudagraph_capture import CaptureOptions
@@ -20,6 +19,7 @@ from cudagraph_dispatch.support import AttentionSupport
 from ._attention._seam import check_builder
 from ._memory._kv import KVCacheMemory
 from ._memory._outputs import OutputRows, check_output_rows
+from ._values._inputs import signature_of
 from ._values._loop import DecodeLoop
 from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
@@ -40,15 +40,16 @@ def _check_engine_factory(factory: object) -> None:
         raise ValueError(
             f"options.engine_factory: expected None or a GraphEngineFactory, got {factory!r:.80}"
         )
+    signature = signature_of(factory)
+    if signature is None:  # no signature to read (a builtin): its call is checked when made
+        return
     try:
-        inspect.signature(factory).bind(None, None, None)
+        signature.bind(None, None, None)
     except TypeError:
         raise ValueError(
             "options.engine_factory: expected a GraphEngineFactory, called as factory(model, mode, options), "
             f"got {factory!r:.80}, which does not take those 3 arguments"
         ) from None
-    except ValueError:  # no signature to read (a builtin): its call is checked when made
-        pass
 
 
 def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:

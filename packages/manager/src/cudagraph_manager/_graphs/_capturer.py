@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
 import sys
 import threading
@@ -34,10 +33,10 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._arguments import Arguments
 from .._memory._device import CaptureTotals
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
+from .._values._inputs import signature_of
 from .._values._protocols import BackgroundCapture, GraphEngineFactory, OutputT
 from .._values._reports import CapturedGraph, CaptureReport, MemoryEstimate
 from ..ranks import RankAgreement
@@ -73,7 +72,6 @@ class Capturer(Generic[OutputT]):
     __slots__ = (
         "__weakref__",  # the capture worker lives while a capturer that used it does
         "_engines",
-        "_factory",
         "_loops",
         "_options",
         "_parts",
@@ -91,21 +89,18 @@ class Capturer(Generic[OutputT]):
         self,
         parts: ManagerParts[OutputT],
         table: GraphTable[OutputT],
-        checked: Arguments[OutputT],
         idle_step: Callable[[], Callable[[], None] | None],
     ) -> None:
         """``idle_step``: the manager's step of 0 tokens (a lockstep ``wait()`` takes them), held weakly."""
         self._parts: Final = parts
-        self._policy: Final = checked.given.warm_ups  # capture()'s warm-ups
+        self._policy: Final = parts.options.warm_ups  # capture()'s warm-ups
         self._table: Final = table
-        factory, options = checked.factory, checked.options
-        self._factory: Final = factory
-        self._options: Final = options
+        self._options: Final = parts.capture_options
         # One engine per mode of the plan (none where nothing can be captured).
         graphs = table.graphs.values()
         modes = dict.fromkeys(graph.mode for graph in graphs) if parts.no_graphs is None else {}
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
-            mode: make_engine(factory, parts.model, mode, options) for mode in modes
+            mode: make_engine(parts.engine_factory, parts.model, mode, self._options) for mode in modes
         }
         self._rule: Final = WarmUpRule[OutputT]()
         # The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
@@ -375,9 +370,8 @@ class Capturer(Generic[OutputT]):
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
-        return make_engine(
-            self._factory, self._parts.model, mode, dataclasses.replace(self._options, pool=pool)
-        )
+        options = dataclasses.replace(self._options, pool=pool)
+        return make_engine(self._parts.engine_factory, self._parts.model, mode, options)
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         graph = self._table.graphs[descriptor]
@@ -397,7 +391,7 @@ def make_engine(
     try:
         engine: object = factory(model, mode, options)
     except TypeError as error:
-        if _has_signature(factory):  # it takes the arguments: the error is the factory's own
+        if signature_of(factory) is not None:  # it takes the arguments (checked): the error is its own
             raise
         raise ValueError(
             f"options.engine_factory: {factory!r:.80} cannot be called as "
@@ -410,15 +404,6 @@ def make_engine(
             f"it lacks {', '.join(lacks)}"
         )
     return cast("GraphEngine[OutputT]", engine)
-
-
-def _has_signature(factory: object) -> bool:
-    """Whether ``factory``'s signature can be read (``ManagerOptions`` checked it takes 3 arguments)."""
-    try:
-        inspect.signature(cast("Callable[..., object]", factory))
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def progress_bar(items: Sequence[T], *, desc: str, enabled: bool | None = None) -> Iterator[T]:

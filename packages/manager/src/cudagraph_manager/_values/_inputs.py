@@ -1,16 +1,19 @@
-"""Static inputs: what the model reads, described once, kept in fixed buffers.
+"""The model's inputs, declared: what the model reads, described once, kept in fixed buffers.
 
 A CUDA graph reads its inputs from the addresses it was captured with, so each
 model input gets one buffer, allocated once and refilled in place every step.
-``StaticInput`` says how that buffer is shaped and padded.
+``StaticInput`` says how that buffer is shaped and padded; the checks of what
+a caller declares are here too (a pad value, the mapping of inputs, and
+``signature_of``: how a callable the caller passes will be called).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from collections.abc import Mapping
-from typing import Final, Literal, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Final, Literal, TypeAlias, cast
 
 import torch
 
@@ -123,3 +126,14 @@ def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInpu
             "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
         )
     return checked
+
+
+def signature_of(call: object) -> inspect.Signature | None:
+    """``call``'s signature, checked against how it will be called; ``None`` where none can be read.
+
+    A builtin may have no signature to read: its first call says what is wrong.
+    """
+    try:
+        return inspect.signature(cast("Callable[..., object]", call))
+    except (TypeError, ValueError):
+        return None

@@ -18,6 +18,7 @@ import torch
 from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 
+from ._inputs import signature_of
 from ._protocols import OutputT
 
 #: The default policy: WHILE where it can be built, else unrolled launches of 8 iterations.
@@ -116,9 +117,8 @@ def _check_advance(advance: object) -> None:
     """
     if not callable(advance):
         raise ValueError(f"advance: expected a callable taking (outputs, inputs, state), got {advance!r:.80}")
-    try:
-        signature = inspect.signature(advance)
-    except (TypeError, ValueError):  # no signature to read: its first call will say
+    signature = signature_of(advance)
+    if signature is None:  # no signature to read: its first call will say
         return
     try:
         signature.bind(None, None, None)
