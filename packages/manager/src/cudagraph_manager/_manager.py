@@ -32,9 +32,9 @@ from ._graphs._thread import check_keys_per_step
 from ._memory._kv import KVCacheMemory
 from ._options import ManagerOptions
 from ._parts import build_parts
-from ._steps._eager import EagerSteps
 from ._steps._loop import LoopSteps
 from ._steps._path import StepPath
+from ._steps._plan import Planner
 from ._values._inputs import StaticInput
 from ._values._loop import LoopResult
 from ._values._protocols import BackgroundCapture, OutputT
@@ -67,11 +67,11 @@ class CUDAGraphManager(Generic[OutputT]):
         self._capturer: Final = Capturer(parts, self._table, weakref.WeakMethod(self._idle_step))
         self._weights: Final = self._capturer.weights  # the tensors the graphs read
         self._guard: Final = _output_guard() if parts.options.check_overwritten_outputs else None
-        eager = EagerSteps(parts, self._capturer)
-        hook = self._capturer.lockstep  # with ranks: the lockstep capture's field and turns, every step
-        self._path: Final = StepPath(parts, self._table, eager, self._weights, self._guard, hook)
+        # The step plans: with ranks, the lockstep capture's field and turn ride on every step's exchange.
+        planner = Planner(parts, self._table, self._capturer)
+        self._path: Final = StepPath(parts, self._table, planner, self._weights, self._guard)
         loop = parts.loop
-        steps = None if loop is None else LoopSteps(parts, loop, self._table, self._path, self._capturer)
+        steps = None if loop is None else LoopSteps(parts, loop, self._path, planner)
         self._loops: Final = steps
         self._lock: Final = parts.lock  # one call at a time; a call from inside one is refused
 

@@ -30,7 +30,7 @@ from cudagraph_dispatch import (
 from cudagraph_dispatch.lowlevel import MAX_CAPTURE_SIZE, MAX_NUM_SEQS, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
-from ._attention._seam import check_builder, metadata_extra
+from ._attention._seam import build_extra, check_builder
 from ._manager import CUDAGraphManager
 from ._memory._outputs import OutputRows
 from ._options import AttentionOptions, ManagerOptions
@@ -456,11 +456,9 @@ def _eager(
 ) -> list[torch.Tensor]:
     """The reference: the model on the real batch under NONE, with the builder's metadata (an eager step)."""
     descriptor = BatchDescriptor(num_tokens, num_reqs, True) if uniform else BatchDescriptor(num_tokens)
-    builder = run.builder
-    metadata = builder.build(
-        StepBatch(num_tokens, num_reqs, batch), BatchShape.eager(num_tokens, num_reqs, uniform)
-    )
-    with set_forward_context(CUDAGraphMode.NONE, descriptor, **metadata_extra(builder, metadata)):
+    shape = BatchShape.eager(num_tokens, num_reqs, uniform)
+    extra = build_extra(run.builder, StepBatch(num_tokens, num_reqs, batch), shape)
+    with set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
         return _leaves(run.model(**batch))
 
 

@@ -9,7 +9,7 @@ forward context (``metadata_extra``); the model reads it back with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar, cast
+from typing import Final, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -17,10 +17,9 @@ from cudagraph_dispatch import get_forward_context
 from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_dispatch.support import AttentionSupport
 
+from .._values._batch import BatchShape, StepBatch
 from .._values._inputs import check_pad_value
-
-if TYPE_CHECKING:
-    from .._values._protocols import AttentionMetadataBuilder
+from .._values._protocols import AttentionMetadataBuilder
 
 M = TypeVar("M")
 
@@ -54,6 +53,17 @@ def metadata_extra(builder: object, metadata: object, *, call: str = "build") ->
     if type(metadata) in NOT_METADATA:
         raise ValueError(not_metadata(builder, metadata, call))
     return {METADATA_EXTRA: _Built(builder, metadata)}
+
+
+def build_extra(
+    builder: AttentionMetadataBuilder[object] | None, batch: StepBatch, shape: BatchShape
+) -> dict[str, object]:
+    """The forward-context extras that carry ``builder``'s metadata of ``batch`` run as ``shape``.
+
+    ``{}`` without a builder. An eager forward's, a warm-up's and a decode
+    loop's (a replay checks its graph's metadata type: ``PlannedGraph.build``).
+    """
+    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
 
 
 def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:

@@ -28,11 +28,11 @@ from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
 from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
-from .._attention._seam import metadata_extra
+from .._attention._seam import build_extra
 from .._memory._buffers import LoopBuffers
 from .._memory._device import RecordingBytes
 from .._parts import ManagerParts
-from .._values._batch import BatchShape, StepBatch
+from .._values._batch import StepBatch
 from .._values._loop import FINISHED, LoopState, ShrinkFallback
 from .._values._protocols import OutputT
 from .._values._reports import CapturedGraph
@@ -103,7 +103,7 @@ class LoopCapture(Generic[OutputT]):
         start = time.perf_counter()
         parts, buffers = self._parts, self._buffers
         parts.buffers.fill_padding(graph.num_tokens, graph.num_reqs)
-        extra = loop_metadata(parts, StepBatch.padding(), graph.shape)  # valid values for the warm-up
+        extra = build_extra(parts.builder, StepBatch.padding(), graph.shape)  # valid values for the warm-up
         buffers.reset(0)  # the warm-up's rows are all padding
         context = ForwardContext(CUDAGraphMode.FULL, graph.descriptor, extra)
 
@@ -206,18 +206,12 @@ def iteration(
 ) -> None:
     """One iteration in ``context``: the forward (unless a replay gave ``output``), then the advance."""
     assert parts.loop is not None
-    token = FORWARD_CONTEXT_VAR.set(context)
+    restore = FORWARD_CONTEXT_VAR.set(context)
     try:
         out = parts.model(**inputs) if output is None else output
         parts.loop.config.advance(out, inputs, state)
     finally:
-        FORWARD_CONTEXT_VAR.reset(token)
-
-
-def loop_metadata(parts: ManagerParts[OutputT], batch: StepBatch, shape: BatchShape) -> Mapping[str, object]:
-    """The loop's context extras: the attention's metadata of ``batch`` as ``shape`` (or none)."""
-    builder = parts.builder
-    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
+        FORWARD_CONTEXT_VAR.reset(restore)
 
 
 class _NoShrinkError(Exception):

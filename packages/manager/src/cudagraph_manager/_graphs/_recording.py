@@ -42,7 +42,7 @@ from cudagraph_capture import (
 from cudagraph_capture.lowlevel import RecordSeconds, check_capture_enabled
 from cudagraph_dispatch import CUDAGraphMode, set_forward_context
 
-from .._attention._seam import metadata_extra
+from .._attention._seam import build_extra, metadata_extra
 from .._memory._buffers import StaticBuffers
 from .._memory._device import RecordingBytes
 from .._memory._outputs import LayoutCell
@@ -65,8 +65,8 @@ def warm_up(graph: PlannedGraph[OutputT], engine: GraphEngine[OutputT], buffers:
             engine.warm_up(graph.descriptor, graph.inputs)
             return
         # An all-padding batch's metadata, on the stream the warm-up is ordered after.
-        metadata = builder.build(StepBatch.padding(), graph.shape)
-        with set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **metadata_extra(builder, metadata)):
+        extra = build_extra(builder, StepBatch.padding(), graph.shape)
+        with set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **extra):
             engine.warm_up(graph.descriptor, graph.inputs)
     except CaptureError:
         raise

@@ -1,30 +1,33 @@
-"""The seams of this package, as types: outputs, engines, the attention's builder, the background capture.
+"""The public seams of this package, as types: outputs, the engine factory, the builder, the handle.
 
-The manager reaches the capture layer only through ``GraphEngineFactory`` and
-the capture package's ``GraphEngine`` protocol (``warm_up``, ``record``, which
-hands back a ``GraphEntry`` the manager keeps): the default factory is
-``cudagraph_capture.graph_engine`` (its recorders, directly), and a test (or
-another engine) can pass its own. ``CaptureJobs`` is what a background capture
-asks of the manager's captures, ``CaptureState`` what a step without a graph
-asks, ``StepHook`` what a step with ranks calls around its exchange, and
-``BackgroundCapture`` the handle ``start_capture()`` returns.
+A key's graph is warmed up, recorded and replayed by a ``GraphEngine`` (the
+capture package's protocol: ``warm_up``, ``record``, which hands back the
+``GraphEntry`` the graph table keeps), built per runtime mode by a
+``GraphEngineFactory``: the default is ``cudagraph_capture.graph_engine``
+(its recorders, directly), and a test or another engine passes its own
+(``ManagerOptions.engine_factory``). That is the capture package's one seam
+a caller replaces; the rest of it the manager uses directly: the decode
+loops' ``DeviceLoop`` (no factory: tests patch it), the device's capture
+lock, stream and pool, the collector's switch, the errors, ``CaptureOptions``,
+``OutputGuard`` and the KV cache's ``ReservedMemory``.
+``AttentionMetadataBuilder`` is what an attention backend implements;
+``BackgroundCapture`` is the handle ``start_capture()`` returns, kept by two
+sessions (``ThreadCapture``, ``LockstepCapture``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import Protocol, TypeAlias, TypeVar
 
 import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
-from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
+from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport
 
 from ._batch import BatchShape, StepBatch
-
-if TYPE_CHECKING:  # the names are for the annotations
-    from ._reports import CaptureReport
+from ._reports import CaptureReport
 
 #: What a model may return: a tensor, or a flat tuple, list or dict of tensors.
 ModelOutput: TypeAlias = (
@@ -110,44 +113,3 @@ class BackgroundCapture(Protocol):
     def wait(self, timeout: float | None = None) -> CaptureReport: ...
 
     def stop(self) -> None: ...
-
-
-class RunningCapture(Protocol):
-    """What a step asks of a capture thread: a key it missed (captured next), then that it was served."""
-
-    def missed(self, descriptor: BatchDescriptor, /) -> None: ...
-
-    def served(self) -> None: ...
-
-
-class StepHook(Protocol):
-    """What a step with ranks takes at construction: a field for its exchange, and what follows the exchange.
-
-    The lockstep capture's (``_capture/_lockstep.Lockstep``): ``field()`` is
-    this rank's opaque field of the step's row (``RankAgreement.route_step``);
-    ``stepped(fields)`` gets every rank's, by rank, right after the exchange
-    and before the step runs (where the capture takes its turn), and says
-    whether the exchange saw every rank's capture running: strict mode then
-    runs the step's eager forward, on every rank alike.
-    """
-
-    def field(self) -> tuple[int, ...]: ...
-
-    def stepped(self, fields: Sequence[tuple[int, ...]], /) -> bool: ...
-
-
-class CaptureState(Protocol):
-    """What a step without a graph asks of the manager's captures (``Capturer``): why its key has none.
-
-    ``released``: ``release()`` freed the graphs and no capture started
-    since; ``running()``: the background capture still running, if one is
-    (a thread's, or with ranks the lockstep one); ``thread_capture()``: the
-    capture thread's still running, which a step's miss reorders.
-    """
-
-    @property
-    def released(self) -> bool: ...
-
-    def running(self) -> BackgroundCapture | None: ...
-
-    def thread_capture(self) -> RunningCapture | None: ...
