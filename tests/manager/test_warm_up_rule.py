@@ -213,7 +213,7 @@ def test_the_policy_picks_per_class_only_where_it_may(
 ) -> None:
     _no_dynamo(monkeypatch, count)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, policy, ranks=ranks)  # type: ignore[arg-type]  # the names, as strings
+    warm_ups = _rule().for_capture(plan, policy, ranks=ranks)  # type: ignore[arg-type]  # the names, as strings
     expected = _rule().per_class(plan) if per_class else _descriptors(plan)
     assert _needed(plan, warm_ups) == expected
     assert warm_ups.per_class is per_class
@@ -223,7 +223,7 @@ def test_a_compile_warms_the_classes_next_key_up_too(monkeypatch: pytest.MonkeyP
     """Per class, a capture that made dynamo compile warms its class's next key up; one that did not, not."""
     counter = _no_dynamo(monkeypatch, 0)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     mixed_64, mixed_32, mixed_8 = plan[:3]
     with warm_ups.watch(mixed_64):
         counter[0] = 1  # the first size compiled
@@ -239,7 +239,7 @@ def test_under_auto_a_compile_turns_the_rest_of_the_capture_to_every_key(
 ) -> None:
     counter = _no_dynamo(monkeypatch, None)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     assert not warm_ups.needs(plan[1])
     with warm_ups.watch(plan[0]):
         counter[0] = 1  # a model compiled at its first call, inside capture()
@@ -265,7 +265,7 @@ def test_a_recording_without_a_warm_up_that_fails_is_retried_after_its_warm_up(
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     calls, capture = _capture_log(
         True, CaptureInvalidatedError("an autotune synchronized inside the capture", plan[1].descriptor)
     )
@@ -282,7 +282,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     warmed, cold = plan[0], plan[1]
     first_use = CaptureInvalidatedError("a synchronization inside the capture", cold.descriptor)
     wrapped_first_use = CaptureError("the recording failed", cold.descriptor)
@@ -302,7 +302,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
     ]
     rule = _rule()
     rule.captured(cold.descriptor)  # a recapture: cold under "every_key" too, never retried
-    recapture = rule.plan(plan, "per_class", ranks=False)
+    recapture = rule.for_capture(plan, "per_class", ranks=False)
     calls, capture = _capture_log(False, first_use)
     with pytest.raises(CaptureError):
         recapture.capture(cold, capture)  # type: ignore[arg-type]  # a stand-in capture
@@ -372,7 +372,7 @@ def test_with_declared_classes_a_compiled_model_warms_per_compile_class(
     """dynamo compiled before: ``"auto"`` stays per class where the attention declares its classes."""
     counter = _no_dynamo(monkeypatch, 3)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
+    warm_ups = _rule().for_capture(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
     assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
     with warm_ups.watch(plan[0], warm=True):
         counter[0] = (counter[0] or 0) + 1  # the class's first warm-up compiles its code: expected
@@ -389,7 +389,7 @@ def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(
     and the class's next key warms up too."""
     counter = _no_dynamo(monkeypatch, 0)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     calls: list[bool] = []
 
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
@@ -414,7 +414,7 @@ def test_a_recording_that_failed_while_compiling_is_retried_after_its_warm_up(
 
     counter = _no_dynamo(monkeypatch, 0)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     calls: list[bool] = []
 
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:

@@ -1,12 +1,15 @@
 """Model-level CUDA graphs: ``CUDAGraphManager``, the facade over the package's layers.
 
-It builds the parts once (docs/design.md, "Layers": static buffers, the graph
-table, the step path, the captures) and holds the step lock: one call at a
-time uses the static buffers. A step is ``_step/_path``'s ``StepPath.run``:
+It builds its parts once from the checked arguments (``build_parts``; then
+the graph table, the captures, the step plans and the step path:
+docs/design.md, "Layers") and holds the step lock: one call at a time uses
+the static buffers. A step is ``_steps/_path``'s ``StepPath.run``:
 
     check the inputs -> route -> build the metadata -> copy in -> entry.replay() -> count and cut
 
-or, when the route names no captured graph, an eager step counted per reason.
+or, where the route has no captured graph (and with ranks, every step), the
+step its plan says (``_steps/_plan``): an eager step counted per reason, an
+idle step, an idle rank's dummy step.
 """
 
 from __future__ import annotations

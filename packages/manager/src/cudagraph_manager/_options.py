@@ -24,7 +24,7 @@ from ._values._loop import DecodeLoop
 from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
 
-#: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_capture._warm_up`` says each).
+#: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_graphs/_warm_up`` says each).
 WarmUpPolicy: TypeAlias = Literal["auto", "every_key", "per_class"]
 WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_class")
 
@@ -32,7 +32,7 @@ WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_c
 def _check_engine_factory(factory: object) -> None:
     """``ValueError`` naming ``options.engine_factory`` unless it is ``None`` or callable as a factory.
 
-    Its products are checked when made (``_capture._capturer.make_engine``).
+    Its products are checked when made (``_graphs/_capturer.make_engine``).
     """
     if factory is None:
         return

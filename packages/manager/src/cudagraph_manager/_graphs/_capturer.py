@@ -61,12 +61,14 @@ T = TypeVar("T")
 
 
 class Capturer(Generic[OutputT]):
-    """A manager's captures of its graph table's pending graphs; the capture sessions' ``CaptureJobs``.
+    """A manager's captures of its graph table's pending graphs; the jobs the capture sessions ask of it.
 
     Holds one engine per mode, the warm-up rule, the decode loops' capture,
     the last capture thread (weakly: the session holds this object), with
-    ranks the lockstep capture's part (``lockstep``, the step path's hook),
-    and whether the graphs were released.
+    ranks the lockstep capture's part (``lockstep``, which every step's plan
+    calls around its exchange), and whether the graphs were released. A
+    capture thread's jobs are ``ThreadJobs``, a lockstep capture's
+    ``LockstepJobs``.
     """
 
     __slots__ = (
@@ -122,7 +124,7 @@ class Capturer(Generic[OutputT]):
         #: The addresses of the model's parameters and buffers that its graphs read.
         self.weights: Final = WeightWatch(watched_module(parts.model))
 
-    # -- the background capture's seam (``CaptureJobs``) --
+    # -- a capture thread's jobs (``ThreadJobs``) --
 
     @property
     def device(self) -> torch.device:
@@ -174,16 +176,16 @@ class Capturer(Generic[OutputT]):
     def foreground(
         self, pending: Sequence[PlannedGraph[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
-        """Capture ``pending`` in order on this thread (with ranks, every rank's keys: ``_together``).
+        """Capture ``pending`` in order on this thread (with ranks, every rank's keys: ``on_every_rank``).
 
-        A key is warmed up where the warm-up rule says (``WarmUpRule.plan``);
+        A key is warmed up where the warm-up rule says (``WarmUpRule.for_capture``);
         with ranks every key, each kept by every rank or by none.
         """
         parts = self._parts
         if parts.no_graphs is not None:
             kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
             return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution, kv_cache=kv_cache)
-        plan = self._rule.plan(pending, self._policy, ranks=ranks is not None)
+        warm_ups = self._rule.for_capture(pending, self._policy, ranks=ranks is not None)
         device = parts.device
         records: list[CapturedGraph] = []
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -191,7 +193,7 @@ class Capturer(Generic[OutputT]):
             totals = self.start_totals()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 if ranks is None:
-                    records.append(plan.capture(graph, self._capture))
+                    records.append(warm_ups.capture(graph, self._capture))
                     continue
                 together = self._together(ranks, graph)
                 if together.error is not None:
@@ -211,8 +213,8 @@ class Capturer(Generic[OutputT]):
     def background(
         self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
     ) -> ThreadCapture | LockstepCapture:
-        """Start capturing ``pending`` in a thread (``_background``; returns once it warmed up), or,
-        with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``_lockstep``)."""
+        """Start capturing ``pending`` in a thread (``ThreadCapture``; returns once it warmed up), or,
+        with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``LockstepCapture``)."""
         if self.lockstep is not None:
             return self.lockstep.start(keys_per_step)
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
@@ -235,7 +237,7 @@ class Capturer(Generic[OutputT]):
         session = None if self._session is None else self._session()
         return session if session is not None and not session.done else None
 
-    # -- the lockstep capture's seam (``LockstepJobs``) --
+    # -- a lockstep capture's jobs (``LockstepJobs``) --
 
     def pending_keys(self) -> list[BatchDescriptor]:
         """The keys without a graph, in plan order (none where nothing can be captured)."""
@@ -257,7 +259,7 @@ class Capturer(Generic[OutputT]):
             return self._together(ranks, self._table.graphs[key])
 
     def _together(self, ranks: RankAgreement, graph: PlannedGraph[OutputT]) -> Together:
-        """``graph`` captured on every rank (``_together.on_every_rank``); a graph this rank held is dropped
+        """``graph`` captured on every rank (``on_every_rank``); a graph this rank held is dropped
         and recorded again with the others: only a recording meets a recording's collectives."""
 
         def attempt() -> CapturedGraph:
@@ -330,7 +332,7 @@ class Capturer(Generic[OutputT]):
         done = threading.Event()
         failed: list[BaseException] = []
 
-        def job() -> None:
+        def warm_ups() -> None:
             try:
                 with torch.cuda.device(device), torch.cuda.stream(own), torch.no_grad():
                     own.wait_stream(serving)  # after the captures this thread queued
@@ -341,7 +343,7 @@ class Capturer(Generic[OutputT]):
             except BaseException as error:  # the wake warms up then, as without this
                 failed.append(error)
 
-        if not worker.try_run(job, self, done.set):
+        if not worker.try_run(warm_ups, self, done.set):
             return
         done.wait()
         serving.wait_stream(own)  # the next step after the warm-ups, on the device

@@ -82,7 +82,7 @@ class Together(NamedTuple):
     ``record``: the key's graph, kept (every rank succeeded); else ``error``:
     this rank's own error, or a ``CaptureError`` naming the ranks that failed
     (this rank's graph of the key dropped). ``retry``: the same on every rank,
-    true where every failed rank's error is worth retrying (``_retry``).
+    true where every failed rank's error is worth retrying (``worth_retrying``).
     """
 
     record: CapturedGraph | None
@@ -258,7 +258,7 @@ class LockstepJobs(Protocol):
 
 
 class Lockstep:
-    """One manager's part in the lockstep protocol (with ranks): the step path's hook (``StepHook``).
+    """One manager's part in the lockstep protocol (with ranks), called by every step's plan.
 
     ``field()`` is this rank's field of each step's exchange; ``stepped()``,
     called with every rank's right after it, ends the running capture or

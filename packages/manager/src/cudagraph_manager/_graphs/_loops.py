@@ -38,7 +38,7 @@ from .._values._protocols import OutputT
 from .._values._reports import CapturedGraph
 from ._table import GraphTable, PlannedGraph
 
-_LOG: Final = logging.getLogger("cudagraph_manager")
+_logger: Final = logging.getLogger("cudagraph_manager")
 #: A class of loopable keys: what their descriptors share (uniform, has_lora, num_active_loras).
 _Class = tuple[bool, bool, int]
 
@@ -86,7 +86,7 @@ class LoopCapture(Generic[OutputT]):
             except CaptureError as error:
                 if must:
                     raise
-                _LOG.warning(
+                _logger.warning(
                     "decode loop of %s not captured, its run_loop loops on the host: %s",
                     graph.descriptor,
                     error,
@@ -192,7 +192,7 @@ class LoopCapture(Generic[OutputT]):
             return
         self._logged.add(fallback)
         level = logging.WARNING if fallback is ShrinkFallback.NO_DEVICE_CHOICE else logging.INFO
-        _LOG.log(
+        _logger.log(
             level, "decode loops do not shrink (%s): %s; each runs on its first key", fallback.value, detail
         )
 

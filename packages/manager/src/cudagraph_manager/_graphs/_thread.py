@@ -59,8 +59,8 @@ def check_keys_per_step(keys_per_step: object, ranks: bool) -> None:
         )
 
 
-class CaptureJobs(Protocol):
-    """What a background capture asks of its manager's captures (``Capturer``): its one seam.
+class ThreadJobs(Protocol):
+    """What a capture thread asks of its manager's captures (``Capturer``): its one seam (its jobs).
 
     ``device`` and ``gc_disable`` say where and how it captures;
     ``start_totals`` starts a phase's measurements and ``report`` ends them
@@ -193,7 +193,7 @@ class ThreadCapture:
         self,
         pending: Sequence[BatchDescriptor],
         warm_ups: WarmUps,
-        jobs: CaptureJobs,
+        jobs: ThreadJobs,
         *,
         timings: BackgroundTimings,
     ) -> None:
@@ -296,9 +296,9 @@ class ThreadCapture:
         if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
             raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
         warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
-        # The device's capture worker, whose handles and plans outlive this session (``_worker``).
-        job = functools.partial(self._run, serving, own, warm_ups_done)
-        run_capture(device, job, self._jobs, "cudagraph-background-capture", self._done.set)
+        # The device's capture worker, whose handles and plans outlive this session (``CaptureWorker``).
+        body = functools.partial(self._run, serving, own, warm_ups_done)
+        run_capture(device, body, self._jobs, "cudagraph-background-capture", self._done.set)
         self._warm_ups_queued.wait()
         if serving is not None and warm_ups_done is not None:
             serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device
@@ -411,16 +411,17 @@ class ThreadCapture:
 
 _JOIN_AT_EXIT_S: Final = 5.0
 
-Job = Callable[[], None]
+#: What the worker runs: a session's body, then what follows it once the worker is free.
+Task = Callable[[], None]
 
 
 class CaptureWorker:
-    """A daemon thread that runs capture jobs one at a time (``try_run``) until ``stop``."""
+    """A daemon thread that runs capture tasks one at a time (``try_run``) until ``stop``."""
 
-    __slots__ = ("_busy", "_jobs", "_lock", "_stopped", "_thread", "_users")
+    __slots__ = ("_busy", "_lock", "_stopped", "_tasks", "_thread", "_users")
 
     def __init__(self, name: str) -> None:
-        self._jobs: Final[queue.SimpleQueue[tuple[Job, Job] | None]] = queue.SimpleQueue()
+        self._tasks: Final[queue.SimpleQueue[tuple[Task, Task] | None]] = queue.SimpleQueue()
         # _busy, _stopped, _users; reentrant: a user's finalizer may run inside try_run (a GC there).
         self._lock: Final = threading.RLock()
         self._busy = False
@@ -439,10 +440,10 @@ class CaptureWorker:
         with self._lock:
             return not self._stopped and self._thread.is_alive()
 
-    def try_run(self, job: Job, user: object, after: Job) -> bool:
-        """Queue ``job`` and return ``True``, unless the worker is busy or stopped (``False``).
+    def try_run(self, task: Task, user: object, after: Task) -> bool:
+        """Queue ``task`` and return ``True``, unless the worker is busy or stopped (``False``).
 
-        ``after`` runs on the worker once the job is done and the worker is
+        ``after`` runs on the worker once the task is done and the worker is
         free again. All under the lock: the queue's order always matches the
         flags, even where a finalizer runs in here (a collection) and stops
         the worker; ``try_run`` then returns ``False``.
@@ -454,15 +455,15 @@ class CaptureWorker:
             if self._busy or self._stopped:
                 return False
             self._busy = True
-            self._jobs.put((job, after))
+            self._tasks.put((task, after))
         return True
 
     def stop(self) -> None:
-        """Let the thread end after the job it runs, if any (any thread; never waits)."""
+        """Let the thread end after the task it runs, if any (any thread; never waits)."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
-                self._jobs.put(None)
+                self._tasks.put(None)
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the thread to end (after ``stop``)."""
@@ -478,17 +479,17 @@ class CaptureWorker:
 
     def _loop(self) -> None:
         while True:
-            queued = self._jobs.get()
+            queued = self._tasks.get()
             if queued is None:
                 return
             self._run_one(*queued)
-            del queued  # hold nothing of the session between jobs
+            del queued  # hold nothing of the session between tasks
 
-    def _run_one(self, job: Job, after: Job) -> None:
+    def _run_one(self, task: Task, after: Task) -> None:
         try:
-            job()
-        except BaseException:  # a job reports its own errors; never let the worker die silently
-            _logger.exception("capture worker: a job raised")
+            task()
+        except BaseException:  # a task reports its own errors; never let the worker die silently
+            _logger.exception("capture worker: a task raised")
         finally:
             with self._lock:
                 self._busy = False
@@ -509,14 +510,14 @@ def capture_worker(device: object) -> CaptureWorker:
         return worker
 
 
-def run_capture(device: object, job: Job, user: object, name: str, after: Job) -> None:
-    """Run ``job``, then ``after``, on the device's worker, or on a new thread if the worker is busy."""
-    if capture_worker(device).try_run(job, user, after):
+def run_capture(device: object, task: Task, user: object, name: str, after: Task) -> None:
+    """Run ``task``, then ``after``, on the device's worker, or on a new thread if the worker is busy."""
+    if capture_worker(device).try_run(task, user, after):
         return
 
     def run() -> None:
         try:
-            job()
+            task()
         finally:
             after()
 
@@ -525,7 +526,7 @@ def run_capture(device: object, job: Job, user: object, name: str, after: Job) -
 
 @atexit.register
 def _stop_all() -> None:
-    """At interpreter exit: every worker ends after its job (a capture in flight gets a few seconds)."""
+    """At interpreter exit: every worker ends after its task (a capture in flight gets a few seconds)."""
     with _workers_lock:
         workers = list(_workers.values())
         _workers.clear()
