@@ -11,7 +11,6 @@ they read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -33,7 +32,7 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._memory._device import CaptureTotals
+from .._memory._device import CaptureTotals, on_device
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
 from .._values._inputs import signature_of
@@ -184,12 +183,18 @@ class Capturer(Generic[OutputT]):
         parts = self._parts
         if parts.no_graphs is not None:
             kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
-            return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution, kv_cache=kv_cache)
+            return CaptureReport(
+                graphs=(),
+                seconds=0.0,
+                reserved_bytes=0,
+                no_graphs=parts.no_graphs,
+                resolution=parts.resolution,
+                kv_cache=kv_cache,
+            )
         warm_ups = self._rule.for_capture(pending, self._policy, ranks=ranks is not None)
         device = parts.device
         records: list[CapturedGraph] = []
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device(device):
             totals = self.start_totals()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 if ranks is None:
@@ -253,9 +258,7 @@ class Capturer(Generic[OutputT]):
         """``key`` warmed up and recorded on the serving thread with every rank, kept by all or by none."""
         ranks = self._parts.ranks
         assert ranks is not None
-        device = self._parts.device
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device(self._parts.device):
             return self._together(ranks, self._table.graphs[key])
 
     def _together(self, ranks: RankAgreement, graph: PlannedGraph[OutputT]) -> Together:

@@ -427,4 +427,13 @@ def _empty_cache(device: torch.device, stream: torch.cuda.Stream) -> None:
 
 def nothing_to_estimate(why: str) -> MemoryEstimate:
     """The estimate of a manager that captures nothing: 0, and why."""
-    return MemoryEstimate(0, 0, 0, 0, 0, (), 0.0, no_graphs=why)
+    return MemoryEstimate(
+        total_bytes=0,
+        warmup_bytes=0,
+        pool_bytes=0,
+        driver_bytes=0,
+        num_graphs=0,
+        probes=(),
+        seconds=0.0,
+        no_graphs=why,
+    )

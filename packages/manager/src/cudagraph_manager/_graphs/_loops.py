@@ -122,9 +122,15 @@ class LoopCapture(Generic[OutputT]):
                 shared_with=shared_with,
             )
         seconds = time.perf_counter() - start
-        return loop, CapturedGraph(
-            CUDAGraphMode.FULL, graph.descriptor, seconds, cost.pool, cost.driver, loop=True
+        captured = CapturedGraph(
+            mode=CUDAGraphMode.FULL,
+            descriptor=graph.descriptor,
+            seconds=seconds,
+            pool_bytes=cost.pool,
+            driver_bytes=cost.driver,
+            loop=True,
         )
+        return loop, captured
 
     # -- shrinking --
 

@@ -93,14 +93,14 @@ def record(
         entry = engine.record(graph.descriptor, graph.inputs)
     spent = _checked_seconds(entry, graph)
     return entry, CapturedGraph(
-        graph.mode,
-        graph.descriptor,
-        time.perf_counter() - start,
-        cost.pool,
-        cost.driver,
-        warmup_seconds,
-        spent.recording,
-        spent.instantiation,
+        mode=graph.mode,
+        descriptor=graph.descriptor,
+        seconds=time.perf_counter() - start,
+        pool_bytes=cost.pool,
+        driver_bytes=cost.driver,
+        warmup_seconds=warmup_seconds,
+        recording_seconds=spent.recording,
+        instantiation_seconds=spent.instantiation,
     )
 
 

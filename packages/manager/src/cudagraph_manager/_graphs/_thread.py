@@ -34,10 +34,10 @@ from typing import Final, Protocol
 
 import torch
 
-from cudagraph_capture.lowlevel import capture_lock, capture_stream, collector_paused
+from cudagraph_capture.lowlevel import capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
-from .._memory._device import CaptureTotals
+from .._memory._device import CaptureTotals, capture_lock_of, on_device
 from .._values._reports import CapturedGraph, CaptureReport
 from ._recording import RETRIES, worth_retrying
 from ._warm_up import WarmUps
@@ -315,16 +315,14 @@ class ThreadCapture:
         self._thread = threading.get_ident()
         jobs = self._jobs
         totals = jobs.start_totals()
-        cuda = serving is not None and own is not None
-        on_device = torch.cuda.device(jobs.device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
-            with on_device, on_stream, torch.no_grad():
+            with on_device(jobs.device), on_stream, torch.no_grad():
                 self._warm_up(serving, own, warm_ups_done)
                 self._first.wait(self._timings, self._stop)
                 while self._pending and not self._stop.is_set():
                     key = self._next_key()
-                    with self._turn(), collector_paused(jobs.gc_disable):  # one key at a time
+                    with capture_lock_of(jobs.device), collector_paused(jobs.gc_disable):  # one key at a time
                         if serving is not None and own is not None:
                             own.wait_stream(serving)  # this turn after what the serving stream queued so far
                         self._capture_with_retries(key)
@@ -342,7 +340,7 @@ class ThreadCapture:
         warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         try:
-            with self._turn():
+            with capture_lock_of(self._jobs.device):
                 if serving is not None and own is not None:
                     own.wait_stream(serving)  # everything the serving stream queued before start_capture()
                 warm_ups = self._warm_ups
@@ -357,11 +355,6 @@ class ThreadCapture:
                 warm_ups_done.record(own)
             self._warm_ups_queued.set()
 
-    def _turn(self) -> contextlib.AbstractContextManager[object]:
-        """The device's capture lock (another thread's capture on this device goes first or after)."""
-        device = self._jobs.device
-        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
-
     def _next_key(self) -> BatchDescriptor:
         """The most recently missed pending key, else the largest pending one."""
         with self._lock:
@@ -374,7 +367,7 @@ class ThreadCapture:
     def _capture_with_retries(self, key: BatchDescriptor) -> None:
         for attempt in range(RETRIES + 1):
             try:
-                record = self._record(key)
+                record = self._jobs.capture(key)
             except Exception as error:  # a model's error, an invalidated capture: never the whole loop
                 if attempt < RETRIES and worth_retrying(error):
                     with self._lock:
@@ -388,10 +381,6 @@ class ThreadCapture:
                 self._records.append(record)
                 self._finished += 1
             return
-
-    def _record(self, key: BatchDescriptor) -> CapturedGraph:
-        """One try of ``key``'s capture."""
-        return self._jobs.capture(key)
 
     def _gave_up(self, error: BaseException) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ with the input's pad value.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -27,6 +28,8 @@ _STRIDED: Final = torch.strided
 _KINDS: Final = ("tokens", "reqs")
 _NO_LORAS: Final = 0  # run()'s default num_active_loras; more adapters than requests: refused
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
+#: This package's folder (its modules' frames lie under it).
+_PACKAGE: Final = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 class StaticBuffer:
@@ -138,6 +141,10 @@ class StaticBuffers:
         self.device: Final = device
         self.warned_grad = False  # a step's input required grad: warned once (per manager)
 
+    def first(self, rows: Rows) -> str:
+        """The first input whose rows are ``rows`` (its row count names the batch's count; ``""``: none)."""
+        return self._firsts[_KINDS.index(rows)] if rows is not None else ""
+
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """What a graph of ``num_tokens`` tokens and ``num_reqs`` requests reads, by input name."""
         return {b.name: b.view(num_reqs if b.rows == "reqs" else num_tokens) for b in self.buffers}
@@ -197,9 +204,8 @@ class StaticBuffers:
 
     def _row_count_error(self, b: StaticBuffer, rows: int, first_rows: int) -> ValueError:
         """The error of ``b``'s input, whose ``rows`` differ from the first input of its kind of rows."""
-        first = next(other.name for other in self.buffers if other.rows == b.rows)
         return ValueError(
-            f"run: input {b.name!r}: {rows} rows, but input {first!r} has {first_rows}; "
+            f"run: input {b.name!r}: {rows} rows, but input {self.first(b.rows)!r} has {first_rows}; "
             f"all {b.rows!r} inputs have num_{b.rows} rows"
         )
 
@@ -213,7 +219,7 @@ class StaticBuffers:
             "so no gradient flows back to them (warned once per manager; run under torch.no_grad(), "
             "or pass tensors that do not require grad)",
             UserWarning,
-            stacklevel=5,  # run()'s caller: _warn_requires_grad <- check <- _step <- run
+            stacklevel=_caller_stacklevel(),  # the line that called run(), run_batch() or run_loop()
         )
 
     def copy_in(
@@ -286,6 +292,22 @@ class StaticBuffers:
         parts = [f"missing input(s) {missing}"] if missing else []
         parts += [f"unknown input(s) {unknown}"] if unknown else []
         return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package: its caller's line.
+
+    Counted from the function that calls ``warnings.warn`` (level 1), however
+    many of the package's frames lie between it and the caller (``run()``
+    and ``run_loop()`` reach the step's checks through different paths).
+    """
+    frame = inspect.currentframe()
+    frame = None if frame is None else frame.f_back  # the function that warns: level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _check_sizes(

@@ -1,23 +1,40 @@
-"""What a capture costs the device, measured around it: one recording, or a whole capture phase.
+"""The manager's device: where work runs, and what a capture costs it, measured around it.
 
-Free memory is the driver's view, reserved memory torch's allocator's:
-``RecordingBytes`` splits one recording's cost between the two,
-``CaptureTotals`` measures a phase (``capture()``, a background capture)
-and builds its report.
+``on_device`` and ``capture_lock_of`` are the device's context and its
+capture lock on CUDA, nothing to enter elsewhere. Free memory is the
+driver's view, reserved memory torch's allocator's: ``RecordingBytes``
+splits one recording's cost between the two, ``CaptureTotals`` measures a
+phase (``capture()``, a background capture) and builds its report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Final
 
 import torch
 
+from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch.support import ModeResolution
 
 from .._compiled import compiles_since, dynamo_compiles
 from .._values._reports import CapturedGraph, CaptureReport, KVCacheBacking
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.device(device)`` on a CUDA device (its work runs there), nothing to enter elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def capture_lock_of(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The device's capture lock on CUDA (one capture, or one graph's destruction, at a time); else none.
+
+    Destroying a graph edits torch's registry that captures edit too, so it
+    holds the lock as a capture does.
+    """
+    return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def free_bytes(device: torch.device) -> int:
@@ -93,12 +110,12 @@ class CaptureTotals:
         """
         seconds = time.perf_counter() - self._start
         return CaptureReport(
-            tuple(graphs),
-            seconds,
-            reserved_bytes(self._device) - self._reserved,
-            no_graphs,
-            compiles_since(self._compiled),
-            self._free - free_bytes(self._device),
-            resolution,
-            kv_cache,
+            graphs=tuple(graphs),
+            seconds=seconds,
+            reserved_bytes=reserved_bytes(self._device) - self._reserved,
+            no_graphs=no_graphs,
+            compiles=compiles_since(self._compiled),
+            device_bytes=self._free - free_bytes(self._device),
+            resolution=resolution,
+            kv_cache=kv_cache,
         )

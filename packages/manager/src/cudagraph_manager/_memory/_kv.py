@@ -150,16 +150,16 @@ class KVCacheMemory:
         """How much is backed now, and what the last change took."""
         memory = self.memory
         return KVCacheBacking(
-            self._units,
-            self.max_units,
-            self.unit_bytes,
-            memory.backed_bytes,
-            memory.size,
-            memory.granularity,
-            len(memory.mappings),
-            self._seconds,
-            self._changes,
-            memory.fallback,
+            units=self._units,
+            max_units=self.max_units,
+            unit_bytes=self.unit_bytes,
+            backed_bytes=memory.backed_bytes,
+            reserved_bytes=memory.size,
+            chunk_bytes=memory.granularity,
+            mappings=len(memory.mappings),
+            seconds=self._seconds,
+            changes=self._changes,
+            fallback=memory.fallback,
         )
 
     # -- changing it --

@@ -23,7 +23,7 @@ from cudagraph_dispatch import ForwardContext
 from cudagraph_dispatch.lowlevel import NO_MODES
 
 from .._graphs._loops import iteration
-from .._memory._buffers import LoopBuffers, StaticBuffers
+from .._memory._buffers import LoopBuffers
 from .._parts import ManagerParts
 from .._values._batch import StepBatch
 from .._values._inputs import RESERVED_NAMES
@@ -88,8 +88,8 @@ class LoopSteps(Generic[OutputT]):
             buffers = self._parts.buffers
             raise ValueError(
                 f"run_loop: a decode loop's batch has one token per request; got {num_tokens} tokens "
-                f"(input {first_input(buffers, 'tokens')!r}) for {num_reqs} requests "
-                f"(input {first_input(buffers, 'reqs')!r})"
+                f"(input {buffers.first('tokens')!r}) for {num_reqs} requests "
+                f"(input {buffers.first('reqs')!r})"
             )
         return StepBatch(num_tokens, num_reqs, inputs, True, 0, NO_MODES, grad), steps
 
@@ -99,7 +99,7 @@ class LoopSteps(Generic[OutputT]):
         largest = parts.dispatcher.config.capture_sizes.max
         if batch.num_tokens > largest:  # the host loop runs on the static buffers
             raise ValueError(
-                f"run_loop: {batch.num_tokens} requests (input {first_input(parts.buffers, 'tokens')!r}): "
+                f"run_loop: {batch.num_tokens} requests (input {parts.buffers.first('tokens')!r}): "
                 f"a decode loop runs on the static buffers, of at most {largest} tokens (the largest "
                 "capture size); split the batch"
             )
@@ -195,8 +195,3 @@ def _shown(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r:.60}"
-
-
-def first_input(buffers: StaticBuffers, rows: str) -> str:
-    """The first input whose rows are ``rows`` ("tokens", "reqs"): the one that names their count."""
-    return next((b.name for b in buffers.buffers if b.rows == rows), "")

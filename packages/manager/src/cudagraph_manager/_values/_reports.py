@@ -171,9 +171,8 @@ class CaptureReport:
         warmup = sum(g.warmup_seconds for g in self.graphs)
         recording = sum(g.recording_seconds for g in self.graphs)
         instantiation = sum(g.instantiation_seconds for g in self.graphs)
-        return CapturePhases(
-            warmup, recording, instantiation, self.seconds - warmup - recording - instantiation
-        )
+        rest = self.seconds - warmup - recording - instantiation
+        return CapturePhases(warmup=warmup, recording=recording, instantiation=instantiation, rest=rest)
 
     def __str__(self) -> str:
         if self.no_graphs is not None:
