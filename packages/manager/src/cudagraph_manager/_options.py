@@ -62,7 +62,7 @@ def _check_optional(field: str, value: object, kind: type[object], expected: str
 class AttentionOptions:
     """The model's attention, as the manager sees it (``ManagerOptions.attention``).
 
-    Arguments:
+    Args:
         support: what a FULL graph of the attention replays correctly; the
             configured mode is resolved against it (default: the builder's
             ``support``, else the model's ``graph_support()``, else ``ALWAYS``); an
@@ -87,7 +87,7 @@ class AttentionOptions:
 class ManagerOptions(Generic[OutputT]):
     """What a ``CUDAGraphManager`` may be given besides its model, inputs and config (``options=``).
 
-    Arguments:
+    Args:
         capture: the capture engines' ``CaptureOptions`` (``None``: the defaults).
         engine_factory: builds the capture engines instead of
             ``cudagraph_capture.graph_engine`` (another engine, or a fake).

@@ -155,7 +155,7 @@ class SupportLevelError(ValueError):
 class SupportCheckOptions:
     """How ``check_attention_support`` checks (``options=``): the graphs per kind, the batches, the verdict.
 
-    Arguments:
+    Args:
         sizes, max_num_seqs, query_len: the graphs per kind (``DispatchConfig``'s
             meanings); ``query_len >= 2``: the uniform kind's tokens per request.
         trials: random batches per graph, each padded to it.
@@ -221,7 +221,7 @@ def check_attention_support(
 ) -> SupportCheck:
     """Check the level ``builder`` declares: FULL graphs of each batch kind, replayed against eager.
 
-    Arguments:
+    Args:
         model, inputs, device: as for ``CUDAGraphManager``.
         builder: the attention's builder; ``builder.support.level`` is checked.
         make_batch: ``make_batch(kind, num_tokens, num_reqs, generator)``, a
@@ -229,9 +229,18 @@ def check_attention_support(
             drawn from the CPU ``generator`` (seeded with ``options.seed``).
         options: ``SupportCheckOptions`` (``None``: the defaults).
 
-    Arguments are checked before anything runs; the graphs are freed before
-    it returns. The replays and the eager references write the model's state
-    (a KV cache; each eager run repeats its replay's batch): check before serving.
+    Returns:
+        What was checked: the declared level, the verified one, each kind's check.
+
+    Raises:
+        ValueError: naming a bad argument, before anything runs (a batch
+            ``make_batch`` returns wrong names ``make_batch``).
+        SupportLevelError: the declared level is above the verified one,
+            where ``options.on_overdeclared`` is ``"raise"`` (else a warning).
+
+    The graphs are freed before it returns. The replays and the eager
+    references write the model's state (a KV cache; each eager run repeats
+    its replay's batch): check before serving.
     """
     support, checked = _check_arguments(builder, make_batch, options)
     sizes = _capture_sizes(checked.sizes)

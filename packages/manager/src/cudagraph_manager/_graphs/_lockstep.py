@@ -428,8 +428,19 @@ class LockstepCapture:
 
         Each is one step's exchange (an idle step, or this rank's dummy step
         in a peer's step), and a turn takes every key left: call it on every
-        rank, or let the other ranks step meanwhile. ``TimeoutError`` once
-        ``timeout`` seconds passed between steps; the ranks stay in step.
+        rank, or let the other ranks step meanwhile.
+
+        Args:
+            timeout: seconds to wait at most, checked between steps (the ranks
+                stay in step); ``None``: no bound.
+
+        Returns:
+            The capture's report.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            RuntimeError: called from inside the capture (the model, on its turn).
         """
         given: object = timeout
         if given is not None and (

@@ -92,7 +92,7 @@ class ThreadJobs(Protocol):
 class BackgroundTimings:
     """How long a background capture's first recording waits for the first step, in seconds.
 
-    Arguments:
+    Args:
         first_step_wait_s: for the serving thread's first step after
             ``start_capture()`` (the wake's first step then runs alone on the
             host: an eager step plus the enqueue).
@@ -239,7 +239,19 @@ class ThreadCapture:
             return self._retries
 
     def wait(self, timeout: float | None = None) -> CaptureReport:
-        """The report, once the capture finished; ``TimeoutError`` if ``timeout`` seconds pass first."""
+        """The report, once the capture finished.
+
+        Args:
+            timeout: seconds to wait at most (``None``: no bound).
+
+        Returns:
+            The capture's report.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            RuntimeError: called from the capture thread, inside the capture (the model).
+        """
         given: object = timeout
         if given is not None and (
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0

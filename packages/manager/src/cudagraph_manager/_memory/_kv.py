@@ -36,7 +36,7 @@ from .._values._reports import KVCacheBacking
 class KVCacheMemory:
     """A KV cache's device memory: addresses reserved before the graphs are captured, memory backed after.
 
-    Arguments:
+    Args:
         unit_shape: the shape of one unit the engine hands out (a page of
             every layer, a request's row of every layer); ``tensor`` is
             ``[max_units, *unit_shape]``, so a prefix of the memory is whole units.
@@ -165,15 +165,25 @@ class KVCacheMemory:
     # -- changing it --
 
     def back(self, units: int, *, in_use: Iterable[int] | torch.Tensor | None = None) -> int:
-        """Back ``units`` units (at least; a mapping's rest is backed too); the units backed after.
+        """Back ``units`` units (at least: a mapping's rest is backed too); synchronizes the device.
 
-        Growing needs their memory free on the device (``ValueError`` naming
-        ``units`` otherwise; torch's cached blocks are given back first where
-        that makes room). Shrinking needs the ids of the units in use
-        (``in_use``: an iterable of ints or an integer tensor; ``()`` for
-        none): one at or past ``units`` is refused by name. It synchronizes
-        the device, and may keep more than ``units`` backed (a mapping is
-        unmapped whole: ``ReservedMemory.back``).
+        Growing needs their memory free on the device (torch's cached blocks
+        are given back first where that makes room); shrinking may keep more
+        than ``units`` backed (a mapping is unmapped whole:
+        ``ReservedMemory.back``).
+
+        Args:
+            units: the units to back, from ``min_units`` to ``max_units``.
+            in_use: for a shrink, the ids of the units in use (an iterable of
+                ints or an integer tensor; ``()`` for none).
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: naming ``units`` (out of range, or its memory not
+                free) or ``in_use`` (missing for a shrink, or a unit at or past
+                ``units``); nothing changed. Also once closed.
         """
         check_int("units", units, minimum=self.min_units, maximum=self.max_units)
         with self._lock:
@@ -192,16 +202,25 @@ class KVCacheMemory:
             return self._units
 
     def back_from_free(self, margin_bytes: int) -> int:
-        """Grow the backing by what the device has free beyond ``margin_bytes``; the units backed after.
+        """Grow the backing by what the device has free beyond ``margin_bytes``.
 
         Free memory is measured as the driver can give it: torch's cached
         blocks that hold no tensor are given back to the device first
         (``torch.cuda.empty_cache()``; ``cudaMemGetInfo`` counts them as
         used, and the driver cannot back the cache with them). What stays
         free is then ``margin_bytes`` to within one chunk, unless the
-        reservation was backed whole first. ``ValueError`` naming
-        ``margin_bytes`` where less than it is free; a fallback allocation's
-        units all come back, nothing more.
+        reservation was backed whole first; a fallback allocation's units all
+        come back, nothing more.
+
+        Args:
+            margin_bytes: the device memory to leave free.
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: naming ``margin_bytes`` where less than it is free (or
+                the device does not say); nothing changed. Also once closed.
         """
         check_int("margin_bytes", margin_bytes, minimum=0)
         with self._lock:
@@ -228,7 +247,13 @@ class KVCacheMemory:
     def drop(self) -> int:
         """Keep ``min_units`` backed and give the rest back (a sleep that keeps the graphs); synchronizes.
 
-        What the dropped units held is gone; the units backed after.
+        What the dropped units held is gone.
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: once closed.
         """
         with self._lock:
             self._open("drop")
@@ -245,7 +270,10 @@ class KVCacheMemory:
         """Give all of it back (synchronizes). Views alive then point at unbacked memory: drop them first.
 
         The graphs that read the cache must not replay afterwards (free them
-        first: ``release()``). A second call raises ``ValueError``.
+        first: ``release()``).
+
+        Raises:
+            ValueError: a second call.
         """
         with self._lock:
             self._open("close")

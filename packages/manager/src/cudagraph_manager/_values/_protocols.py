@@ -110,6 +110,22 @@ class BackgroundCapture(Protocol):
     @property
     def retries(self) -> int: ...
 
-    def wait(self, timeout: float | None = None) -> CaptureReport: ...
+    def wait(self, timeout: float | None = None) -> CaptureReport:
+        """Wait for the capture to end (with ranks: take steps of 0 tokens until it ends on every rank).
 
-    def stop(self) -> None: ...
+        Args:
+            timeout: seconds to wait at most (``None``: no bound).
+
+        Returns:
+            The capture's report.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            RuntimeError: called from inside the capture it waits for.
+        """
+        ...
+
+    def stop(self) -> None:
+        """Capture no further key; ``wait()`` then returns soon, the report saying how many were left."""
+        ...
