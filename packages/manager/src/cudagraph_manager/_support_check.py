@@ -233,8 +233,8 @@ def check_attention_support(
         What was checked: the declared level, the verified one, each kind's check.
 
     Raises:
-        ValueError: naming a bad argument, before anything runs (a batch
-            ``make_batch`` returns wrong names ``make_batch``).
+        ValueError: naming a bad argument, before anything runs; naming
+            ``make_batch`` where a batch it returns is not one the manager takes.
         SupportLevelError: the declared level is above the verified one,
             where ``options.on_overdeclared`` is ``"raise"`` (else a warning).
 

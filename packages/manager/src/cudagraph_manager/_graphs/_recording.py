@@ -113,15 +113,13 @@ def _checked_seconds(entry: object, graph: PlannedGraph[OutputT]) -> RecordSecon
     """
     spent = getattr(entry, "seconds", None)
     times = (getattr(spent, "recording", None), getattr(spent, "instantiation", None))
-    lacks = [
-        *(["replay()"] if not callable(getattr(entry, "replay", None)) else []),
-        *(["output"] if not hasattr(entry, "output") else []),
-        *(
-            ["seconds, a RecordSeconds(recording, instantiation) of finite seconds >= 0"]
-            if not all(_is_seconds(t) for t in times)
-            else []
-        ),
-    ]
+    lacks = []
+    if not callable(getattr(entry, "replay", None)):
+        lacks.append("replay()")
+    if not hasattr(entry, "output"):
+        lacks.append("output")
+    if not all(_is_seconds(t) for t in times):
+        lacks.append("seconds, a RecordSeconds(recording, instantiation) of finite seconds >= 0")
     if lacks:
         raise ValueError(
             f"options.engine_factory: the {graph.mode.name} engine's record() returned {entry!r:.80} for "

@@ -56,9 +56,11 @@ def _check_rows(field: str, rows: object) -> Rows:
 
 def uses_reqs(spec: RowsSpec) -> bool:
     """True when some output is declared to follow the request count."""
-    return "reqs" in (
-        spec.values() if isinstance(spec, dict) else spec if isinstance(spec, tuple) else (spec,)
-    )
+    if isinstance(spec, dict):
+        return "reqs" in spec.values()
+    if isinstance(spec, tuple):
+        return "reqs" in spec
+    return spec == "reqs"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -330,26 +330,22 @@ class ManagerStats:
         )
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.eager_reasons.items()))
         by_size = ", ".join(f"{size}: {n}" for size, n in sorted(self.device_loop_steps.items()))
-        return (
-            f"{self.num_replays} replays"
-            + (f" ({replays})" if replays else "")
-            + f", {self.eager_steps} eager steps"
-            + (f" ({reasons})" if reasons else "")
-            + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
-            f" {self.padded_tokens} padded tokens"
-            + (
-                f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host"
-                + (f"; on the device by key size: {by_size})" if by_size else ")")
-                if self.loop_steps
-                else ""
-            )
-            + (
-                f"; mode {self.resolution}"
-                if self.resolution is not None and self.resolution.downgraded
-                else ""
-            )
-            + (f"; {self.kv_cache}" if self.kv_cache is not None else "")
-        )
+        line = f"{self.num_replays} replays"
+        if replays:
+            line += f" ({replays})"
+        line += f", {self.eager_steps} eager steps"
+        if reasons:
+            line += f" ({reasons})"
+        line += f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps"
+        line += f", {self.padded_tokens} padded tokens"
+        if self.loop_steps:
+            on_device = f"; on the device by key size: {by_size}" if by_size else ""
+            line += f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host{on_device})"
+        if self.resolution is not None and self.resolution.downgraded:
+            line += f"; mode {self.resolution}"
+        if self.kv_cache is not None:
+            line += f"; {self.kv_cache}"
+        return line
 
 
 class StepCounts:
