@@ -1,12 +1,13 @@
 """A manager's captures: in the foreground, in a background thread, in lockstep with ranks, or probed.
 
 Each planned graph is warmed up where the warm-up rule (and ``capture()``'s
-policy, ``ManagerOptions.warm_ups``) says, recorded
-(nothing runs on the device, so a serving step's memory is never written),
-its outputs checked, then kept in the graph table: its key is captured.
-The capturer owns the capture's lifecycle: the engines, the warm-up rule,
-the last background capture, whether the graphs were released, the weights
-they read.
+policy, ``ManagerOptions.warm_ups``) says, recorded (nothing runs on the
+device, so a serving step's memory is never written), its outputs checked,
+then kept in the graph table: its key is captured. The capturer owns the
+captures' lifecycle: the engines, the warm-up rule, the last capture thread,
+with ranks the lockstep capture's part, whether the graphs were released,
+the weights they read; the sessions (``_thread``, ``_lockstep``) ask it for
+their jobs.
 """
 
 from __future__ import annotations

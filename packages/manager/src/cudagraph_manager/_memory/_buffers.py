@@ -5,7 +5,8 @@ input gets one ``StaticBuffer`` holding its largest row count; a graph of
 ``g`` rows reads the buffer's first ``g`` rows. A step's tensors are checked
 against the declarations before any buffer is touched, then each is copied
 into the first rows of its buffer and the graph's remaining rows are filled
-with the input's pad value.
+with the input's pad value. A decode loop's state lives at fixed addresses
+too (``LoopBuffers``): its graphs read and write it on the device.
 """
 
 from __future__ import annotations

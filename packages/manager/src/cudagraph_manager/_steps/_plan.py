@@ -7,8 +7,9 @@ mode runs it all the same, and (``Planner.context``) the forward context the
 forward runs under; it returns them as one value, ``StepPlan``. With ranks
 the route comes from the step's exchange, after which a lockstep capture
 takes its turn (``Lockstep.stepped``: its answer is the plan's strict
-allowance). The words of a reason (``why``), its log line (once per reason)
-and its refusal in strict mode (``NoGraphError``) are here too.
+allowance). The words of a reason (``why``) and its log line (once per
+reason) are here too; where strict mode refuses a plan (not ``allowed``),
+the step that runs it raises ``NoGraphError`` with those words.
 
 ``StepPath.run`` replays a captured route without building a plan (the
 replay's fast path: the plan's replay case, inline); every other step asks
