@@ -43,10 +43,12 @@ M_co = TypeVar("M_co", covariant=True)
 class GraphEngineFactory(Protocol):
     """Builds the engine that captures and replays ``model`` for one runtime mode (FULL or PIECEWISE).
 
-    The manager calls ``engine.warm_up(descriptor, static_views)`` and
-    ``engine.record(descriptor, static_views)`` once per key of its plan,
-    keeps the returned entry on the key, and calls ``entry.replay()`` on
-    every step that dispatches to that key.
+    The manager builds one per runtime mode of its plan and calls
+    ``engine.warm_up(descriptor, static_views)`` where its warm-up rule says
+    a key needs one, ``engine.record(descriptor, static_views)`` for each
+    capture of a key (and, into a pool of their own, for the estimate's
+    probes), keeps the returned entry in its graph table, and calls
+    ``entry.replay()`` on every step routed to that key.
     """
 
     def __call__(
