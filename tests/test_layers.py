@@ -52,21 +52,14 @@ LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
         ("lowlevel", "__init__"),
     ),
     "cudagraph_manager": (
-        ("_errors", "_batch", "ranks"),
-        ("_buffers",),
-        ("_compiled",),
-        ("_memory",),
-        ("_reports",),
-        ("_protocols",),
-        ("_attention",),
-        ("_graphs", "_decode_loop", "_options"),
-        ("_arguments",),
-        ("_parts",),
-        ("_step",),
-        ("_capture",),
-        ("_manager",),
-        ("_support_check",),
-        ("attention", "lowlevel", "__init__"),
+        ("_values", "_attention", "_compiled", "ranks"),  # values, and beside them what needs only values
+        ("_memory",),  # buffers, outputs, the device, weights, the KV cache
+        ("_options", "_parts"),  # the options, checked into a manager's parts
+        ("_graphs",),  # the graph table and the captures
+        ("_steps",),  # the step plan, the replay, eager steps, run_loop
+        ("_manager",),  # the facade
+        ("_support_check",),  # a tool on the facade
+        ("attention", "lowlevel", "__init__"),  # the public tiers
     ),
 }
 #: The packages each package may import (besides itself): the design's layering.

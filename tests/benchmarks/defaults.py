@@ -46,8 +46,8 @@ import torch
 
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions
-from cudagraph_manager._capture import _capturer, _estimate, _recording
 from cudagraph_manager._compiled import dynamo_compiles
+from cudagraph_manager._graphs import _capturer, _estimate, _recording
 from examples.config import DecoderConfig
 
 MIB: Final = 2**20

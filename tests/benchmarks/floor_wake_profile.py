@@ -51,7 +51,7 @@ import torch
 from cudagraph_capture import CaptureOptions
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions
-from cudagraph_manager._capture import _capturer, _estimate, _recording, _warm_up
+from cudagraph_manager._graphs import _capturer, _estimate, _recording, _warm_up
 from examples.config import DecoderConfig
 
 MODELS = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}

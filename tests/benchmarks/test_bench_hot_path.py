@@ -24,7 +24,7 @@ from typing import Final
 import pytest
 import torch
 
-from cudagraph_manager._buffers._outputs import OutputLayout
+from cudagraph_manager._memory._outputs import OutputLayout
 from tests.benchmarks.support import BenchmarkFixture
 
 pytestmark = pytest.mark.gpu

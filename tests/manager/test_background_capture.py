@@ -32,7 +32,7 @@ from cudagraph_dispatch import (
     get_forward_context,
 )
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions, NoGraphError
-from cudagraph_manager._capture import _background as _background_module
+from cudagraph_manager._graphs import _thread as _background_module
 from examples.config import DecoderConfig
 from examples.inputs import make_step_inputs
 from examples.reference import ReferenceDecoder, static_inputs

@@ -19,7 +19,7 @@ from torch import nn
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, ManagerOptions
-from cudagraph_manager._capture._worker import CaptureWorker, capture_worker
+from cudagraph_manager._graphs._thread import CaptureWorker, capture_worker
 from tests.capture.test_lean_import_capture import run_fresh
 
 from .helpers import INPUTS, TOL, FakeEngines, FirstRecordingGate, ToyModel, config_for, make_batch, rel_err

@@ -24,7 +24,7 @@ from cudagraph_capture import CaptureDisabledError, set_capture_enabled
 from cudagraph_capture._enabled import capture_disabled_reason
 from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CUDAGraphManager
-from cudagraph_manager._capture._estimate import (
+from cudagraph_manager._graphs._estimate import (
     MIN_PROBES,
     PREDICTED_PROBES,
     PROBE_SHARE,
@@ -208,7 +208,7 @@ def test_extrapolate_of_no_probe_is_nothing() -> None:
 @pytest.mark.gpu
 def test_an_estimate_warms_each_key_up_once_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a recapture the capture warms each mode's smallest key: the estimate runs it once, not twice."""
-    from cudagraph_manager._capture import _estimate, _recording
+    from cudagraph_manager._graphs import _estimate, _recording
 
     decoder = DecoderConfig(num_layers=2)
     model = ReferenceDecoder(decoder, device="cuda")

@@ -18,7 +18,7 @@ import torch
 
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import BackgroundCapture, CUDAGraphManager, ManagerOptions
-from cudagraph_manager._capture._background import BackgroundTimings
+from cudagraph_manager._graphs._thread import BackgroundTimings
 
 from .helpers import INPUTS, TOL, FakeEngines, ToyModel, config_for, make_batch, rel_err
 

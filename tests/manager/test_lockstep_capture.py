@@ -22,17 +22,17 @@ import torch.distributed as dist
 from cudagraph_capture import CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, get_forward_context, set_forward_context
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, NoGraphError
-from cudagraph_manager._capture._lockstep import (
+from cudagraph_manager._graphs._lockstep import (
     EVERY_KEY,
     IDLE,
     RUNNING,
     STOPPED,
     Lockstep,
     LockstepField,
+    Together,
 )
-from cudagraph_manager._capture._together import Together
-from cudagraph_manager._reports._report import CapturedGraph
-from cudagraph_manager._reports._totals import CaptureTotals
+from cudagraph_manager._memory._device import CaptureTotals
+from cudagraph_manager._values._reports import CapturedGraph
 from cudagraph_manager.ranks import NUM_TOKENS_ACROSS_DP, RankAgreement, RanksDisagreeError
 from examples.ep.decoder import step_tokens
 from tests.manager.helpers import (

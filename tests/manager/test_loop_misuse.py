@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Final, cast
 
@@ -22,7 +23,14 @@ import torch
 
 from cudagraph_capture import CaptureError, LoopKind, LoopPolicy
 from cudagraph_dispatch import CUDAGraphMode
-from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions, NoGraphError
+from cudagraph_manager import (
+    CUDAGraphManager,
+    DecodeLoop,
+    LoopState,
+    ManagerOptions,
+    NoGraphError,
+    StaticInput,
+)
 from tests.manager.helpers import Backend, FakeEngines, assert_unchanged, config_for, snapshot
 from tests.manager.test_run_loop import INPUTS, MAX_STEPS, ToyDecoder, advance, python_loop
 
@@ -341,3 +349,23 @@ def test_gpu_a_captured_loop_counts_its_steps_on_the_device() -> None:
     assert sum(stats.device_loop_steps.values()) == result.steps
     # 3 requests pad to the key of 4 (one row a step); a smaller key, once some finished, pads none.
     assert stats.padded_tokens == stats.device_loop_steps[4]
+
+
+def test_a_loop_input_that_requires_grad_is_warned_about_at_the_callers_line() -> None:
+    """``run_loop``'s warning names its caller's line, as ``run``'s does (it named the manager's module)."""
+
+    def stop(out: torch.Tensor, inputs: Mapping[str, torch.Tensor], state: LoopState) -> None:
+        state.stop.fill_(True)
+
+    inputs = {"x": StaticInput(), "n": StaticInput(dtype=torch.int64, rows="reqs")}
+    manager: CUDAGraphManager[torch.Tensor] = CUDAGraphManager(
+        lambda x, n: x * 2,
+        inputs,
+        config_for(M.FULL_AND_PIECEWISE, sizes=(1, 2, 4), max_num_seqs=4),
+        device="cpu",
+        options=ManagerOptions(decode_loop=DecodeLoop(stop, max_steps=2)),
+    )
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        manager.run_loop(x=torch.ones(2, requires_grad=True), n=torch.zeros(2, dtype=torch.int64))
+    assert [(w.category, w.filename) for w in warned] == [(UserWarning, __file__)]

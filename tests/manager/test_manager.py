@@ -686,7 +686,7 @@ def test_a_first_capture_per_class_warms_each_class_up_once(
     The other keys record without a warm-up of their own (``warmup_seconds``
     0); every replay still matches eager.
     """
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: None)  # nothing compiled in this process
     engines = FakeEngines()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import cudagraph_manager._capture._loops as loops_module
+import cudagraph_manager._graphs._loops as loops_module
 from cudagraph_capture import CaptureOptions, DeviceLoop, LoopKind, LoopPolicy
 from cudagraph_capture._conditional import LoopFallback
 from cudagraph_capture._loop import LoopBody, LoopSpec, build_loop, shrink_loops
@@ -30,9 +30,9 @@ from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions, StaticInput
-from cudagraph_manager._capture._capturer import Capturer
-from cudagraph_manager._decode_loop import LoopResult
-from cudagraph_manager._reports._report import CapturedGraph
+from cudagraph_manager._graphs._capturer import Capturer
+from cudagraph_manager._values._loop import LoopResult
+from cudagraph_manager._values._reports import CapturedGraph
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch
 from examples.paged import PagedDecoder as PagedDecoderT
 from examples.paged import paged_static_inputs

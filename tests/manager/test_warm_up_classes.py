@@ -129,8 +129,8 @@ def test_flex_compiles_per_class_and_never_inside_a_recording(
     recorded cold replays as eager. The sizes reach past 128 queries, where
     inductor's code for a packed step changes.
     """
-    from cudagraph_manager._capture import _recording
     from cudagraph_manager._compiled import dynamo_compiles
+    from cudagraph_manager._graphs import _recording
 
     compiled_in_recordings: list[int] = []
     real = _recording.record

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
-from cudagraph_manager._batch import BatchShape
-from cudagraph_manager._capture._warm_up import WarmUpRule, smallest_of_modes
-from cudagraph_manager._graphs import PlannedGraph
+from cudagraph_manager._graphs._table import PlannedGraph
+from cudagraph_manager._graphs._warm_up import WarmUpRule, smallest_of_modes
+from cudagraph_manager._values._batch import BatchShape
 
 PIECEWISE, FULL = CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 
@@ -105,7 +105,7 @@ def test_a_mode_of_one_key_warms_it_as_its_largest_not_only_for_the_thread() -> 
 
 
 def test_a_thread_has_its_handles_only_after_it_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: None)  # no compiled model loaded
     rule = _rule()
@@ -120,7 +120,7 @@ def test_a_thread_has_its_handles_only_after_it_warmed_up(monkeypatch: pytest.Mo
 
 
 def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)  # a model may recompile after new weights
     rule = _rule()
@@ -133,7 +133,7 @@ def test_where_dynamo_compiles_a_thread_warm_up_is_never_skipped(monkeypatch: py
 
 
 def test_where_dynamo_compiles_a_wake_with_the_weights_kept_skips_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: 3)
     rule = _rule()
@@ -169,7 +169,7 @@ def _mixed_plan() -> list[PlannedGraph[torch.Tensor]]:
 def _no_dynamo(monkeypatch: pytest.MonkeyPatch, count: int | None = None) -> list[int | None]:
     """dynamo's compile count as the rule sees it (``None``: never loaded); the list's first item."""
     from cudagraph_manager import _compiled
-    from cudagraph_manager._capture import _warm_up
+    from cudagraph_manager._graphs import _warm_up
 
     counter = [count]
     monkeypatch.setattr(_warm_up, "dynamo_compiles", lambda: counter[0])
@@ -178,7 +178,7 @@ def _no_dynamo(monkeypatch: pytest.MonkeyPatch, count: int | None = None) -> lis
 
 
 def _needed(plan: list[PlannedGraph[torch.Tensor]], warm_ups: object) -> tuple[BatchDescriptor, ...]:
-    from cudagraph_manager._capture._warm_up import ForegroundWarmUps
+    from cudagraph_manager._graphs._warm_up import ForegroundWarmUps
 
     assert isinstance(warm_ups, ForegroundWarmUps)
     return tuple(key.descriptor for key in plan if warm_ups.needs(key))
@@ -226,7 +226,7 @@ def test_the_policy_picks_per_class_only_where_it_may(
 ) -> None:
     _no_dynamo(monkeypatch, count)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, policy, ranks=ranks)  # type: ignore[arg-type]  # the names, as strings
+    warm_ups = _rule().for_capture(plan, policy, ranks=ranks)  # type: ignore[arg-type]  # the names, as strings
     expected = _rule().per_class(plan) if per_class else _descriptors(plan)
     assert _needed(plan, warm_ups) == expected
     assert warm_ups.per_class is per_class
@@ -236,7 +236,7 @@ def test_a_compile_warms_the_classes_next_key_up_too(monkeypatch: pytest.MonkeyP
     """Per class, a capture that made dynamo compile warms its class's next key up; one that did not, not."""
     counter = _no_dynamo(monkeypatch, 0)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     mixed_64, mixed_32, mixed_8 = plan[:3]
     with warm_ups.watch(mixed_64):
         counter[0] = 1  # the first size compiled
@@ -252,7 +252,7 @@ def test_under_auto_a_compile_turns_the_rest_of_the_capture_to_every_key(
 ) -> None:
     counter = _no_dynamo(monkeypatch, None)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     assert not warm_ups.needs(plan[1])
     with warm_ups.watch(plan[0]):
         counter[0] = 1  # a model compiled at its first call, inside capture()
@@ -278,7 +278,7 @@ def test_a_recording_without_a_warm_up_that_fails_is_retried_after_its_warm_up(
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     calls, capture = _capture_log(
         True, CaptureInvalidatedError("an autotune synchronized inside the capture", plan[1].descriptor)
     )
@@ -295,7 +295,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
 
     _no_dynamo(monkeypatch)
     plan = _mixed_plan()
-    warm_ups = _rule().plan(plan, "per_class", ranks=False)
+    warm_ups = _rule().for_capture(plan, "per_class", ranks=False)
     warmed, cold = plan[0], plan[1]
     first_use = CaptureInvalidatedError("a synchronization inside the capture", cold.descriptor)
     wrapped_first_use = CaptureError("the recording failed", cold.descriptor)
@@ -315,7 +315,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
     ]
     rule = _rule()
     rule.captured(cold.descriptor)  # a recapture: cold under "every_key" too, never retried
-    recapture = rule.plan(plan, "per_class", ranks=False)
+    recapture = rule.for_capture(plan, "per_class", ranks=False)
     calls, capture = _capture_log(False, first_use)
     with pytest.raises(CaptureError):
         recapture.capture(cold, capture)  # type: ignore[arg-type]  # a stand-in capture
@@ -330,7 +330,7 @@ def test_a_failure_is_retried_only_where_a_warm_up_may_help(monkeypatch: pytest.
 def test_a_failure_chain_that_loops_is_read_once() -> None:
     """A cause chain set by hand into a loop ends the walk: the model's error is not worth a retry."""
     from cudagraph_capture import CaptureError, CaptureInvalidatedError
-    from cudagraph_manager._capture._retry import worth_retrying
+    from cudagraph_manager._graphs._recording import worth_retrying
 
     error = CaptureError("the recording failed")
     cause = RuntimeError("the model failed")
@@ -369,7 +369,7 @@ def _classed_plan() -> list[PlannedGraph[torch.Tensor]]:
 
 
 def test_a_declared_compile_class_is_part_of_the_warm_up_class() -> None:
-    from cudagraph_manager._capture._warm_up import declares_compile_classes, warm_up_class
+    from cudagraph_manager._graphs._warm_up import declares_compile_classes, warm_up_class
 
     plan = _classed_plan()
     assert declares_compile_classes(plan)
@@ -385,7 +385,7 @@ def test_with_declared_classes_a_compiled_model_warms_per_compile_class(
     """dynamo compiled before: ``"auto"`` stays per class where the attention declares its classes."""
     counter = _no_dynamo(monkeypatch, 3)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
+    warm_ups = _rule().for_capture(plan, policy, ranks=False)  # type: ignore[arg-type]  # the names, as strings
     assert _needed(plan, warm_ups) == (BatchDescriptor(64, 64), BatchDescriptor(8, 8), BatchDescriptor(1, 1))
     with warm_ups.watch(plan[0], warm=True):
         counter[0] = (counter[0] or 0) + 1  # the class's first warm-up compiles its code: expected
@@ -402,7 +402,7 @@ def test_a_recording_that_compiled_is_recorded_again_after_its_warm_up(
     and the class's next key warms up too."""
     counter = _no_dynamo(monkeypatch, 0)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     calls: list[bool] = []
 
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
@@ -427,7 +427,7 @@ def test_a_recording_that_failed_while_compiling_is_retried_after_its_warm_up(
 
     counter = _no_dynamo(monkeypatch, 0)
     plan = _classed_plan()
-    warm_ups = _rule().plan(plan, "auto", ranks=False)
+    warm_ups = _rule().for_capture(plan, "auto", ranks=False)
     calls: list[bool] = []
 
     def capture(descriptor: BatchDescriptor, /, *, warm: bool) -> object:
@@ -461,7 +461,7 @@ def test_the_background_follows_the_captures_plan(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_warmed_classes_are_those_of_keys_warmed_before() -> None:
-    from cudagraph_manager._capture._warm_up import warm_up_class
+    from cudagraph_manager._graphs._warm_up import warm_up_class
 
     rule, plan = _rule(), _classed_plan()
     assert rule.warmed_classes(plan) == frozenset()

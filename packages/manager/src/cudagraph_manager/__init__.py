@@ -14,28 +14,28 @@ the reference decoder and the demo live in the repository's ``examples/``.
 import importlib
 from typing import TYPE_CHECKING, Final
 
-from ._buffers._static import StaticInput as StaticInput
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
-from ._decode_loop import DecodeLoop as DecodeLoop
-from ._decode_loop import LoopState as LoopState
-from ._errors import NoGraphError as NoGraphError
 from ._manager import CUDAGraphManager as CUDAGraphManager
 from ._memory._kv import KVCacheMemory as KVCacheMemory
 from ._memory._weights import WeightsReplacedError as WeightsReplacedError
 from ._options import ManagerOptions as ManagerOptions
-from ._protocols import BackgroundCapture as BackgroundCapture
-from ._reports._report import CaptureReport as CaptureReport
-from ._reports._report import MemoryEstimate as MemoryEstimate
+from ._steps._plan import NoGraphError as NoGraphError
+from ._values._inputs import StaticInput as StaticInput
+from ._values._loop import DecodeLoop as DecodeLoop
+from ._values._loop import LoopState as LoopState
+from ._values._protocols import BackgroundCapture as BackgroundCapture
+from ._values._reports import CaptureReport as CaptureReport
+from ._values._reports import MemoryEstimate as MemoryEstimate
 
 if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
-    from ._buffers._outputs import OutputRows as OutputRows
-    from ._buffers._static import Rows as Rows
-    from ._decode_loop import LoopResult as LoopResult
-    from ._memory._kv import KVCacheBacking as KVCacheBacking
-    from ._reports._report import CapturedGraph as CapturedGraph
-    from ._reports._report import CapturePhases as CapturePhases
-    from ._reports._report import ManagerStats as ManagerStats
+    from ._memory._outputs import OutputRows as OutputRows
+    from ._values._inputs import Rows as Rows
+    from ._values._loop import LoopResult as LoopResult
+    from ._values._reports import CapturedGraph as CapturedGraph
+    from ._values._reports import CapturePhases as CapturePhases
+    from ._values._reports import KVCacheBacking as KVCacheBacking
+    from ._values._reports import ManagerStats as ManagerStats
 
 __version__ = "0.1.0"
 
@@ -59,13 +59,13 @@ __all__ = [
 #: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
 #: retired from the API").
 _RETIRED: Final = {
-    "CapturePhases": ("cudagraph_manager._reports._report", "CapturePhases"),
-    "CapturedGraph": ("cudagraph_manager._reports._report", "CapturedGraph"),
-    "KVCacheBacking": ("cudagraph_manager._memory._kv", "KVCacheBacking"),
-    "LoopResult": ("cudagraph_manager._decode_loop", "LoopResult"),
-    "ManagerStats": ("cudagraph_manager._reports._report", "ManagerStats"),
-    "OutputRows": ("cudagraph_manager._buffers._outputs", "OutputRows"),
-    "Rows": ("cudagraph_manager._buffers._static", "Rows"),
+    "CapturePhases": ("cudagraph_manager._values._reports", "CapturePhases"),
+    "CapturedGraph": ("cudagraph_manager._values._reports", "CapturedGraph"),
+    "KVCacheBacking": ("cudagraph_manager._values._reports", "KVCacheBacking"),
+    "LoopResult": ("cudagraph_manager._values._loop", "LoopResult"),
+    "ManagerStats": ("cudagraph_manager._values._reports", "ManagerStats"),
+    "OutputRows": ("cudagraph_manager._memory._outputs", "OutputRows"),
+    "Rows": ("cudagraph_manager._values._inputs", "Rows"),
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error

@@ -23,8 +23,7 @@ import torch
 
 from cudagraph_dispatch.lowlevel import check_bool
 
-from ._buffers._buffers import check_inputs_spec
-from ._buffers._static import StaticInput
+from ._values._inputs import StaticInput, check_inputs_spec
 
 R = TypeVar("R")
 
@@ -84,14 +83,24 @@ def compile_for_capture(
 ) -> CompiledModel[R]:
     """Compile ``model`` once for every capture size, for ``CUDAGraphManager`` to capture.
 
-    ``inputs`` are the manager's: the leading dimension of each batched one
-    is dynamic, all other dimensions static. ``mode`` is an inductor mode
-    without CUDA graphs (``"default"`` or ``"max-autotune-no-cudagraphs"``);
-    inductor's CUDA graphs stay off whatever its global config says.
-    ``fullgraph=True`` makes a graph break an error instead of a split into
-    several compiled pieces with eager code between them. ``backend``: another
-    dynamo backend (``"aot_eager"``, ``"eager"``) for debugging; ``mode``
-    then must stay ``"default"``. The compile happens on the first call.
+    Args:
+        model: the model to compile (an instance or a function, not a class).
+        inputs: the manager's inputs: the leading dimension of each batched
+            one is dynamic, all other dimensions static.
+        mode: an inductor mode without CUDA graphs (``"default"`` or
+            ``"max-autotune-no-cudagraphs"``); inductor's CUDA graphs stay off
+            whatever its global config says.
+        fullgraph: a graph break is an error instead of a split into several
+            compiled pieces with eager code between them.
+        backend: another dynamo backend (``"aot_eager"``, ``"eager"``) for
+            debugging; ``mode`` then must stay ``"default"``.
+
+    Returns:
+        The compiled model, to pass to ``CUDAGraphManager``; it compiles on
+        its first call.
+
+    Raises:
+        ValueError: naming a bad argument (a graph-capturing mode among them).
     """
     if not callable(model):
         raise ValueError(f"model: expected a callable, got {model!r:.80}")

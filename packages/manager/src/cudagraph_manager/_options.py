@@ -4,13 +4,12 @@ Each value checks its own fields when it is built (``ValueError`` naming
 ``options.<field>`` or ``attention.<field>`` and the value), so a bad option
 fails where it is written. The checks that need the model, the inputs or the
 config (an output that follows requests needs a ``"reqs"`` input, a decode
-loop needs one token per request) are the constructor's (``_arguments``).
+loop needs one token per request) are the constructor's (``_parts.build_parts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Final, Generic, Literal, TypeAlias
 
 from cudagraph_capture import CaptureOptions
@@ -18,13 +17,14 @@ from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport
 
 from ._attention._seam import check_builder
-from ._buffers._outputs import OutputRows, check_output_rows
-from ._decode_loop import DecodeLoop
 from ._memory._kv import KVCacheMemory
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
+from ._memory._outputs import OutputRows, check_output_rows
+from ._values._inputs import signature_of
+from ._values._loop import DecodeLoop
+from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
 from .ranks import RankAgreement
 
-#: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_capture._warm_up`` says each).
+#: ``capture()``'s warm-up policy (``ManagerOptions.warm_ups``; ``_graphs/_warm_up`` says each).
 WarmUpPolicy: TypeAlias = Literal["auto", "every_key", "per_class"]
 WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_class")
 
@@ -32,7 +32,7 @@ WARM_UP_POLICIES: Final[tuple[WarmUpPolicy, ...]] = ("auto", "every_key", "per_c
 def _check_engine_factory(factory: object) -> None:
     """``ValueError`` naming ``options.engine_factory`` unless it is ``None`` or callable as a factory.
 
-    Its products are checked when made (``_capture._capturer.make_engine``).
+    Its products are checked when made (``_graphs/_capturer.make_engine``).
     """
     if factory is None:
         return
@@ -40,15 +40,16 @@ def _check_engine_factory(factory: object) -> None:
         raise ValueError(
             f"options.engine_factory: expected None or a GraphEngineFactory, got {factory!r:.80}"
         )
+    signature = signature_of(factory)
+    if signature is None:  # no signature to read (a builtin): its call is checked when made
+        return
     try:
-        inspect.signature(factory).bind(None, None, None)
+        signature.bind(None, None, None)
     except TypeError:
         raise ValueError(
             "options.engine_factory: expected a GraphEngineFactory, called as factory(model, mode, options), "
             f"got {factory!r:.80}, which does not take those 3 arguments"
         ) from None
-    except ValueError:  # no signature to read (a builtin): its call is checked when made
-        pass
 
 
 def _check_optional(field: str, value: object, kind: type[object], expected: str) -> None:
@@ -61,7 +62,7 @@ def _check_optional(field: str, value: object, kind: type[object], expected: str
 class AttentionOptions:
     """The model's attention, as the manager sees it (``ManagerOptions.attention``).
 
-    Arguments:
+    Args:
         support: what a FULL graph of the attention replays correctly; the
             configured mode is resolved against it (default: the builder's
             ``support``, else the model's ``graph_support()``, else ``ALWAYS``); an
@@ -86,7 +87,7 @@ class AttentionOptions:
 class ManagerOptions(Generic[OutputT]):
     """What a ``CUDAGraphManager`` may be given besides its model, inputs and config (``options=``).
 
-    Arguments:
+    Args:
         capture: the capture engines' ``CaptureOptions`` (``None``: the defaults).
         engine_factory: builds the capture engines instead of
             ``cudagraph_capture.graph_engine`` (another engine, or a fake).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,13 +31,13 @@ from cudagraph_dispatch import (
 from cudagraph_dispatch.lowlevel import MAX_CAPTURE_SIZE, MAX_NUM_SEQS, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
-from ._attention._seam import check_builder, metadata_extra
-from ._batch import BatchShape, StepBatch
-from ._buffers._outputs import OutputRows
-from ._buffers._static import StaticInput
+from ._attention._seam import build_extra, check_builder
 from ._manager import CUDAGraphManager
+from ._memory._outputs import OutputRows, output_leaves
 from ._options import AttentionOptions, ManagerOptions
-from ._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
+from ._values._batch import BatchShape, StepBatch
+from ._values._inputs import StaticInput
+from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, ModelOutput
 
 
 class BatchKind(enum.Enum):
@@ -154,7 +155,7 @@ class SupportLevelError(ValueError):
 class SupportCheckOptions:
     """How ``check_attention_support`` checks (``options=``): the graphs per kind, the batches, the verdict.
 
-    Arguments:
+    Args:
         sizes, max_num_seqs, query_len: the graphs per kind (``DispatchConfig``'s
             meanings); ``query_len >= 2``: the uniform kind's tokens per request.
         trials: random batches per graph, each padded to it.
@@ -220,7 +221,7 @@ def check_attention_support(
 ) -> SupportCheck:
     """Check the level ``builder`` declares: FULL graphs of each batch kind, replayed against eager.
 
-    Arguments:
+    Args:
         model, inputs, device: as for ``CUDAGraphManager``.
         builder: the attention's builder; ``builder.support.level`` is checked.
         make_batch: ``make_batch(kind, num_tokens, num_reqs, generator)``, a
@@ -228,9 +229,18 @@ def check_attention_support(
             drawn from the CPU ``generator`` (seeded with ``options.seed``).
         options: ``SupportCheckOptions`` (``None``: the defaults).
 
-    Arguments are checked before anything runs; the graphs are freed before
-    it returns. The replays and the eager references write the model's state
-    (a KV cache; each eager run repeats its replay's batch): check before serving.
+    Returns:
+        What was checked: the declared level, the verified one, each kind's check.
+
+    Raises:
+        ValueError: naming a bad argument, before anything runs; naming
+            ``make_batch`` where a batch it returns is not one the manager takes.
+        SupportLevelError: the declared level is above the verified one,
+            where ``options.on_overdeclared`` is ``"raise"`` (else a warning).
+
+    The graphs are freed before it returns. The replays and the eager
+    references write the model's state (a KV cache; each eager run repeats
+    its replay's batch): check before serving.
     """
     support, checked = _check_arguments(builder, make_batch, options)
     sizes = _capture_sizes(checked.sizes)
@@ -240,7 +250,13 @@ def check_attention_support(
     run = _Run(model, inputs, builder, make_batch, checked.trials, checked.rtol, generator)
     with torch.no_grad():
         kinds = tuple(_check_kind(run, kind, manager) for kind, manager in managers.items())
-    result = SupportCheck(support.name, support.level, _verified(kinds), kinds, float(checked.rtol))
+    result = SupportCheck(
+        name=support.name,
+        declared=support.level,
+        verified=_verified(kinds),
+        kinds=kinds,
+        rtol=float(checked.rtol),
+    )
     if result.overdeclared:
         if checked.on_overdeclared == "raise":
             raise SupportLevelError(result)
@@ -355,12 +371,12 @@ def _check_kind(run: _Run, kind: BatchKind, manager: CUDAGraphManager[ModelOutpu
     """Capture ``kind``'s graphs, replay random batches of the kind on them, compare with eager; free them."""
     keys = _replayed_keys(kind, manager)
     query_len = None if kind is BatchKind.MIXED else keys[0].num_tokens // (keys[0].num_reqs or 1)
-    graphs = tuple(keys)
+    checked = functools.partial(KindCheck, kind=kind, query_len=query_len, graphs=tuple(keys))
     try:
         try:
             manager.capture(progress=False)
         except Exception as error:  # a capture that raises serves no batch of the kind
-            return KindCheck(kind, query_len, graphs, 0, 0.0, f"the capture raised {_describe(error)}")
+            return checked(batches=0, worst_error=0.0, failure=f"the capture raised {_describe(error)}")
         worst, worst_at, batches = 0.0, "", 0
         for num_tokens, num_reqs, key in _counts(run, kind, keys):
             batch = _batch(run, kind, num_tokens, num_reqs, manager.device)
@@ -370,8 +386,8 @@ def _check_kind(run: _Run, kind: BatchKind, manager: CUDAGraphManager[ModelOutpu
                     t.clone() for t in _leaves(manager.run_batch(batch, uniform_decode=query_len is not None))
                 ]
             except Exception as error:  # the replay's own error: the kind does not hold
-                return KindCheck(
-                    kind, query_len, graphs, batches, worst, f"{where} raised {_describe(error)}"
+                return checked(
+                    batches=batches, worst_error=worst, failure=f"{where} raised {_describe(error)}"
                 )
             relative = _error(replayed, _eager(run, batch, num_tokens, num_reqs, query_len is not None))
             batches += 1
@@ -380,7 +396,7 @@ def _check_kind(run: _Run, kind: BatchKind, manager: CUDAGraphManager[ModelOutpu
     finally:
         manager.clear()
     failure = None if worst <= run.rtol else f"relative error {worst:.3g} > rtol {run.rtol:g} on {worst_at}"
-    return KindCheck(kind, query_len, graphs, batches, worst, failure)
+    return checked(batches=batches, worst_error=worst, failure=failure)
 
 
 def _counts(
@@ -456,30 +472,21 @@ def _eager(
 ) -> list[torch.Tensor]:
     """The reference: the model on the real batch under NONE, with the builder's metadata (an eager step)."""
     descriptor = BatchDescriptor(num_tokens, num_reqs, True) if uniform else BatchDescriptor(num_tokens)
-    builder = run.builder
-    metadata = builder.build(
-        StepBatch(num_tokens, num_reqs, batch), BatchShape.eager(num_tokens, num_reqs, uniform)
-    )
-    with set_forward_context(CUDAGraphMode.NONE, descriptor, **metadata_extra(builder, metadata)):
+    shape = BatchShape.eager(num_tokens, num_reqs, uniform)
+    extra = build_extra(run.builder, StepBatch(num_tokens, num_reqs, batch), shape)
+    with set_forward_context(CUDAGraphMode.NONE, descriptor, **extra):
         return _leaves(run.model(**batch))
 
 
 def _leaves(output: object) -> list[torch.Tensor]:
     """The tensors of a model's output (a tensor, or a flat tuple, list or dict of them)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    leaves: list[object] | None = (
-        list(output.values())
-        if isinstance(output, dict)
-        else list(output)
-        if isinstance(output, (tuple, list))
-        else None
-    )
-    if leaves is None or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+    leaves = output_leaves(output)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if len(tensors) != len(leaves):  # not a tensor, or a leaf that is none
         raise TypeError(
             f"model: expected a tensor or a flat tuple, list or dict of tensors, got {output!r:.80}"
         )
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return tensors
 
 
 def _error(replayed: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:

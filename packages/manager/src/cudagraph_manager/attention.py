@@ -21,14 +21,14 @@ from ._attention._seam import attention_metadata as attention_metadata
 from ._attention._seam import metadata_extra as metadata_extra
 from ._attention._seam import pad_offsets as pad_offsets
 from ._attention._seam import pad_rows as pad_rows
-from ._batch import BatchShape as BatchShape
-from ._batch import StepBatch as StepBatch
 from ._options import AttentionOptions as AttentionOptions
-from ._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 from ._support_check import BatchKind as BatchKind
 from ._support_check import SupportCheckOptions as SupportCheckOptions
 from ._support_check import SupportLevelError as SupportLevelError
 from ._support_check import check_attention_support as check_attention_support
+from ._values._batch import BatchShape as BatchShape
+from ._values._batch import StepBatch as StepBatch
+from ._values._protocols import AttentionMetadataBuilder as AttentionMetadataBuilder
 
 if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
     from ._support_check import KindCheck as KindCheck

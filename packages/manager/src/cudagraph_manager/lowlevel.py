@@ -10,10 +10,10 @@ with this protocol (its call is generic over the model's output type).
 import importlib
 from typing import TYPE_CHECKING, Final
 
-from ._protocols import GraphEngineFactory as GraphEngineFactory
+from ._values._protocols import GraphEngineFactory as GraphEngineFactory
 
 if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
-    from ._protocols import ModelOutput as ModelOutput
+    from ._values._protocols import ModelOutput as ModelOutput
 
 __all__ = ["GraphEngineFactory"]
 
@@ -21,7 +21,7 @@ __all__ = ["GraphEngineFactory"]
 #: object, for the code that imports them; in neither ``__all__`` nor ``dir()`` (README: "Names
 #: retired from the API").
 _RETIRED: Final = {
-    "ModelOutput": ("cudagraph_manager._protocols", "ModelOutput"),
+    "ModelOutput": ("cudagraph_manager._values._protocols", "ModelOutput"),
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error

@@ -28,7 +28,7 @@ from cudagraph_dispatch.budgets import TokenBudgets
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
-from .._batch import BatchShape, StepBatch
+from .._values._batch import BatchShape, StepBatch
 
 
 class _Ledger(threading.local):
@@ -89,10 +89,17 @@ class PackedMetadata:
         Three ops on the current stream, no host read (a graph captures
         them): the cumsum of ``lengths`` into rows 1 to ``num_reqs``, clamped
         to the padded total (so stale or nonzero padding rows never pass
-        it), and the padded total in the last row (row 0 stays 0). Returns
-        ``cu_seqlens``; ``ValueError`` naming ``lengths`` unless it is a tensor
-        of ``num_reqs`` integers on the offsets' device (checked in Python: a
-        replay runs none of this).
+        it), and the padded total in the last row (row 0 stays 0).
+
+        Args:
+            lengths: ``[num_reqs]`` integers on the offsets' device, each item's tokens.
+
+        Returns:
+            ``cu_seqlens``.
+
+        Raises:
+            ValueError: naming ``lengths`` where it is not that (checked in
+                Python: a replay runs none of this).
         """
         offsets = self.offsets
         given: object = lengths
@@ -118,7 +125,7 @@ class PackedMetadata:
 class PackedMetadataBuilder:
     """An ``AttentionMetadataBuilder[PackedMetadata]`` for packed items, keyed by token budget.
 
-    Arguments:
+    Args:
         budgets: the graphs' ``TokenBudgets``; the offsets buffer is sized
             once for its ``max_items`` (``max_items + 2`` rows).
         lengths: the name of the step's input holding each item's tokens
@@ -167,7 +174,17 @@ class PackedMetadataBuilder:
         self._ledger: Final = _Ledger()
 
     def build_for_capture(self, shape: BatchShape, /) -> PackedMetadata:
-        """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape."""
+        """The metadata a graph of ``shape`` reads: the same view of the buffer for the same shape.
+
+        Args:
+            shape: the batch a forward runs as (``BatchShape``).
+
+        Returns:
+            The shape's metadata, kept per graph shape (an eager shape's is not).
+
+        Raises:
+            ValueError: ``shape`` is no ``BatchShape``, or has more items than the budgets'.
+        """
         given: object = shape
         if not isinstance(given, BatchShape):
             raise ValueError(f"shape: expected a BatchShape, got {given!r:.80}")
@@ -189,8 +206,17 @@ class PackedMetadataBuilder:
         """The metadata of ``shape`` for ``batch``: no device op (the forward writes the offsets).
 
         A replay's is one look-up; an eager step's (with ``validate``, every
-        step's) batch is checked first: ``ValueError`` naming the lengths
-        input, ``batch`` or ``shape``.
+        step's) batch is checked first.
+
+        Args:
+            batch: the step's real batch (``StepBatch``).
+            shape: the batch a forward runs it as (``BatchShape``).
+
+        Returns:
+            ``build_for_capture(shape)``'s metadata.
+
+        Raises:
+            ValueError: naming the lengths input, ``batch`` or ``shape``.
         """
         self._ledger.written = False
         try:

@@ -9,7 +9,7 @@ forward context (``metadata_extra``); the model reads it back with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar, cast
+from typing import Final, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -17,10 +17,9 @@ from cudagraph_dispatch import get_forward_context
 from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_dispatch.support import AttentionSupport
 
-from .._buffers._static import check_pad_value
-
-if TYPE_CHECKING:
-    from .._protocols import AttentionMetadataBuilder
+from .._values._batch import BatchShape, StepBatch
+from .._values._inputs import check_pad_value
+from .._values._protocols import AttentionMetadataBuilder
 
 M = TypeVar("M")
 
@@ -43,10 +42,19 @@ NOT_METADATA: Final = frozenset({type(None), tuple, list, dict, set, frozenset, 
 def metadata_extra(builder: object, metadata: object, *, call: str = "build") -> dict[str, object]:
     """The forward-context extras that carry ``metadata`` built by ``builder``.
 
-    ``metadata`` is what ``builder``'s ``call`` (``build`` or
-    ``build_for_capture``) returned: one of ``NOT_METADATA``'s types raises
-    ``ValueError`` naming the call, before the model could read it; a
-    ``builder`` that is no ``AttentionMetadataBuilder`` raises naming it.
+    Args:
+        builder: the ``AttentionMetadataBuilder`` that built it.
+        metadata: what ``builder``'s ``call`` returned.
+        call: ``"build"`` or ``"build_for_capture"``, for the error.
+
+    Returns:
+        ``set_forward_context``'s extras: ``attention_metadata(builder)`` reads
+        ``metadata`` back inside the forward.
+
+    Raises:
+        ValueError: ``metadata`` is one of ``NOT_METADATA``'s types (naming the
+            call, before the model could read it), or ``builder`` is no
+            ``AttentionMetadataBuilder``.
     """
     if builder is None:
         raise ValueError("builder: expected an AttentionMetadataBuilder, got None")
@@ -54,6 +62,17 @@ def metadata_extra(builder: object, metadata: object, *, call: str = "build") ->
     if type(metadata) in NOT_METADATA:
         raise ValueError(not_metadata(builder, metadata, call))
     return {METADATA_EXTRA: _Built(builder, metadata)}
+
+
+def build_extra(
+    builder: AttentionMetadataBuilder[object] | None, batch: StepBatch, shape: BatchShape
+) -> dict[str, object]:
+    """The forward-context extras that carry ``builder``'s metadata of ``batch`` run as ``shape``.
+
+    ``{}`` without a builder. An eager forward's, a warm-up's and a decode
+    loop's (a replay checks its graph's metadata type: ``PlannedGraph.build``).
+    """
+    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
 
 
 def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:
@@ -105,8 +124,16 @@ def attention_metadata(builder: AttentionMetadataBuilder[M]) -> M:
     """The metadata ``builder`` built for the forward running now (inside the model's forward).
 
     The manager sets it on every path: captures, warm-ups, replays of
-    PIECEWISE graphs (their eager attention reads it), eager steps. Outside
-    such a forward, or for another builder, ``RuntimeError`` says so.
+    PIECEWISE graphs (their eager attention reads it), eager steps.
+
+    Args:
+        builder: the builder whose metadata the forward reads.
+
+    Returns:
+        Its metadata, of the builder's own type ``M``.
+
+    Raises:
+        RuntimeError: outside such a forward, or the metadata is another builder's.
     """
     context = get_forward_context()
     built = None if context is None else context.extra.get(METADATA_EXTRA)
@@ -138,11 +165,21 @@ def pad_offsets(out: torch.Tensor, offsets: torch.Tensor, padded_total: int) -> 
     last offset stays the real total, and the tokens past it belong to no
     request (docs/design.md, "The attention seam").
 
-    Device ops on the current stream, no host synchronization. Every
-    argument's type, shape, dtype and device is checked (``ValueError``
-    naming it); the values of ``offsets`` (from 0, non-decreasing, at most
-    ``padded_total``) only where they are on the CPU: on a device, reading
-    them would synchronize.
+    Device ops on the current stream, no host synchronization.
+
+    Args:
+        out: ``[padded_reqs + 1]`` integers, written.
+        offsets: ``[n + 1]`` integers, the real batch's.
+        padded_total: the padded batch's tokens.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: naming an argument of the wrong type, shape, dtype or
+            device; the values of ``offsets`` (from 0, non-decreasing, at most
+            ``padded_total``) are checked only on the CPU (on a device, reading
+            them would synchronize).
     """
     _check_offsets(out, offsets, padded_total)
     real = offsets.shape[0]
@@ -154,11 +191,20 @@ def pad_offsets(out: torch.Tensor, offsets: torch.Tensor, padded_total: int) -> 
 def pad_rows(out: torch.Tensor, rows: torch.Tensor, pad_value: int | float) -> torch.Tensor:
     """``rows`` into the first rows of ``out``, ``pad_value`` in the rest; returns ``out``.
 
-    ``rows [n, *trailing]`` and ``out [padded, *trailing]`` (``padded >= n``)
-    on one device; ``rows``' dtype casts to ``out``'s without changing kind
-    (no floats into integers), and ``out``'s dtype holds ``pad_value``
-    exactly. A wrong one raises ``ValueError`` naming the argument; nothing
-    is written then. Device ops on the current stream, no host synchronization.
+    Device ops on the current stream, no host synchronization.
+
+    Args:
+        out: ``[padded, *trailing]``, written.
+        rows: ``[n, *trailing]`` (``n <= padded``) on ``out``'s device, of a
+            dtype that casts to ``out``'s without changing kind (no floats
+            into integers).
+        pad_value: what the padding rows get; ``out``'s dtype holds it exactly.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: naming the wrong argument; nothing is written then.
     """
     _check_rows(out, rows, pad_value)
     real = rows.shape[0]

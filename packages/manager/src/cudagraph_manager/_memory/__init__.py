@@ -1,1 +1,1 @@
-"""Memory: the device's byte counts around a recording, and the weights the graphs read (sleep and wake)."""
+"""Memory: the static buffers, the outputs cut from them, the device's bytes, the weights, the KV cache."""

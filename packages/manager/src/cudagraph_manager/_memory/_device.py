@@ -1,8 +1,40 @@
-"""The device's memory as a capture measures it: free (the driver's view) and reserved (torch's)."""
+"""The manager's device: where work runs, and what a capture costs it, measured around it.
+
+``on_device`` and ``capture_lock_of`` are the device's context and its
+capture lock on CUDA, nothing to enter elsewhere. Free memory is the
+driver's view, reserved memory torch's allocator's: ``RecordingBytes``
+splits one recording's cost between the two, ``CaptureTotals`` measures a
+phase (``capture()``, a background capture) and builds its report.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Final
+
 import torch
+
+from cudagraph_capture.lowlevel import capture_lock
+from cudagraph_dispatch.support import ModeResolution
+
+from .._compiled import compiles_since, dynamo_compiles
+from .._values._reports import CapturedGraph, CaptureReport, KVCacheBacking
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.device(device)`` on a CUDA device (its work runs there), nothing to enter elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def capture_lock_of(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The device's capture lock on CUDA (one capture, or one graph's destruction, at a time); else none.
+
+    Destroying a graph edits torch's registry that captures edit too, so it
+    holds the lock as a capture does.
+    """
+    return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def free_bytes(device: torch.device) -> int:
@@ -45,3 +77,45 @@ class RecordingBytes:
     def __exit__(self, *exc: object) -> None:
         self.pool = reserved_bytes(self._device) - self._reserved
         self.driver = self._free - free_bytes(self._device) - self.pool
+
+
+class CaptureTotals:
+    """Started when built; ``report()`` reads the wall time, memory and compiles since then.
+
+    The phase's caller synchronizes its stream before ``report()`` where the
+    device's work must count in the seconds (``capture()`` does).
+    """
+
+    __slots__ = ("_compiled", "_device", "_free", "_reserved", "_start")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device: Final = device
+        self._compiled: Final = dynamo_compiles()
+        self._reserved: Final = reserved_bytes(device)
+        self._free: Final = free_bytes(device)
+        self._start: Final = time.perf_counter()
+
+    def report(
+        self,
+        graphs: Sequence[CapturedGraph],
+        no_graphs: str | None,
+        resolution: ModeResolution,
+        kv_cache: KVCacheBacking | None = None,
+    ) -> CaptureReport:
+        """The phase's report: ``graphs`` and the totals since construction.
+
+        ``no_graphs``: why nothing was captured (``None``: the graphs were);
+        ``resolution``: the mode the graphs follow; ``kv_cache``: how much of
+        the KV cache is backed now.
+        """
+        seconds = time.perf_counter() - self._start
+        return CaptureReport(
+            graphs=tuple(graphs),
+            seconds=seconds,
+            reserved_bytes=reserved_bytes(self._device) - self._reserved,
+            no_graphs=no_graphs,
+            compiles=compiles_since(self._compiled),
+            device_bytes=self._free - free_bytes(self._device),
+            resolution=resolution,
+            kv_cache=kv_cache,
+        )

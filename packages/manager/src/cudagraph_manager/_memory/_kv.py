@@ -20,7 +20,6 @@ CUDA context: the end of the engine).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -31,51 +30,13 @@ import torch
 from cudagraph_capture.lowlevel import ReservedMemory, resolve_device
 from cudagraph_dispatch.lowlevel import check_int
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class KVCacheBacking:
-    """How much of a KV cache's reservation is backed: ``KVCacheMemory.backing()``, the reports, ``stats``.
-
-    ``units`` of ``max_units`` are backed (the unit ids below ``units``:
-    what the engine may hand out, its scratch unit included), each of
-    ``unit_bytes``; ``backed_bytes`` of the ``reserved_bytes`` reserved are
-    backed, in ``mappings`` mappings, exact to ``chunk_bytes`` (the device's
-    granularity; a fallback's whole allocation). ``seconds`` is the host time
-    the last change of the backing took (creating, mapping and giving access
-    to the memory, or unmapping it; measuring free memory included),
-    ``changes`` how many changes there were. ``fallback`` says why the cache
-    is an ordinary allocation (``None``: reserved addresses, backed on demand).
-    """
-
-    units: int
-    max_units: int
-    unit_bytes: int
-    backed_bytes: int
-    reserved_bytes: int
-    chunk_bytes: int
-    mappings: int
-    seconds: float = 0.0
-    changes: int = 0
-    fallback: str | None = None
-
-    def __str__(self) -> str:
-        gib, mib = 2**30, 2**20
-        if self.fallback is not None:
-            return (
-                f"KV cache: {self.units} of {self.max_units} units usable, an ordinary allocation of "
-                f"{self.backed_bytes / gib:.2f} GiB ({self.fallback})"
-            )
-        return (
-            f"KV cache: {self.units} of {self.max_units} units backed ({self.backed_bytes / gib:.2f} of "
-            f"{self.reserved_bytes / gib:.2f} GiB reserved, {self.mappings} mappings, chunks of "
-            f"{self.chunk_bytes / mib:g} MiB); last change {self.seconds * 1e3:.2f} ms"
-        )
+from .._values._reports import KVCacheBacking
 
 
 class KVCacheMemory:
     """A KV cache's device memory: addresses reserved before the graphs are captured, memory backed after.
 
-    Arguments:
+    Args:
         unit_shape: the shape of one unit the engine hands out (a page of
             every layer, a request's row of every layer); ``tensor`` is
             ``[max_units, *unit_shape]``, so a prefix of the memory is whole units.
@@ -189,30 +150,40 @@ class KVCacheMemory:
         """How much is backed now, and what the last change took."""
         memory = self.memory
         return KVCacheBacking(
-            self._units,
-            self.max_units,
-            self.unit_bytes,
-            memory.backed_bytes,
-            memory.size,
-            memory.granularity,
-            len(memory.mappings),
-            self._seconds,
-            self._changes,
-            memory.fallback,
+            units=self._units,
+            max_units=self.max_units,
+            unit_bytes=self.unit_bytes,
+            backed_bytes=memory.backed_bytes,
+            reserved_bytes=memory.size,
+            chunk_bytes=memory.granularity,
+            mappings=len(memory.mappings),
+            seconds=self._seconds,
+            changes=self._changes,
+            fallback=memory.fallback,
         )
 
     # -- changing it --
 
     def back(self, units: int, *, in_use: Iterable[int] | torch.Tensor | None = None) -> int:
-        """Back ``units`` units (at least; a mapping's rest is backed too); the units backed after.
+        """Back ``units`` units (at least: a mapping's rest is backed too); synchronizes the device.
 
-        Growing needs their memory free on the device (``ValueError`` naming
-        ``units`` otherwise; torch's cached blocks are given back first where
-        that makes room). Shrinking needs the ids of the units in use
-        (``in_use``: an iterable of ints or an integer tensor; ``()`` for
-        none): one at or past ``units`` is refused by name. It synchronizes
-        the device, and may keep more than ``units`` backed (a mapping is
-        unmapped whole: ``ReservedMemory.back``).
+        Growing needs their memory free on the device (torch's cached blocks
+        are given back first where that makes room); shrinking may keep more
+        than ``units`` backed (a mapping is unmapped whole:
+        ``ReservedMemory.back``).
+
+        Args:
+            units: the units to back, from ``min_units`` to ``max_units``.
+            in_use: for a shrink, the ids of the units in use (an iterable of
+                ints or an integer tensor; ``()`` for none).
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: naming ``units`` (out of range, or its memory not
+                free) or ``in_use`` (missing for a shrink, or a unit at or past
+                ``units``); nothing changed. Also once closed.
         """
         check_int("units", units, minimum=self.min_units, maximum=self.max_units)
         with self._lock:
@@ -231,16 +202,25 @@ class KVCacheMemory:
             return self._units
 
     def back_from_free(self, margin_bytes: int) -> int:
-        """Grow the backing by what the device has free beyond ``margin_bytes``; the units backed after.
+        """Grow the backing by what the device has free beyond ``margin_bytes``.
 
         Free memory is measured as the driver can give it: torch's cached
         blocks that hold no tensor are given back to the device first
         (``torch.cuda.empty_cache()``; ``cudaMemGetInfo`` counts them as
         used, and the driver cannot back the cache with them). What stays
         free is then ``margin_bytes`` to within one chunk, unless the
-        reservation was backed whole first. ``ValueError`` naming
-        ``margin_bytes`` where less than it is free; a fallback allocation's
-        units all come back, nothing more.
+        reservation was backed whole first; a fallback allocation's units all
+        come back, nothing more.
+
+        Args:
+            margin_bytes: the device memory to leave free.
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: naming ``margin_bytes`` where less than it is free (or
+                the device does not say); nothing changed. Also once closed.
         """
         check_int("margin_bytes", margin_bytes, minimum=0)
         with self._lock:
@@ -267,7 +247,13 @@ class KVCacheMemory:
     def drop(self) -> int:
         """Keep ``min_units`` backed and give the rest back (a sleep that keeps the graphs); synchronizes.
 
-        What the dropped units held is gone; the units backed after.
+        What the dropped units held is gone.
+
+        Returns:
+            The units backed after.
+
+        Raises:
+            ValueError: once closed.
         """
         with self._lock:
             self._open("drop")
@@ -284,7 +270,10 @@ class KVCacheMemory:
         """Give all of it back (synchronizes). Views alive then point at unbacked memory: drop them first.
 
         The graphs that read the cache must not replay afterwards (free them
-        first: ``release()``). A second call raises ``ValueError``.
+        first: ``release()``).
+
+        Raises:
+            ValueError: a second call.
         """
         with self._lock:
             self._open("close")

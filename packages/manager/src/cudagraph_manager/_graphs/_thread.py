@@ -4,35 +4,43 @@
 ranks (a ``BackgroundCapture`` handle): one object that owns everything the
 capture needs (its stream, the event that orders its warm-ups with the
 serving stream, the keys steps missed, its retries, its garbage-collection
-policy) and reports on it. It runs on the
-device's capture worker (``_worker``), or on a thread of its own where the
-worker is busy. How it stays out of the serving steps' way, and what the
-serving thread must not do meanwhile: docs/design.md, "Background capture".
+policy) and reports on it. How it stays out of the serving steps' way, and
+what the serving thread must not do meanwhile: docs/design.md,
+"Background capture".
+
+It runs on the device's capture worker (``CaptureWorker``), a thread that
+outlives the sessions: library handles and plans belong to a thread (cuDNN
+builds an attention plan per shape, slowly, the first time), so a session on
+a new thread would pay them again for every size. The worker runs a device's
+sessions one after another and keeps that state between them; a session
+that finds it busy runs on a thread of its own. The worker stops once no
+manager that used it is alive, and at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 import time
-from collections.abc import Sequence
-from typing import Final
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol
 
 import torch
 
-from cudagraph_capture.lowlevel import capture_lock, capture_stream, collector_paused
+from cudagraph_capture.lowlevel import capture_stream, collector_paused
 from cudagraph_dispatch import BatchDescriptor
 
-from .._protocols import CaptureJobs
-from .._reports._report import CapturedGraph, CaptureReport
-from .._reports._totals import CaptureTotals
-from ._retry import RETRIES, worth_retrying
+from .._memory._device import CaptureTotals, capture_lock_of, on_device
+from .._values._reports import CapturedGraph, CaptureReport
+from ._recording import RETRIES, worth_retrying
 from ._warm_up import WarmUps
-from ._worker import run_capture
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -51,11 +59,40 @@ def check_keys_per_step(keys_per_step: object, ranks: bool) -> None:
         )
 
 
+class ThreadJobs(Protocol):
+    """What a capture thread asks of its manager's captures (``Capturer``): its one seam (its jobs).
+
+    ``device`` and ``gc_disable`` say where and how it captures;
+    ``start_totals`` starts a phase's measurements and ``report`` ends them
+    (the manager adds why it captures nothing, if it does); ``warm_up`` runs
+    one key eagerly, skipped where ``skippable`` and the thread has its
+    handles (the warm-up rule's); ``capture`` records a key warmed up before.
+    The capture worker keeps a weak reference to it (its owner, alive while
+    it is), so an implementation has ``__weakref__``.
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def gc_disable(self) -> bool: ...
+
+    def start_totals(self) -> CaptureTotals: ...
+
+    def report(
+        self, totals: CaptureTotals, graphs: Sequence[CapturedGraph], why: str | None
+    ) -> CaptureReport: ...
+
+    def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None: ...
+
+    def capture(self, descriptor: BatchDescriptor) -> CapturedGraph: ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BackgroundTimings:
     """How long a background capture's first recording waits for the first step, in seconds.
 
-    Arguments:
+    Args:
         first_step_wait_s: for the serving thread's first step after
             ``start_capture()`` (the wake's first step then runs alone on the
             host: an eager step plus the enqueue).
@@ -156,7 +193,7 @@ class ThreadCapture:
         self,
         pending: Sequence[BatchDescriptor],
         warm_ups: WarmUps,
-        jobs: CaptureJobs,
+        jobs: ThreadJobs,
         *,
         timings: BackgroundTimings,
     ) -> None:
@@ -202,7 +239,19 @@ class ThreadCapture:
             return self._retries
 
     def wait(self, timeout: float | None = None) -> CaptureReport:
-        """The report, once the capture finished; ``TimeoutError`` if ``timeout`` seconds pass first."""
+        """The report, once the capture finished.
+
+        Args:
+            timeout: seconds to wait at most (``None``: no bound).
+
+        Returns:
+            The capture's report.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            RuntimeError: called from the capture thread, inside the capture (the model).
+        """
         given: object = timeout
         if given is not None and (
             isinstance(given, bool) or not isinstance(given, (int, float)) or not given >= 0
@@ -259,9 +308,9 @@ class ThreadCapture:
         if serving is not None and own is not None and serving.cuda_stream == own.cuda_stream:
             raise RuntimeError("start_capture: called on the capture stream; call it on the serving stream")
         warm_ups_done = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]  # untyped stubs
-        # The device's capture worker, whose handles and plans outlive this session (``_worker``).
-        job = functools.partial(self._run, serving, own, warm_ups_done)
-        run_capture(device, job, self._jobs, "cudagraph-background-capture", self._done.set)
+        # The device's capture worker, whose handles and plans outlive this session (``CaptureWorker``).
+        body = functools.partial(self._run, serving, own, warm_ups_done)
+        run_capture(device, body, self._jobs, "cudagraph-background-capture", self._done.set)
         self._warm_ups_queued.wait()
         if serving is not None and warm_ups_done is not None:
             serving.wait_event(warm_ups_done)  # the next step runs after the warm-ups, on the device
@@ -278,16 +327,14 @@ class ThreadCapture:
         self._thread = threading.get_ident()
         jobs = self._jobs
         totals = jobs.start_totals()
-        cuda = serving is not None and own is not None
-        on_device = torch.cuda.device(jobs.device) if cuda else contextlib.nullcontext()
         on_stream = torch.cuda.stream(own) if own is not None else contextlib.nullcontext()
         try:
-            with on_device, on_stream, torch.no_grad():
+            with on_device(jobs.device), on_stream, torch.no_grad():
                 self._warm_up(serving, own, warm_ups_done)
                 self._first.wait(self._timings, self._stop)
                 while self._pending and not self._stop.is_set():
                     key = self._next_key()
-                    with self._turn(), collector_paused(jobs.gc_disable):  # one key at a time
+                    with capture_lock_of(jobs.device), collector_paused(jobs.gc_disable):  # one key at a time
                         if serving is not None and own is not None:
                             own.wait_stream(serving)  # this turn after what the serving stream queued so far
                         self._capture_with_retries(key)
@@ -305,7 +352,7 @@ class ThreadCapture:
         warm_ups_done: torch.cuda.Event | None,
     ) -> None:
         try:
-            with self._turn():
+            with capture_lock_of(self._jobs.device):
                 if serving is not None and own is not None:
                     own.wait_stream(serving)  # everything the serving stream queued before start_capture()
                 warm_ups = self._warm_ups
@@ -320,11 +367,6 @@ class ThreadCapture:
                 warm_ups_done.record(own)
             self._warm_ups_queued.set()
 
-    def _turn(self) -> contextlib.AbstractContextManager[object]:
-        """The device's capture lock (another thread's capture on this device goes first or after)."""
-        device = self._jobs.device
-        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
-
     def _next_key(self) -> BatchDescriptor:
         """The most recently missed pending key, else the largest pending one."""
         with self._lock:
@@ -337,7 +379,7 @@ class ThreadCapture:
     def _capture_with_retries(self, key: BatchDescriptor) -> None:
         for attempt in range(RETRIES + 1):
             try:
-                record = self._record(key)
+                record = self._jobs.capture(key)
             except Exception as error:  # a model's error, an invalidated capture: never the whole loop
                 if attempt < RETRIES and worth_retrying(error):
                     with self._lock:
@@ -352,10 +394,6 @@ class ThreadCapture:
                 self._finished += 1
             return
 
-    def _record(self, key: BatchDescriptor) -> CapturedGraph:
-        """One try of ``key``'s capture."""
-        return self._jobs.capture(key)
-
     def _gave_up(self, error: BaseException) -> None:
         with self._lock:
             self._errors.append(error)
@@ -368,3 +406,132 @@ class ThreadCapture:
                 why = f"stopped (stop() or release()) with {len(self._pending)} of {self._total} keys left"
             self._report = self._jobs.report(totals, self._records, why)
         # ``done`` is set by the thread's runner once it is free again (``run_capture``).
+
+
+# -- the device's capture worker --
+
+_JOIN_AT_EXIT_S: Final = 5.0
+
+#: What the worker runs: a session's body, then what follows it once the worker is free.
+Task = Callable[[], None]
+
+
+class CaptureWorker:
+    """A daemon thread that runs capture tasks one at a time (``try_run``) until ``stop``."""
+
+    __slots__ = ("_busy", "_lock", "_stopped", "_tasks", "_thread", "_users")
+
+    def __init__(self, name: str) -> None:
+        self._tasks: Final[queue.SimpleQueue[tuple[Task, Task] | None]] = queue.SimpleQueue()
+        # _busy, _stopped, _users; reentrant: a user's finalizer may run inside try_run (a GC there).
+        self._lock: Final = threading.RLock()
+        self._busy = False
+        self._stopped = False
+        #: The owners (a manager's ``Capturer``) that used the worker; it stops when none is alive.
+        self._users: Final[weakref.WeakSet[object]] = weakref.WeakSet()
+        self._thread: Final = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    @property
+    def alive(self) -> bool:
+        with self._lock:
+            return not self._stopped and self._thread.is_alive()
+
+    def try_run(self, task: Task, user: object, after: Task) -> bool:
+        """Queue ``task`` and return ``True``, unless the worker is busy or stopped (``False``).
+
+        ``after`` runs on the worker once the task is done and the worker is
+        free again. All under the lock: the queue's order always matches the
+        flags, even where a finalizer runs in here (a collection) and stops
+        the worker; ``try_run`` then returns ``False``.
+        """
+        with self._lock:
+            if user not in self._users:
+                self._users.add(user)
+                weakref.finalize(user, self._user_gone)
+            if self._busy or self._stopped:
+                return False
+            self._busy = True
+            self._tasks.put((task, after))
+        return True
+
+    def stop(self) -> None:
+        """Let the thread end after the task it runs, if any (any thread; never waits)."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._tasks.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (after ``stop``)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _user_gone(self) -> None:
+        # May run on any thread, this one included: stop without waiting. Iterating yields the
+        # live users only (the dead one may not have left the set yet).
+        with self._lock:
+            if next(iter(self._users), None) is None:
+                self.stop()
+
+    def _loop(self) -> None:
+        while True:
+            queued = self._tasks.get()
+            if queued is None:
+                return
+            self._run_one(*queued)
+            del queued  # hold nothing of the session between tasks
+
+    def _run_one(self, task: Task, after: Task) -> None:
+        try:
+            task()
+        except BaseException:  # a task reports its own errors; never let the worker die silently
+            _logger.exception("capture worker: a task raised")
+        finally:
+            with self._lock:
+                self._busy = False
+        after()  # free first: a capture started right after this one finds the worker idle
+
+
+_workers: Final[dict[str, CaptureWorker]] = {}
+_workers_lock: Final = threading.Lock()
+
+
+def capture_worker(device: object) -> CaptureWorker:
+    """The device's worker, started (again) if it has none alive."""
+    key = str(device)
+    with _workers_lock:
+        worker = _workers.get(key)
+        if worker is None or not worker.alive:
+            worker = _workers[key] = CaptureWorker(f"cudagraph-capture-worker-{key}")
+        return worker
+
+
+def run_capture(device: object, task: Task, user: object, name: str, after: Task) -> None:
+    """Run ``task``, then ``after``, on the device's worker, or on a new thread if the worker is busy."""
+    if capture_worker(device).try_run(task, user, after):
+        return
+
+    def run() -> None:
+        try:
+            task()
+        finally:
+            after()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit: every worker ends after its task (a capture in flight gets a few seconds)."""
+    with _workers_lock:
+        workers = list(_workers.values())
+        _workers.clear()
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.join(_JOIN_AT_EXIT_S)

@@ -5,29 +5,32 @@ input gets one ``StaticBuffer`` holding its largest row count; a graph of
 ``g`` rows reads the buffer's first ``g`` rows. A step's tensors are checked
 against the declarations before any buffer is touched, then each is copied
 into the first rows of its buffer and the graph's remaining rows are filled
-with the input's pad value.
+with the input's pad value. A decode loop's state lives at fixed addresses
+too (``LoopBuffers``): its graphs read and write it on the device.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Final, TypeAlias
+from typing import Final, Generic, TypeAlias
 
 import torch
 
-from ._static import Rows, StaticInput
+from .._values._inputs import Rows, StaticInput
+from .._values._loop import DecodeLoop, LoopState
+from .._values._protocols import OutputT
 
 _Tensor: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 _KINDS: Final = ("tokens", "reqs")
 _NO_LORAS: Final = 0  # run()'s default num_active_loras; more adapters than requests: refused
 _Inputs: TypeAlias = Mapping[str, torch.Tensor]  # a step's tensors by input name
-
-#: Keyword arguments of ``run`` itself: no model input may be named so.
-RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
+#: This package's folder (its modules' frames lie under it).
+_PACKAGE: Final = os.path.dirname(os.path.dirname(__file__)) + os.sep
 
 
 class StaticBuffer:
@@ -139,6 +142,10 @@ class StaticBuffers:
         self.device: Final = device
         self.warned_grad = False  # a step's input required grad: warned once (per manager)
 
+    def first(self, rows: Rows) -> str:
+        """The first input whose rows are ``rows`` (its row count names the batch's count; ``""``: none)."""
+        return self._firsts[_KINDS.index(rows)] if rows is not None else ""
+
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """What a graph of ``num_tokens`` tokens and ``num_reqs`` requests reads, by input name."""
         return {b.name: b.view(num_reqs if b.rows == "reqs" else num_tokens) for b in self.buffers}
@@ -198,9 +205,8 @@ class StaticBuffers:
 
     def _row_count_error(self, b: StaticBuffer, rows: int, first_rows: int) -> ValueError:
         """The error of ``b``'s input, whose ``rows`` differ from the first input of its kind of rows."""
-        first = next(other.name for other in self.buffers if other.rows == b.rows)
         return ValueError(
-            f"run: input {b.name!r}: {rows} rows, but input {first!r} has {first_rows}; "
+            f"run: input {b.name!r}: {rows} rows, but input {self.first(b.rows)!r} has {first_rows}; "
             f"all {b.rows!r} inputs have num_{b.rows} rows"
         )
 
@@ -214,7 +220,7 @@ class StaticBuffers:
             "so no gradient flows back to them (warned once per manager; run under torch.no_grad(), "
             "or pass tensors that do not require grad)",
             UserWarning,
-            stacklevel=5,  # run()'s caller: _warn_requires_grad <- check <- _step <- run
+            stacklevel=_caller_stacklevel(),  # the line that called run(), run_batch() or run_loop()
         )
 
     def copy_in(
@@ -289,6 +295,22 @@ class StaticBuffers:
         return ValueError(f"run: {'; '.join(parts)}; expected exactly {expected}")
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package: its caller's line.
+
+    Counted from the function that calls ``warnings.warn`` (level 1), however
+    many of the package's frames lie between it and the caller (``run()``
+    and ``run_loop()`` reach the step's checks through different paths).
+    """
+    frame = inspect.currentframe()
+    frame = None if frame is None else frame.f_back  # the function that warns: level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _check_sizes(
     inputs: Mapping[str, StaticInput], max_rows: Mapping[Rows, int], device: torch.device
 ) -> None:
@@ -323,23 +345,28 @@ def _memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
-    """The declared inputs, validated: names usable as keywords, at least one "tokens" input."""
-    given: object = inputs
-    if not isinstance(given, Mapping) or not given:
-        raise ValueError(f"inputs: expected a non-empty mapping of names to StaticInput, got {inputs!r}")
-    checked: dict[str, StaticInput] = {}
-    for name, spec in inputs.items():
-        given_name: object = name  # checked at run time: callers may not be typed
-        if not isinstance(given_name, str) or not given_name.isidentifier():
-            raise ValueError(f"inputs: names are passed as keywords, so must be identifiers, got {name!r}")
-        if name in RESERVED_NAMES:
-            raise ValueError(f"inputs[{name!r}]: the name is a keyword of run() itself; rename the input")
-        if not isinstance(spec, StaticInput):
-            raise ValueError(f"inputs[{name!r}]: expected a StaticInput, got {spec!r}")
-        checked[name] = spec
-    if not any(spec.rows == "tokens" for spec in checked.values()):
-        raise ValueError(
-            "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
-        )
-    return checked
+class LoopBuffers(Generic[OutputT]):
+    """A manager's decode-loop state at fixed addresses, and its ``DecodeLoop``.
+
+    ``stop`` ``[]`` bool, ``step`` ``[]`` int64 (the host loop's index),
+    ``active`` ``[max_num_seqs]`` bool, ``tokens`` ``[max_steps, max_num_seqs]``
+    int64; ``state`` hands ``advance`` views of them.
+    """
+
+    __slots__ = ("active", "config", "step", "stop", "tokens")
+
+    def __init__(self, config: DecodeLoop[OutputT], max_num_seqs: int, device: torch.device) -> None:
+        self.config: Final = config
+        self.stop: Final = torch.zeros((), dtype=torch.bool, device=device)
+        self.step: Final = torch.zeros((), dtype=torch.int64, device=device)
+        self.active: Final = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
+        self.tokens: Final = torch.zeros(config.max_steps, max_num_seqs, dtype=torch.int64, device=device)
+
+    def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
+        return LoopState(step, self.stop, self.active[:num_reqs], self.tokens[:, :num_reqs])
+
+    def reset(self, num_reqs: int) -> None:
+        """A new loop: ``num_reqs`` real requests active, every other row not (a shrinking loop reads all)."""
+        self.active[:num_reqs].fill_(True)
+        self.active[num_reqs:].fill_(False)
+        self.stop.fill_(False)

@@ -1,26 +1,26 @@
 """A manager's captures: in the foreground, in a background thread, in lockstep with ranks, or probed.
 
 Each planned graph is warmed up where the warm-up rule (and ``capture()``'s
-policy, ``ManagerOptions.warm_ups``) says, recorded
-(nothing runs on the device, so a serving step's memory is never written),
-its outputs checked, then kept in the graph table: its key is captured.
-The capturer owns the capture's lifecycle: the engines, the warm-up rule,
-the last background capture, whether the graphs were released, the weights
-they read.
+policy, ``ManagerOptions.warm_ups``) says, recorded (nothing runs on the
+device, so a serving step's memory is never written), its outputs checked,
+then kept in the graph table: its key is captured. The capturer owns the
+captures' lifecycle: the engines, the warm-up rule, the last capture thread,
+with ranks the lockstep capture's part, whether the graphs were released,
+the weights they read; the sessions (``_thread``, ``_lockstep``) ask it for
+their jobs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Final, Generic, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Final, Generic, TypeVar, cast
 
 import torch
 
@@ -33,40 +33,47 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._arguments import Arguments
-from .._graphs import GraphTable, PlannedGraph
+from .._memory._device import CaptureTotals, on_device
 from .._memory._weights import WeightWatch, watched_module
 from .._parts import ManagerParts
-from .._protocols import BackgroundCapture, GraphEngineFactory, OutputT
-from .._reports._report import CapturedGraph, CaptureReport, MemoryEstimate
-from .._reports._totals import CaptureTotals
+from .._values._inputs import signature_of
+from .._values._protocols import BackgroundCapture, GraphEngineFactory, OutputT
+from .._values._reports import CapturedGraph, CaptureReport, MemoryEstimate
 from ..ranks import RankAgreement
-from ._background import BackgroundTimings, ThreadCapture
 from ._estimate import LoopProbes, estimate_memory, nothing_to_estimate
-from ._lockstep import Lockstep, LockstepCapture
+from ._lockstep import (
+    Lockstep,
+    LockstepCapture,
+    Together,
+    on_every_rank,
+    plan_digest,
+    planned,
+    why_not_capture,
+)
 from ._loops import LoopCapture
-from ._progress import progress as progress_bar
 from ._recording import capture_graph, warm_up
-from ._together import Together, on_every_rank, plan_digest, planned, why_not_capture
+from ._table import GraphTable, PlannedGraph
+from ._thread import BackgroundTimings, ThreadCapture, capture_worker
 from ._warm_up import WarmUpRule, smallest_of_modes
-from ._worker import capture_worker
 
 _logger: Final = logging.getLogger("cudagraph_manager")
+T = TypeVar("T")
 
 
 class Capturer(Generic[OutputT]):
-    """A manager's captures of its graph table's pending graphs; the capture sessions' ``CaptureJobs``.
+    """A manager's captures of its graph table's pending graphs; the jobs the capture sessions ask of it.
 
     Holds one engine per mode, the warm-up rule, the decode loops' capture,
     the last capture thread (weakly: the session holds this object), with
-    ranks the lockstep capture's part (``lockstep``, the step path's hook),
-    and whether the graphs were released.
+    ranks the lockstep capture's part (``lockstep``, which every step's plan
+    calls around its exchange), and whether the graphs were released. A
+    capture thread's jobs are ``ThreadJobs``, a lockstep capture's
+    ``LockstepJobs``.
     """
 
     __slots__ = (
         "__weakref__",  # the capture worker lives while a capturer that used it does
         "_engines",
-        "_factory",
         "_loops",
         "_options",
         "_parts",
@@ -84,21 +91,18 @@ class Capturer(Generic[OutputT]):
         self,
         parts: ManagerParts[OutputT],
         table: GraphTable[OutputT],
-        checked: Arguments[OutputT],
         idle_step: Callable[[], Callable[[], None] | None],
     ) -> None:
         """``idle_step``: the manager's step of 0 tokens (a lockstep ``wait()`` takes them), held weakly."""
         self._parts: Final = parts
-        self._policy: Final = checked.given.warm_ups  # capture()'s warm-ups
+        self._policy: Final = parts.options.warm_ups  # capture()'s warm-ups
         self._table: Final = table
-        factory, options = checked.factory, checked.options
-        self._factory: Final = factory
-        self._options: Final = options
+        self._options: Final = parts.capture_options
         # One engine per mode of the plan (none where nothing can be captured).
         graphs = table.graphs.values()
         modes = dict.fromkeys(graph.mode for graph in graphs) if parts.no_graphs is None else {}
         self._engines: Final[dict[CUDAGraphMode, GraphEngine[OutputT]]] = {
-            mode: make_engine(factory, parts.model, mode, options) for mode in modes
+            mode: make_engine(parts.engine_factory, parts.model, mode, self._options) for mode in modes
         }
         self._rule: Final = WarmUpRule[OutputT]()
         # The decode loops (``run_loop``), captured by ``foreground`` after the keys; ``None``: no loops.
@@ -120,7 +124,7 @@ class Capturer(Generic[OutputT]):
         #: The addresses of the model's parameters and buffers that its graphs read.
         self.weights: Final = WeightWatch(watched_module(parts.model))
 
-    # -- the background capture's seam (``CaptureJobs``) --
+    # -- a capture thread's jobs (``ThreadJobs``) --
 
     @property
     def device(self) -> torch.device:
@@ -172,24 +176,30 @@ class Capturer(Generic[OutputT]):
     def foreground(
         self, pending: Sequence[PlannedGraph[OutputT]], ranks: RankAgreement | None, progress: bool | None
     ) -> CaptureReport:
-        """Capture ``pending`` in order on this thread (with ranks, every rank's keys: ``_together``).
+        """Capture ``pending`` in order on this thread (with ranks, every rank's keys: ``on_every_rank``).
 
-        A key is warmed up where the warm-up rule says (``WarmUpRule.plan``);
+        A key is warmed up where the warm-up rule says (``WarmUpRule.for_capture``);
         with ranks every key, each kept by every rank or by none.
         """
         parts = self._parts
         if parts.no_graphs is not None:
             kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
-            return CaptureReport((), 0.0, 0, parts.no_graphs, resolution=parts.resolution, kv_cache=kv_cache)
-        plan = self._rule.plan(pending, self._policy, ranks=ranks is not None)
+            return CaptureReport(
+                graphs=(),
+                seconds=0.0,
+                reserved_bytes=0,
+                no_graphs=parts.no_graphs,
+                resolution=parts.resolution,
+                kv_cache=kv_cache,
+            )
+        warm_ups = self._rule.for_capture(pending, self._policy, ranks=ranks is not None)
         device = parts.device
         records: list[CapturedGraph] = []
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device(device):
             totals = self.start_totals()
             for graph in progress_bar(pending, desc="Capturing CUDA graphs", enabled=progress):
                 if ranks is None:
-                    records.append(plan.capture(graph, self._capture))
+                    records.append(warm_ups.capture(graph, self._capture))
                     continue
                 together = self._together(ranks, graph)
                 if together.error is not None:
@@ -209,8 +219,8 @@ class Capturer(Generic[OutputT]):
     def background(
         self, pending: Sequence[PlannedGraph[OutputT]], keys_per_step: int = 1
     ) -> ThreadCapture | LockstepCapture:
-        """Start capturing ``pending`` in a thread (``_background``; returns once it warmed up), or,
-        with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``_lockstep``)."""
+        """Start capturing ``pending`` in a thread (``ThreadCapture``; returns once it warmed up), or,
+        with ranks, in lockstep by the serving steps, ``keys_per_step`` a step (``LockstepCapture``)."""
         if self.lockstep is not None:
             return self.lockstep.start(keys_per_step)
         keys = [] if self._parts.no_graphs is not None else [graph.descriptor for graph in pending]
@@ -233,7 +243,7 @@ class Capturer(Generic[OutputT]):
         session = None if self._session is None else self._session()
         return session if session is not None and not session.done else None
 
-    # -- the lockstep capture's seam (``LockstepJobs``) --
+    # -- a lockstep capture's jobs (``LockstepJobs``) --
 
     def pending_keys(self) -> list[BatchDescriptor]:
         """The keys without a graph, in plan order (none where nothing can be captured)."""
@@ -249,13 +259,11 @@ class Capturer(Generic[OutputT]):
         """``key`` warmed up and recorded on the serving thread with every rank, kept by all or by none."""
         ranks = self._parts.ranks
         assert ranks is not None
-        device = self._parts.device
-        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device:
+        with collector_paused(self._options.gc_disable), torch.no_grad(), on_device(self._parts.device):
             return self._together(ranks, self._table.graphs[key])
 
     def _together(self, ranks: RankAgreement, graph: PlannedGraph[OutputT]) -> Together:
-        """``graph`` captured on every rank (``_together.on_every_rank``); a graph this rank held is dropped
+        """``graph`` captured on every rank (``on_every_rank``); a graph this rank held is dropped
         and recorded again with the others: only a recording meets a recording's collectives."""
 
         def attempt() -> CapturedGraph:
@@ -328,7 +336,7 @@ class Capturer(Generic[OutputT]):
         done = threading.Event()
         failed: list[BaseException] = []
 
-        def job() -> None:
+        def warm_ups() -> None:
             try:
                 with torch.cuda.device(device), torch.cuda.stream(own), torch.no_grad():
                     own.wait_stream(serving)  # after the captures this thread queued
@@ -339,7 +347,7 @@ class Capturer(Generic[OutputT]):
             except BaseException as error:  # the wake warms up then, as without this
                 failed.append(error)
 
-        if not worker.try_run(job, self, done.set):
+        if not worker.try_run(warm_ups, self, done.set):
             return
         done.wait()
         serving.wait_stream(own)  # the next step after the warm-ups, on the device
@@ -368,9 +376,8 @@ class Capturer(Generic[OutputT]):
 
     def _probe_engine(self, mode: CUDAGraphMode, pool: GraphPool) -> GraphEngine[OutputT]:
         """An engine of ``mode`` recording into ``pool``: the estimate's probes, in a pool of their own."""
-        return make_engine(
-            self._factory, self._parts.model, mode, dataclasses.replace(self._options, pool=pool)
-        )
+        options = dataclasses.replace(self._options, pool=pool)
+        return make_engine(self._parts.engine_factory, self._parts.model, mode, options)
 
     def _capture(self, descriptor: BatchDescriptor, *, warm: bool) -> CapturedGraph:
         graph = self._table.graphs[descriptor]
@@ -390,7 +397,7 @@ def make_engine(
     try:
         engine: object = factory(model, mode, options)
     except TypeError as error:
-        if _has_signature(factory):  # it takes the arguments: the error is the factory's own
+        if signature_of(factory) is not None:  # it takes the arguments (checked): the error is its own
             raise
         raise ValueError(
             f"options.engine_factory: {factory!r:.80} cannot be called as "
@@ -405,10 +412,18 @@ def make_engine(
     return cast("GraphEngine[OutputT]", engine)
 
 
-def _has_signature(factory: object) -> bool:
-    """Whether ``factory``'s signature can be read (``ManagerOptions`` checked it takes 3 arguments)."""
+def progress_bar(items: Sequence[T], *, desc: str, enabled: bool | None = None) -> Iterator[T]:
+    """Iterate ``items``, showing a bar when ``enabled`` (default: stderr is a terminal).
+
+    The bar needs ``tqdm`` (the ``progress`` extra); without it this is a plain
+    iteration. tqdm is imported here, on use, never at package import.
+    """
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return iter(items)
     try:
-        inspect.signature(cast("Callable[..., object]", factory))
-    except (TypeError, ValueError):
-        return False
-    return True
+        from tqdm import tqdm
+    except ImportError:
+        return iter(items)
+    return iter(tqdm(items, desc=desc, unit="graph", leave=False))

@@ -1,15 +1,19 @@
-"""Static inputs: what the model reads, described once, kept in fixed buffers.
+"""The model's inputs, declared: what the model reads, described once, kept in fixed buffers.
 
 A CUDA graph reads its inputs from the addresses it was captured with, so each
 model input gets one buffer, allocated once and refilled in place every step.
-``StaticInput`` says how that buffer is shaped and padded.
+``StaticInput`` says how that buffer is shaped and padded; the checks of what
+a caller declares are here too (a pad value, the mapping of inputs, and
+``signature_of``: how a callable the caller passes will be called).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from typing import Final, Literal, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Final, Literal, TypeAlias, cast
 
 import torch
 
@@ -23,6 +27,9 @@ _INTEGER_DTYPES: Final = frozenset(
 #: ``"tokens"`` (num_tokens), ``"reqs"`` (num_reqs) or ``None`` (not batched).
 Rows: TypeAlias = Literal["tokens", "reqs"] | None
 
+
+#: Keyword arguments of ``run`` itself: no model input may be named so.
+RESERVED_NAMES: Final = frozenset({"uniform_decode", "num_active_loras", "invalid_modes"})
 
 #: The largest size of a tensor dimension torch can hold (int64).
 _MAX_DIM: Final = 2**63 - 1
@@ -97,3 +104,36 @@ def check_pad_value(value: object, dtype: torch.dtype) -> None:
     info = torch.iinfo(dtype)
     if not info.min <= value <= info.max:
         raise ValueError(f"pad_value: {value!r} is out of range for {dtype} [{info.min}, {info.max}]")
+
+
+def check_inputs_spec(inputs: Mapping[str, StaticInput]) -> dict[str, StaticInput]:
+    """The declared inputs, validated: names usable as keywords, at least one "tokens" input."""
+    given: object = inputs
+    if not isinstance(given, Mapping) or not given:
+        raise ValueError(f"inputs: expected a non-empty mapping of names to StaticInput, got {inputs!r}")
+    checked: dict[str, StaticInput] = {}
+    for name, spec in inputs.items():
+        given_name: object = name  # checked at run time: callers may not be typed
+        if not isinstance(given_name, str) or not given_name.isidentifier():
+            raise ValueError(f"inputs: names are passed as keywords, so must be identifiers, got {name!r}")
+        if name in RESERVED_NAMES:
+            raise ValueError(f"inputs[{name!r}]: the name is a keyword of run() itself; rename the input")
+        if not isinstance(spec, StaticInput):
+            raise ValueError(f"inputs[{name!r}]: expected a StaticInput, got {spec!r}")
+        checked[name] = spec
+    if not any(spec.rows == "tokens" for spec in checked.values()):
+        raise ValueError(
+            "inputs: at least one input needs rows='tokens': its row count is the batch's num_tokens"
+        )
+    return checked
+
+
+def signature_of(call: object) -> inspect.Signature | None:
+    """``call``'s signature, checked against how it will be called; ``None`` where none can be read.
+
+    A builtin may have no signature to read: its first call says what is wrong.
+    """
+    try:
+        return inspect.signature(cast("Callable[..., object]", call))
+    except (TypeError, ValueError):
+        return None

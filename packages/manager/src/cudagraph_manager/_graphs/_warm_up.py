@@ -22,7 +22,7 @@ the rest (handles, workspaces, lazy state, compiles). Where a capture made
 dynamo compile, the class's next key warms up too (a compiled model
 specializes by size); a recording of a key not warmed up that fails as a
 first use does inside a capture (a synchronization, a library handle: CUDA
-invalidates the capture, ``_retry.worth_retrying``) is retried once after its
+invalidates the capture, ``_recording.worth_retrying``) is retried once after its
 warm-up; the model's own errors and an out-of-memory are raised at once, as
 under ``"every_key"``.
 ``"auto"`` (the default) is ``"per_class"`` while dynamo has compiled
@@ -33,7 +33,7 @@ its ``compile_class(shape)``, part of the class): then a compiled model
 warms once per compile class too, each class's first warm-up compiling its
 code, and a recording that compiled anyway (a class the declaration missed)
 is recorded again after its warm-up. The background capture uses
-``capture()``'s plan (``background``), all of it before its first recording.
+``capture()``'s warm-ups (``background``), all of them before its first recording.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from cudagraph_capture import CaptureError
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._compiled import dynamo_compiles
-from .._graphs import PlannedGraph, by_mode
 from .._options import WarmUpPolicy
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph
-from ._retry import worth_retrying
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph
+from ._recording import worth_retrying
+from ._table import PlannedGraph, by_mode
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 
@@ -236,7 +236,7 @@ class WarmUpRule(Generic[OutputT]):
             keys = [d for d in keys if d not in self._seconds or d in smallest]
         return WarmUps(tuple(keys), frozenset())
 
-    def plan(
+    def for_capture(
         self, pending: Sequence[PlannedGraph[OutputT]], policy: WarmUpPolicy, *, ranks: bool
     ) -> ForegroundWarmUps[OutputT]:
         """``capture()``'s warm-ups under ``policy`` (``"auto"`` resolved here: see the module)."""
@@ -268,7 +268,7 @@ class WarmUpRule(Generic[OutputT]):
         return tuple(keys)
 
     def background(self, pending: Sequence[PlannedGraph[OutputT]], policy: WarmUpPolicy) -> WarmUps:
-        """The background capture's: ``capture()``'s plan under ``policy`` (``plan``), as it starts.
+        """A capture thread's: ``capture()``'s warm-ups under ``policy`` (``for_capture``), at its start.
 
         Per class: each class's first key not warmed before (its compile class
         included) and each mode's smallest; every key's first use where
@@ -277,10 +277,10 @@ class WarmUpRule(Generic[OutputT]):
         nowhere: the serving thread's eager steps used them (the keys a wake
         misses first are captured first).
         """
-        plan = self.plan(pending, policy, ranks=False)
-        keys = tuple(graph.descriptor for graph in pending if plan.needs(graph))
-        first_uses = set(self.per_class(pending, smallest=False)) if plan.per_class else set()
-        if not plan.per_class:
+        warm_ups = self.for_capture(pending, policy, ranks=False)
+        keys = tuple(graph.descriptor for graph in pending if warm_ups.needs(graph))
+        first_uses = set(self.per_class(pending, smallest=False)) if warm_ups.per_class else set()
+        if not warm_ups.per_class:
             first_uses = {d for d in keys if d not in self._seconds}
         skippable = frozenset(d for d in smallest_of_modes(pending) if d in keys and d not in first_uses)
         return WarmUps(keys, skippable)

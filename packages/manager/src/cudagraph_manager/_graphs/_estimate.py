@@ -36,12 +36,12 @@ from cudagraph_capture.lowlevel import (
 )
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
-from .._buffers._buffers import StaticBuffers
-from .._graphs import PlannedGraph, by_mode
+from .._memory._buffers import StaticBuffers
 from .._memory._device import reserved_bytes
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph, MemoryEstimate
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
+from ._table import PlannedGraph, by_mode
 from ._warm_up import WarmUpClass, WarmUps, smallest_of_modes, warm_up_class
 
 #: The share of a mode's other keys probed after its largest (at least ``MIN_PROBES``): the old rule.
@@ -221,9 +221,16 @@ def estimate_memory(
     kept: list[object] = []  # the probes' entries and loops, alive until the end: they keep the pool usable
     with torch.cuda.device(device), torch.no_grad(), collector_paused(gc_disable):
         try:
-            warmup = measure_warm_ups(largest := _largest_warmed(grouped, engines, warm_ups), buffers, device)
+            largest = _largest_warmed(grouped, engines, warm_ups)
+            warmup = measure_warm_ups(largest, buffers, device)
+            # A probe warms up first where the capture would: each mode's smallest key (that
+            # measure_warm_ups did not warm), and a key of a warm-up class no key warmed before.
+            smallest = smallest_of_modes(pending) - {graph.descriptor for graph, _ in largest}
             classes = set(warmed_classes) | {warm_up_class(graph) for graph, _ in largest}
-            groups = _probe_plan(grouped, engines, buffers, _left_to_warm(pending, largest), kept, classes)
+            probe = functools.partial(_probe, buffers=buffers, kept=kept, smallest=smallest, classes=classes)
+            groups: list[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]] = [
+                (graphs, functools.partial(probe, engine=engines[mode])) for mode, graphs in grouped.items()
+            ]
             if loops is not None and loops.graphs:  # the decode loops: a group of their own
                 probe_loop = functools.partial(_probe_loop, loops=loops, pool=pool, kept=kept)
                 groups.append((loops.graphs, probe_loop))
@@ -257,34 +264,6 @@ def _largest_warmed(
         (next(graph for graph in graphs if graph.descriptor in warmed), engines[mode])
         for mode, graphs in grouped.items()
         if any(graph.descriptor in warmed for graph in graphs)
-    ]
-
-
-def _left_to_warm(
-    pending: Sequence[PlannedGraph[OutputT]],
-    warmed: Sequence[tuple[PlannedGraph[OutputT], GraphEngine[OutputT]]],
-) -> frozenset[BatchDescriptor]:
-    """Each mode's smallest key (every capture warms it) that ``measure_warm_ups`` did not warm up."""
-    return smallest_of_modes(pending) - {graph.descriptor for graph, _ in warmed}
-
-
-def _probe_plan(
-    grouped: dict[CUDAGraphMode, list[PlannedGraph[OutputT]]],
-    engines: dict[CUDAGraphMode, GraphEngine[OutputT]],
-    buffers: StaticBuffers,
-    smallest: frozenset[BatchDescriptor],
-    kept: list[object],
-    classes: set[WarmUpClass],
-) -> list[tuple[list[PlannedGraph[OutputT]], _Probe[OutputT]]]:
-    """Per mode: its graphs, and how to probe one of them (``_probe``)."""
-    return [
-        (
-            graphs,
-            functools.partial(
-                _probe, engine=engines[mode], buffers=buffers, kept=kept, smallest=smallest, classes=classes
-            ),
-        )
-        for mode, graphs in grouped.items()
     ]
 
 
@@ -428,4 +407,13 @@ def _empty_cache(device: torch.device, stream: torch.cuda.Stream) -> None:
 
 def nothing_to_estimate(why: str) -> MemoryEstimate:
     """The estimate of a manager that captures nothing: 0, and why."""
-    return MemoryEstimate(0, 0, 0, 0, 0, (), 0.0, no_graphs=why)
+    return MemoryEstimate(
+        total_bytes=0,
+        warmup_bytes=0,
+        pool_bytes=0,
+        driver_bytes=0,
+        num_graphs=0,
+        probes=(),
+        seconds=0.0,
+        no_graphs=why,
+    )

@@ -1,9 +1,8 @@
-"""A decode loop's values: what ``run_loop`` takes (``DecodeLoop``), its state buffers, what it returns.
+"""A decode loop's values: what ``run_loop`` takes (``DecodeLoop``), what ``advance`` sees, what it returns.
 
 Many decode steps per call: the model's forward, then the user's
-``advance``, repeated on the device (docs/design.md, "Decode loops").
-``LoopBuffers`` holds the loop's state at fixed addresses, read by the loop's
-capture (``_capture/_loops``) and its run (``_step/_loop``).
+``advance``, repeated on the device (docs/design.md, "Decode loops"). The
+loop's state at fixed addresses is ``_memory/_buffers.LoopBuffers``.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import torch
 from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch.lowlevel import check_bool, check_int
 
+from ._inputs import signature_of
 from ._protocols import OutputT
 
 #: The default policy: WHILE where it can be built, else unrolled launches of 8 iterations.
@@ -117,9 +117,8 @@ def _check_advance(advance: object) -> None:
     """
     if not callable(advance):
         raise ValueError(f"advance: expected a callable taking (outputs, inputs, state), got {advance!r:.80}")
-    try:
-        signature = inspect.signature(advance)
-    except (TypeError, ValueError):  # no signature to read: its first call will say
+    signature = signature_of(advance)
+    if signature is None:  # no signature to read: its first call will say
         return
     try:
         signature.bind(None, None, None)
@@ -151,33 +150,6 @@ class LoopResult:
     tokens: torch.Tensor
     steps: int
     kind: LoopKind | None
-
-
-class LoopBuffers(Generic[OutputT]):
-    """A manager's decode-loop state at fixed addresses, and its ``DecodeLoop``.
-
-    ``stop`` ``[]`` bool, ``step`` ``[]`` int64 (the host loop's index),
-    ``active`` ``[max_num_seqs]`` bool, ``tokens`` ``[max_steps, max_num_seqs]``
-    int64; ``state`` hands ``advance`` views of them.
-    """
-
-    __slots__ = ("active", "config", "step", "stop", "tokens")
-
-    def __init__(self, config: DecodeLoop[OutputT], max_num_seqs: int, device: torch.device) -> None:
-        self.config: Final = config
-        self.stop: Final = torch.zeros((), dtype=torch.bool, device=device)
-        self.step: Final = torch.zeros((), dtype=torch.int64, device=device)
-        self.active: Final = torch.zeros(max_num_seqs, dtype=torch.bool, device=device)
-        self.tokens: Final = torch.zeros(config.max_steps, max_num_seqs, dtype=torch.int64, device=device)
-
-    def state(self, step: torch.Tensor, num_reqs: int) -> LoopState:
-        return LoopState(step, self.stop, self.active[:num_reqs], self.tokens[:, :num_reqs])
-
-    def reset(self, num_reqs: int) -> None:
-        """A new loop: ``num_reqs`` real requests active, every other row not (a shrinking loop reads all)."""
-        self.active[:num_reqs].fill_(True)
-        self.active[num_reqs:].fill_(False)
-        self.stop.fill_(False)
 
 
 def check_loop_steps(config: DecodeLoop[OutputT], max_steps: object) -> int:

@@ -10,9 +10,47 @@ from typing import Final
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
 from cudagraph_dispatch.support import ModeResolution
 
-from .._memory._kv import KVCacheBacking
-
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheBacking:
+    """How much of a KV cache's reservation is backed: ``KVCacheMemory.backing()``, the reports, ``stats``.
+
+    ``units`` of ``max_units`` are backed (the unit ids below ``units``:
+    what the engine may hand out, its scratch unit included), each of
+    ``unit_bytes``; ``backed_bytes`` of the ``reserved_bytes`` reserved are
+    backed, in ``mappings`` mappings, exact to ``chunk_bytes`` (the device's
+    granularity; a fallback's whole allocation). ``seconds`` is the host time
+    the last change of the backing took (creating, mapping and giving access
+    to the memory, or unmapping it; measuring free memory included),
+    ``changes`` how many changes there were. ``fallback`` says why the cache
+    is an ordinary allocation (``None``: reserved addresses, backed on demand).
+    """
+
+    units: int
+    max_units: int
+    unit_bytes: int
+    backed_bytes: int
+    reserved_bytes: int
+    chunk_bytes: int
+    mappings: int
+    seconds: float = 0.0
+    changes: int = 0
+    fallback: str | None = None
+
+    def __str__(self) -> str:
+        gib, mib = 2**30, 2**20
+        if self.fallback is not None:
+            return (
+                f"KV cache: {self.units} of {self.max_units} units usable, an ordinary allocation of "
+                f"{self.backed_bytes / gib:.2f} GiB ({self.fallback})"
+            )
+        return (
+            f"KV cache: {self.units} of {self.max_units} units backed ({self.backed_bytes / gib:.2f} of "
+            f"{self.reserved_bytes / gib:.2f} GiB reserved, {self.mappings} mappings, chunks of "
+            f"{self.chunk_bytes / mib:g} MiB); last change {self.seconds * 1e3:.2f} ms"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,9 +171,8 @@ class CaptureReport:
         warmup = sum(g.warmup_seconds for g in self.graphs)
         recording = sum(g.recording_seconds for g in self.graphs)
         instantiation = sum(g.instantiation_seconds for g in self.graphs)
-        return CapturePhases(
-            warmup, recording, instantiation, self.seconds - warmup - recording - instantiation
-        )
+        rest = self.seconds - warmup - recording - instantiation
+        return CapturePhases(warmup=warmup, recording=recording, instantiation=instantiation, rest=rest)
 
     def __str__(self) -> str:
         if self.no_graphs is not None:
@@ -293,26 +330,22 @@ class ManagerStats:
         )
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.eager_reasons.items()))
         by_size = ", ".join(f"{size}: {n}" for size, n in sorted(self.device_loop_steps.items()))
-        return (
-            f"{self.num_replays} replays"
-            + (f" ({replays})" if replays else "")
-            + f", {self.eager_steps} eager steps"
-            + (f" ({reasons})" if reasons else "")
-            + f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps,"
-            f" {self.padded_tokens} padded tokens"
-            + (
-                f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host"
-                + (f"; on the device by key size: {by_size})" if by_size else ")")
-                if self.loop_steps
-                else ""
-            )
-            + (
-                f"; mode {self.resolution}"
-                if self.resolution is not None and self.resolution.downgraded
-                else ""
-            )
-            + (f"; {self.kv_cache}" if self.kv_cache is not None else "")
-        )
+        line = f"{self.num_replays} replays"
+        if replays:
+            line += f" ({replays})"
+        line += f", {self.eager_steps} eager steps"
+        if reasons:
+            line += f" ({reasons})"
+        line += f", {self.idle_steps} idle steps, {self.dummy_steps} dummy steps"
+        line += f", {self.padded_tokens} padded tokens"
+        if self.loop_steps:
+            on_device = f"; on the device by key size: {by_size}" if by_size else ""
+            line += f", {self.loop_steps} loop steps ({self.host_loop_steps} on the host{on_device})"
+        if self.resolution is not None and self.resolution.downgraded:
+            line += f"; mode {self.resolution}"
+        if self.kv_cache is not None:
+            line += f"; {self.kv_cache}"
+        return line
 
 
 class StepCounts:

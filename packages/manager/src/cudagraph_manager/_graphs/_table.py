@@ -10,21 +10,20 @@ captured for them; their state changes only through this module's methods.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Final, Generic, cast
 
 from cudagraph_capture import DeviceLoop, GraphEntry
-from cudagraph_capture.lowlevel import capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
-from ._attention._seam import metadata_extra, other_metadata
-from ._batch import BatchShape, StepBatch
-from ._buffers._buffers import StaticBuffers
-from ._buffers._outputs import OutputLayout
-from ._protocols import AttentionMetadataBuilder, OutputT
+from .._attention._seam import metadata_extra, other_metadata
+from .._memory._buffers import StaticBuffers
+from .._memory._device import capture_lock_of
+from .._memory._outputs import OutputLayout
+from .._values._batch import BatchShape, StepBatch
+from .._values._protocols import AttentionMetadataBuilder, OutputT
 
 
 class PlannedGraph(Generic[OutputT]):
@@ -195,20 +194,15 @@ class GraphTable(Generic[OutputT]):
 
     def drop(self, graph: PlannedGraph[OutputT]) -> None:
         """Free ``graph``'s entry (its key is not captured any more), under the device's capture lock."""
-        with self._capture_lock():
+        with capture_lock_of(self._device):
             graph.drop()
 
     def drop_all(self) -> None:
         """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
-        with self._capture_lock():
+        with capture_lock_of(self._device):
             self.loops.clear()
             for graph in self.graphs.values():
                 graph.drop()
-
-    def _capture_lock(self) -> contextlib.AbstractContextManager[object]:
-        """The device's capture lock: destroying a graph edits torch's registry that captures edit too."""
-        device = self._device
-        return capture_lock(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def by_mode(graphs: Iterable[PlannedGraph[OutputT]]) -> dict[CUDAGraphMode, list[PlannedGraph[OutputT]]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Generic
 
 import torch
@@ -26,17 +26,19 @@ import torch
 from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, LoopKind
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
+from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
 
-from .._batch import StepBatch
-from .._decode_loop import FINISHED, LoopBuffers, ShrinkFallback
-from .._graphs import GraphTable, PlannedGraph
+from .._attention._seam import build_extra
+from .._memory._buffers import LoopBuffers
 from .._memory._device import RecordingBytes
 from .._parts import ManagerParts
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph
-from .._step._loop import iteration, loop_metadata
+from .._values._batch import StepBatch
+from .._values._loop import FINISHED, LoopState, ShrinkFallback
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph
+from ._table import GraphTable, PlannedGraph
 
-_LOG: Final = logging.getLogger("cudagraph_manager")
+_logger: Final = logging.getLogger("cudagraph_manager")
 #: A class of loopable keys: what their descriptors share (uniform, has_lora, num_active_loras).
 _Class = tuple[bool, bool, int]
 
@@ -84,7 +86,7 @@ class LoopCapture(Generic[OutputT]):
             except CaptureError as error:
                 if must:
                     raise
-                _LOG.warning(
+                _logger.warning(
                     "decode loop of %s not captured, its run_loop loops on the host: %s",
                     graph.descriptor,
                     error,
@@ -101,7 +103,7 @@ class LoopCapture(Generic[OutputT]):
         start = time.perf_counter()
         parts, buffers = self._parts, self._buffers
         parts.buffers.fill_padding(graph.num_tokens, graph.num_reqs)
-        extra = loop_metadata(parts, StepBatch.padding(), graph.shape)  # valid values for the warm-up
+        extra = build_extra(parts.builder, StepBatch.padding(), graph.shape)  # valid values for the warm-up
         buffers.reset(0)  # the warm-up's rows are all padding
         context = ForwardContext(CUDAGraphMode.FULL, graph.descriptor, extra)
 
@@ -120,9 +122,15 @@ class LoopCapture(Generic[OutputT]):
                 shared_with=shared_with,
             )
         seconds = time.perf_counter() - start
-        return loop, CapturedGraph(
-            CUDAGraphMode.FULL, graph.descriptor, seconds, cost.pool, cost.driver, loop=True
+        captured = CapturedGraph(
+            mode=CUDAGraphMode.FULL,
+            descriptor=graph.descriptor,
+            seconds=seconds,
+            pool_bytes=cost.pool,
+            driver_bytes=cost.driver,
+            loop=True,
         )
+        return loop, captured
 
     # -- shrinking --
 
@@ -190,9 +198,26 @@ class LoopCapture(Generic[OutputT]):
             return
         self._logged.add(fallback)
         level = logging.WARNING if fallback is ShrinkFallback.NO_DEVICE_CHOICE else logging.INFO
-        _LOG.log(
+        _logger.log(
             level, "decode loops do not shrink (%s): %s; each runs on its first key", fallback.value, detail
         )
+
+
+def iteration(
+    parts: ManagerParts[OutputT],
+    inputs: Mapping[str, torch.Tensor],
+    context: ForwardContext,
+    state: LoopState,
+    output: OutputT | None = None,
+) -> None:
+    """One iteration in ``context``: the forward (unless a replay gave ``output``), then the advance."""
+    assert parts.loop is not None
+    restore = FORWARD_CONTEXT_VAR.set(context)
+    try:
+        out = parts.model(**inputs) if output is None else output
+        parts.loop.config.advance(out, inputs, state)
+    finally:
+        FORWARD_CONTEXT_VAR.reset(restore)
 
 
 class _NoShrinkError(Exception):

@@ -6,6 +6,21 @@ writes included). The recording captures the graph without running anything
 on the device (``GraphEngine.record``). Both hand the attention its metadata
 (docs/design.md, "The attention seam"). ``capture()``, the background capture
 and the estimate's probes all capture through these two.
+
+A recording fails for one of two kinds of reasons, and one rule tells them
+apart for every capture (``worth_retrying``). CUDA invalidated the stream
+capture: an operation a capture refuses ran while it recorded (a
+synchronization or a library handle's creation on the capturing thread, a
+first use that a warm-up makes; a device-wide synchronization on another
+thread); the engines raise ``CaptureInvalidatedError`` there, and the same
+capture may succeed when tried again. Or the work failed while the capture
+stayed valid (the model's own error, an out-of-memory, a refusal of
+``set_capture_enabled(False)``): trying again fails again. The decision is
+made on the exception types along the cause chain, never on their text.
+Who retries: ``capture()`` a recording of a key it did not warm up, once,
+after the key's warm-up (``_warm_up``); a capture thread each key up to
+``RETRIES`` more times (``_thread``); a lockstep capture alike, on every
+rank where every failed rank's error is worth it (``_lockstep``).
 """
 
 from __future__ import annotations
@@ -13,21 +28,28 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Final
 
 import torch
 
-from cudagraph_capture import CaptureError, GraphEngine, GraphEntry
+from cudagraph_capture import (
+    CaptureDisabledError,
+    CaptureError,
+    CaptureInvalidatedError,
+    GraphEngine,
+    GraphEntry,
+)
 from cudagraph_capture.lowlevel import RecordSeconds, check_capture_enabled
 from cudagraph_dispatch import CUDAGraphMode, set_forward_context
 
-from .._attention._seam import metadata_extra
-from .._batch import StepBatch
-from .._buffers._buffers import StaticBuffers
-from .._buffers._outputs import LayoutCell
-from .._graphs import PlannedGraph
+from .._attention._seam import build_extra, metadata_extra
+from .._memory._buffers import StaticBuffers
 from .._memory._device import RecordingBytes
-from .._protocols import OutputT
-from .._reports._report import CapturedGraph
+from .._memory._outputs import LayoutCell
+from .._values._batch import StepBatch
+from .._values._protocols import OutputT
+from .._values._reports import CapturedGraph
+from ._table import PlannedGraph
 
 
 def warm_up(graph: PlannedGraph[OutputT], engine: GraphEngine[OutputT], buffers: StaticBuffers) -> None:
@@ -43,8 +65,8 @@ def warm_up(graph: PlannedGraph[OutputT], engine: GraphEngine[OutputT], buffers:
             engine.warm_up(graph.descriptor, graph.inputs)
             return
         # An all-padding batch's metadata, on the stream the warm-up is ordered after.
-        metadata = builder.build(StepBatch.padding(), graph.shape)
-        with set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **metadata_extra(builder, metadata)):
+        extra = build_extra(builder, StepBatch.padding(), graph.shape)
+        with set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **extra):
             engine.warm_up(graph.descriptor, graph.inputs)
     except CaptureError:
         raise
@@ -71,14 +93,14 @@ def record(
         entry = engine.record(graph.descriptor, graph.inputs)
     spent = _checked_seconds(entry, graph)
     return entry, CapturedGraph(
-        graph.mode,
-        graph.descriptor,
-        time.perf_counter() - start,
-        cost.pool,
-        cost.driver,
-        warmup_seconds,
-        spent.recording,
-        spent.instantiation,
+        mode=graph.mode,
+        descriptor=graph.descriptor,
+        seconds=time.perf_counter() - start,
+        pool_bytes=cost.pool,
+        driver_bytes=cost.driver,
+        warmup_seconds=warmup_seconds,
+        recording_seconds=spent.recording,
+        instantiation_seconds=spent.instantiation,
     )
 
 
@@ -91,15 +113,13 @@ def _checked_seconds(entry: object, graph: PlannedGraph[OutputT]) -> RecordSecon
     """
     spent = getattr(entry, "seconds", None)
     times = (getattr(spent, "recording", None), getattr(spent, "instantiation", None))
-    lacks = [
-        *(["replay()"] if not callable(getattr(entry, "replay", None)) else []),
-        *(["output"] if not hasattr(entry, "output") else []),
-        *(
-            ["seconds, a RecordSeconds(recording, instantiation) of finite seconds >= 0"]
-            if not all(_is_seconds(t) for t in times)
-            else []
-        ),
-    ]
+    lacks = []
+    if not callable(getattr(entry, "replay", None)):
+        lacks.append("replay()")
+    if not hasattr(entry, "output"):
+        lacks.append("output")
+    if not all(_is_seconds(t) for t in times):
+        lacks.append("seconds, a RecordSeconds(recording, instantiation) of finite seconds >= 0")
     if lacks:
         raise ValueError(
             f"options.engine_factory: the {graph.mode.name} engine's record() returned {entry!r:.80} for "
@@ -156,3 +176,29 @@ def _capture_metadata(graph: PlannedGraph[OutputT]) -> contextlib.AbstractContex
     extra = metadata_extra(builder, metadata, call="build_for_capture")
     graph.recorded_with(metadata)
     return set_forward_context(CUDAGraphMode.NONE, graph.descriptor, **extra)
+
+
+#: More tries of a key whose background (or lockstep) capture CUDA invalidated.
+RETRIES: Final = 2
+#: Errors that no retry mends, wherever they sit in a cause chain.
+_NEVER: Final = (CaptureDisabledError, torch.OutOfMemoryError)
+
+
+def worth_retrying(error: BaseException) -> bool:
+    """Whether the capture that raised ``error`` may succeed when tried again: CUDA invalidated it.
+
+    True where a ``CaptureInvalidatedError`` is in the chain (``error``, then
+    each ``__cause__``, else ``__context__``; a link seen twice ends the walk)
+    and neither a capture refusal (``CaptureDisabledError``) nor an
+    out-of-memory (``torch.OutOfMemoryError``) is.
+    """
+    invalidated = False
+    seen: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and not any(link is other for other in seen):  # a chain set by hand may loop
+        if isinstance(link, _NEVER):
+            return False
+        invalidated = invalidated or isinstance(link, CaptureInvalidatedError)
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return invalidated

@@ -15,7 +15,7 @@ from typing import Final, TypeAlias, cast
 
 import torch
 
-from ._static import Rows
+from .._values._inputs import Rows
 
 #: ``output_rows``: one ``Rows`` for every output; for a dict output, a mapping
 #: by key (keys left out follow tokens); for a tuple or list output, one
@@ -56,9 +56,11 @@ def _check_rows(field: str, rows: object) -> Rows:
 
 def uses_reqs(spec: RowsSpec) -> bool:
     """True when some output is declared to follow the request count."""
-    return "reqs" in (
-        spec.values() if isinstance(spec, dict) else spec if isinstance(spec, tuple) else (spec,)
-    )
+    if isinstance(spec, dict):
+        return "reqs" in spec.values()
+    if isinstance(spec, tuple):
+        return "reqs" in spec
+    return spec == "reqs"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ class OutputLayout:
         keys = _keys(output)
         labels = tuple("model output" if k is None else f"model output[{k!r}]" for k in keys)
         tensors: list[torch.Tensor] = []
-        for label, leaf in zip(labels, _leaves(output, keys), strict=True):
+        for label, leaf in zip(labels, output_leaves(output), strict=True):
             if not isinstance(leaf, torch.Tensor):
                 nested = isinstance(leaf, (*_CONTAINERS, Mapping))
                 raise ValueError(
@@ -111,7 +113,7 @@ class OutputLayout:
                 "model output: its structure changed between batch sizes "
                 f"(first {self.structure}, now {now.structure})"
             )
-        for label, rows, leaf in zip(self.labels, self.rows, _leaves(output, self.keys), strict=True):
+        for label, rows, leaf in zip(self.labels, self.rows, output_leaves(output), strict=True):
             if not isinstance(leaf, torch.Tensor):
                 raise ValueError(f"{label}: expected a tensor, got {type(leaf).__name__}")
             if rows is None:
@@ -125,7 +127,7 @@ class OutputLayout:
 
     def cut(self, output: object, num_tokens: int, num_reqs: int) -> object:
         """``output`` with each batched tensor sliced to the real rows (views, no copies)."""
-        leaves = cast("list[torch.Tensor]", _leaves(output, self.keys))  # checked when captured
+        leaves = cast("list[torch.Tensor]", output_leaves(output))  # checked when captured
         cut = [
             leaf if rows is None else leaf[: num_tokens if rows == "tokens" else num_reqs]
             for leaf, rows in zip(leaves, self.rows, strict=True)
@@ -166,14 +168,16 @@ class LayoutCell:
         return layout
 
 
-def _leaves(output: object, keys: tuple[str | int | None, ...]) -> list[object]:
-    """The tensors of ``output`` in ``keys`` order (checked by the caller)."""
-    if keys == (None,):
-        return [output]
+def output_leaves(output: object) -> list[object]:
+    """The parts of a model's output in order: the tensor itself, a tuple's or list's items, a dict's values.
+
+    Anything else is one leaf, itself (the callers check what the leaves are).
+    """
     if isinstance(output, dict):
-        return [output[k] for k in keys]
-    assert isinstance(output, (tuple, list))
-    return list(output)
+        return list(output.values())
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    return [output]
 
 
 def _keys(output: object) -> tuple[str | int | None, ...]:

@@ -1,1 +1,0 @@
-"""Static inputs, their buffers and the outputs' cut: the values every layer above reads."""

@@ -1,1 +1,0 @@
-"""Capture: recordings, the warm-up rule, foreground and background capture, decode loops, the estimate."""

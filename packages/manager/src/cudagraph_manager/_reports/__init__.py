@@ -1,1 +1,0 @@
-"""Reports: what a capture, an estimate and the steps did."""

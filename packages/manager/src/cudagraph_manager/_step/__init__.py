@@ -1,1 +1,0 @@
-"""The steps: the step path, eager steps, and run_loop's run."""
