@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import pytest
 
-from cudagraph_manager._capture import _estimate
+from cudagraph_manager._graphs import _estimate
 from tests.benchmarks.support import BenchmarkFixture
 from tests.capture.test_lean_import_capture import fresh_json
 

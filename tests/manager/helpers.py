@@ -36,7 +36,7 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, ManagerOptions, StaticInput
-from cudagraph_manager._buffers._static import Rows
+from cudagraph_manager._values._inputs import Rows
 from cudagraph_manager.lowlevel import GraphEngineFactory
 from tests.torch_support import as_tensor as as_tensor
 from tests.torch_support import highest_fp32_matmul_precision as highest_fp32_matmul_precision

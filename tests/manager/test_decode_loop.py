@@ -32,7 +32,7 @@ from cudagraph_dispatch import (
     set_forward_context,
 )
 from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions
-from cudagraph_manager._decode_loop import LoopResult
+from cudagraph_manager._values._loop import LoopResult
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch, metadata_extra
 from examples import DecoderConfig
 from examples.demo_loop import show_decode_loops

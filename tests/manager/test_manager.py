@@ -30,7 +30,7 @@ from cudagraph_dispatch import (
     get_forward_context,
 )
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions, NoGraphError, StaticInput
-from cudagraph_manager._reports._report import CapturedGraph, ManagerStats
+from cudagraph_manager._values._reports import CapturedGraph, ManagerStats
 
 from .helpers import (
     ALL_MODES,

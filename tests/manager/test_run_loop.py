@@ -21,7 +21,7 @@ from torch import nn
 from cudagraph_capture import LoopKind, LoopPolicy
 from cudagraph_dispatch import CUDAGraphMode
 from cudagraph_manager import CUDAGraphManager, DecodeLoop, LoopState, ManagerOptions, StaticInput
-from cudagraph_manager._decode_loop import LoopResult
+from cudagraph_manager._values._loop import LoopResult
 from tests.manager.helpers import BACKENDS, Backend, config_for
 
 M: Final = CUDAGraphMode

@@ -23,9 +23,10 @@ from typing import Final, Generic
 
 import torch
 
-from cudagraph_capture.lowlevel import OutputGuard
+from cudagraph_capture._guard import OutputGuard
 from cudagraph_dispatch import CUDAGraphDispatcher, CUDAGraphMode, DispatchConfig
-from cudagraph_dispatch.lowlevel import NO_MODES, check_bool
+from cudagraph_dispatch._request import NO_MODES
+from cudagraph_dispatch.lowlevel import check_bool
 
 from ._graphs._capturer import Capturer
 from ._graphs._lockstep import keys_to_capture

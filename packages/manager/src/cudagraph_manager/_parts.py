@@ -28,8 +28,9 @@ from torch import nn
 from cudagraph_capture import CaptureOptions, graph_engine
 from cudagraph_capture.lowlevel import resolve_device
 from cudagraph_dispatch import CUDAGraphDispatcher, DispatchConfig
+from cudagraph_dispatch._support import ModeResolution
 from cudagraph_dispatch.lowlevel import check_bool
-from cudagraph_dispatch.support import AttentionSupport, ModeResolution
+from cudagraph_dispatch.support import AttentionSupport
 
 from ._memory._buffers import LoopBuffers, StaticBuffers
 from ._memory._kv import KVCacheMemory

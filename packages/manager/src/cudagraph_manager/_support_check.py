@@ -28,7 +28,9 @@ from cudagraph_dispatch import (
     DispatchConfig,
     set_forward_context,
 )
-from cudagraph_dispatch.lowlevel import MAX_CAPTURE_SIZE, MAX_NUM_SEQS, check_int
+from cudagraph_dispatch._config import MAX_NUM_SEQS
+from cudagraph_dispatch._sizes import MAX_CAPTURE_SIZE
+from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
 
 from ._attention._seam import build_extra, check_builder

@@ -25,12 +25,9 @@ from typing import Final, Generic, TypeVar, cast
 import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
-from cudagraph_capture.lowlevel import (
-    GraphPool,
-    capture_stream,
-    collector_paused,
-    release_graph_memory,
-)
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture._pool import GraphPool, capture_stream
+from cudagraph_capture.lowlevel import release_graph_memory
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._memory._device import CaptureTotals, on_device

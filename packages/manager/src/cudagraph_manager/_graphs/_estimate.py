@@ -27,13 +27,10 @@ from typing import Final, Generic, TypeVar
 import torch
 
 from cudagraph_capture import GraphEngine
-from cudagraph_capture.lowlevel import (
-    GraphPool,
-    capture_lock,
-    check_capture_enabled,
-    collector_paused,
-    drop_cublas_workspaces,
-)
+from cudagraph_capture._cublas import drop_cublas_workspaces
+from cudagraph_capture._enabled import check_capture_enabled
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture._pool import GraphPool, capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._memory._buffers import StaticBuffers

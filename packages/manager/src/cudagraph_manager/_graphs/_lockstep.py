@@ -52,7 +52,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Final, NamedTuple, Protocol
 
 from cudagraph_capture import CaptureError
-from cudagraph_capture.lowlevel import capture_disabled_reason
+from cudagraph_capture._enabled import capture_disabled_reason
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._memory._device import CaptureTotals

@@ -26,7 +26,7 @@ import torch
 from cudagraph_capture import CaptureError, CaptureOptions, DeviceLoop, LoopKind
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR
 
 from .._attention._seam import build_extra
 from .._memory._buffers import LoopBuffers

@@ -39,7 +39,8 @@ from cudagraph_capture import (
     GraphEngine,
     GraphEntry,
 )
-from cudagraph_capture.lowlevel import RecordSeconds, check_capture_enabled
+from cudagraph_capture._enabled import check_capture_enabled
+from cudagraph_capture.lowlevel import RecordSeconds
 from cudagraph_dispatch import CUDAGraphMode, set_forward_context
 
 from .._attention._seam import build_extra, metadata_extra

@@ -34,7 +34,8 @@ from typing import Final, Protocol
 
 import torch
 
-from cudagraph_capture.lowlevel import capture_stream, collector_paused
+from cudagraph_capture._gc import collector_paused
+from cudagraph_capture._pool import capture_stream
 from cudagraph_dispatch import BatchDescriptor
 
 from .._memory._device import CaptureTotals, capture_lock_of, on_device

@@ -16,8 +16,8 @@ from typing import Final
 
 import torch
 
-from cudagraph_capture.lowlevel import capture_lock
-from cudagraph_dispatch.support import ModeResolution
+from cudagraph_capture._pool import capture_lock
+from cudagraph_dispatch._support import ModeResolution
 
 from .._compiled import compiles_since, dynamo_compiles
 from .._values._reports import CapturedGraph, CaptureReport, KVCacheBacking

@@ -16,7 +16,7 @@ from typing import Final, Generic, cast
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, ForwardContext
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR
 
 from .._graphs._table import PlannedGraph
 from .._parts import ManagerParts

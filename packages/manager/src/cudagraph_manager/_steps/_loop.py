@@ -20,7 +20,7 @@ from typing import Final, Generic
 import torch
 
 from cudagraph_dispatch import ForwardContext
-from cudagraph_dispatch.lowlevel import NO_MODES
+from cudagraph_dispatch._request import NO_MODES
 
 from .._graphs._loops import iteration
 from .._memory._buffers import LoopBuffers

@@ -15,9 +15,11 @@ from typing import Final, Generic, cast
 import torch
 
 from cudagraph_capture import GraphEntry
-from cudagraph_capture.lowlevel import OutputGuard
-from cudagraph_dispatch import CUDAGraphMode, Dispatch, Route
-from cudagraph_dispatch.lowlevel import FORWARD_CONTEXT_VAR, NO_MODES
+from cudagraph_capture._guard import OutputGuard
+from cudagraph_dispatch import CUDAGraphMode, Dispatch
+from cudagraph_dispatch._context import FORWARD_CONTEXT_VAR
+from cudagraph_dispatch._request import NO_MODES
+from cudagraph_dispatch._rule import Route
 
 from .._graphs._table import GraphTable, PlannedGraph
 from .._memory._weights import WeightWatch

@@ -24,15 +24,9 @@ from types import MappingProxyType
 from typing import Final, Generic, NamedTuple
 
 from cudagraph_capture import DeviceLoop, GraphEntry
-from cudagraph_dispatch import (
-    BatchDescriptor,
-    CUDAGraphMode,
-    Dispatch,
-    EagerReason,
-    ForwardContext,
-    Route,
-    StepRequest,
-)
+from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, Dispatch, EagerReason, ForwardContext
+from cudagraph_dispatch._request import RankRequest
+from cudagraph_dispatch._rule import Route
 
 from .._attention._seam import build_extra
 from .._graphs._capturer import Capturer
@@ -262,7 +256,7 @@ class Planner(Generic[OutputT]):
         """
         ranks, lockstep = self._ranks, self._captures.lockstep
         assert ranks is not None
-        request = StepRequest(
+        request = RankRequest(
             batch.num_tokens, batch.uniform_decode, batch.num_active_loras, batch.invalid_modes
         )
         field = () if lockstep is None else lockstep.field()

@@ -18,7 +18,8 @@ from typing import Final, NamedTuple
 import torch
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
-from cudagraph_dispatch.lowlevel import NO_MODES, check_int
+from cudagraph_dispatch._request import NO_MODES
+from cudagraph_dispatch.lowlevel import check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from types import MappingProxyType
 from typing import Final
 
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, EagerReason
-from cudagraph_dispatch.support import ModeResolution
+from cudagraph_dispatch._support import ModeResolution
 
 _UNITS: Final = ("B", "KiB", "MiB", "GiB", "TiB")
 

@@ -27,11 +27,10 @@ from cudagraph_dispatch import (
     CUDAGraphMode,
     Dispatch,
     EagerReason,
-    Route,
-    StepRequest,
     agree_across_ranks,
 )
-from cudagraph_dispatch.lowlevel import NO_MODES
+from cudagraph_dispatch._request import NO_MODES, RankRequest
+from cudagraph_dispatch._rule import Route
 
 from ._shared_table import SharedTable, shared_memory_supported
 
@@ -201,7 +200,7 @@ class RankAgreement:
         return staged
 
     def agree_step(
-        self, dispatcher: CUDAGraphDispatcher, request: StepRequest, *, can_replay: bool
+        self, dispatcher: CUDAGraphDispatcher, request: RankRequest, *, can_replay: bool
     ) -> Dispatch:
         """The decision every rank runs this step (one exchange).
 
@@ -216,7 +215,7 @@ class RankAgreement:
     def route_step(
         self,
         dispatcher: CUDAGraphDispatcher,
-        request: StepRequest,
+        request: RankRequest,
         *,
         can_replay: bool,
         field: Sequence[int] = (),
@@ -279,7 +278,7 @@ class StepRow(NamedTuple):
     field: tuple[int, ...]
 
     @classmethod
-    def of(cls, request: StepRequest, can_replay: bool, field: Sequence[int]) -> StepRow:
+    def of(cls, request: RankRequest, can_replay: bool, field: Sequence[int]) -> StepRow:
         """``request``'s row, its ``field`` padded to ``FIELD_WIDTH`` (``ValueError`` if it is longer)."""
         if len(field) > FIELD_WIDTH:
             raise ValueError(f"field: at most {FIELD_WIDTH} ints, got {len(field)}: {tuple(field)!r:.80}")
@@ -300,8 +299,8 @@ class StepRow(NamedTuple):
         invalid = frozenset(mode for i, mode in enumerate(_MODES) if mask >> i & 1) if mask else NO_MODES
         return cls(num_tokens, bool(uniform), loras, invalid, bool(can_replay), tuple(field))
 
-    def request(self) -> StepRequest:
-        return StepRequest(self.num_tokens, self.uniform_decode, self.num_active_loras, self.invalid_modes)
+    def request(self) -> RankRequest:
+        return RankRequest(self.num_tokens, self.uniform_decode, self.num_active_loras, self.invalid_modes)
 
 
 class StepRoute(NamedTuple):
