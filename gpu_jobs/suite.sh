@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole suite on one H200, as `make gpu-test` runs it (-m "not needs_index"), in two parts:
-#   A. every test but the free-memory readers, four pytest-xdist workers sharing the card   <= 400 s
-#   B. the tests that read the device's free memory, alone                                    the rest
+#   A. every test but the free-memory readers, six pytest-xdist workers sharing the card    <= PART_A s
+#   B. the tests that read the device's free memory, alone                                    <= PART_B s
+#   C. the figures still missing, the card alone, as time allows: the SWITCH launch over the
+#      host-chosen replay, cold varlen with the on-disk caches warm, the wake
 # Logs (JUnit XML, so every test's outcome survives a cut) under $OUT/suite/.
 set -u -o pipefail
 OUT="${OUT:?set OUT}"
@@ -10,7 +12,7 @@ mkdir -p "$D"
 export PYTHONPATH=packages/dispatch/src:packages/capture/src:packages/manager/src:.
 PY=python3
 start=$(date +%s)
-BUDGET=${BUDGET:-560}
+BUDGET=${BUDGET:-575}
 left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 say() { echo "[suite $(( $(date +%s) - start ))s] $*" | tee -a "$D/log.txt"; }
 MEMORY="tests/capture/test_reserved_memory_gpu.py tests/manager/test_capture_memory.py tests/manager/test_estimate.py
@@ -20,13 +22,27 @@ IGNORE=""
 for f in $MEMORY; do IGNORE="$IGNORE --ignore=$f"; done
 say "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); torch $($PY -c 'import torch;print(torch.__version__)')"
 
-timeout "${PART_A:-400}" $PY -m pytest -p no:cacheprovider -q -rfE -n 4 --dist loadfile --timeout=300 \
+timeout "${PART_A:-330}" $PY -m pytest -p no:cacheprovider -v -rfE -n 6 --dist loadfile --timeout=240 \
   -m "not needs_index" $IGNORE --junitxml="$D/a.xml" tests > "$D/a.log" 2>&1
 say "A rc=$? $(tail -1 $D/a.log | cut -c1-160)"
 
-timeout "$(( $(left) - 5 ))" $PY -m pytest -p no:cacheprovider -q -rfE --timeout=200 -m "not needs_index" \
+timeout "${PART_B:-120}" $PY -m pytest -p no:cacheprovider -v -rfE --timeout=120 -m "not needs_index" \
   --junitxml="$D/b.xml" $MEMORY > "$D/b.log" 2>&1
 say "B rc=$? $(tail -1 $D/b.log | cut -c1-160)"
+
+export SHRINKLOOP_RUNS="$D/figures.jsonl" CUDAGRAPH_BENCH_DEFAULTS_LOG="$D/figures.jsonl"
+export CUDAGRAPH_BENCH_DEFAULTS_ROUNDS=1 CUDAGRAPH_BENCH_DEFAULTS_TIMEOUT=60
+if [ "$(left)" -gt 30 ]; then
+  timeout 30 $PY -m pytest -p no:cacheprovider -q --benchmark-only tests/benchmarks/test_bench_shrinking_loop.py \
+    -k switch > "$D/c.log" 2>&1
+  say "C switch rc=$?"
+fi
+if [ "$(left)" -gt 75 ]; then
+  timeout 25 $PY -m tests.benchmarks.defaults cold --backend varlen --page-size 16 > /dev/null 2>> "$D/c.log"
+  timeout "$(( $(left) - 5 ))" $PY -m pytest -p no:cacheprovider -q --benchmark-only \
+    tests/benchmarks/test_bench_defaults.py -k "varlen or wake" >> "$D/c.log" 2>&1
+  say "C varlen, wake rc=$?"
+fi
 
 $PY - "$D" <<'EOF'
 import sys, pathlib, xml.etree.ElementTree as ET
@@ -49,4 +65,5 @@ for part in ("a", "b"):
     for line in bad[:40]:
         print("  BAD", line)
 EOF
+echo "--- figures"; [ -f "$D/figures.jsonl" ] && cut -c1-2500 "$D/figures.jsonl"
 say "total"
