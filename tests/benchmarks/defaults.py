@@ -24,9 +24,9 @@ beside its target; ``gpu_jobs/floors.sh`` runs the same.
   d=512), FULL, 51 keys: the first wake (the capture worker's first session
   for the manager) apart.
 - ``estimate [--cases A,B] [--rounds N]``: ``estimate_memory()`` in a warm
-  process against the warm recapture it predicts, for the predicted rule (the
-  default) and the probes' rule before it, alternating (AB, then BA): time
-  over the capture's and the error against the drop of free memory.
+  process against the warm recapture it predicts, for the probes' rule (the
+  default) and the predicted rule issue 49 tried, alternating (AB, then BA):
+  time over the capture's and the error against the drop of free memory.
 """
 
 from __future__ import annotations
@@ -218,12 +218,8 @@ def _profile_diff(cold_run: cProfile.Profile, warm_run: cProfile.Profile, top: i
 # -- wake ----------------------------------------------------------------------------------------
 
 
-def wake(cycles: int, old: bool) -> dict[str, Any]:
-    """Wakes as an engine does them (see the module), interleaved with eager steps right after a release.
-
-    ``old``: the capture worker does not warm up for the manager after its
-    foreground capture (before issue 49): the first wake warms up on it.
-    """
+def wake(cycles: int) -> dict[str, Any]:
+    """Wakes as an engine does them (see the module), interleaved with eager steps right after a release."""
     from examples.inputs import make_step_inputs
     from examples.reference import ReferenceDecoder, static_inputs
 
@@ -255,12 +251,10 @@ def wake(cycles: int, old: bool) -> dict[str, Any]:
         return manager.run_batch(inputs, uniform_decode=True)
 
     rows: list[dict[str, Any]] = []
-    no_worker_warm_up = _patched(_capturer.Capturer, "_warm_worker", lambda _: lambda self: None)
     with (
         torch.no_grad(),
         torch.cuda.stream(serving),
         _patched(_capturer, "warm_up", counted),
-        no_worker_warm_up if old else contextlib.nullcontext(),
     ):
         for _ in range(10):
             model(step_inputs["input_ids"], step_inputs["positions"], step_inputs["cache_rows"])
@@ -308,7 +302,6 @@ def wake(cycles: int, old: bool) -> dict[str, Any]:
     refills = [r for r in rows if r["kind"] == "eager_after_release"]
     result: dict[str, Any] = {
         "command": "wake",
-        "old": old,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "graphs": capture_report.num_graphs,
@@ -466,7 +459,6 @@ def main() -> None:
     c.add_argument("--profile", action="store_true")
     w = sub.add_parser("wake")
     w.add_argument("--cycles", type=int, default=4)
-    w.add_argument("--old", action="store_true", help="no worker warm-up after the foreground capture")
     e = sub.add_parser("estimate")
     e.add_argument("--cases", default=",".join(CASES))
     e.add_argument("--rounds", type=int, default=2)
@@ -474,7 +466,7 @@ def main() -> None:
     if args.command == "cold":
         result = cold(args.backend, args.page_size, args.old, args.warm_ups, args.profile)
     elif args.command == "wake":
-        result = wake(args.cycles, args.old)
+        result = wake(args.cycles)
     else:
         result = estimate(args.cases.split(","), args.rounds)
     print(json.dumps(result, default=str))

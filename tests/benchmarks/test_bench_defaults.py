@@ -149,10 +149,8 @@ def test_bench_wake_first_step(benchmark: BenchmarkFixture) -> None:
     """``release()``, then ``start_capture()`` and ``run()`` of 200 tokens at once, over an eager step."""
     runs: list[list[dict[str, Any]]] = []
     benchmark.group = GROUP
-    benchmark.pedantic(
-        lambda: runs.extend(alternated([(*DEFAULTS, "wake"), (*DEFAULTS, "wake", "--old")], 1)), rounds=1
-    )
-    (new,), (old,) = runs
+    benchmark.pedantic(lambda: runs.extend(alternated([(*DEFAULTS, "wake")], 1)), rounds=1)
+    ((new,),) = runs
     extra = [w["first_step_ms"] - new["eager_step_ms"] for w in new["wakes"][1:] if w["kind"] == "wake"]
     figure = new["wake_first_step_minus_eager_ms"]
     record_target(benchmark, "wake's first step - eager step (ms)", figure, extra, "<= 2 ms", figure <= 2.0)
@@ -165,8 +163,6 @@ def test_bench_wake_first_step(benchmark: BenchmarkFixture) -> None:
         step_wait_ms=new["wake_step_wait_ms"],
         first_wake_first_step_ms=new["first_wake_first_step_ms"],
         first_wake_warm_ups=len(new["first_wake_warm_ups"]),
-        old_first_wake_first_step_ms=old["first_wake_first_step_ms"],
-        old_first_wake_warm_ups=len(old["first_wake_warm_ups"]),
     )
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import logging
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +25,7 @@ import torch
 
 from cudagraph_capture import CaptureOptions, GraphEngine
 from cudagraph_capture._gc import collector_paused
-from cudagraph_capture._pool import GraphPool, capture_stream
+from cudagraph_capture._pool import GraphPool
 from cudagraph_capture.lowlevel import release_graph_memory
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
@@ -50,8 +49,8 @@ from ._lockstep import (
 from ._loops import LoopCapture
 from ._recording import capture_graph, warm_up
 from ._table import GraphTable, PlannedGraph
-from ._thread import BackgroundTimings, ThreadCapture, capture_worker
-from ._warm_up import WarmUpRule, smallest_of_modes
+from ._thread import BackgroundTimings, ThreadCapture
+from ._warm_up import WarmUpRule
 
 _logger: Final = logging.getLogger("cudagraph_manager")
 T = TypeVar("T")
@@ -205,8 +204,6 @@ class Capturer(Generic[OutputT]):
                 records.append(together.record)
             loops, shrink_fallback = self._capture_loops()
             records += loops
-            if ranks is None and device.type == "cuda":
-                self._warm_worker()
             if device.type == "cuda":
                 # Once, so the total includes the device's work: this stream only (it waited for
                 # the capture stream), never the device, which would break another thread's capture.
@@ -312,44 +309,6 @@ class Capturer(Generic[OutputT]):
         """Free every graph and decode loop (the pool stays, for the graphs captured next)."""
         self.weights.forget()  # no graph reads the model any more
         self._table.drop_all()
-
-    def _warm_worker(self) -> None:
-        """Warm the device's capture worker up for this manager once, so that a wake warms nothing up.
-
-        Each mode's smallest key, run on the worker's stream after this
-        thread's, this thread's stream after them; this thread waits (inside
-        ``capture()``, holding the step lock). A wake's background capture
-        then finds the thread's library handles and plans (the smallest
-        warm-ups it would queue ahead of its first step are skipped). Not
-        where the worker is busy (another session), nor twice.
-        """
-        device = self._parts.device
-        worker = capture_worker(device)
-        if self._rule.warmed_on(worker.thread):
-            return
-        graphs = [self._table.graphs[key] for key in smallest_of_modes(list(self._table.graphs.values()))]
-        serving = torch.cuda.current_stream(device)
-        own = capture_stream(device)
-        done = threading.Event()
-        failed: list[BaseException] = []
-
-        def warm_ups() -> None:
-            try:
-                with torch.cuda.device(device), torch.cuda.stream(own), torch.no_grad():
-                    own.wait_stream(serving)  # after the captures this thread queued
-                    with self._parts.lock.background():  # the model's calls on the manager are refused
-                        for graph in graphs:
-                            warm_up(graph, self._engines[graph.mode], self._parts.buffers)
-                    self._rule.thread_warmed()
-            except BaseException as error:  # the wake warms up then, as without this
-                failed.append(error)
-
-        if not worker.try_run(warm_ups, self, done.set):
-            return
-        done.wait()
-        serving.wait_stream(own)  # the next step after the warm-ups, on the device
-        if failed:
-            _logger.debug("the capture worker's warm-up failed; a wake warms up", exc_info=failed[0])
 
     def _capture_loops(self) -> tuple[list[CapturedGraph], str | None]:
         """The decode loop of every captured loopable graph that has none yet; why they do not shrink."""
