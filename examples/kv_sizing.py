@@ -145,9 +145,8 @@ def start_up(
     current = unit_bytes * current_units  # the minimal cache, freed when replaced
     budget = torch.cuda.mem_get_info()[0] + current - estimate.total_bytes - margin_bytes
     units = budget // unit_bytes
-    if isinstance(model, PagedDecoder) and isinstance(model.backend, FlexPagedAttention):
-        # The fused kernel's 32-bit offsets: one layer's keys, heads x head_dim a slot, at most 2**31.
-        units = min(units, addressable_slots(config.num_heads * config.head_dim) // model.layout.page_size)
+    cap = kernel_cap(model)
+    units = units if cap is None else min(units, cap)
     model.allocate_kv_cache(units)
     report = manager.capture(progress=False)
     return KvSizing(estimate, units, units * unit_bytes, report, margin_bytes, torch.cuda.mem_get_info()[0])
@@ -263,6 +262,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def kernel_cap(model: ReferenceDecoder | PagedDecoder) -> int | None:
+    """The most pages the model's attention kernel can address, where one bounds them; else ``None``.
+
+    FlexAttention's fused kernel addresses keys with 32-bit offsets (``flex_kernel``): one layer's
+    keys, ``heads * head_dim`` elements a slot in an ordinary cache, every layer's in a reserved one.
+    """
+    if not isinstance(model, PagedDecoder) or not isinstance(model.backend, FlexPagedAttention):
+        return None
+    config, page_size = model.config, model.layout.page_size
+    if model.kv_cache is not None:
+        return max_flex_pages(config, page_size)
+    return addressable_slots(config.num_heads * config.head_dim) // page_size
+
+
 def figures_of(sizing: KvSizing | KvFirst, model: ReferenceDecoder | PagedDecoder) -> Figures:
     """The start-up's figures, for the JSON line (the tests' and benchmarks')."""
     common: Figures = {
@@ -275,6 +288,7 @@ def figures_of(sizing: KvSizing | KvFirst, model: ReferenceDecoder | PagedDecode
         "num_layers": model.config.num_layers,
         "margin_bytes": sizing.margin_bytes,
         "left_bytes": sizing.left_bytes,
+        "kv_cap": kernel_cap(model) or 0,  # 0: no kernel bounds the cache (the device's memory does)
     }
     if isinstance(sizing, KvFirst):
         return {

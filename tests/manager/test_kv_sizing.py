@@ -35,6 +35,12 @@ def check_kv_sizing(figures: dict[str, float]) -> None:
     error = figures["estimate_bytes"] - figures["device_bytes"]
     surplus = figures["left_bytes"] - figures["margin_bytes"]
     rounding = figures["unit_bytes"] + figures["num_layers"] * GRANULE
+    if figures["kv_cap"] and figures["kv_units"] == figures["kv_cap"]:
+        # The attention kernel's bound sized the cache (FlexAttention's 32-bit offsets), not the memory:
+        # the estimate's error is still what it was, and the device keeps more than the margin.
+        assert abs(error) < 32 * MIB, error
+        assert surplus > 0, surplus
+        return
     assert error - GRANULE <= surplus <= error + rounding + GRANULE, (surplus, error, rounding)
     assert surplus > -32 * MIB, "the estimate was more than 32 MiB under: the margin was eaten into"
 
