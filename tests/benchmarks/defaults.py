@@ -5,7 +5,7 @@ Each command builds what a user builds with the defaults (``DecoderConfig()``,
 builder) and times the call the user makes; the phase breakdowns say what is
 still slow. ``tests/benchmarks/test_bench_defaults.py`` runs them in fresh
 processes, the variants of a comparison alternating, and reports each ratio
-beside its target; ``gpu_jobs/floors.sh`` runs the same.
+beside its target.
 
 - ``cold --backend flex|varlen [--page-size N] [--old] [--warm-ups P] [--profile]``:
   the paged decoder's first ``capture()`` in this process (FULL, 51 keys)

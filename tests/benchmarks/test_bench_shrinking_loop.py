@@ -27,8 +27,8 @@ device is shared); correctness is: the tokens of the deterministic cases.
   ``check_every`` 1 and 8, and the default without shrinking. Target: the
   default <= 1.02.
 
-``SHRINKLOOP_RUNS=path`` appends each test's figures as a JSON line (what
-``gpu_jobs/shrinkloop.sh`` prints its summary from, whatever a time limit cut).
+``SHRINKLOOP_RUNS=path`` appends each test's figures as a JSON line (a
+job can print them whatever a time limit cut).
 """
 
 from __future__ import annotations
