@@ -21,7 +21,7 @@ ROOT: Final = Path(__file__).resolve().parents[1]
 #: Bottom to top: each entry a layer, each layer module names or folders (relative to the package).
 LAYERS: Final[dict[str, tuple[tuple[str, ...], ...]]] = {
     "cudagraph_dispatch": (
-        ("_checks", "_modes", "_reasons"),
+        ("_checks", "_modes", "_reasons", "_retired"),
         ("_sizes", "_descriptor", "_request"),
         ("_config",),
         ("_budgets", "_support"),

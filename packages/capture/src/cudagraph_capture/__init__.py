@@ -10,8 +10,9 @@ engine of a model runner that keeps its graphs itself (a ``GraphEngine``:
 Importing this package does not initialize CUDA.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from cudagraph_dispatch._retired import resolver as _resolver
 
 from ._breakable import BreakableCUDAGraphCapture as BreakableCUDAGraphCapture
 from ._breakable import eager_break_during_capture as eager_break_during_capture
@@ -62,13 +63,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

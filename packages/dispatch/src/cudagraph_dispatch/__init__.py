@@ -6,7 +6,6 @@ agreed across ranks without a GPU. The package README lists every public
 name with the reason it is public, and the names retired from the API.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
 
 from ._config import DispatchConfig as DispatchConfig
@@ -19,6 +18,7 @@ from ._modes import CUDAGraphMode as CUDAGraphMode
 from ._ranks import agree_across_ranks as agree_across_ranks
 from ._reasons import EagerReason as EagerReason
 from ._request import RankRequest as RankRequest
+from ._retired import resolver as _resolver
 from ._rule import Dispatch as Dispatch
 from ._sizes import CaptureSizes as CaptureSizes
 
@@ -55,13 +55,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

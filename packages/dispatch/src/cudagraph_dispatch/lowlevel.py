@@ -7,11 +7,11 @@ the same words. Most users need only ``cudagraph_dispatch``. Never imports
 torch.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
 
 from ._checks import check_bool as check_bool
 from ._checks import check_int as check_int
+from ._retired import resolver as _resolver
 
 if TYPE_CHECKING:  # the retired names (``_RETIRED``), typed for the code that still imports them
     from ._config import MAX_NUM_SEQS as MAX_NUM_SEQS
@@ -32,13 +32,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

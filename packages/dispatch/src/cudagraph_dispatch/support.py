@@ -7,9 +7,9 @@ attention=...)`` resolves the configured mode against it (its
 instead of downgrading. Never imports torch.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
 
+from ._retired import resolver as _resolver
 from ._support import AttentionSupport as AttentionSupport
 from ._support import GraphSupport as GraphSupport
 
@@ -30,13 +30,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

@@ -11,8 +11,9 @@ CUDA, loads neither dynamo nor inductor, and loads no example code:
 the reference decoder and the demo live in the repository's ``examples/``.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from cudagraph_dispatch._retired import resolver as _resolver
 
 from ._compiled import CompiledModel as CompiledModel
 from ._compiled import compile_for_capture as compile_for_capture
@@ -69,13 +70,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

@@ -12,8 +12,9 @@ backend declares against replays. When the manager calls what:
 docs/design.md, "The attention seam".
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from cudagraph_dispatch._retired import resolver as _resolver
 
 from ._attention._packed import PackedMetadata as PackedMetadata
 from ._attention._packed import PackedMetadataBuilder as PackedMetadataBuilder
@@ -60,13 +61,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

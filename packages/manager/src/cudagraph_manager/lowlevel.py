@@ -7,8 +7,9 @@ tests without a GPU. Code that takes a factory as an argument names it
 with this protocol (its call is generic over the model's output type).
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from cudagraph_dispatch._retired import resolver as _resolver
 
 from ._values._protocols import GraphEngineFactory as GraphEngineFactory
 
@@ -25,13 +26,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:

@@ -9,8 +9,9 @@ knows nothing of captures; nothing here imports the manager.
 eager step hands the model every rank's token count.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Final
+
+from cudagraph_dispatch._retired import resolver as _resolver
 
 from ._agreement import NUM_TOKENS_ACROSS_DP as NUM_TOKENS_ACROSS_DP
 from ._agreement import RankAgreement as RankAgreement
@@ -29,13 +30,7 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-
-    def __getattr__(name: str) -> object:
-        """A retired name, imported from its home when first asked for; any other: ``AttributeError``."""
-        if name not in _RETIRED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module, attribute = _RETIRED[name]
-        return getattr(importlib.import_module(module), attribute)
+    __getattr__ = _resolver(__name__, _RETIRED)
 
 
 def __dir__() -> list[str]:
