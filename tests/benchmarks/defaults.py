@@ -32,14 +32,13 @@ beside its target.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import json
 import pstats
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -49,6 +48,7 @@ from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions
 from cudagraph_manager._compiled import dynamo_compiles
 from cudagraph_manager._graphs import _capturer, _estimate, _recording
 from examples.config import DecoderConfig
+from tests.benchmarks.support import patched
 
 MIB: Final = 2**20
 MAX_SIZE: Final = 512
@@ -70,16 +70,6 @@ def _sync() -> None:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
-
-
-@contextlib.contextmanager
-def _patched(owner: object, name: str, wrapper: Callable[[Any], Any]) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, wrapper(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 # -- cold capture --------------------------------------------------------------------------------
@@ -132,7 +122,7 @@ def cold(backend: str, page_size: int, old: bool, warm_ups: str, profile: bool) 
         return record
 
     cold_profile, warm_profile = cProfile.Profile(), cProfile.Profile()
-    with torch.no_grad(), _patched(_recording, "record", counted):
+    with torch.no_grad(), patched(_recording, "record", counted):
         compiles_before = dynamo_compiles() or 0
         _sync()
         if profile:
@@ -254,7 +244,7 @@ def wake(cycles: int) -> dict[str, Any]:
     with (
         torch.no_grad(),
         torch.cuda.stream(serving),
-        _patched(_capturer, "warm_up", counted),
+        patched(_capturer, "warm_up", counted),
     ):
         for _ in range(10):
             model(step_inputs["input_ids"], step_inputs["positions"], step_inputs["cache_rows"])

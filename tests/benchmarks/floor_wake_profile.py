@@ -53,6 +53,7 @@ from cudagraph_dispatch import CaptureSizes, CUDAGraphMode, DispatchConfig
 from cudagraph_manager import CaptureReport, CUDAGraphManager, ManagerOptions
 from cudagraph_manager._graphs import _capturer, _estimate, _recording, _warm_up
 from examples.config import DecoderConfig
+from tests.benchmarks.support import patched
 
 MODELS = {"reference": DecoderConfig, "8b_like": DecoderConfig.llama_8b_like}
 FIRST_BATCH = 32  # the wake's first step (tests/benchmarks/test_bench_sleep.py's BATCHES[0])
@@ -65,16 +66,6 @@ def _sync() -> None:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 4)
-
-
-@contextlib.contextmanager
-def _patched(module: object, name: str, wrapper: Callable[[Any], Any]) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, wrapper(original))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 # -- wake --------------------------------------------------------------------------------------
@@ -148,10 +139,10 @@ def wake(model_name: str, cycles: int, dynamo: bool) -> dict[str, Any]:
     with (
         torch.no_grad(),
         torch.cuda.stream(serving),
-        _patched(_capturer, "warm_up", timed_warm_up),
-        _patched(_warm_up.WarmUpRule, "thread_has_handles", rule_switch),
-        _patched(_capturer.Capturer, "begin", host_timed("begin (weights.take)")),
-        _patched(_capturer.Capturer, "start_totals", host_timed("start_totals")),
+        patched(_capturer, "warm_up", timed_warm_up),
+        patched(_warm_up.WarmUpRule, "thread_has_handles", rule_switch),
+        patched(_capturer.Capturer, "begin", host_timed("begin (weights.take)")),
+        patched(_capturer.Capturer, "start_totals", host_timed("start_totals")),
     ):
         for i in range(3 * len(inputs)):
             step(i)
@@ -290,9 +281,9 @@ def estimate(model_name: str, max_size: int, mode_name: str) -> dict[str, Any]:
         plain = manager.estimate_memory()
         plain_s = time.perf_counter() - start
         with (
-            _patched(_estimate, "_empty_cache", timed(lambda *a, **k: "empty_cache+sync")),
-            _patched(_estimate, "warm_up", timed(lambda g, *a, **k: f"warm_up {g.mode.name} {g.num_tokens}")),
-            _patched(_estimate, "record", timed(lambda g, *a, **k: f"record {g.mode.name} {g.num_tokens}")),
+            patched(_estimate, "_empty_cache", timed(lambda *a, **k: "empty_cache+sync")),
+            patched(_estimate, "warm_up", timed(lambda g, *a, **k: f"warm_up {g.mode.name} {g.num_tokens}")),
+            patched(_estimate, "record", timed(lambda g, *a, **k: f"record {g.mode.name} {g.num_tokens}")),
         ):
             _sync()
             start = time.perf_counter()
@@ -424,8 +415,8 @@ def cold(
     with torch.no_grad():
         phased = contextlib.ExitStack()
         if not plain:  # synchronized per warm-up and per build: the cold figure is an upper bound
-            phased.enter_context(_patched(_recording, "warm_up", _timed_cold_warm_up(per_key, spent)))
-            phased.enter_context(_patched(type(model.backend), "build", _timed_build(spent)))
+            phased.enter_context(patched(_recording, "warm_up", _timed_cold_warm_up(per_key, spent)))
+            phased.enter_context(patched(type(model.backend), "build", _timed_build(spent)))
         with phased:
             _sync()
             start = time.perf_counter()
@@ -434,7 +425,7 @@ def cold(
         # Every key warmed up again, now warm: its first-use cost is the cold wall minus this one.
         again: list[dict[str, Any]] = []
         timed_again = _timed_cold_warm_up(again, spent)(_recording.warm_up)
-        with _patched(type(model.backend), "build", _timed_build(spent)):
+        with patched(type(model.backend), "build", _timed_build(spent)):
             for graph in () if plain else manager._table.graphs.values():
                 timed_again(graph, manager._capturer._engines[graph.mode], manager._parts.buffers)
         warm = []

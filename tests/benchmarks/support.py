@@ -13,12 +13,13 @@ difference of a few percent is the code's or the run's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -208,3 +209,14 @@ def pyplot_or_none() -> ModuleType | None:
     except ImportError:
         return None
     return plt
+
+
+@contextlib.contextmanager
+def patched(owner: object, name: str, wrapper: Callable[[Any], Any]) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrapper(owner.name)`` for the block (a profile's instruments)."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrapper(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
