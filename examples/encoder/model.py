@@ -9,7 +9,7 @@ replay launches nothing for them on the host): every token attends
 to the tokens of its own item only, so a packed forward computes each item
 as it would alone. Positions restart at 0 in each item. Two kernels:
 
-- ``"varlen"``: torch's ``varlen_attn`` (FlashAttention; CUDA, bf16/fp16):
+- ``"varlen"``: FlashAttention's varlen kernel (``examples.flash_varlen``; CUDA, bf16/fp16):
   offsets a tensor, ``max_seqlen`` a host bound of the shape.
 - ``"masked"``: SDPA with a block-diagonal mask built from the offsets on
   the device (any device and dtype; quadratic memory in the budget).
@@ -26,17 +26,15 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
 from torch import nn
-from torch.nn.attention import varlen
 
 from cudagraph_dispatch.lowlevel import check_int
 from cudagraph_manager.attention import PackedMetadata, PackedMetadataBuilder, attention_metadata
 
 from ..body import model_device
 from ..config import MAX_FIELD
+from ..flash_varlen import FLASH_DTYPES, flash_varlen
 
 Kernel = Literal["varlen", "masked"]
-#: The dtypes ``varlen_attn`` computes in.
-_FLASH_DTYPES: Final = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,9 +123,7 @@ def _attend(
     meta = packing.meta
     if kernel == "varlen":
         bound = meta.max_seqlen
-        out = varlen.varlen_attn(q, k, v, meta.cu_seqlens, meta.cu_seqlens, bound, bound)
-        assert isinstance(out, torch.Tensor)  # no aux requested
-        return out
+        return flash_varlen(q, k, v, meta.cu_seqlens, meta.cu_seqlens, bound, bound, causal=False)
     same_item = packing.item[:, None] == packing.item[None, :]  # [T, T] block-diagonal
     query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=same_item)
@@ -137,10 +133,10 @@ def _attend(
 def choose_kernel(kernel: Kernel | None, device: torch.device, dtype: torch.dtype) -> Kernel:
     """``kernel``, or ``"varlen"`` where it runs (CUDA, bf16/fp16), else ``"masked"``."""
     if kernel is None:
-        return "varlen" if device.type == "cuda" and dtype in _FLASH_DTYPES else "masked"
+        return "varlen" if device.type == "cuda" and dtype in FLASH_DTYPES else "masked"
     if kernel not in ("varlen", "masked"):
         raise ValueError(f"kernel: expected 'varlen', 'masked' or None, got {kernel!r}")
-    if kernel == "varlen" and (device.type != "cuda" or dtype not in _FLASH_DTYPES):
+    if kernel == "varlen" and (device.type != "cuda" or dtype not in FLASH_DTYPES):
         raise ValueError(f"kernel: 'varlen' runs on CUDA in bf16/fp16, not {device.type} {dtype}")
     return kernel
 

@@ -186,7 +186,7 @@ def _choose_paged(paged: bool | None, layout: PagedLayout, device: torch.device 
     """The path: as asked (``ValueError`` where the installed torch cannot), else the paged where it runs."""
     if paged is not None:
         if paged and not PAGED_VARLEN:
-            raise ValueError(f"paged: varlen_attn of torch {torch.__version__} takes no block_table")
+            raise ValueError(f"paged: FlashAttention of torch {torch.__version__} takes no block_table")
         return paged
     if not PAGED_VARLEN:
         return False
@@ -195,7 +195,7 @@ def _choose_paged(paged: bool | None, layout: PagedLayout, device: torch.device 
 
 
 def paged_kernel_accepts(page_size: int, device: torch.device) -> bool:
-    """Whether ``varlen_attn`` on ``device`` reads pages of ``page_size`` (one tiny call, at start-up)."""
+    """Whether FlashAttention on ``device`` reads pages of ``page_size`` (one tiny call, at start-up)."""
     dtype, head_dim = torch.bfloat16, 64
     q = torch.zeros(1, 1, head_dim, dtype=dtype, device=device)  # [T, heads, head_dim]
     kv_cache = torch.zeros(2, 2, page_size, 1, head_dim, dtype=dtype, device=device)

@@ -1,6 +1,8 @@
-"""The kernel calls of the varlen backend: torch's ``varlen_attn`` over the pages, and its stand-in.
+"""The kernel calls of the varlen backend: FlashAttention's varlen kernel over the pages, and its stand-in.
 
-``varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)`` attends packed
+The kernel is torch's ``varlen_attn``'s, called as its C++ op
+(``examples.flash_varlen`` says why). ``varlen_attn(q, k, v, cu_seq_q,
+cu_seq_k, max_q, max_k)`` attends packed
 requests: request ``r`` has queries ``cu_seq_q[r]:cu_seq_q[r + 1]`` and keys
 ``cu_seq_k[r]:cu_seq_k[r + 1]``, causal with the last query on the last key
 (bottom-right, as FlashAttention aligns ``q_len != k_len``). Its host values
@@ -9,10 +11,10 @@ that lets one FULL graph serve any batch of its key).
 
 How the kernel reads the keys depends on the installed torch:
 
-- paged (torch >= 2.12: ``varlen_attn`` takes ``block_table`` and
+- paged (torch >= 2.12: the kernel takes ``block_table`` and
   ``seqused_k``): the kernel reads each request's pages through its
   block-table row, ``seq_lens`` keys of them;
-- gathered (torch 2.11, whose ``varlen_attn`` takes neither): the keys are
+- gathered (torch 2.11, whose kernel takes neither): the keys are
   gathered into a packed buffer of ``num_reqs * max_k`` rows first. Packed
   row ``j`` belongs to request ``r = searchsorted(cu_seq_k, j)`` at offset
   ``j - cu_seq_k[r]``, a slot through its block-table row; rows past the
@@ -20,7 +22,7 @@ How the kernel reads the keys depends on the installed torch:
   the rows below the real total are copied where Triton runs
   (``row_gather``): the gather's traffic follows the batch, not the bound.
 
-``varlen_attn`` runs on CUDA only, in float16 or bfloat16. Elsewhere a
+The kernel runs on CUDA only, in float16 or bfloat16. Elsewhere a
 per-request stand-in with the same arguments runs (``varlen_stand_in``), so
 CPU tests cover the metadata; it reads the offsets on the host (not
 capturable). Padding requests have one key and may have many queries: their
@@ -30,26 +32,17 @@ rows are independent, so nothing of them reaches a real row.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Final
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch idiom
-from torch.nn.attention import varlen
 
+from ..flash_varlen import PAGED_FLASH, flash_varlen
 from .row_gather import gather_rows
 
-#: The installed ``varlen_attn``'s keyword parameters.
-_PARAMETERS: Final = frozenset(inspect.signature(varlen.varlen_attn).parameters)
-#: Whether the installed ``varlen_attn`` reads a paged cache (``block_table`` and ``seqused_k``).
-PAGED_VARLEN: Final = {"block_table", "seqused_k"} <= _PARAMETERS
-#: Causal attention, as the installed ``varlen_attn`` says it (``window_size`` since 2.10).
-_CAUSAL: Final[Mapping[str, object]] = (
-    {"window_size": (-1, 0)} if "window_size" in _PARAMETERS else {"is_causal": True}
-)
-#: The dtypes FlashAttention computes in.
-FLASH_DTYPES: Final = (torch.float16, torch.bfloat16)
+#: Whether the installed FlashAttention reads a paged cache (``block_table`` and ``seqused_k``).
+PAGED_VARLEN: Final = PAGED_FLASH
 #: The slot that padding reads: the scratch page's first.
 _SCRATCH_SLOT: Final = 0  # PagedLayout.scratch_page * page_size, page 0 being the scratch page
 
@@ -101,7 +94,7 @@ def varlen_paged_attention(
     ``T``); ``seq_lens [R]`` int32 (a request's keys, this step's
     included); ``block_table [R, pages_per_seq]`` int32; ``max_q``,
     ``max_k`` bound the query and key lengths. ``paged``: read the pages
-    through the block table (default: where ``varlen_attn`` can).
+    through the block table (default: where the kernel can).
     """
     page_size = kv_cache.shape[2]
     if paged if paged is not None else PAGED_VARLEN:
@@ -122,7 +115,7 @@ def paged_varlen(
     """The paged path (``varlen_paged_attention``'s arguments): the kernel reads the block table."""
     if not PAGED_VARLEN:
         raise RuntimeError(
-            f"varlen_attn of torch {torch.__version__} takes no block_table: use the gathered path"
+            f"FlashAttention of torch {torch.__version__} takes no block_table: use the gathered path"
         )
     keys, values = kv_cache[0], kv_cache[1]  # [num_pages, page_size, heads, head_dim]
     extra = {"seqused_k": seq_lens, "block_table": block_table}
@@ -157,14 +150,10 @@ def _varlen(
     max_k: int,
     extra: Mapping[str, torch.Tensor],
 ) -> torch.Tensor:
-    """``varlen_attn`` on CUDA, the stand-in elsewhere; causal, the default scale."""
+    """FlashAttention on CUDA (``flash_varlen``), the stand-in elsewhere; causal, the default scale."""
     if not q.is_cuda:
         return varlen_stand_in(q, keys, values, cu_seq_q, cu_seq_k, max_q, max_k, **extra)
-    if q.dtype not in FLASH_DTYPES:
-        raise ValueError(f"q: varlen_attn computes in float16 or bfloat16 on CUDA, got {q.dtype}")
-    out = varlen.varlen_attn(q, keys, values, cu_seq_q, cu_seq_k, max_q, max_k, **_CAUSAL, **extra)  # type: ignore[arg-type]
-    assert isinstance(out, torch.Tensor)  # no return_aux: the output alone
-    return out
+    return flash_varlen(q, keys, values, cu_seq_q, cu_seq_k, max_q, max_k, causal=True, **extra)
 
 
 def varlen_stand_in(
