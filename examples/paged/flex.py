@@ -99,8 +99,9 @@ def tile_unions(
     """Each query tile's distinct pages, first, and how many: ``[1, 1, tiles]``, ``[1, 1, tiles, 16 * M]``.
 
     ``pages [T, M]`` are the tokens' pages; ``rows`` (at least ``T``,
-    default ``T``) the query rows the kernel attends: rows past ``T`` read
-    the scratch page. Sorted per tile, a page equal to
+    default ``T``) the query rows the kernel attends: rows past ``T`` in a
+    tile of tokens read the scratch page, tiles past the tokens read no
+    page (their rows are dropped). Sorted per tile, a page equal to
     the one before it is a repeat; repeats are moved to the end (sorted
     again under a key past every page) and not counted. Fixed shapes, no
     host sync: the width is the tile's tokens times their pages, never the
@@ -120,6 +121,7 @@ def tile_unions(
     distinct = torch.where(repeat, past, ordered).sort(dim=-1).values  # [tiles, 16 * M]: distinct, then past
     kv_indices = torch.where(distinct == past, scratch, distinct).int()
     kv_num_blocks = (~repeat).sum(-1, dtype=torch.int32)
+    kv_num_blocks[-(-num_tokens // Q_TILE) :].fill_(0)  # tiles of padding rows only: nothing to read
     return kv_num_blocks[None, None], kv_indices[None, None]
 
 
@@ -250,7 +252,11 @@ class FlexPagedAttention(EagerBreakAttention):
             check_addressable(keys)
         query_len = meta.paged.shape.query_len
         if query_len is None:  # [1, heads, rows, head_dim]: the plan's rows, padded past T
-            queries = F.pad(q.transpose(0, 1)[None], (0, 0, 0, plan.query_req.shape[1] - num_tokens))
+            rows = plan.query_req.shape[1]
+            # Padded as [rows, heads, head_dim], the layout of q: every packed step gives the compiled
+            # code the same strides (a stride pattern of its own would compile again).
+            padded = q if rows == num_tokens else F.pad(q, (0, 0, 0, 0, 0, rows - num_tokens))
+            queries = padded.transpose(0, 1)[None]
         else:
             queries = q.view(-1, query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
         attend = paged_flex(self.layout.page_size, compiled=self.compiled)

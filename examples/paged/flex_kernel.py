@@ -62,8 +62,8 @@ def kernel_rows(num_tokens: int) -> int:
     packed step meets a specialization of the compiled code (a dimension of
     1 or 2, a query count under ``SHORT_QUERIES``): every packed step runs
     one or two compiled codes (``compile_class``), not one per size class.
-    The padding rows read the scratch page and are dropped; their tiles
-    launch programs that read one page. ``PAD_QUERIES`` off: ``num_tokens``.
+    The padding rows are dropped; a tile of padding rows only reads no
+    page. ``PAD_QUERIES`` off: ``num_tokens``.
     """
     if not PAD_QUERIES:
         return num_tokens
