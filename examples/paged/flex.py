@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Final, NamedTuple
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the torch idiom
 
 from cudagraph_dispatch.lowlevel import check_bool
 from cudagraph_dispatch.support import AttentionSupport, GraphSupport
@@ -33,7 +31,7 @@ from cudagraph_manager.attention import BatchShape, StepBatch, attention_metadat
 
 from .base import EagerBreakAttention, per_forward
 from .batch import PAD_REQUEST, PagedBuffers, PagedMetadata, Validate
-from .flex_kernel import KEY_BLOCK, Q_TILE, addressable_slots, kernel_rows, paged_flex
+from .flex_kernel import KEY_BLOCK, Q_TILE, addressable_slots, paged_flex
 from .flex_kernel import compile_class as kernel_class
 from .gather import token_pages
 from .layout import PagedLayout, page_of_slot
@@ -93,24 +91,17 @@ def page_owners(layout: PagedLayout, meta: PagedMetadata) -> tuple[torch.Tensor,
     return owner, page_index
 
 
-def tile_unions(
-    pages: torch.Tensor, scratch: int, rows: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_unions(pages: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query tile's distinct pages, first, and how many: ``[1, 1, tiles]``, ``[1, 1, tiles, 16 * M]``.
 
-    ``pages [T, M]`` are the tokens' pages; ``rows`` (at least ``T``,
-    default ``T``) the query rows the kernel attends: rows past ``T`` in a
-    tile of tokens read the scratch page, tiles past the tokens read no
-    page (their rows are dropped). Sorted per tile, a page equal to
+    ``pages [T, M]`` are the tokens' pages. Sorted per tile, a page equal to
     the one before it is a repeat; repeats are moved to the end (sorted
     again under a key past every page) and not counted. Fixed shapes, no
     host sync: the width is the tile's tokens times their pages, never the
     cache's page count.
     """
     num_tokens, width = pages.shape
-    if rows is not None and rows < num_tokens:
-        raise ValueError(f"rows: the query rows hold the {num_tokens} tokens, got {rows}")
-    tiles = -(-(num_tokens if rows is None else rows) // Q_TILE)
+    tiles = -(-num_tokens // Q_TILE)
     padded = torch.full((tiles * Q_TILE, width), scratch, dtype=pages.dtype, device=pages.device)
     padded[:num_tokens] = pages
     ordered = padded.view(tiles, Q_TILE * width).sort(dim=-1).values  # [tiles, 16 * M]
@@ -121,7 +112,6 @@ def tile_unions(
     distinct = torch.where(repeat, past, ordered).sort(dim=-1).values  # [tiles, 16 * M]: distinct, then past
     kv_indices = torch.where(distinct == past, scratch, distinct).int()
     kv_num_blocks = (~repeat).sum(-1, dtype=torch.int32)
-    kv_num_blocks[-(-num_tokens // Q_TILE) :].fill_(0)  # tiles of padding rows only: nothing to read
     return kv_num_blocks[None, None], kv_indices[None, None]
 
 
@@ -199,8 +189,6 @@ class FlexPagedAttention(EagerBreakAttention):
         self.page_of_slot = page_of_slot(layout, device)
         #: Whether ``attend`` runs the fused (compiled) kernel.
         self.compiled: Final = self.page_of_slot.is_cuda if compile is None else compile
-        #: The query rows a packed step of ``T`` tokens attends: padded where compiled (``kernel_rows``).
-        self._rows: Callable[[int], int] = kernel_rows if self.compiled else _unpadded
         if self.compiled and layout.page_size % KEY_BLOCK:
             raise ValueError(
                 f"page_size: FlexAttention's fused kernel reads keys in blocks of {KEY_BLOCK}, so its "
@@ -251,18 +239,12 @@ class FlexPagedAttention(EagerBreakAttention):
         if self.compiled:  # shapes only, on the host: eager steps and captures, never a replay
             check_addressable(keys)
         query_len = meta.paged.shape.query_len
-        if query_len is None:  # [1, heads, rows, head_dim]: the plan's rows, padded past T
-            rows = plan.query_req.shape[1]
-            # Padded as [rows, heads, head_dim], the layout of q: every packed step gives the compiled
-            # code the same strides (a stride pattern of its own would compile again).
-            padded = q if rows == num_tokens else F.pad(q, (0, 0, 0, 0, 0, rows - num_tokens))
-            queries = padded.transpose(0, 1)[None]
+        if query_len is None:
+            queries = q.transpose(0, 1)[None]  # [1, heads, T, head_dim]
         else:
             queries = q.view(-1, query_len, heads, head_dim).transpose(1, 2)  # [R, heads, q, head_dim]
         attend = paged_flex(self.layout.page_size, compiled=self.compiled)
         result = attend(queries, keys, values, *plan)  # [B, heads, Q, head_dim]
-        if query_len is None:
-            result = result[:, :, :num_tokens]  # the padding rows dropped
         out.copy_(result.transpose(1, 2).reshape(num_tokens, heads, head_dim))
 
     def _plan(self, meta: FlexMetadata) -> _FlexPlan:
@@ -277,13 +259,10 @@ class FlexPagedAttention(EagerBreakAttention):
             kv_indices = paged.block_table[:, None, None, :].expand(
                 num_reqs, 1, tiles, -1
             )  # [R, 1, tiles, M]
-            query_req, query_pos = paged.req_ids.view(-1, query_len), paged.positions.view(-1, query_len)
+            rows = (-1, query_len)
         else:  # one packed sequence: each query tile reads the union of its tokens' pages
-            num_tokens = paged.positions.shape[0]
-            rows = self._rows(num_tokens)  # padded where compiled: fewer compiled codes
-            kv_num_blocks, kv_indices = tile_unions(token_pages(layout, paged), layout.scratch_page, rows)
-            query_req = _padded(paged.req_ids, rows, PAD_REQUEST)  # [1, rows]: padding reads the scratch
-            query_pos = _padded(paged.positions, rows, 0)  # [1, rows]
+            kv_num_blocks, kv_indices = tile_unions(token_pages(layout, paged), layout.scratch_page)
+            rows = (1, paged.positions.shape[0])
         owner, page_index = page_owners(layout, paged)
         pages = torch.arange(owner.shape[0], device=owner.device)  # [num_pages]
         return _FlexPlan(
@@ -292,19 +271,6 @@ class FlexPagedAttention(EagerBreakAttention):
             owner,
             (page_index - pages) * page_size,  # a key's position is this (of its page) + its slot
             meta.page_of_slot,
-            query_req,  # [B, Q]
-            query_pos,  # [B, Q]
+            paged.req_ids.view(rows),  # [B, Q]
+            paged.positions.view(rows),  # [B, Q]
         )
-
-
-def _unpadded(num_tokens: int) -> int:
-    return num_tokens
-
-
-def _padded(values: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
-    """``values [T]`` as ``[1, rows]``, the rows past ``T`` at ``fill`` (a copy only where padded)."""
-    if rows == values.shape[0]:
-        return values.view(1, rows)
-    padded = torch.full((rows,), fill, dtype=values.dtype, device=values.device)
-    padded[: values.shape[0]].copy_(values)
-    return padded.view(1, rows)

@@ -41,9 +41,6 @@ DUCK_SHAPE = False
 #: Queries of a packed step at which the compiled kernel's code changes (inductor's flex lowering
 #: guards on a query length under 128, where it would consider its decoding kernel).
 SHORT_QUERIES: Final = 128
-#: Whether a packed step's queries are padded to ``kernel_rows`` (one compiled code for all). A
-#: switch for the benchmarks' A/B (``tests/benchmarks/defaults.py``), not an option.
-PAD_QUERIES = True
 #: FlexAttention's generated Triton kernel (torch 2.11 to 2.13) computes a key's element offset as
 #: ``offs_n * stride_kn`` in 32 bits (pytorch/pytorch#185264): keys that span 2**31 elements or more
 #: are read from the wrong address (a fault, or silently wrong attention; vLLM #50427 refuses them too).
@@ -55,21 +52,6 @@ def addressable_slots(slot_stride: int) -> int:
     return MAX_KEY_ELEMENTS // slot_stride
 
 
-def kernel_rows(num_tokens: int) -> int:
-    """The query rows the compiled kernel attends for a packed step of ``num_tokens``: padded up.
-
-    At least ``SHORT_QUERIES`` and a multiple of the query tile, so that no
-    packed step meets a specialization of the compiled code (a dimension of
-    1 or 2, a query count under ``SHORT_QUERIES``): every packed step runs
-    one or two compiled codes (``compile_class``), not one per size class.
-    The padding rows are dropped; a tile of padding rows only reads no
-    page. ``PAD_QUERIES`` off: ``num_tokens``.
-    """
-    if not PAD_QUERIES:
-        return num_tokens
-    return max(SHORT_QUERIES, -(-num_tokens // Q_TILE) * Q_TILE)
-
-
 def compile_class(num_tokens: int, num_reqs: int, query_len: int | None) -> tuple[object, ...]:
     """Which compiled code of ``paged_flex`` a step of these counts runs: steps of one class share it.
 
@@ -79,22 +61,21 @@ def compile_class(num_tokens: int, num_reqs: int, query_len: int | None) -> tupl
     still specializes: a dimension of 1 (dynamo's 0/1 rule: one query, one
     request row, one query tile), a packed step's query count under
     ``SHORT_QUERIES`` (a guard of inductor's lowering), the layout (packed or
-    one row per request) and the queries per request. A packed step's rows
-    are padded past all of these (``kernel_rows``); the multiples of 128,
-    which specialized before duck sizing was turned off, stay a class of
-    their own: a spare warm-up costs an eager step, a class missed a compile
-    inside a recording (which the manager then records again after a warm-up).
+    one row per request) and the queries per request. 2 tokens and the
+    multiples of the query tile (16) and of 128, which specialized before
+    duck sizing was turned off, are classes of their own too: a spare warm-up
+    costs an eager step, a class missed a compile inside a recording (which
+    the manager then records again after a warm-up).
     """
     if query_len is not None:  # one batch row per request: [R, heads, q, head_dim], q fixed per class
         return ("uniform", query_len, min(num_reqs, 2), query_len <= Q_TILE)
-    rows = kernel_rows(num_tokens)
     return (
         "packed",
-        min(rows, 3),  # 1, 2, more
-        rows <= Q_TILE,  # one query tile
-        rows < SHORT_QUERIES,
-        rows % Q_TILE == 0,
-        rows % SHORT_QUERIES == 0,
+        min(num_tokens, 3),  # 1, 2, more
+        num_tokens <= Q_TILE,  # one query tile
+        num_tokens < SHORT_QUERIES,
+        num_tokens % Q_TILE == 0,
+        num_tokens % SHORT_QUERIES == 0,
     )
 
 

@@ -12,8 +12,8 @@ beside its target.
   against its floor, a warm recapture's recording + instantiation. Per key
   the cold and the warm recording, dynamo's compiles in the warm-ups and in
   the recordings (none may compile in a recording). ``--old``: flex as
-  before issue 49 (no compile classes, dynamo's duck sizing, a packed step's
-  queries not padded: ``"auto"`` then warms every key). ``--profile``: where the cold capture's host time goes
+  before issue 49 (no compile classes, dynamo's duck sizing: ``"auto"`` then
+  warms every key). ``--profile``: where the cold capture's host time goes
   that the warm recapture's does not (cProfile, per function).
 - ``wake [--cycles N]``: a wake as an engine does it, on a side stream:
   ``release()``, then ``start_capture()`` and at once ``run()`` of 200
@@ -77,7 +77,7 @@ def _ms(seconds: float) -> float:
 
 
 def _paged_manager(
-    backend: str, page_size: int, warm_ups: str, old: bool, unpadded: bool = False
+    backend: str, page_size: int, warm_ups: str, old: bool
 ) -> tuple[CUDAGraphManager[torch.Tensor], Any]:
     from cudagraph_manager.attention import AttentionOptions
     from examples.paged import PagedDecoder, PagedLayout, paged_static_inputs
@@ -86,12 +86,10 @@ def _paged_manager(
     model = PagedDecoder(
         config, layout=PagedLayout.for_config(config, page_size=page_size), backend=backend, device="cuda"
     )
-    from examples.paged import flex_kernel
-
-    flex_kernel.PAD_QUERIES = not unpadded
     if old and backend == "flex":  # before issue 49: no compile classes, duck sizing
+        from examples.paged import flex_kernel
+
         flex_kernel.DUCK_SHAPE = True
-        flex_kernel.PAD_QUERIES = False
         # The A/B's old side: the attention declares no compile class.
         type.__setattr__(type(model.backend), "compile_class", None)
     dispatch = DispatchConfig(
@@ -104,13 +102,11 @@ def _paged_manager(
     return CUDAGraphManager(model, paged_static_inputs(model.layout), dispatch, options=options), model
 
 
-def cold(
-    backend: str, page_size: int, old: bool, warm_ups: str, profile: bool, unpadded: bool = False
-) -> dict[str, Any]:
+def cold(backend: str, page_size: int, old: bool, warm_ups: str, profile: bool) -> dict[str, Any]:
     """The first ``capture()`` of the process against a warm recapture's recording + instantiation."""
     started = time.perf_counter()
     torch.manual_seed(0)
-    manager, _ = _paged_manager(backend, page_size, warm_ups, old, unpadded)
+    manager, _ = _paged_manager(backend, page_size, warm_ups, old)
     _sync()
     built_s = time.perf_counter() - started
     in_recordings: list[tuple[int, int, float]] = []  # (tokens, compiles, seconds) per recording
@@ -167,7 +163,6 @@ def cold(
         "backend": backend,
         "page_size": page_size,
         "old": old,
-        "unpadded": unpadded,
         "warm_ups": warm_ups,
         # Byte code cached on disk (as after a pip install): imports in a fresh process read it.
         "bytecode_cache": not sys.flags.dont_write_bytecode,
@@ -453,9 +448,6 @@ def main() -> None:
     c.add_argument(
         "--old", action="store_true", help="flex before issue 49 (no compile classes, duck sizing)"
     )
-    c.add_argument(
-        "--unpadded", action="store_true", help="flex's packed queries not padded (compile classes kept)"
-    )
     c.add_argument("--warm-ups", choices=["auto", "every_key", "per_class"], default="auto")
     c.add_argument("--profile", action="store_true")
     w = sub.add_parser("wake")
@@ -465,7 +457,7 @@ def main() -> None:
     e.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.command == "cold":
-        result = cold(args.backend, args.page_size, args.old, args.warm_ups, args.profile, args.unpadded)
+        result = cold(args.backend, args.page_size, args.old, args.warm_ups, args.profile)
     elif args.command == "wake":
         result = wake(args.cycles)
     else:

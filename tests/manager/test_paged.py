@@ -180,44 +180,16 @@ def test_each_query_tile_lists_exactly_the_distinct_pages_of_its_tokens(num_toke
     generator = torch.Generator().manual_seed(num_tokens)
     pages = torch.randint(1, 40, (num_tokens, 3), generator=generator)
     pages[::3, 2] = 0  # the scratch page stands in for pages past a token's position
-    rows = num_tokens + 16 if num_tokens % 2 else None  # padded: the rows past the tokens read scratch
-    counts, indices = tile_unions(pages, 0, rows)
-    tiles = -(-(rows or num_tokens) // 16)
+    counts, indices = tile_unions(pages, 0)
+    tiles = -(-num_tokens // 16)
     assert counts.shape == (1, 1, tiles)
     assert indices.shape == (1, 1, tiles, 48)
-    assert not counts[0, 0, -(-num_tokens // 16) :].any()  # tiles of padding rows only read no page
-    for tile in range(-(-num_tokens // 16)):
-        tokens = pages[tile * 16 : (tile + 1) * 16]
-        expected = set(tokens.flatten().tolist()) | ({0} if tokens.shape[0] < 16 else set())
+    for tile in range(tiles):
+        rows = pages[tile * 16 : (tile + 1) * 16]
+        expected = set(rows.flatten().tolist()) | ({0} if rows.shape[0] < 16 else set())
         listed = indices[0, 0, tile, : int(counts[0, 0, tile])].tolist()
         assert len(listed) == len(set(listed))
         assert set(listed) == expected
-
-
-@pytest.mark.parametrize(("num_tokens", "uniform"), [(1, False), (37, False), (9, True)])
-def test_flex_padded_to_the_kernels_rows_attends_as_unpadded(
-    num_tokens: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A packed step padded to ``kernel_rows`` (as compiled) equals the oracle; the padding is dropped."""
-    from examples.paged.flex_kernel import kernel_rows
-
-    layout = PagedLayout.for_config(SMALL, page_size=8)
-    torch.manual_seed(4)
-    model = PagedDecoder(SMALL, layout=layout, backend="flex", breakable=False)
-    assert isinstance(model.backend, FlexPagedAttention)
-    padded: list[int] = []
-
-    def rows(tokens: int) -> int:
-        padded.append(kernel_rows(tokens))
-        return padded[-1]
-
-    monkeypatch.setattr(model.backend, "_rows", rows)
-    generator = torch.Generator().manual_seed(num_tokens)
-    inputs = make_paged_inputs(SMALL, layout, num_tokens, uniform_decode=uniform, generator=generator)
-    assert rel_err(_eager(model, inputs, uniform), dense_reference(model, inputs)) < 1e-5
-    assert padded == ([] if uniform else [max(128, -(-num_tokens // 16) * 16)])  # uniform: one row each
-    with pytest.raises(ValueError, match="rows: the query rows hold the 20 tokens, got 16"):
-        tile_unions(torch.zeros(20, 2, dtype=torch.int64), 0, 16)
 
 
 @pytest.mark.parametrize("backend", ["gather", "flex"])
