@@ -121,9 +121,8 @@ class CUDAGraphManager(Generic[OutputT]):
     @property
     def stats(self) -> ManagerStats:
         """A snapshot of what the steps did since construction or ``reset_stats``."""
-        kv_cache = self._parts.kv_cache
-        backing = None if kv_cache is None else kv_cache.backing()
-        return self._parts.counts.snapshot(self._table.replays_by_size(), self._parts.resolution, backing)
+        parts = self._parts
+        return parts.counts.snapshot(self._table.replays_by_size(), parts.resolution, parts.kv_backing())
 
     def reset_stats(self) -> None:
         """Start the counts of ``stats`` again from zero (the graphs stay)."""

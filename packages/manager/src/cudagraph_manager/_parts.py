@@ -40,7 +40,7 @@ from ._options import AttentionOptions, ManagerOptions
 from ._values._inputs import StaticInput, check_inputs_spec, signature_of
 from ._values._loop import DecodeLoop
 from ._values._protocols import AttentionMetadataBuilder, GraphEngineFactory, OutputT
-from ._values._reports import StepCounts
+from ._values._reports import KVCacheBacking, StepCounts
 from .ranks import RankAgreement
 
 _logger: Final = logging.getLogger("cudagraph_manager")
@@ -170,6 +170,11 @@ class ManagerParts(Generic[OutputT]):
     def kv_cache(self) -> KVCacheMemory | None:
         """The KV cache's reserved memory (``ManagerOptions.kv_cache``), if any."""
         return self.options.kv_cache
+
+    def kv_backing(self) -> KVCacheBacking | None:
+        """How much of the KV cache is backed now (``KVCacheMemory.backing``), if the manager has one."""
+        kv_cache = self.options.kv_cache
+        return None if kv_cache is None else kv_cache.backing()
 
 
 def build_parts(

@@ -59,9 +59,7 @@ def metadata_extra(builder: object, metadata: object, *, call: str = "build") ->
     if builder is None:
         raise ValueError("builder: expected an AttentionMetadataBuilder, got None")
     check_builder("builder", builder)
-    if type(metadata) in NOT_METADATA:
-        raise ValueError(not_metadata(builder, metadata, call))
-    return {METADATA_EXTRA: _Built(builder, metadata)}
+    return _checked_extra(builder, metadata, call)
 
 
 def build_extra(
@@ -71,8 +69,21 @@ def build_extra(
 
     ``{}`` without a builder. An eager forward's, a warm-up's and a decode
     loop's (a replay checks its graph's metadata type: ``PlannedGraph.build``).
+    The builder was checked with the options: only its product is.
     """
-    return {} if builder is None else metadata_extra(builder, builder.build(batch, shape))
+    return {} if builder is None else _checked_extra(builder, builder.build(batch, shape), "build")
+
+
+def _checked_extra(builder: object, metadata: object, call: str) -> dict[str, object]:
+    """``carried_extra`` once ``metadata`` is none of ``NOT_METADATA``'s types (else naming ``call``)."""
+    if type(metadata) in NOT_METADATA:
+        raise ValueError(not_metadata(builder, metadata, call))
+    return carried_extra(builder, metadata)
+
+
+def carried_extra(builder: object, metadata: object) -> dict[str, object]:
+    """The extras carrying ``metadata`` of ``builder``, unchecked (a replay's: its graph checked the type)."""
+    return {METADATA_EXTRA: _Built(builder, metadata)}
 
 
 def check_builder(name: str, builder: object) -> AttentionMetadataBuilder[object] | None:

@@ -138,8 +138,7 @@ class Capturer(Generic[OutputT]):
     ) -> CaptureReport:
         """The phase's report; why nothing was captured is the manager's reason first."""
         parts = self._parts
-        kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
-        return totals.report(graphs, parts.no_graphs or why, parts.resolution, kv_cache)
+        return totals.report(graphs, parts.no_graphs or why, parts.resolution, parts.kv_backing())
 
     def warm_up(self, descriptor: BatchDescriptor, *, skippable: bool) -> None:
         """The background capture's warm-up of ``descriptor``, timed for its key's report.
@@ -179,14 +178,13 @@ class Capturer(Generic[OutputT]):
         """
         parts = self._parts
         if parts.no_graphs is not None:
-            kv_cache = None if parts.kv_cache is None else parts.kv_cache.backing()
             return CaptureReport(
                 graphs=(),
                 seconds=0.0,
                 reserved_bytes=0,
                 no_graphs=parts.no_graphs,
                 resolution=parts.resolution,
-                kv_cache=kv_cache,
+                kv_cache=parts.kv_backing(),
             )
         warm_ups = self._rule.for_capture(pending, self._policy, ranks=ranks is not None)
         device = parts.device

@@ -34,7 +34,7 @@ from cudagraph_capture._pool import GraphPool, capture_lock
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode
 
 from .._memory._buffers import StaticBuffers
-from .._memory._device import reserved_bytes
+from .._memory._device import empty_cache, reserved_bytes
 from .._values._protocols import OutputT
 from .._values._reports import CapturedGraph, MemoryEstimate
 from ._recording import record, warm_up
@@ -52,10 +52,10 @@ RULE = "probes"
 #: The predicted rule's probes per mode: the largest key (the pool's first growth) and the next
 #: (a second graph into a pool often grows it once more).
 PREDICTED_PROBES: Final = 2
-#: torch's caching allocator: requests up to ``SMALL_BLOCK`` take blocks of ``SMALL_SEGMENT``
-#: segments; larger ones of ``LARGE_BUFFER`` segments below ``MIN_LARGE_ALLOC``, else segments
-#: rounded up to ``ROUND_LARGE``; every request is rounded up to ``MIN_BLOCK``.
-SMALL_BLOCK: Final = 1 << 20
+#: torch's caching allocator: requests up to 1 MiB (its small pool, which the pool's statistics
+#: tell apart) take blocks of ``SMALL_SEGMENT`` segments; larger ones of ``LARGE_BUFFER`` segments
+#: below ``MIN_LARGE_ALLOC``, else segments rounded up to ``ROUND_LARGE``; every request is rounded
+#: up to ``MIN_BLOCK``.
 SMALL_SEGMENT: Final = 2 << 20
 LARGE_BUFFER: Final = 20 << 20
 MIN_LARGE_ALLOC: Final = 10 << 20
@@ -398,8 +398,7 @@ def _num_tokens(graph: PlannedGraph[OutputT]) -> int:
 
 def _empty_cache(device: torch.device, stream: torch.cuda.Stream) -> None:
     stream.synchronize()
-    with capture_lock(device):  # never while another thread captures on the device
-        torch.cuda.empty_cache()
+    empty_cache(device)
 
 
 def nothing_to_estimate(why: str) -> MemoryEstimate:

@@ -18,7 +18,7 @@ from typing import Final, Generic, cast
 from cudagraph_capture import DeviceLoop, GraphEntry
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphDispatcher, CUDAGraphMode, ForwardContext
 
-from .._attention._seam import metadata_extra, other_metadata
+from .._attention._seam import carried_extra, other_metadata
 from .._memory._buffers import StaticBuffers
 from .._memory._device import capture_lock_of
 from .._memory._outputs import OutputLayout
@@ -101,7 +101,7 @@ class PlannedGraph(Generic[OutputT]):
         if context is None:
             return None
         return ForwardContext(
-            context.runtime_mode, self.descriptor, MappingProxyType(metadata_extra(builder, metadata))
+            context.runtime_mode, self.descriptor, MappingProxyType(carried_extra(builder, metadata))
         )
 
     def recorded_with(self, metadata: object) -> None:

@@ -42,6 +42,17 @@ def free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
+def empty_cache(device: torch.device) -> None:
+    """Give torch's cached free blocks back to the driver; nothing off CUDA.
+
+    Under the device's capture lock: never while another thread captures
+    on the device (a capture's blocks are not free to give back yet).
+    """
+    if device.type == "cuda":
+        with capture_lock(device):
+            torch.cuda.empty_cache()
+
+
 def reserved_bytes(device: torch.device) -> int:
     """The device's reserved memory (0 off CUDA): its growth is what torch's allocator took.
 

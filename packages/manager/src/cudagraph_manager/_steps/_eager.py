@@ -24,6 +24,10 @@ from .._values._batch import BatchShape, StepBatch
 from .._values._protocols import OutputT
 from ._plan import NoGraphError, Planner, StepPlan
 
+#: A dummy step's one padding row: its key, and the shape the attention sees it as.
+_ONE_ROW: Final = BatchDescriptor(1)
+_ONE_ROW_SHAPE: Final = BatchShape.eager(1, 1, False)
+
 
 class EagerSteps(Generic[OutputT]):
     """Runs the model for the step plans that replay no graph, and counts them."""
@@ -91,10 +95,9 @@ class EagerSteps(Generic[OutputT]):
         """The model on one padding row (the static buffers' pad values), its outputs cut to 0 rows."""
         parts = self._parts
         parts.buffers.fill_padding(1, 1)
-        shape = BatchShape.eager(1, 1, False)
         with (
             torch.no_grad(),
-            _entered(self._planner.forward_context(BatchDescriptor(1), StepBatch.padding(), shape)),
+            _entered(self._planner.forward_context(_ONE_ROW, StepBatch.padding(), _ONE_ROW_SHAPE)),
         ):
             out = parts.model(**parts.buffers.views(1, 1))
         layout = parts.layout.of(out)

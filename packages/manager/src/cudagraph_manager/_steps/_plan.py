@@ -233,12 +233,12 @@ class Planner(Generic[OutputT]):
         builder, ranks = self._builder, self._ranks
         if builder is None and ranks is None:
             return ForwardContext(_NONE if shape is None else shape.mode, descriptor)
-        if shape is None:
+        if shape is None and builder is not None:
             shape = batch.eager_shape()
-        extra = build_extra(builder, batch, shape)
+        extra = {} if shape is None else build_extra(builder, batch, shape)
         if ranks is not None:
             extra[NUM_TOKENS_ACROSS_DP] = ranks.num_tokens_across_dp
-        return ForwardContext(shape.mode, descriptor, MappingProxyType(extra))
+        return ForwardContext(_NONE if shape is None else shape.mode, descriptor, MappingProxyType(extra))
 
     # -- the decisions' parts --
 
