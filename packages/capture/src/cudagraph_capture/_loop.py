@@ -621,8 +621,8 @@ def shrink_loops(
     """``DeviceLoop.shrinking`` with the layer ``conditional(device)`` (tests pass a fake)."""
     first, bodies = _combined(loops)
     tables = _row_tables(rows, bodies, first._cells)
-    spec = dataclasses.replace(_spec_of(first), descriptor=max(loops, key=_rows_of).descriptor)
     cells = first._cells
+    spec = LoopSpec(_never, cells.stop, first.max_steps, first._policy, max(loops, key=_rows_of).descriptor)
     plan = LoopPlan(tuple(bodies.values()), cells, _every(spec), tables)
     try:
         graph = conditional(cells.stop.device.index or 0).build(plan)
@@ -674,10 +674,6 @@ def _same_class(key: BatchDescriptor | None, other: BatchDescriptor | None) -> b
 
 def _rows_of(loop: DeviceLoop) -> int:
     return max(loop._bodies())
-
-
-def _spec_of(loop: DeviceLoop) -> LoopSpec:
-    return LoopSpec(_never, loop._cells.stop, loop.max_steps, loop._policy, loop.descriptor)
 
 
 def _never(steps: torch.Tensor) -> None:  # a combined loop records nothing: its bodies are recorded

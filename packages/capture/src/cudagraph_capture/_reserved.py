@@ -37,6 +37,7 @@ from typing import Final, Protocol, SupportsInt, TypeVar, cast
 
 import torch
 
+from cudagraph_dispatch._checks import check_dims
 from cudagraph_dispatch.lowlevel import check_int
 
 from ._device import resolve_device
@@ -128,11 +129,10 @@ class _Range:
     never reads another allocation's memory).
     """
 
-    __slots__ = ("__weakref__", "base", "mappings", "size", "vmm")
+    __slots__ = ("__weakref__", "base", "mappings", "vmm")
 
     def __init__(self, vmm: VirtualMemory, size: int, device: torch.device) -> None:
         self.vmm: Final = vmm
-        self.size: Final = size
         self.base: Final = vmm.reserve(size)
         self.mappings: Final[list[_Mapping]] = []
         finalizer = weakref.finalize(self, _give_back, vmm, self.base, size, self.mappings, device)
@@ -254,7 +254,7 @@ class ReservedMemory:
         """
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r:.80}")
-        dims = _check_shape(shape)
+        dims = check_dims("shape", shape, minimum=0)
         check_int("offset", offset, minimum=0)
         if offset % dtype.itemsize:
             raise ValueError(f"offset: {offset} is not a multiple of {dtype}'s {dtype.itemsize} bytes")
@@ -363,15 +363,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_shape(shape: object) -> tuple[int, ...]:
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-        raise ValueError(f"shape: expected a sequence of integers >= 0, got {shape!r:.80}")
-    dims = tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise ValueError(f"shape: expected a sequence of integers >= 0, got {shape!r:.80}")
-    return dims
-
-
 # ---------------------------------------------------------------------------
 # A raw device pointer as a torch tensor, without a copy
 # ---------------------------------------------------------------------------
@@ -439,6 +430,10 @@ def _let_go(address: int | None) -> None:
 
 #: The capsules' deleter, a C function pointer alive as long as the module.
 _dlpack_deleter: Final = _Deleter(_let_go)
+#: ``PyCapsule_New`` with its own prototype (``ctypes.pythonapi``'s is shared by the whole process).
+_new_capsule: Final = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi)
+)
 
 
 def _from_dlpack(pointer: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
@@ -456,11 +451,8 @@ def _from_dlpack(pointer: int, nbytes: int, device: torch.device, owner: object)
     managed.deleter = _dlpack_deleter
     address = ctypes.addressof(managed)
     _capsules[address] = (managed, shape, strides, owner)
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     try:
-        capsule = new_capsule(address, b"dltensor", None)
+        capsule = _new_capsule(address, b"dltensor", None)
         return torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         _capsules.pop(address, None)

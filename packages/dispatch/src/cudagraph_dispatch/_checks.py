@@ -11,7 +11,7 @@ callers catch one exception type for "bad argument".
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def check_int(field: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
@@ -97,3 +97,15 @@ def check_items(field: str, value: object, what: str) -> Iterable[object]:
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray, Mapping)):
         raise ValueError(f"{field}: expected an iterable of {what} (a list, tuple or set), got {value!r:.80}")
     return value
+
+
+def check_dims(field: str, value: object, *, minimum: int) -> tuple[int, ...]:
+    """``value`` as a tuple of integers ``>= minimum`` (a tensor shape), else ``ValueError`` naming ``field``.
+
+    A sequence of ints: a list, tuple or ``torch.Size``; a string, bytes or
+    a ``bool`` dimension is refused.
+    """
+    dims = tuple(value) if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) else None
+    if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= minimum for d in dims):
+        raise ValueError(f"{field}: expected a sequence of integers >= {minimum}, got {value!r:.80}")
+    return dims
