@@ -28,9 +28,11 @@ from typing import Final
 import torch
 
 from cudagraph_capture.lowlevel import ReservedMemory, resolve_device
+from cudagraph_dispatch._checks import check_dims
 from cudagraph_dispatch.lowlevel import check_int
 
 from .._values._reports import KVCacheBacking
+from ._device import empty_cache, free_bytes
 
 
 class KVCacheMemory:
@@ -89,7 +91,7 @@ class KVCacheMemory:
         fallback_units: int | None = None,
         device: torch.device | str | int | None = None,
     ) -> None:
-        shape = _check_unit_shape(unit_shape)
+        shape = check_dims("unit_shape", unit_shape, minimum=1)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r:.80}")
         check_int("min_units", min_units, minimum=1)
@@ -316,8 +318,8 @@ def backable_bytes(device: torch.device, *, release_cache: bool) -> int | None:
     if device.type != "cuda":
         return None
     if release_cache:
-        torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info(device)[0])
+        empty_cache(device)  # under the capture lock: another manager may be capturing on the device
+    return free_bytes(device)
 
 
 def _check_room(memory: ReservedMemory, nbytes: int, name: str, what: str) -> None:
@@ -360,12 +362,3 @@ def _check_in_use(in_use: Iterable[int] | torch.Tensor | None, units: int, now: 
             f"in_use: unit(s) {sorted(past)[:5]} in use lie at or past the new end {units}: free them "
             "first (nothing was changed)"
         )
-
-
-def _check_unit_shape(unit_shape: object) -> tuple[int, ...]:
-    if isinstance(unit_shape, (str, bytes)) or not isinstance(unit_shape, Sequence):
-        raise ValueError(f"unit_shape: expected a sequence of integers >= 1, got {unit_shape!r:.80}")
-    dims = tuple(unit_shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
-        raise ValueError(f"unit_shape: expected a sequence of integers >= 1, got {unit_shape!r:.80}")
-    return dims
