@@ -26,7 +26,7 @@ from cudagraph_manager.attention import BatchShape, StepBatch, pad_offsets, pad_
 
 from ..body import model_device
 from ..config import MAX_FIELD
-from .checks import DeviceChecks, check_token_ids
+from .checks import DeviceChecks
 from .checks import check_paged_batch as check_paged_batch
 from .layout import PagedLayout
 
@@ -228,9 +228,8 @@ class PagedBuffers:
         validate = self.validate
         if validate and num_tokens:
             if validate == "host" or shape.mode is _NONE or self._req_ids.device.type == "cpu":
-                check_paged_batch(self.layout, batch, shape, self.page_limit)  # one synchronization
-                if self.vocab_size is not None:
-                    check_token_ids(inputs["input_ids"], self.vocab_size)
+                # One synchronization, the token ids' check included.
+                check_paged_batch(self.layout, batch, shape, self.page_limit, self.vocab_size)
             elif validate == "device":
                 self.device_checks.record(batch, shape)  # a graph path: no synchronization
         meta = self.views(shape)

@@ -128,6 +128,7 @@ def check_paged_batch(
     batch: StepBatch,
     shape: BatchShape | None = None,
     page_limit: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> None:
     """``ValueError`` naming the first input of ``batch`` that no paged cache can serve (one host sync).
 
@@ -137,12 +138,21 @@ def check_paged_batch(
     are real pages (not the scratch page, not past the pages backed:
     ``page_limit``), each named once; each token's position and slot are
     where its request's block table puts it, and no two tokens write one slot.
+    With ``vocab_size``, then its ``input_ids`` (``check_token_ids``), read
+    in the same synchronization.
     """
-    problems = paged_problems(layout, batch, shape, page_limit).tolist()  # the one synchronization
-    if any(problems):
+    problems = paged_problems(layout, batch, shape, page_limit)
+    if vocab_size is not None:
+        ids = batch.inputs["input_ids"]
+        outside = ((ids < 0) | (ids >= vocab_size)).any().to(problems.device)
+        problems = torch.cat((problems, outside[None]))
+    flags = problems.tolist()  # the one synchronization
+    if any(flags[: len(PROBLEMS)]):
         query_len = shape.query_len if shape is not None else None
         pages = layout.num_pages if page_limit is None else int(page_limit)
-        raise ValueError(describe(layout, problems, batch.num_tokens, query_len, pages))
+        raise ValueError(describe(layout, flags, batch.num_tokens, query_len, pages))
+    if vocab_size is not None and flags[-1]:
+        check_token_ids(batch.inputs["input_ids"], vocab_size)  # names the ids (they are outside)
 
 
 class DeviceChecks:

@@ -236,7 +236,7 @@ class FlexPagedAttention(EagerBreakAttention):
         num_tokens, heads, head_dim = q.shape
         keys = kv_cache[0].view(1, -1, heads, head_dim).transpose(1, 2)  # [1, heads, pages * page, head_dim]
         values = kv_cache[1].view(1, -1, heads, head_dim).transpose(1, 2)
-        if self.compiled:  # shapes only, on the host: eager steps and captures, never a replay
+        if self.compiled:  # shapes only, on the host: no device work (a PIECEWISE replay's break runs it too)
             check_addressable(keys)
         query_len = meta.paged.shape.query_len
         if query_len is None:

@@ -109,6 +109,8 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
 
     if not compiled:
         return attend
+    from torch.fx.experimental import _config as fx_config
+
     compiled_attend = torch.compile(attend, fullgraph=True, dynamic=True)
 
     def attend_compiled(*args: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,6 @@ def paged_flex(page_size: int, *, compiled: bool) -> Callable[..., torch.Tensor]
         # limit of 8. Each dimension gets a symbol of its own (no duck sizing): a size equal to
         # another dimension's must not specialize (16 queries and 16 heads, 32 query tiles and
         # 32 block-table columns did, each one more compile).
-        from torch.fx.experimental import _config as fx_config
-
         with (
             torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
             fx_config.patch(use_duck_shape=DUCK_SHAPE),  # type: ignore[attr-defined]  # installed at import

@@ -123,12 +123,9 @@ class GatherPagedAttention(EagerBreakAttention):
         meta = attention_metadata(self)
         pages, mask = per_forward(meta.derived, lambda: self._plan(meta.paged))
         num_tokens, heads, head_dim = q.shape
-        rows = kv_cache[:, pages]  # [2, T, M, page, heads, head_dim]
-        # A view where the cache is contiguous; a cache whose slots hold every layer gathers into strides
-        # of its own order, which reshape copies once.
-        rows = rows.reshape(2, num_tokens, -1, heads, head_dim).transpose(
-            2, 3
-        )  # [2, T, heads, M * page, dim]
+        # One contiguous copy, whatever the cache's strides (a cache whose slots hold every layer too).
+        rows = kv_cache.index_select(1, pages.flatten())  # [2, T * M, page, heads, head_dim]
+        rows = rows.view(2, num_tokens, -1, heads, head_dim).transpose(2, 3)  # [2, T, heads, M * page, dim]
         result = F.scaled_dot_product_attention(q.unsqueeze(2), rows[0], rows[1], attn_mask=mask)
         out.copy_(result.squeeze(2))  # [T, heads, head_dim]
 

@@ -94,8 +94,9 @@ def split_decode_attention(
     )
     table[:, :width] = block_table
     chunk = per_split * page_size  # keys per chunk
-    pages = kv_cache[:, table].float()  # [2, R, S * C, page_size, heads, head_dim]
-    keys, values = pages.reshape(2, num_reqs, num_splits, chunk, heads, head_dim).unbind(0)  # [R, S, K, h, d]
+    # One contiguous copy, whatever the cache's strides (a cache whose slots hold every layer too).
+    pages = kv_cache.index_select(1, table.flatten()).float()  # [2, R * S * C, page_size, heads, head_dim]
+    keys, values = pages.view(2, num_reqs, num_splits, chunk, heads, head_dim).unbind(0)  # [R, S, K, h, d]
     scores = torch.einsum("rhd,rskhd->rhsk", q.float(), keys) * head_dim**-0.5  # [R, heads, S, K]
     position = torch.arange(num_splits * chunk, device=q.device).view(num_splits, chunk)  # [S, K]
     visible = position[None] < seq_lens[:, None, None]  # [R, S, K]
