@@ -55,9 +55,4 @@ _RETIRED: Final = {
 }
 
 if not TYPE_CHECKING:  # for mypy, a module without __getattr__: an unknown name stays an error
-    __getattr__ = _resolver(__name__, _RETIRED)
-
-
-def __dir__() -> list[str]:
-    """The public names (``__all__``): a retired name resolves, but is not listed."""
-    return sorted(__all__)
+    __getattr__, __dir__ = _resolver(__name__, __all__, _RETIRED)

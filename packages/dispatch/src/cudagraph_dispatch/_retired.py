@@ -1,10 +1,11 @@
 """Names retired from a public tier: still resolved, lazily and silently, for the code that imports them.
 
 Each tier keeps one mapping, ``_RETIRED``: a retired name to its home
-(module, attribute). ``resolver(tier, retired)`` is the tier's module
-``__getattr__`` (PEP 562): a retired name is imported from its home when
-first asked for (so a tier stays as lean to import as before), any other
-raises ``AttributeError``. Each package's README lists them under "Names
+(module, attribute). ``resolver(tier, public, retired)`` makes the tier's
+module ``__getattr__`` and ``__dir__`` (PEP 562): a retired name is imported
+from its home when first asked for (so a tier stays as lean to import as
+before), any other raises ``AttributeError``; ``dir()`` lists the public
+names (``__all__``) alone. Each package's README lists them under "Names
 retired from the API"; the siblings import this module (they are released
 together).
 """
@@ -12,11 +13,18 @@ together).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 
-def resolver(tier: str, retired: Mapping[str, tuple[str, str]]) -> Callable[[str], object]:
-    """The module ``__getattr__`` of ``tier``: a name of ``retired`` from its home, else AttributeError."""
+def resolver(
+    tier: str, public: Sequence[str], retired: Mapping[str, tuple[str, str]]
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` of ``tier``.
+
+    ``__getattr__``: a name of ``retired`` from its home, else
+    ``AttributeError``. ``__dir__``: the ``public`` names, sorted (a retired
+    name resolves, but is not listed).
+    """
 
     def resolve(name: str) -> object:
         if name not in retired:
@@ -24,4 +32,5 @@ def resolver(tier: str, retired: Mapping[str, tuple[str, str]]) -> Callable[[str
         module, attribute = retired[name]
         return getattr(importlib.import_module(module), attribute)
 
-    return resolve
+    listed = sorted(public)
+    return resolve, lambda: list(listed)
