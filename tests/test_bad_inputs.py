@@ -107,6 +107,7 @@ from examples.inputs import make_paged_inputs, make_step_inputs, request_lengths
 from examples.paged import PagedBuffers, PagedDecoder, PagedLayout, make_backend, paged_static_inputs
 from examples.reference import ReferenceDecoder, static_inputs
 from examples.tensor_parallel import TensorParallelDecoder, check_shards
+from tests.capture.helpers import cuda
 from tests.manager.helpers import (
     BACKENDS,
     DIM,
@@ -595,11 +596,6 @@ def _paged_run_with_token(token: int) -> Callable[[], object]:
     return unchanged(_paged_state, run)
 
 
-def _cuda() -> torch.device:
-    """The current CUDA device (a GPU row's: its thunk runs only where one exists)."""
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _encode_cpu_items_on_cuda() -> object:
     """A CUDA runner given items on the CPU: refused naming the item, before its manager's buffers change."""
     runner = EncoderRunner(EncoderConfig.small(), _BUDGETS, device="cuda")
@@ -638,7 +634,7 @@ ROUND_THREE_GPU: Final = [
         "manager-on-cuda-builder-on-cpu",
         call(
             lambda: construct(
-                model=ToyModel(_cuda()),
+                model=ToyModel(cuda()),
                 device="cuda",
                 fields={
                     "attention": AttentionOptions(

@@ -372,14 +372,11 @@ RULES: Final = ("predicted", "probes")
 
 
 def _estimate_once(manager: CUDAGraphManager[Any], rule: str) -> dict[str, Any]:
-    default, _estimate.RULE = _estimate.RULE, rule
-    try:
+    with patched(_estimate, "RULE", lambda _: rule):
         _sync()
         start = time.perf_counter()
         estimate = manager.estimate_memory()
         estimate_s = time.perf_counter() - start
-    finally:
-        _estimate.RULE = default
     _sync()
     free = torch.cuda.mem_get_info()[0]
     start = time.perf_counter()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -209,6 +211,18 @@ def pyplot_or_none() -> ModuleType | None:
     except ImportError:
         return None
     return plt
+
+
+def append_json_line(variable: str, record: Mapping[str, object]) -> None:
+    """``record`` as one JSON line appended to the file the environment's ``variable`` names, if set.
+
+    pytest-benchmark writes its JSON when the session ends; a GPU job that
+    may be cut short keeps each figure as it is measured.
+    """
+    path = os.environ.get(variable)
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps(record, default=str) + "\n")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ shown beside it, and byte code is cached as after a pip install.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ from typing import Any, Final
 import pytest
 
 from cudagraph_manager._graphs import _estimate
-from tests.benchmarks.support import BenchmarkFixture
+from tests.benchmarks.support import BenchmarkFixture, append_json_line
 from tests.capture.test_lean_import_capture import fresh_json
 
 pytestmark = pytest.mark.gpu
@@ -41,16 +40,10 @@ DEFAULTS: Final = ("-m", "tests.benchmarks.defaults")
 
 @pytest.fixture(autouse=True)
 def _figures_logged(request: pytest.FixtureRequest, benchmark: BenchmarkFixture) -> Iterator[None]:
-    """Each benchmark's figures, appended as a JSON line to ``CUDAGRAPH_BENCH_DEFAULTS_LOG`` when set.
-
-    pytest-benchmark writes its JSON when the session ends; a GPU job that
-    may be cut short keeps each figure as it is measured.
-    """
+    """Each benchmark's figures, appended as a JSON line to ``CUDAGRAPH_BENCH_DEFAULTS_LOG`` when set."""
     yield
-    path = os.environ.get("CUDAGRAPH_BENCH_DEFAULTS_LOG")
-    if path and benchmark.extra_info:
-        with open(path, "a", encoding="utf-8") as log:
-            log.write(json.dumps({"name": request.node.name, **benchmark.extra_info}, default=str) + "\n")
+    if benchmark.extra_info:
+        append_json_line("CUDAGRAPH_BENCH_DEFAULTS_LOG", {"name": request.node.name, **benchmark.extra_info})
 
 
 @pytest.fixture(autouse=True)
@@ -132,10 +125,15 @@ def test_bench_cold_capture(
         recording_s=statistics.median(r["cold_recording_s"] for r in new),
         keys_warmed_up=new[0]["keys_warmed_up"],
         compiles=new[0]["compiles_in_capture"],
-        compiles_in_recordings=max(r["compiles_in_recordings"] for r in new),  # must be 0
+        compiles_in_recordings=max(r["compiles_in_recordings"] for r in new),
         beside_keys_warmed_up=other[0]["keys_warmed_up"],
         beside_compiles=other[0]["compiles_in_capture"],
     )
+    # A correctness rule, not a speed figure: with the defaults nothing compiles inside a recording.
+    kept = [first[0], *new]
+    assert [r["compiles_in_recordings"] for r in kept] == [0] * len(kept), [
+        r["recordings_that_compiled"] for r in kept
+    ]
 
 
 @pytest.mark.parametrize("model", ["small", "reference"])

@@ -18,13 +18,11 @@ line too, as soon as it ends (a job cut short keeps what ran).
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Final
 
 import pytest
 
-from tests.benchmarks.support import BenchmarkFixture
+from tests.benchmarks.support import BenchmarkFixture, append_json_line
 from tests.capture.test_lean_import_capture import fresh_json
 
 pytestmark = pytest.mark.gpu
@@ -48,10 +46,7 @@ Figures = dict[str, float | int | str]
 
 
 def _keep(figures: Figures) -> None:
-    path = os.environ.get("KVFIRST_RUNS")
-    if path:
-        with open(path, "a", encoding="utf-8") as runs:
-            runs.write(json.dumps(figures) + "\n")
+    append_json_line("KVFIRST_RUNS", figures)
 
 
 def test_bench_kv_resize(benchmark: BenchmarkFixture) -> None:

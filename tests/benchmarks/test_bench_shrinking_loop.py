@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
@@ -60,6 +58,7 @@ from examples.paged.loop import NO_TOKEN, PagedAdvance, decode_batch, greedy_adv
 from tests.benchmarks.support import (
     BenchmarkFixture,
     Interleaved,
+    append_json_line,
     interleave,
     plain_graph,
     record_interleaved,
@@ -91,10 +90,7 @@ TARGETS: Final = {
 
 def emit(test: str, info: Mapping[str, object]) -> None:
     """One JSON line of ``info`` for the job's summary (``SHRINKLOOP_RUNS``), where asked for."""
-    path = os.environ.get("SHRINKLOOP_RUNS")
-    if path:
-        with open(path, "a") as out:
-            out.write(json.dumps({"test": test, **info}, default=str) + "\n")
+    append_json_line("SHRINKLOOP_RUNS", {"test": test, **info})
 
 
 def _manager(

@@ -260,7 +260,6 @@ class BackingMachine(RuleBasedStateMachine):
         use_fake_vmm(self.patch, self.fake)
         self.memory = ReservedMemory(48 * GRANULE, device="cpu")
         self.words = self.memory.view(torch.int64, (48 * GRANULE // 8,))
-        self.asked = 0
 
     @rule(nbytes=st.integers(0, 48 * GRANULE))
     def back(self, nbytes: int) -> None:
@@ -278,7 +277,6 @@ class BackingMachine(RuleBasedStateMachine):
             assert rounded <= after <= before
             ends = [offset + size for offset, size in self.memory.mappings]
             assert after == (ends[-1] if ends else 0)
-        self.asked = nbytes
 
     @precondition(lambda self: self.memory.backed_bytes >= 8)
     @rule(data=st.data())

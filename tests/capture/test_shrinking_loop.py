@@ -33,6 +33,7 @@ from cudagraph_capture._conditional import (
 from cudagraph_capture._loop import LoopSpec, build_loop, shrink_loops
 from cudagraph_capture.lowlevel import LoopRows
 from cudagraph_dispatch import BatchDescriptor, CUDAGraphMode, set_forward_context
+from tests.capture.helpers import cuda
 from tests.capture.loop_fakes import FakeConditional, FakeGraph, FakeGraphs, FakeLoop
 
 CPU: Final = torch.device("cpu")
@@ -407,10 +408,6 @@ def test_bad_switch_replay_arguments_are_named(entries: object, live: object, ma
 # ---------------------------------------------------------------------------
 # GPU: the kernels, against the host loop
 # ---------------------------------------------------------------------------
-
-
-def cuda() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def if_layer(device: int) -> CudaConditional:

@@ -291,6 +291,11 @@ class KVMachine(RuleBasedStateMachine):
     def agrees(self) -> None:
         _consistent(self.kv, self.fake)
 
+    @invariant()
+    def units_in_use_keep_their_contents(self) -> None:
+        for unit in self.in_use:  # through grows, shrinks that keep them and backs from free memory
+            assert bool((self.kv.tensor[unit] == unit + 1).all()), unit
+
     def teardown(self) -> None:
         self.kv.close()
         gc.collect()

@@ -36,7 +36,7 @@ from cudagraph_manager._values._reports import CapturedGraph
 from cudagraph_manager.attention import AttentionOptions, BatchShape, StepBatch
 from examples.paged import PagedDecoder as PagedDecoderT
 from examples.paged import paged_static_inputs
-from examples.paged.loop import PagedAdvance
+from examples.paged.loop import PagedAdvance, greedy
 from tests.capture.loop_fakes import FakeConditional, FakeGraphs
 from tests.manager.helpers import FakeEngines, config_for
 from tests.manager.test_decode_loop import (
@@ -585,7 +585,7 @@ def test_gpu_the_paged_decoder_shrinks_on_random_stop_schedules(
         pytest.skip("FlashAttention (varlen_attn) computes in float16 or bfloat16")
     seed = GPU_BACKENDS.index((backend, page_size))
     model = _gpu_paged(backend, page_size, dtype, seed)
-    sample = runner_up if dtype == torch.float32 else greedy_pick
+    sample = runner_up if dtype == torch.float32 else greedy
     advance_ = PagedAdvance(model, None, GPU_MAX_LEN, sample=sample)
     dispatch = config_for(M.FULL_DECODE_ONLY, sizes=GPU_SIZES, max_num_seqs=max(GPU_SIZES))
     manager = CUDAGraphManager(
@@ -609,7 +609,3 @@ def test_gpu_the_paged_decoder_shrinks_on_random_stop_schedules(
         assert torch.equal(result.tokens.cpu(), expected), (num_reqs, result.tokens, expected)
         assert sum(manager.stats.device_loop_steps.values()) - before == result.steps
     assert len(manager.stats.device_loop_steps) >= 3  # it moved to smaller keys
-
-
-def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
